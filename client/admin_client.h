@@ -1,0 +1,29 @@
+// shardctl's side of the coordinator's Admin service. Every call has a deadline.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "shard/v1/coordinator.grpc.pb.h"
+
+namespace shard {
+
+class AdminClient {
+ public:
+  AdminClient(std::string address, absl::Duration rpc_timeout);
+
+  absl::StatusOr<v1::GetStatusResponse> GetStatus();
+  absl::StatusOr<v1::StopResponse> Stop(const std::string& reason);
+
+ private:
+  // Unreachable coordinators get an error that says so and what to check.
+  absl::Status Explain(const absl::Status& status) const;
+
+  std::string address_;
+  absl::Duration rpc_timeout_;
+  std::unique_ptr<v1::Admin::Stub> stub_;
+};
+
+}  // namespace shard

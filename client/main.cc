@@ -1,0 +1,99 @@
+// shardctl: the admin client of a Shard job.
+#include <cstdio>
+#include <iostream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/admin_client.h"
+#include "client/status_view.h"
+#include "common/cli.h"
+
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::cerr << "shardctl: " << status.message() << "\n";
+  return 1;
+}
+
+// Waits for the stop to finish: the job reaches "stopped" or the coordinator exits.
+int WaitForStop(shard::AdminClient& admin, absl::Duration timeout) {
+  const absl::Time give_up = absl::Now() + timeout;
+  int last_live = -1;
+  while (absl::Now() < give_up) {
+    absl::StatusOr<shard::v1::GetStatusResponse> status = admin.GetStatus();
+    // A coordinator that finished the stop exits, cancelling calls in flight.
+    if (!status.ok() && (absl::IsUnavailable(status.status()) || absl::IsCancelled(status.status()))) {
+      std::cout << "coordinator has exited; job stopped\n";
+      return 0;
+    }
+    if (!status.ok()) return Fail(status.status());
+    if (status->world().state() == shard::v1::JOB_STATE_STOPPED) {
+      std::cout << "job stopped\n";
+      return 0;
+    }
+    if (status->world().world_size() != last_live) {
+      last_live = status->world().world_size();
+      std::cout << "stopping: " << last_live << " worker(s) still live\n" << std::flush;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  return Fail(absl::DeadlineExceededError(
+      absl::StrCat("the job did not stop within ", absl::FormatDuration(timeout),
+                   "; run 'shardctl status' to see which workers are still live")));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"shardctl: the admin client of a Shard job (status, workers, stop).", "shardctl"};
+  app.require_subcommand(1);
+  std::string coordinator = "127.0.0.1:7460";
+  std::string timeout = "10s";
+  app.add_option("--coordinator", coordinator, "host:port of shard-coordinator")
+      ->envname("SHARD_COORDINATOR")
+      ->capture_default_str();
+  app.add_option("--timeout", timeout, "deadline of each call to the coordinator")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
+
+  bool json = false;
+  CLI::App* status_cmd = app.add_subcommand("status", "the job's state and its workers");
+  status_cmd->add_flag("--json", json, "print JSON for scripts");
+  CLI::App* workers_cmd = app.add_subcommand("workers", "the workers table");
+  workers_cmd->add_flag("--json", json, "print the workers as a JSON array");
+  std::string reason = "shardctl stop";
+  bool no_wait = false;
+  std::string wait_timeout = "120s";
+  CLI::App* stop_cmd = app.add_subcommand(
+      "stop", "ask every worker to leave and the coordinator to finish, and wait for it");
+  stop_cmd->add_option("--reason", reason, "recorded in the job's history")->capture_default_str();
+  stop_cmd->add_flag("--no-wait", no_wait, "return once the stop is accepted");
+  stop_cmd->add_option("--wait-timeout", wait_timeout, "give up waiting after this long")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
+
+  if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  shard::AdminClient admin(coordinator, shard::ParsedDuration(timeout));
+
+  if (status_cmd->parsed() || workers_cmd->parsed()) {
+    absl::StatusOr<shard::v1::GetStatusResponse> status = admin.GetStatus();
+    if (!status.ok()) return Fail(status.status());
+    if (json) {
+      nlohmann::json out = shard::StatusToJson(*status);
+      std::cout << (status_cmd->parsed() ? out : out["workers"]).dump(2) << "\n";
+    } else {
+      std::cout << (status_cmd->parsed() ? shard::StatusTable(*status)
+                                         : shard::WorkersTable(*status));
+    }
+    return 0;
+  }
+  if (stop_cmd->parsed()) {
+    absl::StatusOr<shard::v1::StopResponse> stopped = admin.Stop(reason);
+    if (!stopped.ok()) return Fail(stopped.status());
+    std::cout << "stop accepted for job at generation " << stopped->world().generation() << " ("
+              << stopped->world().world_size() << " worker(s) live)\n";
+    if (no_wait) return 0;
+    return WaitForStop(admin, shard::ParsedDuration(wait_timeout));
+  }
+  return 2;
+}

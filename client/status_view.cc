@@ -1,0 +1,113 @@
+#include "client/status_view.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace shard {
+namespace {
+
+std::string JobState(const v1::WorldView& world) {
+  return EnumWord(v1::JobState_Name(world.state()), "JOB_STATE_");
+}
+
+std::string WorkerState(const v1::WorkerStatus& worker) {
+  return EnumWord(v1::WorkerState_Name(worker.state()), "WORKER_STATE_");
+}
+
+std::string SelfCheck(const v1::WorkerStatus& worker) {
+  return EnumWord(v1::SelfCheckState_Name(worker.self_check().state()), "SELF_CHECK_STATE_");
+}
+
+std::string Ago(int64_t ms) {
+  if (ms < 10000) return absl::StrCat(ms, "ms ago");
+  return absl::StrFormat("%.1fs ago", ms / 1000.0);
+}
+
+// Left-aligned columns, two spaces apart.
+std::string RenderTable(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> widths;
+  for (const auto& row : rows) {
+    widths.resize(std::max(widths.size(), row.size()));
+    for (size_t i = 0; i < row.size(); ++i) widths[i] = std::max(widths[i], row[i].size());
+  }
+  std::string out;
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) {
+      absl::StrAppend(&line, row[i]);
+      if (i + 1 < row.size()) line.append(widths[i] - row[i].size() + 2, ' ');
+    }
+    absl::StrAppend(&out, line, "\n");
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string EnumWord(const std::string& enum_name, const std::string& prefix) {
+  std::string word = absl::StartsWith(enum_name, prefix) ? enum_name.substr(prefix.size())
+                                                         : enum_name;
+  return absl::AsciiStrToLower(word);
+}
+
+nlohmann::json StatusToJson(const v1::GetStatusResponse& status) {
+  nlohmann::json workers = nlohmann::json::array();
+  for (const v1::WorkerStatus& worker : status.workers()) {
+    workers.push_back({
+        {"id", worker.id()},
+        {"rank", worker.rank()},
+        {"host", worker.host()},
+        {"device", worker.device()},
+        {"capabilities", std::vector<std::string>(worker.capabilities().begin(),
+                                                  worker.capabilities().end())},
+        {"state", WorkerState(worker)},
+        {"last_heartbeat_ms_ago", worker.last_heartbeat_ms_ago()},
+        {"self_check", SelfCheck(worker)},
+        {"self_check_detail", worker.self_check().detail()},
+        {"joined_generation", worker.joined_generation()},
+    });
+  }
+  return {
+      {"job", status.job()},
+      {"generation", status.world().generation()},
+      {"world_size", status.world().world_size()},
+      {"expected_world_size", status.world().expected_world_size()},
+      {"state", JobState(status.world())},
+      {"lease_ms", status.lease_ms()},
+      {"uptime_ms", status.uptime_ms()},
+      {"workers", workers},
+  };
+}
+
+std::string WorkersTable(const v1::GetStatusResponse& status) {
+  std::vector<std::vector<std::string>> rows = {
+      {"RANK", "WORKER", "HOST", "DEVICE", "STATE", "HEARTBEAT", "SELF-CHECK"}};
+  for (const v1::WorkerStatus& worker : status.workers()) {
+    std::string check = SelfCheck(worker);
+    if (!worker.self_check().detail().empty()) {
+      absl::StrAppend(&check, ": ", worker.self_check().detail());
+    }
+    rows.push_back({worker.rank() >= 0 ? absl::StrCat(worker.rank()) : "-", worker.id(),
+                    worker.host(), worker.device(), WorkerState(worker),
+                    Ago(worker.last_heartbeat_ms_ago()), check});
+  }
+  if (status.workers().empty()) return "no workers have joined yet\n";
+  return RenderTable(rows);
+}
+
+std::string StatusTable(const v1::GetStatusResponse& status) {
+  return absl::StrCat(
+      absl::StrFormat("job %s: %s, generation %d, %d/%d workers, lease %dms, up %.1fs\n",
+                      status.job(), JobState(status.world()), status.world().generation(),
+                      status.world().world_size(), status.world().expected_world_size(),
+                      status.lease_ms(), status.uptime_ms() / 1000.0),
+      WorkersTable(status));
+}
+
+}  // namespace shard

@@ -1,0 +1,23 @@
+// How shardctl shows the coordinator's status: tables for people, JSON for scripts.
+#pragma once
+
+#include <string>
+
+#include "nlohmann/json.hpp"
+#include "shard/v1/coordinator.pb.h"
+
+namespace shard {
+
+// Keys: job, generation, world_size, expected_world_size, state, lease_ms, uptime_ms, workers
+// (each: id, rank, host, device, capabilities, state, last_heartbeat_ms_ago, self_check,
+// self_check_detail, joined_generation). States are lower-case words: "running", "ready".
+nlohmann::json StatusToJson(const v1::GetStatusResponse& status);
+
+// One header line about the job, then the workers table.
+std::string StatusTable(const v1::GetStatusResponse& status);
+std::string WorkersTable(const v1::GetStatusResponse& status);
+
+// "JOB_STATE_RUNNING" -> "running".
+std::string EnumWord(const std::string& enum_name, const std::string& prefix);
+
+}  // namespace shard

@@ -1,0 +1,199 @@
+#include "server/coordinator_service.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "proto/grpc_status.h"
+
+namespace shard {
+namespace {
+
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+v1::JobState ToProto(JobState state) {
+  switch (state) {
+    case JobState::kForming: return v1::JOB_STATE_FORMING;
+    case JobState::kRunning: return v1::JOB_STATE_RUNNING;
+    case JobState::kStopping: return v1::JOB_STATE_STOPPING;
+    case JobState::kStopped: return v1::JOB_STATE_STOPPED;
+  }
+  return v1::JOB_STATE_UNSPECIFIED;
+}
+
+v1::WorkerState ToProto(WorkerState state) {
+  switch (state) {
+    case WorkerState::kJoining: return v1::WORKER_STATE_JOINING;
+    case WorkerState::kReady: return v1::WORKER_STATE_READY;
+    case WorkerState::kFailed: return v1::WORKER_STATE_FAILED;
+    case WorkerState::kLeft: return v1::WORKER_STATE_LEFT;
+    case WorkerState::kDead: return v1::WORKER_STATE_DEAD;
+  }
+  return v1::WORKER_STATE_UNSPECIFIED;
+}
+
+v1::SelfCheckState ToProto(SelfCheckState state) {
+  switch (state) {
+    case SelfCheckState::kPending: return v1::SELF_CHECK_STATE_PENDING;
+    case SelfCheckState::kPassed: return v1::SELF_CHECK_STATE_PASSED;
+    case SelfCheckState::kFailed: return v1::SELF_CHECK_STATE_FAILED;
+  }
+  return v1::SELF_CHECK_STATE_UNSPECIFIED;
+}
+
+void FillWorld(const std::string& job, const World& world, v1::WorldView* view) {
+  view->set_state(ToProto(world.state));
+  view->set_generation(world.generation);
+  view->set_world_size(world.world_size);
+  view->set_expected_world_size(world.expected_world_size);
+  view->mutable_scope()->set_job(job);
+  view->mutable_scope()->set_generation(world.generation);
+}
+
+KvScope FromProto(const v1::RendezvousScope& scope) { return KvScope{scope.job(), scope.generation()}; }
+
+JobState FromProto(v1::JobState state) {
+  switch (state) {
+    case v1::JOB_STATE_RUNNING: return JobState::kRunning;
+    case v1::JOB_STATE_STOPPING: return JobState::kStopping;
+    case v1::JOB_STATE_STOPPED: return JobState::kStopped;
+    default: return JobState::kForming;
+  }
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::Join(grpc::CallbackServerContext* context,
+                                                       const v1::JoinRequest* request,
+                                                       v1::JoinResponse* response) {
+  JoinParams params;
+  params.worker_id = request->worker_id();
+  params.host = request->host();
+  params.device = request->device();
+  params.capabilities.assign(request->capabilities().begin(), request->capabilities().end());
+  params.incarnation = request->incarnation();
+  if (request->has_requested_rank()) params.requested_rank = request->requested_rank();
+  absl::StatusOr<JoinOutcome> outcome = world_->Join(params, clock_());
+  if (outcome.ok()) {
+    const WorldOptions& options = world_->options();
+    response->set_rank(outcome->rank);
+    response->set_job(options.job);
+    response->set_generation(outcome->world.generation);
+    response->set_lease_ms(absl::ToInt64Milliseconds(options.lease));
+    response->set_heartbeat_interval_ms(
+        std::max<int64_t>(1, absl::ToInt64Milliseconds(options.lease / 4)));
+    FillWorld(options.job, outcome->world, response->mutable_world());
+  }
+  return Reply(context, outcome.status());
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::Heartbeat(grpc::CallbackServerContext* context,
+                                                            const v1::HeartbeatRequest* request,
+                                                            v1::HeartbeatResponse* response) {
+  // Answered when the world changes or the wait runs out; the manager calls back once.
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  HeartbeatParams params;
+  params.worker_id = request->worker_id();
+  params.incarnation = request->incarnation();
+  params.known_generation = request->known_generation();
+  params.known_state = FromProto(request->known_state());
+  params.wait = absl::Milliseconds(std::max<int64_t>(0, request->wait_ms()));
+  const std::string job = world_->options().job;
+  world_->WatchHeartbeat(params, clock_(),
+                         [reactor, response, job](absl::StatusOr<HeartbeatOutcome> outcome) {
+                           if (outcome.ok()) {
+                             FillWorld(job, outcome->world, response->mutable_world());
+                             response->set_rank(outcome->rank);
+                             response->mutable_order()->set_kind(
+                                 outcome->stop ? v1::ORDER_KIND_STOP : v1::ORDER_KIND_CONTINUE);
+                             response->mutable_order()->set_reason(outcome->stop_reason);
+                           }
+                           reactor->Finish(ToGrpcStatus(outcome.status()));
+                         });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportSelfCheck(
+    grpc::CallbackServerContext* context, const v1::ReportSelfCheckRequest* request,
+    v1::ReportSelfCheckResponse* /*response*/) {
+  return Reply(context, world_->ReportSelfCheck(request->worker_id(), request->incarnation(),
+                                                request->generation(), request->passed(),
+                                                request->detail(), clock_()));
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::Leave(grpc::CallbackServerContext* context,
+                                                        const v1::LeaveRequest* request,
+                                                        v1::LeaveResponse* /*response*/) {
+  return Reply(context, world_->Leave(request->worker_id(), request->incarnation(),
+                                      request->reason(), clock_()));
+}
+
+grpc::ServerUnaryReactor* RendezvousServiceImpl::Set(grpc::CallbackServerContext* context,
+                                                     const v1::KvSetRequest* request,
+                                                     v1::KvSetResponse* /*response*/) {
+  return Reply(context, kv_->Set(FromProto(request->scope()), request->key(), request->value()));
+}
+
+grpc::ServerUnaryReactor* RendezvousServiceImpl::Get(grpc::CallbackServerContext* context,
+                                                     const v1::KvGetRequest* request,
+                                                     v1::KvGetResponse* response) {
+  absl::StatusOr<std::string> value = kv_->Get(FromProto(request->scope()), request->key());
+  if (value.ok()) response->set_value(std::move(*value));
+  return Reply(context, value.status());
+}
+
+grpc::ServerUnaryReactor* RendezvousServiceImpl::Wait(grpc::CallbackServerContext* context,
+                                                      const v1::KvWaitRequest* request,
+                                                      v1::KvWaitResponse* /*response*/) {
+  // The reply is sent when the keys arrive, the wait times out or the generation ends; the
+  // manager calls back exactly once.
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  std::vector<std::string> keys(request->keys().begin(), request->keys().end());
+  kv_->Wait(FromProto(request->scope()), std::move(keys),
+            absl::Milliseconds(request->timeout_ms()), clock_(),
+            [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContext* context,
+                                                      const v1::GetStatusRequest* /*request*/,
+                                                      v1::GetStatusResponse* response) {
+  const absl::Time now = clock_();
+  const StatusSnapshot snapshot = world_->Status(now);
+  response->set_job(snapshot.job);
+  FillWorld(snapshot.job, snapshot.world, response->mutable_world());
+  response->set_lease_ms(absl::ToInt64Milliseconds(snapshot.lease));
+  response->set_uptime_ms(absl::ToInt64Milliseconds(now - started_));
+  for (const WorkerSnapshot& worker : snapshot.workers) {
+    v1::WorkerStatus* out = response->add_workers();
+    out->set_id(worker.id);
+    out->set_rank(worker.rank);
+    out->set_host(worker.host);
+    out->set_device(worker.device);
+    for (const std::string& capability : worker.capabilities) out->add_capabilities(capability);
+    out->set_state(ToProto(worker.state));
+    out->set_last_heartbeat_ms_ago(absl::ToInt64Milliseconds(worker.since_heartbeat));
+    out->mutable_self_check()->set_state(ToProto(worker.self_check.state));
+    out->mutable_self_check()->set_generation(worker.self_check.generation);
+    out->mutable_self_check()->set_detail(worker.self_check.detail);
+    out->set_joined_generation(worker.joined_generation);
+  }
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::Stop(grpc::CallbackServerContext* context,
+                                                 const v1::StopRequest* request,
+                                                 v1::StopResponse* response) {
+  const World world = world_->RequestStop(
+      request->reason().empty() ? "shardctl stop" : request->reason(), clock_());
+  FillWorld(world_->options().job, world, response->mutable_world());
+  on_stop_();
+  return Reply(context, absl::OkStatus());
+}
+
+}  // namespace shard

@@ -1,0 +1,77 @@
+// Thin gRPC handlers: validate the request, convert proto <-> domain structs, call a manager,
+// reply exactly once. Every rule lives in the managers.
+#pragma once
+
+#include <functional>
+
+#include "server/kv_store_manager.h"
+#include "server/world_manager.h"
+#include "shard/v1/coordinator.grpc.pb.h"
+
+namespace shard {
+
+using Clock = std::function<absl::Time()>;
+
+class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
+ public:
+  CoordinatorServiceImpl(WorldManager* world, Clock clock) : world_(world), clock_(clock) {}
+
+  grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* context,
+                                 const v1::JoinRequest* request,
+                                 v1::JoinResponse* response) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context,
+                                      const v1::HeartbeatRequest* request,
+                                      v1::HeartbeatResponse* response) override;
+  grpc::ServerUnaryReactor* ReportSelfCheck(grpc::CallbackServerContext* context,
+                                            const v1::ReportSelfCheckRequest* request,
+                                            v1::ReportSelfCheckResponse* response) override;
+  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* context,
+                                  const v1::LeaveRequest* request,
+                                  v1::LeaveResponse* response) override;
+
+ private:
+  WorldManager* world_;
+  Clock clock_;
+};
+
+class RendezvousServiceImpl final : public v1::Rendezvous::CallbackService {
+ public:
+  RendezvousServiceImpl(KvStoreManager* kv, Clock clock) : kv_(kv), clock_(clock) {}
+
+  grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
+                                const v1::KvSetRequest* request,
+                                v1::KvSetResponse* response) override;
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
+                                const v1::KvGetRequest* request,
+                                v1::KvGetResponse* response) override;
+  grpc::ServerUnaryReactor* Wait(grpc::CallbackServerContext* context,
+                                 const v1::KvWaitRequest* request,
+                                 v1::KvWaitResponse* response) override;
+
+ private:
+  KvStoreManager* kv_;
+  Clock clock_;
+};
+
+class AdminServiceImpl final : public v1::Admin::CallbackService {
+ public:
+  // `on_stop` runs after a stop was accepted (the server uses it to wake its housekeeping).
+  AdminServiceImpl(WorldManager* world, Clock clock, absl::Time started,
+                   std::function<void()> on_stop)
+      : world_(world), clock_(clock), started_(started), on_stop_(std::move(on_stop)) {}
+
+  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
+                                      const v1::GetStatusRequest* request,
+                                      v1::GetStatusResponse* response) override;
+  grpc::ServerUnaryReactor* Stop(grpc::CallbackServerContext* context,
+                                 const v1::StopRequest* request,
+                                 v1::StopResponse* response) override;
+
+ private:
+  WorldManager* world_;
+  Clock clock_;
+  absl::Time started_;
+  std::function<void()> on_stop_;
+};
+
+}  // namespace shard

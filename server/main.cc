@@ -1,0 +1,87 @@
+// shard-coordinator: the control plane of one Shard job.
+#include <csignal>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "common/cli.h"
+#include "common/files.h"
+#include "common/logging.h"
+#include "server/coordinator_server.h"
+#include "common/signal_watcher.h"
+#include "spdlog/spdlog.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "shard-coordinator: the control plane of one Shard job. Forms the world from joining "
+      "shard-worker processes (ranks, generations), serves their rendezvous store, watches their "
+      "heartbeat leases and answers shardctl.",
+      "shard-coordinator"};
+  shard::CoordinatorOptions options;
+  std::string lease = "10s";
+  std::string port_file;
+  std::string log_level = "info";
+  options.state_dir = "shard-state";
+  app.add_option("--listen", options.listen_address,
+                 "host:port to serve gRPC on; port 0 picks a free port (see --port-file)")
+      ->capture_default_str();
+  app.add_option("--world-size", options.world.expected_world_size,
+                 "number of workers that form the world")
+      ->required()
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--job-name", options.world.job, "name of the job ([A-Za-z0-9._-])")
+      ->capture_default_str();
+  app.add_option("--lease", lease,
+                 "a worker silent for longer than this is declared dead (workers heartbeat "
+                 "every quarter lease)")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
+  app.add_option("--state-dir", options.state_dir,
+                 "directory for the coordinator's durable state (generation, membership "
+                 "history); created if missing, locked while running")
+      ->capture_default_str();
+  app.add_option("--port-file", port_file,
+                 "write the bound port to this file once serving (for --listen host:0)");
+  app.add_option("--log-level", log_level, "trace, debug, info, warn or error")
+      ->capture_default_str();
+  if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  if (absl::Status logging = shard::ConfigureLogging(log_level, "coordinator"); !logging.ok()) {
+    std::fprintf(stderr, "shard-coordinator: %s\n", std::string(logging.message()).c_str());
+    return 2;
+  }
+  options.world.lease = shard::ParsedDuration(lease);
+
+  // Set up before any thread starts, so that only the watcher ever receives these signals.
+  std::unique_ptr<shard::CoordinatorServer> server;
+  absl::Mutex server_mu;
+  shard::SignalWatcher signals([&](int signal, int count) {
+    absl::MutexLock lock(&server_mu);
+    if (count > 1 || server == nullptr) {
+      spdlog::warn("received {}: exiting without waiting for workers", strsignal(signal));
+      std::_Exit(1);
+    }
+    spdlog::info("received {}: stopping the job (again to exit at once)", strsignal(signal));
+    server->RequestStop(absl::StrCat("coordinator received ", strsignal(signal)));
+  });
+
+  auto started = shard::CoordinatorServer::Start(options);
+  if (!started.ok()) {
+    spdlog::error("cannot start: {}", started.status().message());
+    return 1;
+  }
+  {
+    absl::MutexLock lock(&server_mu);
+    server = std::move(*started);
+  }
+  if (!port_file.empty()) {
+    if (absl::Status written =
+            shard::WriteFileAtomically(port_file, absl::StrCat(server->port(), "\n"));
+        !written.ok()) {
+      spdlog::error("{}", written.message());
+      return 1;
+    }
+  }
+  server->WaitUntilStopped(absl::InfiniteDuration());
+  server->Shutdown();
+  spdlog::info("coordinator exiting");
+  return 0;
+}

@@ -1,0 +1,277 @@
+#include "worker/agent.h"
+
+#include <random>
+#include <thread>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "spdlog/spdlog.h"
+#include "worker/dataplane/gloo_communicator.h"
+#include "worker/dataplane/self_check.h"
+
+namespace shard {
+namespace {
+
+uint64_t RandomIncarnation() {
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) ^ device();
+}
+
+bool IsTransient(const absl::Status& status) {
+  return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
+}
+
+}  // namespace
+
+WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClient> client)
+    : options_(std::move(options)), client_(std::move(client)), incarnation_(RandomIncarnation()) {}
+
+void WorkerAgent::RequestStop(const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  if (stop_) return;
+  stop_ = true;
+  stop_reason_ = reason;
+  // Whatever the data path is blocked in must give way now.
+  if (communicator_ != nullptr) communicator_->Abort(absl::StrCat("worker stopping: ", reason));
+  if (rendezvous_ != nullptr) rendezvous_->Cancel();
+}
+
+void WorkerAgent::Fail(absl::Status status) {
+  if (fatal_.ok()) fatal_ = std::move(status);
+}
+
+void WorkerAgent::UpdateWorld(const v1::WorldView& world, int rank) {
+  const bool changed = world.generation() != world_.generation || rank != world_.rank ||
+                       world.state() != world_.state;
+  world_.generation = world.generation();
+  world_.rank = rank;
+  world_.world_size = world.world_size();
+  world_.state = world.state();
+  world_.running = world.state() == v1::JOB_STATE_RUNNING;
+  world_.scope = world.scope();
+  if (!changed) return;
+  SetLogContext(absl::StrCat("worker=", options_.worker_id, " rank=", rank,
+                             " gen=", world.generation()));
+  spdlog::info("world is {} at generation {} with {}/{} workers",
+               absl::AsciiStrToLower(v1::JobState_Name(world.state()).substr(10)),
+               world.generation(), world.world_size(), world.expected_world_size());
+  if (communicator_ != nullptr && communicator_generation_ < world.generation()) {
+    communicator_->Abort(absl::StrCat("generation ", communicator_generation_,
+                                      " ended; the world moved to generation ",
+                                      world.generation()));
+  }
+}
+
+absl::Status WorkerAgent::JoinWithRetry() {
+  v1::JoinRequest request;
+  request.set_worker_id(options_.worker_id);
+  request.set_host(options_.host);
+  request.set_device(options_.device);
+  request.add_capabilities("gloo");
+  request.set_incarnation(incarnation_);
+  if (options_.rank.has_value()) request.set_requested_rank(*options_.rank);
+
+  const absl::Time give_up = absl::Now() + options_.coordinator_timeout;
+  absl::Duration backoff = absl::Milliseconds(100);
+  while (true) {
+    absl::StatusOr<v1::JoinResponse> joined = client_->Join(request);
+    absl::MutexLock lock(&mu_);
+    if (joined.ok()) {
+      heartbeat_interval_ = absl::Milliseconds(joined->heartbeat_interval_ms());
+      UpdateWorld(joined->world(), joined->rank());
+      spdlog::info("joined job '{}' as rank {} (lease {}ms)", joined->job(), joined->rank(),
+                   joined->lease_ms());
+      return absl::OkStatus();
+    }
+    if (!IsTransient(joined.status())) return joined.status();
+    if (absl::Now() + backoff > give_up) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot reach the coordinator at ", client_->address(), " for ",
+          absl::FormatDuration(options_.coordinator_timeout), " (last error: ",
+          joined.status().message(), "); is shard-coordinator running there? Check --coordinator"));
+    }
+    spdlog::warn("{}; retrying in {}", joined.status().message(), absl::FormatDuration(backoff));
+    auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+    if (mu_.AwaitWithTimeout(absl::Condition(&stopping), backoff)) {
+      return absl::CancelledError(absl::StrCat("stopped before joining: ", stop_reason_));
+    }
+    backoff = std::min(backoff * 2, absl::Seconds(2));
+  }
+}
+
+void WorkerAgent::HeartbeatLoop() {
+  v1::HeartbeatRequest request;
+  request.set_worker_id(options_.worker_id);
+  request.set_incarnation(incarnation_);
+  absl::Time last_contact = absl::Now();
+  absl::Duration pause = absl::ZeroDuration();
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !fatal_.ok(); };
+      if (mu_.AwaitWithTimeout(absl::Condition(&done), pause)) return;
+      // Long-poll: the coordinator answers as soon as the world changes, or after the interval.
+      request.set_known_generation(world_.generation);
+      request.set_known_state(world_.state);
+      request.set_wait_ms(absl::ToInt64Milliseconds(heartbeat_interval_));
+      pause = heartbeat_interval_;
+    }
+    absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(request);
+    if (beat.ok()) {
+      pause = absl::ZeroDuration();
+      last_contact = absl::Now();
+      absl::MutexLock lock(&mu_);
+      UpdateWorld(beat->world(), beat->rank());
+      if (beat->order().kind() == v1::ORDER_KIND_STOP && !stop_) {
+        spdlog::info("coordinator ordered a stop: {}", beat->order().reason());
+        stop_ = true;
+        stop_reason_ = beat->order().reason();
+        if (communicator_ != nullptr) communicator_->Abort("job stopping");
+        if (rendezvous_ != nullptr) rendezvous_->Cancel();
+      }
+      continue;
+    }
+    const absl::Status& status = beat.status();
+    if (absl::IsNotFound(status)) {
+      // Declared dead (e.g. after a long pause) or the coordinator restarted: join again.
+      spdlog::warn("{}; joining again", status.message());
+      if (absl::Status rejoined = JoinWithRetry(); !rejoined.ok()) {
+        absl::MutexLock lock(&mu_);
+        Fail(rejoined);
+        return;
+      }
+      last_contact = absl::Now();
+      continue;
+    }
+    if (IsTransient(status)) {
+      const absl::Duration silent = absl::Now() - last_contact;
+      if (silent > options_.coordinator_timeout) {
+        absl::MutexLock lock(&mu_);
+        Fail(absl::UnavailableError(absl::StrCat(
+            "lost the coordinator at ", client_->address(), " for ",
+            absl::FormatDuration(absl::Trunc(silent, absl::Seconds(1))), ": ", status.message())));
+        return;
+      }
+      spdlog::warn("{} (coordinator silent for {})", status.message(),
+                   absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))));
+      continue;
+    }
+    absl::MutexLock lock(&mu_);
+    Fail(status);
+    return;
+  }
+}
+
+absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
+  std::shared_ptr<RendezvousClient> rendezvous = client_->RendezvousStore(world.scope);
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_) return absl::CancelledError("stopping");
+    rendezvous_ = rendezvous;
+  }
+  GlooOptions gloo;
+  gloo.rank = world.rank;
+  gloo.size = world.world_size;
+  gloo.hostname = options_.host;
+  gloo.timeout = options_.collective_timeout;
+  spdlog::info("connecting the data path: rank {} of {} over Gloo TCP on {}", world.rank,
+               world.world_size, options_.host);
+  absl::StatusOr<std::unique_ptr<GlooCommunicator>> created =
+      CreateGlooCommunicator(rendezvous.get(), gloo);
+  {
+    absl::MutexLock lock(&mu_);
+    rendezvous_ = nullptr;
+    if (!created.ok()) return created.status();
+    communicator_ = std::move(*created);
+    if (stop_ || world_.generation != world.generation) {
+      return absl::AbortedError("the world moved on while connecting");
+    }
+  }
+  std::shared_ptr<Communicator> communicator;
+  {
+    absl::MutexLock lock(&mu_);
+    communicator = communicator_;
+  }
+  absl::StatusOr<SelfCheckResult> checked = RunSelfCheck(*communicator, options_.self_check_elements);
+  if (!checked.ok() && (absl::IsAborted(checked.status()) || absl::IsCancelled(checked.status()))) {
+    return checked.status();
+  }
+  v1::ReportSelfCheckRequest report;
+  report.set_worker_id(options_.worker_id);
+  report.set_incarnation(incarnation_);
+  report.set_generation(world.generation);
+  report.set_passed(checked.ok());
+  report.set_detail(checked.ok() ? checked->summary : std::string(checked.status().message()));
+  absl::Status reported = client_->ReportSelfCheck(report);
+  if (!checked.ok()) {
+    return absl::Status(checked.status().code(),
+                        absl::StrCat("self-check failed: ", checked.status().message()));
+  }
+  if (!reported.ok()) return reported;
+  spdlog::info("self-check passed: {}", checked->summary);
+  absl::MutexLock lock(&mu_);
+  communicator_generation_ = world.generation;
+  return absl::OkStatus();
+}
+
+void WorkerAgent::Leave() {
+  std::string reason;
+  {
+    absl::MutexLock lock(&mu_);
+    reason = fatal_.ok() ? stop_reason_ : std::string(fatal_.message());
+  }
+  v1::LeaveRequest request;
+  request.set_worker_id(options_.worker_id);
+  request.set_incarnation(incarnation_);
+  request.set_reason(reason);
+  absl::Status left = client_->Leave(request);
+  if (left.ok()) {
+    spdlog::info("left the job ({})", reason);
+  } else {
+    spdlog::warn("could not leave cleanly: {}", left.message());
+  }
+}
+
+absl::Status WorkerAgent::Run() {
+  if (absl::Status joined = JoinWithRetry(); !joined.ok()) return joined;
+  std::thread heartbeat([this] { HeartbeatLoop(); });
+  int64_t attempted_generation = 0;
+  while (true) {
+    WorldSnapshot target;
+    {
+      absl::MutexLock lock(&mu_);
+      auto next = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !fatal_.ok() ||
+               (world_.running && world_.generation > attempted_generation);
+      };
+      mu_.Await(absl::Condition(&next));
+      if (stop_ || !fatal_.ok()) break;
+      target = world_;
+    }
+    attempted_generation = target.generation;
+    absl::Status connected = ConnectGeneration(target);
+    if (connected.ok()) continue;
+    absl::MutexLock lock(&mu_);
+    if (stop_) break;
+    if (absl::IsAborted(connected) || world_.generation != target.generation) {
+      spdlog::info("generation {} ended before its data path was ready ({}); waiting for the next",
+                   target.generation, connected.message());
+      continue;
+    }
+    Fail(connected);
+    break;
+  }
+  absl::Status result;
+  {
+    absl::MutexLock lock(&mu_);
+    result = fatal_;
+    stop_ = true;
+    if (communicator_ != nullptr) communicator_->Abort("worker exiting");
+  }
+  heartbeat.join();
+  Leave();
+  return result;
+}
+
+}  // namespace shard

@@ -1,0 +1,74 @@
+// The worker process's life: join the coordinator, keep the lease alive, build the data path
+// for each generation of the world, self-check it, and leave cleanly when told to.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "worker/coordinator_client.h"
+#include "worker/dataplane/communicator.h"
+
+namespace shard {
+
+struct WorkerOptions {
+  std::string worker_id;
+  std::string host = "127.0.0.1";  // where peers reach this worker's data path
+  std::string device = "cpu";
+  std::optional<int> rank;          // unset: the coordinator picks
+  // How long to keep trying while the coordinator cannot be reached (at start and later).
+  absl::Duration coordinator_timeout = absl::Seconds(60);
+  absl::Duration collective_timeout = absl::Seconds(60);
+  size_t self_check_elements = 1 << 16;
+};
+
+class WorkerAgent {
+ public:
+  WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClient> client);
+
+  // Runs until the coordinator orders a stop or RequestStop() is called (then OK, after
+  // leaving), or until an unrecoverable error (returned).
+  absl::Status Run();
+
+  // Thread-safe; e.g. from a signal thread.
+  void RequestStop(const std::string& reason);
+
+ private:
+  struct WorldSnapshot {
+    int64_t generation = 0;
+    int rank = -1;
+    int world_size = 0;
+    v1::JobState state = v1::JOB_STATE_UNSPECIFIED;
+    bool running = false;
+    v1::RendezvousScope scope;
+  };
+
+  absl::Status JoinWithRetry();
+  void HeartbeatLoop();
+  // Applies a world seen in a join or heartbeat reply.
+  void UpdateWorld(const v1::WorldView& world, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Builds and self-checks the communicator of `world`; Aborted if the generation moved on.
+  absl::Status ConnectGeneration(const WorldSnapshot& world);
+  void Fail(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Leave();
+
+  const WorkerOptions options_;
+  const std::unique_ptr<CoordinatorClient> client_;
+  const uint64_t incarnation_;
+
+  absl::Mutex mu_;
+  WorldSnapshot world_ ABSL_GUARDED_BY(mu_);
+  absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(1);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::string stop_reason_ ABSL_GUARDED_BY(mu_);
+  absl::Status fatal_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Communicator> communicator_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<RendezvousClient> rendezvous_ ABSL_GUARDED_BY(mu_);  // while connecting
+  int64_t communicator_generation_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace shard

@@ -1,0 +1,66 @@
+// The worker's side of the coordinator's gRPC services. Every call has a deadline.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/channel.h"
+#include "shard/v1/coordinator.grpc.pb.h"
+#include "worker/dataplane/key_value_store.h"
+
+namespace shard {
+
+// The Rendezvous service bound to one generation's scope. Cancel() makes a blocked Wait (and
+// every later call) return Cancelled at once, so a stopping worker never sits out a rendezvous.
+class RendezvousClient : public KeyValueStore {
+ public:
+  RendezvousClient(std::shared_ptr<v1::Rendezvous::Stub> stub, v1::RendezvousScope scope,
+                   std::string address, absl::Duration rpc_timeout);
+
+  absl::Status Set(const std::string& key, const std::string& value) override;
+  absl::StatusOr<std::string> Get(const std::string& key) override;
+  absl::Status Wait(const std::vector<std::string>& keys, absl::Duration timeout) override;
+  void Cancel();
+
+ private:
+  // Runs one call with a cancellable context.
+  template <typename Response, typename Rpc>
+  absl::StatusOr<Response> Call(Rpc rpc, absl::Duration timeout, absl::string_view what);
+
+  std::shared_ptr<v1::Rendezvous::Stub> stub_;
+  v1::RendezvousScope scope_;
+  std::string address_;
+  absl::Duration rpc_timeout_;
+  absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* in_flight_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
+
+class CoordinatorClient {
+ public:
+  CoordinatorClient(std::string address, absl::Duration rpc_timeout);
+
+  const std::string& address() const { return address_; }
+
+  absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& request);
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
+  absl::Status ReportSelfCheck(const v1::ReportSelfCheckRequest& request);
+  absl::Status Leave(const v1::LeaveRequest& request);
+
+  // The rendezvous store of one generation, for the data path.
+  std::unique_ptr<RendezvousClient> RendezvousStore(const v1::RendezvousScope& scope);
+
+ private:
+  std::string address_;
+  absl::Duration rpc_timeout_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> coordinator_;
+  std::shared_ptr<v1::Rendezvous::Stub> rendezvous_;
+};
+
+}  // namespace shard

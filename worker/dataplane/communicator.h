@@ -1,0 +1,47 @@
+// The data path's collectives, with one interface for every backend (Gloo over TCP on CPU,
+// NCCL on GPU). Buffers are raw pointers with element counts, as in NCCL: host memory for
+// Gloo, device memory for NCCL.
+//
+// Collectives are issued from one thread at a time and in the same order on every rank.
+// Abort() may be called from any thread: it makes the collective in flight and every later
+// one return Aborted promptly instead of waiting for a peer that will never come.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "common/dtype.h"
+
+namespace shard {
+
+enum class ReduceOp { kSum, kMax, kMin };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual absl::string_view backend() const = 0;
+
+  // recv[i] = op over ranks of send[i], for i < count. send == recv is allowed (in place).
+  virtual absl::Status AllReduce(const void* send, void* recv, size_t count, DataType dtype,
+                                 ReduceOp op) = 0;
+  // send holds size() * recv_count elements; rank r receives the reduction of block r.
+  virtual absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count,
+                                     DataType dtype, ReduceOp op) = 0;
+  // recv holds size() * send_count elements: block r is rank r's send.
+  virtual absl::Status AllGather(const void* send, void* recv, size_t send_count,
+                                 DataType dtype) = 0;
+  // buffer of `root` is copied to every rank's buffer.
+  virtual absl::Status Broadcast(void* buffer, size_t count, DataType dtype, int root) = 0;
+  virtual absl::Status Barrier() = 0;
+
+  // Thread-safe and idempotent; `reason` is carried in the errors that follow.
+  virtual void Abort(absl::string_view reason) = 0;
+  virtual bool aborted() const = 0;
+};
+
+}  // namespace shard

@@ -1,0 +1,526 @@
+#include "worker/dataplane/gloo_communicator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "gloo/common/error.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/rendezvous/store.h"
+#include "gloo/transport/tcp/device.h"
+#include "gloo/transport/unbound_buffer.h"
+#include "worker/dataplane/reduce.h"
+
+namespace shard {
+namespace {
+
+using gloo::transport::UnboundBuffer;
+
+// Slots of our ring steps; Gloo's own collectives use small prefixes in the top byte.
+constexpr uint64_t kSlotPrefix = uint64_t{0x53} << 56;
+
+std::chrono::milliseconds ToChrono(absl::Duration d) {
+  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
+}
+
+// Gloo's Store interface over our rendezvous store. Gloo expects exceptions; the first failure
+// is kept so the caller can return its precise status.
+class StoreAdapter : public gloo::rendezvous::Store {
+ public:
+  StoreAdapter(KeyValueStore* store, std::string prefix, absl::Duration timeout)
+      : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    Check(store_->Set(prefix_ + key, std::string(data.begin(), data.end())));
+  }
+
+  std::vector<char> get(const std::string& key) override {
+    wait({key});
+    absl::StatusOr<std::string> value = store_->Get(prefix_ + key);
+    Check(value.status());
+    return std::vector<char>(value->begin(), value->end());
+  }
+
+  void wait(const std::vector<std::string>& keys) override { Wait(keys, timeout_); }
+
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    Wait(keys, absl::FromChrono(timeout));
+  }
+
+  const absl::Status& first_error() const { return first_error_; }
+
+ private:
+  void Wait(const std::vector<std::string>& keys, absl::Duration timeout) {
+    std::vector<std::string> prefixed;
+    prefixed.reserve(keys.size());
+    for (const std::string& key : keys) prefixed.push_back(prefix_ + key);
+    Check(store_->Wait(prefixed, timeout));
+  }
+
+  void Check(const absl::Status& status) {
+    if (status.ok()) return;
+    if (first_error_.ok()) first_error_ = status;
+    throw gloo::IoException(std::string(status.message()));
+  }
+
+  KeyValueStore* store_;
+  std::string prefix_;
+  absl::Duration timeout_;
+  absl::Status first_error_;
+};
+
+// A contiguous run of elements: rank i's block in a ring collective.
+struct Block {
+  size_t offset = 0;
+  size_t count = 0;
+};
+
+std::vector<Block> EqualBlocks(int ranks, size_t count) {
+  std::vector<Block> blocks(ranks);
+  for (int i = 0; i < ranks; ++i) blocks[i] = Block{i * count, count};
+  return blocks;
+}
+
+// Sizes differ by at most one element.
+std::vector<Block> BalancedBlocks(int ranks, size_t count) {
+  std::vector<Block> blocks(ranks);
+  const size_t base = count / ranks;
+  const size_t extra = count % ranks;
+  size_t offset = 0;
+  for (int i = 0; i < ranks; ++i) {
+    blocks[i] = Block{offset, base + (static_cast<size_t>(i) < extra ? 1 : 0)};
+    offset += blocks[i].count;
+  }
+  return blocks;
+}
+
+}  // namespace
+
+class GlooCommunicator::Impl {
+ public:
+  Impl(std::shared_ptr<gloo::Context> context, GlooOptions options)
+      : context_(std::move(context)), options_(std::move(options)) {}
+
+  int rank() const { return context_->rank; }
+  int size() const { return context_->size; }
+  const std::shared_ptr<gloo::Context>& context() const { return context_; }
+
+  absl::Status AllReduce(const void* send, void* recv, size_t count, DataType dtype,
+                         ReduceOp op) {
+    return Run("all-reduce", [&] {
+      const size_t bytes = count * DataTypeSize(dtype);
+      if (size() == 1) {
+        if (send != recv) std::memmove(recv, send, bytes);
+        return absl::OkStatus();
+      }
+      const std::vector<Block> blocks = BalancedBlocks(size(), count);
+      char* out = static_cast<char*>(recv);
+      const size_t own = blocks[rank()].offset * DataTypeSize(dtype);
+      absl::Status reduced =
+          RingReduceScatter(static_cast<const char*>(send), out + own, blocks, dtype, op);
+      if (!reduced.ok()) return reduced;
+      return RingAllGather(out, blocks, dtype);
+    });
+  }
+
+  absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DataType dtype,
+                             ReduceOp op) {
+    return Run("reduce-scatter", [&] {
+      if (size() == 1) {
+        std::memmove(recv, send, recv_count * DataTypeSize(dtype));
+        return absl::OkStatus();
+      }
+      return RingReduceScatter(static_cast<const char*>(send), static_cast<char*>(recv),
+                               EqualBlocks(size(), recv_count), dtype, op);
+    });
+  }
+
+  absl::Status AllGather(const void* send, void* recv, size_t send_count, DataType dtype) {
+    return Run("all-gather", [&] {
+      const size_t bytes = send_count * DataTypeSize(dtype);
+      char* out = static_cast<char*>(recv);
+      char* own = out + rank() * bytes;
+      if (own != send) std::memmove(own, send, bytes);
+      if (size() == 1) return absl::OkStatus();
+      return RingAllGather(out, EqualBlocks(size(), send_count), dtype);
+    });
+  }
+
+  absl::Status Broadcast(void* buffer, size_t count, DataType dtype, int root) {
+    if (root < 0 || root >= size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("broadcast root ", root, " is not a rank of this world of ", size()));
+    }
+    return Run("broadcast", [&] {
+      if (size() == 1) return absl::OkStatus();
+      return ChainBroadcast(static_cast<char*>(buffer), count, dtype, root);
+    });
+  }
+
+  absl::Status Barrier() {
+    int64_t token = 0;
+    return AllReduce(&token, &token, 1, DataType::kInt64, ReduceOp::kSum);
+  }
+
+  void Abort(absl::string_view reason) {
+    absl::MutexLock lock(&mu_);
+    if (!abort_reason_.empty()) return;
+    abort_reason_ = reason.empty() ? "aborted" : std::string(reason);
+    for (UnboundBuffer* buffer : in_flight_) {
+      buffer->abortWaitRecv();
+      buffer->abortWaitSend();
+    }
+    // Peers blocked on us see the connection close and fail at once too.
+    try {
+      context_->closeConnections();
+    } catch (const std::exception&) {
+      // Closing is best effort: a pair that is already broken needs no closing.
+    }
+  }
+
+  bool aborted() const {
+    absl::MutexLock lock(&mu_);
+    return !abort_reason_.empty();
+  }
+
+ private:
+  // The unbound buffers of one collective, registered so that Abort() can wake their waits.
+  class Buffers {
+   public:
+    explicit Buffers(Impl* impl) : impl_(impl) {}
+    ~Buffers() {
+      absl::MutexLock lock(&impl_->mu_);
+      impl_->in_flight_.clear();
+    }
+    UnboundBuffer* Make(void* data, size_t bytes) {
+      owned_.push_back(impl_->context_->createUnboundBuffer(data, std::max<size_t>(bytes, 1)));
+      absl::MutexLock lock(&impl_->mu_);
+      UnboundBuffer* buffer = owned_.back().get();
+      impl_->in_flight_.push_back(buffer);
+      if (!impl_->abort_reason_.empty()) {
+        buffer->abortWaitRecv();
+        buffer->abortWaitSend();
+      }
+      return buffer;
+    }
+
+   private:
+    Impl* impl_;
+    std::vector<std::unique_ptr<UnboundBuffer>> owned_;
+  };
+
+  // A segment of a block: [offset, offset + count) elements within the block.
+  struct Segment {
+    size_t offset;
+    size_t count;
+  };
+
+  size_t SegmentElements(DataType dtype) const {
+    return std::max<size_t>(1, options_.segment_bytes / DataTypeSize(dtype));
+  }
+
+  std::vector<Segment> Segments(size_t count, DataType dtype) const {
+    const size_t per = SegmentElements(dtype);
+    std::vector<Segment> segments;
+    for (size_t offset = 0; offset < count; offset += per) {
+      segments.push_back(Segment{offset, std::min(per, count - offset)});
+    }
+    return segments;
+  }
+
+  absl::Status WaitRecv(UnboundBuffer* buffer) {
+    if (!buffer->waitRecv(nullptr, ToChrono(options_.timeout))) return AbortedStatus();
+    return absl::OkStatus();
+  }
+
+  absl::Status WaitSend(UnboundBuffer* buffer) {
+    if (!buffer->waitSend(nullptr, ToChrono(options_.timeout))) return AbortedStatus();
+    return absl::OkStatus();
+  }
+
+  absl::Status AbortedStatus() const {
+    absl::MutexLock lock(&mu_);
+    return absl::AbortedError(absl::StrCat("communicator aborted: ", abort_reason_));
+  }
+
+  int Left() const { return (rank() + size() - 1) % size(); }
+  int Right() const { return (rank() + 1) % size(); }
+  int Mod(int i) const { return ((i % size()) + size()) % size(); }
+
+  char* Scratch(size_t index, size_t bytes) {
+    std::vector<char>& buffer = scratch_[index];
+    if (buffer.size() < bytes) buffer.resize(bytes);
+    return buffer.data();
+  }
+
+  // Ring reduce-scatter: after W-1 steps this rank holds the reduction of block rank() in
+  // `out`. At step k it sends its partial sum of block (r-k-1) and receives the left
+  // neighbour's partial sum of block (r-k-2), adding its own contribution. Segments of a
+  // block are forwarded as soon as they are reduced, so reduction overlaps the transfer.
+  absl::Status RingReduceScatter(const char* send, char* out, const std::vector<Block>& blocks,
+                                 DataType dtype, ReduceOp op) {
+    const int r = rank();
+    const int steps = size() - 1;
+    const size_t esize = DataTypeSize(dtype);
+    size_t max_block = 0;
+    for (const Block& b : blocks) max_block = std::max(max_block, b.count);
+    const size_t seg_elems = SegmentElements(dtype);
+    const size_t seg_bytes = seg_elems * esize;
+    const size_t max_segments = (max_block + seg_elems - 1) / seg_elems;
+    auto sent_block = [&](int k) { return Mod(r - k - 1); };
+    auto received_block = [&](int k) { return Mod(r - k - 2); };
+
+    Buffers buffers(this);
+    // received[p][j] and partial[p][j]: segment j of the step with parity p.
+    std::vector<UnboundBuffer*> received[2];
+    std::vector<UnboundBuffer*> partial[2];
+    std::vector<bool> partial_pending[2];
+    char* received_data[2];
+    char* partial_data[2];
+    for (int p = 0; p < 2; ++p) {
+      received_data[p] = Scratch(p, max_segments * seg_bytes);
+      partial_data[p] = Scratch(2 + p, max_segments * seg_bytes);
+      for (size_t j = 0; j < max_segments; ++j) {
+        received[p].push_back(buffers.Make(received_data[p] + j * seg_bytes, seg_bytes));
+        partial[p].push_back(buffers.Make(partial_data[p] + j * seg_bytes, seg_bytes));
+      }
+      partial_pending[p].assign(max_segments, false);
+    }
+    auto post_receives = [&](int k) {
+      for (const Segment& s : Segments(blocks[received_block(k)].count, dtype)) {
+        received[k % 2][s.offset / seg_elems]->recv(Left(), kSlotPrefix + k, 0,
+                                                             s.count * esize);
+      }
+    };
+
+    // Step 0 sends straight from the caller's buffer.
+    const Block& first = blocks[sent_block(0)];
+    std::vector<UnboundBuffer*> first_sends;
+    post_receives(0);
+    for (const Segment& s : Segments(first.count, dtype)) {
+      UnboundBuffer* buffer = buffers.Make(
+          const_cast<char*>(send) + (first.offset + s.offset) * esize, s.count * esize);
+      buffer->send(Right(), kSlotPrefix, 0, s.count * esize);
+      first_sends.push_back(buffer);
+    }
+    for (int k = 0; k < steps; ++k) {
+      const int p = k % 2;
+      if (k + 1 < steps) post_receives(k + 1);
+      const Block& block = blocks[received_block(k)];
+      for (const Segment& s : Segments(block.count, dtype)) {
+        const size_t j = s.offset / seg_elems;
+        if (absl::Status got = WaitRecv(received[p][j]); !got.ok()) return got;
+        const char* own = send + (block.offset + s.offset) * esize;
+        const char* incoming = received_data[p] + j * seg_bytes;
+        if (k + 1 == steps) {
+          ReduceBuffers(dtype, op, out + s.offset * esize, own, incoming, s.count);
+          continue;
+        }
+        if (partial_pending[p][j]) {
+          if (absl::Status sent = WaitSend(partial[p][j]); !sent.ok()) return sent;
+        }
+        ReduceBuffers(dtype, op, partial_data[p] + j * seg_bytes, own, incoming, s.count);
+        partial[p][j]->send(Right(), kSlotPrefix + k + 1, 0, s.count * esize);
+        partial_pending[p][j] = true;
+      }
+    }
+    for (UnboundBuffer* buffer : first_sends) {
+      if (absl::Status sent = WaitSend(buffer); !sent.ok()) return sent;
+    }
+    for (int p = 0; p < 2; ++p) {
+      for (size_t j = 0; j < max_segments; ++j) {
+        if (!partial_pending[p][j]) continue;
+        if (absl::Status sent = WaitSend(partial[p][j]); !sent.ok()) return sent;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Ring all-gather in place: block rank() is already in `data`. At step k this rank forwards
+  // block (r-k) and receives block (r-k-1), segment by segment.
+  absl::Status RingAllGather(char* data, const std::vector<Block>& blocks, DataType dtype) {
+    const int r = rank();
+    const int steps = size() - 1;
+    const size_t esize = DataTypeSize(dtype);
+    Buffers buffers(this);
+    // segments[i][j]: segment j of block i, used to receive it and then to forward it.
+    std::vector<std::vector<UnboundBuffer*>> segments(size());
+    std::vector<std::vector<Segment>> layout(size());
+    for (int i = 0; i < size(); ++i) {
+      layout[i] = Segments(blocks[i].count, dtype);
+      for (const Segment& s : layout[i]) {
+        segments[i].push_back(
+            buffers.Make(data + (blocks[i].offset + s.offset) * esize, s.count * esize));
+      }
+    }
+    auto post_receives = [&](int k) {
+      const int b = Mod(r - k - 1);
+      for (size_t j = 0; j < layout[b].size(); ++j) {
+        segments[b][j]->recv(Left(), kSlotPrefix + k, 0, layout[b][j].count * esize);
+      }
+    };
+    post_receives(0);
+    for (size_t j = 0; j < layout[r].size(); ++j) {
+      segments[r][j]->send(Right(), kSlotPrefix, 0, layout[r][j].count * esize);
+    }
+    for (int k = 0; k < steps; ++k) {
+      if (k + 1 < steps) post_receives(k + 1);
+      const int b = Mod(r - k - 1);
+      for (size_t j = 0; j < layout[b].size(); ++j) {
+        if (absl::Status got = WaitRecv(segments[b][j]); !got.ok()) return got;
+        if (k + 1 < steps) {
+          segments[b][j]->send(Right(), kSlotPrefix + k + 1, 0, layout[b][j].count * esize);
+        }
+      }
+    }
+    // Every block but the one received last was forwarded once.
+    for (int i = 0; i < size(); ++i) {
+      if (i == Mod(r - steps)) continue;
+      for (UnboundBuffer* buffer : segments[i]) {
+        if (absl::Status sent = WaitSend(buffer); !sent.ok()) return sent;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Pipelined chain root -> root+1 -> ... : each rank forwards a segment as soon as it has it.
+  absl::Status ChainBroadcast(char* data, size_t count, DataType dtype, int root) {
+    const int position = Mod(rank() - root);
+    const bool last = position == size() - 1;
+    const size_t esize = DataTypeSize(dtype);
+    Buffers buffers(this);
+    std::vector<UnboundBuffer*> segments;
+    const std::vector<Segment> layout = Segments(count, dtype);
+    for (const Segment& s : layout) {
+      segments.push_back(buffers.Make(data + s.offset * esize, s.count * esize));
+    }
+    if (position != 0) {
+      for (size_t j = 0; j < layout.size(); ++j) {
+        segments[j]->recv(Left(), kSlotPrefix, 0, layout[j].count * esize);
+      }
+    }
+    for (size_t j = 0; j < layout.size(); ++j) {
+      if (position != 0) {
+        if (absl::Status got = WaitRecv(segments[j]); !got.ok()) return got;
+      }
+      if (!last) segments[j]->send(Right(), kSlotPrefix, 0, layout[j].count * esize);
+    }
+    if (!last) {
+      for (UnboundBuffer* buffer : segments) {
+        if (absl::Status sent = WaitSend(buffer); !sent.ok()) return sent;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Runs one collective: refuses if aborted, turns Gloo's exceptions into statuses, and
+  // aborts the communicator after any failure (the ring is out of step from then on).
+  template <typename Fn>
+  absl::Status Run(absl::string_view what, Fn&& fn) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!abort_reason_.empty()) {
+        return absl::AbortedError(
+            absl::StrCat(what, " refused: communicator aborted: ", abort_reason_));
+      }
+    }
+    absl::Status status;
+    try {
+      status = fn();
+    } catch (const gloo::IoException& e) {
+      const std::string message = e.what();
+      if (aborted()) {
+        status = AbortedStatus();
+      } else if (absl::StrContains(message, "Timed out") ||
+                 absl::StrContains(message, "timeout")) {
+        status = absl::DeadlineExceededError(absl::StrCat(
+            "a peer did not respond within ", absl::FormatDuration(options_.timeout), ": ",
+            message));
+      } else {
+        status = absl::UnavailableError(absl::StrCat("connection to a peer failed: ", message));
+      }
+    } catch (const std::exception& e) {
+      status = absl::InternalError(e.what());
+    }
+    if (status.ok()) return status;
+    status = absl::Status(status.code(), absl::StrCat(what, " on rank ", rank(), " of ", size(),
+                                                      " failed: ", status.message()));
+    Abort(status.message());
+    return status;
+  }
+
+  std::shared_ptr<gloo::Context> context_;
+  const GlooOptions options_;
+  std::vector<char> scratch_[4];
+  mutable absl::Mutex mu_;
+  std::string abort_reason_ ABSL_GUARDED_BY(mu_);
+  std::vector<UnboundBuffer*> in_flight_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
+    KeyValueStore* store, const GlooOptions& options) {
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", options.rank,
+                                                   " is not in a world of size ", options.size));
+  }
+  StoreAdapter adapter(store, options.key_prefix, options.timeout);
+  try {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = options.hostname;
+    std::shared_ptr<gloo::transport::Device> device = gloo::transport::tcp::CreateDevice(attr);
+    auto context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.size);
+    context->setTimeout(ToChrono(options.timeout));
+    context->connectFullMesh(adapter, device);
+    return std::unique_ptr<GlooCommunicator>(
+        new GlooCommunicator(std::make_unique<GlooCommunicator::Impl>(std::move(context), options)));
+  } catch (const std::exception& e) {
+    const std::string where = absl::StrCat("cannot connect rank ", options.rank, " of ",
+                                           options.size, " over Gloo TCP on ", options.hostname);
+    if (!adapter.first_error().ok()) {
+      return absl::Status(adapter.first_error().code(),
+                          absl::StrCat(where, ": rendezvous failed: ",
+                                       adapter.first_error().message()));
+    }
+    return absl::UnavailableError(absl::StrCat(where, ": ", e.what()));
+  }
+}
+
+GlooCommunicator::GlooCommunicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+GlooCommunicator::~GlooCommunicator() = default;
+int GlooCommunicator::rank() const { return impl_->rank(); }
+int GlooCommunicator::size() const { return impl_->size(); }
+
+absl::Status GlooCommunicator::AllReduce(const void* send, void* recv, size_t count,
+                                         DataType dtype, ReduceOp op) {
+  return impl_->AllReduce(send, recv, count, dtype, op);
+}
+
+absl::Status GlooCommunicator::ReduceScatter(const void* send, void* recv, size_t recv_count,
+                                             DataType dtype, ReduceOp op) {
+  return impl_->ReduceScatter(send, recv, recv_count, dtype, op);
+}
+
+absl::Status GlooCommunicator::AllGather(const void* send, void* recv, size_t send_count,
+                                         DataType dtype) {
+  return impl_->AllGather(send, recv, send_count, dtype);
+}
+
+absl::Status GlooCommunicator::Broadcast(void* buffer, size_t count, DataType dtype, int root) {
+  return impl_->Broadcast(buffer, count, dtype, root);
+}
+
+absl::Status GlooCommunicator::Barrier() { return impl_->Barrier(); }
+void GlooCommunicator::Abort(absl::string_view reason) { impl_->Abort(reason); }
+bool GlooCommunicator::aborted() const { return impl_->aborted(); }
+
+const std::shared_ptr<gloo::Context>& GlooCommunicator::gloo_context() const {
+  return impl_->context();
+}
+
+}  // namespace shard

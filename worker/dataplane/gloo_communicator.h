@@ -1,0 +1,72 @@
+// The CPU data path: collectives over Gloo's TCP transport.
+//
+// Connection set-up is Gloo's full mesh through our rendezvous store. The collectives are our
+// own pipelined ring algorithms on Gloo's unbound buffers (segments of `segment_bytes` flow
+// through the ring while earlier ones are being reduced), because that lets Abort() wake a
+// thread blocked in a collective at once: Gloo's built-in collectives can only time out.
+//
+// Thread-compatible for collectives (one caller at a time); Abort() is thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "worker/dataplane/communicator.h"
+#include "worker/dataplane/key_value_store.h"
+
+namespace gloo {
+class Context;
+}
+
+namespace shard {
+
+struct GlooOptions {
+  int rank = 0;
+  int size = 1;
+  std::string hostname = "127.0.0.1";  // interface this rank listens on for its peers
+  absl::Duration timeout = absl::Seconds(60);  // connecting, and every collective
+  std::string key_prefix = "gloo/";            // namespace in the rendezvous store
+  size_t segment_bytes = size_t{1} << 20;      // pipelining granularity of the rings
+};
+
+class GlooCommunicator;
+
+// Connects to every peer through `store`; blocks until all `size` ranks arrive or `timeout`.
+absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
+    KeyValueStore* store, const GlooOptions& options);
+
+class GlooCommunicator : public Communicator {
+ public:
+  ~GlooCommunicator() override;
+
+  int rank() const override;
+  int size() const override;
+  absl::string_view backend() const override { return "gloo"; }
+
+  absl::Status AllReduce(const void* send, void* recv, size_t count, DataType dtype,
+                         ReduceOp op) override;
+  absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DataType dtype,
+                             ReduceOp op) override;
+  absl::Status AllGather(const void* send, void* recv, size_t send_count,
+                         DataType dtype) override;
+  absl::Status Broadcast(void* buffer, size_t count, DataType dtype, int root) override;
+  absl::Status Barrier() override;
+  void Abort(absl::string_view reason) override;
+  bool aborted() const override;
+
+  // The underlying Gloo context, for benchmarks that compare with Gloo's own collectives.
+  const std::shared_ptr<gloo::Context>& gloo_context() const;
+
+ private:
+  class Impl;
+  explicit GlooCommunicator(std::unique_ptr<Impl> impl);
+  friend absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
+      KeyValueStore*, const GlooOptions&);
+
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shard

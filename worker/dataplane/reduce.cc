@@ -1,0 +1,54 @@
+#include "worker/dataplane/reduce.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace shard {
+namespace {
+
+template <typename T, typename Op>
+void Apply(void* dst, const void* a, const void* b, size_t count, Op op) {
+  T* out = static_cast<T*>(dst);
+  const T* x = static_cast<const T*>(a);
+  const T* y = static_cast<const T*>(b);
+  for (size_t i = 0; i < count; ++i) out[i] = op(x[i], y[i]);
+}
+
+template <typename T>
+void ApplyOp(ReduceOp op, void* dst, const void* a, const void* b, size_t count) {
+  switch (op) {
+    case ReduceOp::kSum: return Apply<T>(dst, a, b, count, [](T x, T y) { return x + y; });
+    case ReduceOp::kMax: return Apply<T>(dst, a, b, count, [](T x, T y) { return std::max(x, y); });
+    case ReduceOp::kMin: return Apply<T>(dst, a, b, count, [](T x, T y) { return std::min(x, y); });
+  }
+}
+
+template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
+void ApplyOp16(ReduceOp op, void* dst, const void* a, const void* b, size_t count) {
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  const uint16_t* x = static_cast<const uint16_t*>(a);
+  const uint16_t* y = static_cast<const uint16_t*>(b);
+  for (size_t i = 0; i < count; ++i) {
+    const float fx = ToFloat(x[i]);
+    const float fy = ToFloat(y[i]);
+    float r = fx + fy;
+    if (op == ReduceOp::kMax) r = std::max(fx, fy);
+    if (op == ReduceOp::kMin) r = std::min(fx, fy);
+    out[i] = FromFloat(r);
+  }
+}
+
+}  // namespace
+
+void ReduceBuffers(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b,
+                   size_t count) {
+  switch (dtype) {
+    case DataType::kFloat32: return ApplyOp<float>(op, dst, a, b, count);
+    case DataType::kInt64: return ApplyOp<int64_t>(op, dst, a, b, count);
+    case DataType::kFloat16: return ApplyOp16<HalfToFloat, FloatToHalf>(op, dst, a, b, count);
+    case DataType::kBFloat16:
+      return ApplyOp16<BFloat16ToFloat, FloatToBFloat16>(op, dst, a, b, count);
+  }
+}
+
+}  // namespace shard

@@ -1,0 +1,97 @@
+// shard-worker: one data-parallel rank of a Shard job.
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "common/cli.h"
+#include "common/logging.h"
+#include "common/names.h"
+#include "common/signal_watcher.h"
+#include "spdlog/spdlog.h"
+#include "worker/agent.h"
+
+namespace {
+
+std::string DefaultWorkerId() {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "worker");
+  return absl::StrCat(host, "-", getpid());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "shard-worker: one data-parallel rank of a Shard job. Joins the coordinator, receives its "
+      "rank, connects the data path to its peers (Gloo over TCP on CPU), self-checks it with "
+      "collectives of known result, and keeps its lease alive until the job stops.",
+      "shard-worker"};
+  shard::WorkerOptions options;
+  std::string coordinator = "127.0.0.1:7460";
+  std::string coordinator_timeout = "60s";
+  std::string collective_timeout = "60s";
+  std::string log_level = "info";
+  int rank = -1;
+  options.worker_id = DefaultWorkerId();
+  app.add_option("--coordinator", coordinator, "host:port of shard-coordinator")
+      ->capture_default_str();
+  app.add_option("--id", options.worker_id,
+                 "unique worker id ([A-Za-z0-9._-]); a restarted process with the same id "
+                 "keeps its rank")
+      ->capture_default_str();
+  app.add_option("--host", options.host,
+                 "address this worker's peers reach its data path at (it listens there)")
+      ->capture_default_str();
+  app.add_option("--device", options.device, "cpu or cpu:N")->capture_default_str();
+  app.add_option("--rank", rank, "ask for this rank (default: the coordinator assigns one)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--coordinator-timeout", coordinator_timeout,
+                 "give up after the coordinator has been unreachable this long")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
+  app.add_option("--collective-timeout", collective_timeout,
+                 "a rendezvous or collective waiting longer than this for a peer fails")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
+  app.add_option("--self-check-elements", options.self_check_elements,
+                 "f32 elements in the self-check all-reduce")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{1} << 28));
+  app.add_option("--log-level", log_level, "trace, debug, info, warn or error")
+      ->capture_default_str();
+  if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  if (absl::Status valid = shard::ValidateName("worker id (--id)", options.worker_id); !valid.ok()) {
+    std::fprintf(stderr, "shard-worker: %s\n", std::string(valid.message()).c_str());
+    return 2;
+  }
+  if (options.device != "cpu" && options.device.rfind("cpu:", 0) != 0) {
+    std::fprintf(stderr,
+                 "shard-worker: --device '%s' is not supported by this build; use cpu or cpu:N\n",
+                 options.device.c_str());
+    return 2;
+  }
+  if (absl::Status logging =
+          shard::ConfigureLogging(log_level, absl::StrCat("worker=", options.worker_id));
+      !logging.ok()) {
+    std::fprintf(stderr, "shard-worker: %s\n", std::string(logging.message()).c_str());
+    return 2;
+  }
+  if (rank >= 0) options.rank = rank;
+  options.coordinator_timeout = shard::ParsedDuration(coordinator_timeout);
+  options.collective_timeout = shard::ParsedDuration(collective_timeout);
+
+  shard::WorkerAgent agent(
+      options, std::make_unique<shard::CoordinatorClient>(coordinator, absl::Seconds(10)));
+  shard::SignalWatcher signals([&agent](int signal, int /*count*/) {
+    spdlog::info("received {}: leaving the job", strsignal(signal));
+    agent.RequestStop(absl::StrCat("worker received ", strsignal(signal)));
+  });
+  const absl::Status result = agent.Run();
+  if (!result.ok()) {
+    spdlog::error("{}", result.message());
+    return 1;
+  }
+  return 0;
+}
