@@ -42,10 +42,50 @@ int WaitForStop(shard::AdminClient& admin, absl::Duration timeout) {
                    "; run 'shardctl status' to see which workers are still live")));
 }
 
+// Waits until the world is formed and every member passed its self-check.
+int WaitForReady(shard::AdminClient& admin, absl::Duration timeout) {
+  const absl::Time give_up = absl::Now() + timeout;
+  std::string last_progress;
+  while (true) {
+    absl::StatusOr<shard::v1::GetStatusResponse> status = admin.GetStatus();
+    if (!status.ok()) return Fail(status.status());
+    int ready = 0;
+    for (const shard::v1::WorkerStatus& worker : status->workers()) {
+      if (worker.state() == shard::v1::WORKER_STATE_READY) ++ready;
+      if (worker.state() == shard::v1::WORKER_STATE_FAILED) {
+        return Fail(absl::FailedPreconditionError(
+            absl::StrCat("worker ", worker.id(), " failed its self-check: ",
+                         worker.self_check().detail())));
+      }
+    }
+    const int expected = status->world().expected_world_size();
+    if (status->world().state() == shard::v1::JOB_STATE_RUNNING && ready == expected) {
+      std::cout << "ready: " << ready << "/" << expected << " workers at generation "
+                << status->world().generation() << "\n";
+      return 0;
+    }
+    if (status->world().state() == shard::v1::JOB_STATE_STOPPING ||
+        status->world().state() == shard::v1::JOB_STATE_STOPPED) {
+      return Fail(absl::FailedPreconditionError("the job is stopping"));
+    }
+    const std::string progress =
+        absl::StrCat("waiting: ", status->world().world_size(), "/", expected, " joined, ", ready,
+                     " ready (generation ", status->world().generation(), ")");
+    if (progress != last_progress) std::cout << progress << "\n" << std::flush;
+    last_progress = progress;
+    if (absl::Now() >= give_up) {
+      return Fail(absl::DeadlineExceededError(absl::StrCat(
+          "the world was not ready within ", absl::FormatDuration(timeout), " (", progress,
+          "); run 'shardctl status' to see who is missing")));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"shardctl: the admin client of a Shard job (status, workers, stop).", "shardctl"};
+  CLI::App app{"shardctl: the admin client of a Shard job (status, workers, wait, stop).", "shardctl"};
   app.require_subcommand(1);
   std::string coordinator = "127.0.0.1:7460";
   std::string timeout = "10s";
@@ -72,6 +112,13 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(shard::DurationValidator());
 
+  std::string ready_timeout = "120s";
+  CLI::App* wait_cmd = app.add_subcommand(
+      "wait", "wait until the world is formed and every worker passed its self-check");
+  wait_cmd->add_option("--wait-timeout", ready_timeout, "give up after this long")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
+
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
   shard::AdminClient admin(coordinator, shard::ParsedDuration(timeout));
 
@@ -87,6 +134,7 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+  if (wait_cmd->parsed()) return WaitForReady(admin, shard::ParsedDuration(ready_timeout));
   if (stop_cmd->parsed()) {
     absl::StatusOr<shard::v1::StopResponse> stopped = admin.Stop(reason);
     if (!stopped.ok()) return Fail(stopped.status());

@@ -23,7 +23,7 @@ absl::Status ValidateName(absl::string_view what, absl::string_view value) {
       continue;
     }
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s '%s' has character %s at position %d; only letters, digits, '.', '_' and '-' are "
+        "%s '%s' has character '%s' at position %d; only letters, digits, '.', '_' and '-' are "
         "allowed",
         what, absl::CHexEscape(value), absl::CHexEscape(absl::string_view(&value[i], 1)), i));
   }

@@ -102,11 +102,12 @@ void CoordinatorServer::Shutdown() {
     shutting_down_ = true;
   }
   if (housekeeping_.joinable()) housekeeping_.join();
-  // Pending rendezvous waits must be answered before the server can drain.
+  if (server_ == nullptr) return;  // Start() failed before serving
+  // Pending long-polls must be answered before the server can drain.
   const absl::Status closing = absl::UnavailableError("the coordinator is shutting down");
   kv_->Close(closing);
   world_->CloseWatches(closing);
-  if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
 }
 
 }  // namespace shard

@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/cli.h"
 #include "common/logging.h"
 #include "common/names.h"
@@ -82,13 +83,32 @@ int main(int argc, char** argv) {
   options.coordinator_timeout = shard::ParsedDuration(coordinator_timeout);
   options.collective_timeout = shard::ParsedDuration(collective_timeout);
 
+  // Set up before gRPC starts its threads, so that only the watcher ever receives signals.
+  absl::Mutex agent_mu;
+  shard::WorkerAgent* running_agent = nullptr;
+  std::string early_stop;
+  shard::SignalWatcher signals([&](int signal, int /*count*/) {
+    spdlog::info("received {}: leaving the job", strsignal(signal));
+    const std::string reason = absl::StrCat("worker received ", strsignal(signal));
+    absl::MutexLock lock(&agent_mu);
+    if (running_agent == nullptr) {
+      early_stop = reason;
+      return;
+    }
+    running_agent->RequestStop(reason);
+  });
   shard::WorkerAgent agent(
       options, std::make_unique<shard::CoordinatorClient>(coordinator, absl::Seconds(10)));
-  shard::SignalWatcher signals([&agent](int signal, int /*count*/) {
-    spdlog::info("received {}: leaving the job", strsignal(signal));
-    agent.RequestStop(absl::StrCat("worker received ", strsignal(signal)));
-  });
+  {
+    absl::MutexLock lock(&agent_mu);
+    running_agent = &agent;
+    if (!early_stop.empty()) agent.RequestStop(early_stop);
+  }
   const absl::Status result = agent.Run();
+  {
+    absl::MutexLock lock(&agent_mu);
+    running_agent = nullptr;
+  }
   if (!result.ok()) {
     spdlog::error("{}", result.message());
     return 1;

@@ -470,6 +470,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
                                                    " is not in a world of size ", options.size));
   }
   StoreAdapter adapter(store, options.key_prefix, options.timeout);
+  std::unique_ptr<GlooCommunicator> communicator;
   try {
     gloo::transport::tcp::attr attr;
     attr.hostname = options.hostname;
@@ -477,7 +478,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
     auto context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.size);
     context->setTimeout(ToChrono(options.timeout));
     context->connectFullMesh(adapter, device);
-    return std::unique_ptr<GlooCommunicator>(
+    communicator.reset(
         new GlooCommunicator(std::make_unique<GlooCommunicator::Impl>(std::move(context), options)));
   } catch (const std::exception& e) {
     const std::string where = absl::StrCat("cannot connect rank ", options.rank, " of ",
@@ -489,6 +490,11 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
     }
     return absl::UnavailableError(absl::StrCat(where, ": ", e.what()));
   }
+  // Connecting is not collective: a rank may finish while a peer still completes its side of
+  // the handshake. A barrier makes creation collective, as NCCL's init is, so a rank that
+  // returns (and perhaps exits at once) never breaks a peer's connection half-way.
+  if (absl::Status ready = communicator->Barrier(); !ready.ok()) return ready;
+  return communicator;
 }
 
 GlooCommunicator::GlooCommunicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -34,7 +34,8 @@ struct GlooOptions {
 
 class GlooCommunicator;
 
-// Connects to every peer through `store`; blocks until all `size` ranks arrive or `timeout`.
+// Connects to every peer through `store` and returns once every rank is connected (creation
+// is collective); fails after `timeout` if a peer does not arrive.
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
     KeyValueStore* store, const GlooOptions& options);
 

@@ -1,0 +1,246 @@
+// Real processes of shard-coordinator, shard-worker and shardctl on 127.0.0.1: the world forms,
+// a worker killed with SIGKILL is declared dead within its lease, bad input fails clearly.
+#include <signal.h>
+
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/process.h"
+
+namespace shard::testing {
+namespace {
+
+constexpr absl::Duration kLease = absl::Seconds(1);
+
+class ClusterTest : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = MakeTempDir("cluster"); }
+
+  // Starts the coordinator on a free port and returns its address.
+  std::string StartCoordinator(int world_size, const std::string& state_dir = "") {
+    const std::string port_file = absl::StrCat(dir_, "/port");
+    auto process = Process::Start(
+        {BinaryPath("shard-coordinator"), "--listen", "127.0.0.1:0", "--port-file", port_file,
+         "--world-size", absl::StrCat(world_size), "--lease",
+         absl::FormatDuration(kLease), "--state-dir",
+         state_dir.empty() ? absl::StrCat(dir_, "/state") : state_dir},
+        absl::StrCat(dir_, "/coordinator.log"));
+    EXPECT_TRUE(process.ok()) << process.status();
+    coordinator_.emplace(std::move(*process));
+    int port = 0;
+    EXPECT_TRUE(Eventually(
+        [&] {
+          std::ifstream in(port_file);
+          std::string text;
+          return std::getline(in, text) && absl::SimpleAtoi(text, &port) && port > 0;
+        },
+        absl::Seconds(10)))
+        << coordinator_->Log();
+    address_ = absl::StrCat("127.0.0.1:", port);
+    return address_;
+  }
+
+  Process StartWorker(const std::string& id, std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {BinaryPath("shard-worker"), "--coordinator", address_,
+                                     "--id", id, "--collective-timeout", "10s"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    auto process = Process::Start(argv, absl::StrCat(dir_, "/", id, ".log"));
+    EXPECT_TRUE(process.ok()) << process.status();
+    return std::move(*process);
+  }
+
+  // `shardctl status --json`, parsed; null on failure.
+  nlohmann::json Status() {
+    CommandResult result = RunCommand(
+        {BinaryPath("shardctl"), "--coordinator", address_, "status", "--json"}, absl::Seconds(10));
+    if (result.exit_code != 0) return nullptr;
+    return nlohmann::json::parse(result.output, nullptr, /*allow_exceptions=*/false);
+  }
+
+  static const nlohmann::json* Worker(const nlohmann::json& status, const std::string& id) {
+    for (const nlohmann::json& worker : status["workers"]) {
+      if (worker["id"] == id) return &worker;
+    }
+    return nullptr;
+  }
+
+  std::string dir_;
+  std::string address_;
+  std::optional<Process> coordinator_;
+};
+
+TEST_F(ClusterTest, ThreeWorkersFormAWorldAndAKilledOneIsDeclaredDeadWithinTheLease) {
+  StartCoordinator(3);
+  std::vector<Process> workers;
+  for (int i = 0; i < 3; ++i) workers.push_back(StartWorker(absl::StrCat("w", i)));
+
+  nlohmann::json status;
+  ASSERT_TRUE(Eventually(
+      [&] {
+        status = Status();
+        if (status.is_null() || status["state"] != "running") return false;
+        for (const nlohmann::json& worker : status["workers"]) {
+          if (worker["state"] != "ready" || worker["self_check"] != "passed") return false;
+        }
+        return status["workers"].size() == 3;
+      },
+      absl::Seconds(30)))
+      << status.dump(2) << "\n" << coordinator_->Log();
+  EXPECT_EQ(status["world_size"], 3);
+  EXPECT_EQ(status["expected_world_size"], 3);
+  std::vector<int> ranks;
+  for (const nlohmann::json& worker : status["workers"]) {
+    ranks.push_back(worker["rank"]);
+    EXPECT_EQ(worker["host"], "127.0.0.1");
+    EXPECT_EQ(worker["device"], "cpu");
+    EXPECT_LT(worker["last_heartbeat_ms_ago"].get<int64_t>(), 1000);
+  }
+  EXPECT_EQ(ranks, (std::vector<int>{0, 1, 2}));
+  const int64_t formed_generation = status["generation"];
+
+  // SIGKILL: no goodbye, only the missing heartbeats tell.
+  const absl::Time killed_at = absl::Now();
+  workers[1].Signal(SIGKILL);
+  ASSERT_EQ(workers[1].Wait(absl::Seconds(5)), 128 + SIGKILL);
+  absl::Duration detected_after;
+  ASSERT_TRUE(Eventually(
+      [&] {
+        status = Status();
+        const nlohmann::json* dead = status.is_null() ? nullptr : Worker(status, "w1");
+        if (dead == nullptr || (*dead)["state"] != "dead") return false;
+        detected_after = absl::Now() - killed_at;
+        return true;
+      },
+      kLease + absl::Seconds(5)))
+      << status.dump(2);
+  // Within the lease plus the heartbeat in flight, housekeeping and polling margins.
+  EXPECT_LT(detected_after, kLease + absl::Milliseconds(1500));
+  EXPECT_GT(status["generation"].get<int64_t>(), formed_generation);
+  EXPECT_EQ(status["state"], "forming");
+  EXPECT_EQ(status["world_size"], 2);
+  EXPECT_EQ((*Worker(status, "w1"))["rank"], -1);
+
+  CommandResult stop = RunCommand({BinaryPath("shardctl"), "--coordinator", address_, "stop"},
+                                  absl::Seconds(30));
+  EXPECT_EQ(stop.exit_code, 0) << stop.output;
+  EXPECT_NE(stop.output.find("stopped"), std::string::npos) << stop.output;
+  EXPECT_EQ(coordinator_->Wait(absl::Seconds(15)), 0) << coordinator_->Log();
+  for (int i : {0, 2}) {
+    EXPECT_EQ(workers[i].Wait(absl::Seconds(15)), 0) << workers[i].Log();
+    EXPECT_NE(workers[i].Log().find("left the job"), std::string::npos) << workers[i].Log();
+  }
+}
+
+TEST_F(ClusterTest, SigtermMakesAWorkerLeaveCleanly) {
+  StartCoordinator(1);
+  Process worker = StartWorker("solo");
+  nlohmann::json status;
+  ASSERT_TRUE(Eventually(
+      [&] {
+        status = Status();
+        return !status.is_null() && status["state"] == "running" &&
+               status["workers"][0]["state"] == "ready";
+      },
+      absl::Seconds(20)))
+      << status.dump(2);
+  worker.Signal(SIGTERM);
+  EXPECT_EQ(worker.Wait(absl::Seconds(10)), 0) << worker.Log();
+  status = Status();
+  ASSERT_FALSE(status.is_null());
+  EXPECT_EQ((*Worker(status, "solo"))["state"], "left");
+  coordinator_->Signal(SIGTERM);
+  EXPECT_EQ(coordinator_->Wait(absl::Seconds(10)), 0) << coordinator_->Log();
+}
+
+TEST_F(ClusterTest, ATakenRankAndAFullWorldAreRefusedClearly) {
+  StartCoordinator(2);
+  Process w0 = StartWorker("w0", {"--rank", "0"});
+  ASSERT_TRUE(Eventually([&] {
+    nlohmann::json status = Status();
+    return !status.is_null() && status["world_size"] == 1;
+  }, absl::Seconds(20)));
+
+  CommandResult taken = RunCommand({BinaryPath("shard-worker"), "--coordinator", address_, "--id",
+                                    "intruder", "--rank", "0"},
+                                   absl::Seconds(20));
+  EXPECT_EQ(taken.exit_code, 1) << taken.output;
+  EXPECT_NE(taken.output.find("rank 0 is held by live worker 'w0'"), std::string::npos)
+      << taken.output;
+
+  Process w1 = StartWorker("w1");
+  ASSERT_TRUE(Eventually([&] {
+    nlohmann::json status = Status();
+    return !status.is_null() && status["state"] == "running";
+  }, absl::Seconds(20)));
+  CommandResult extra = RunCommand(
+      {BinaryPath("shard-worker"), "--coordinator", address_, "--id", "extra"}, absl::Seconds(20));
+  EXPECT_EQ(extra.exit_code, 1) << extra.output;
+  EXPECT_NE(extra.output.find("the world is full"), std::string::npos) << extra.output;
+  EXPECT_LT(extra.elapsed, absl::Seconds(10));
+}
+
+TEST_F(ClusterTest, UnreachableCoordinatorIsAClearErrorNotAHang) {
+  // Nothing listens on port 1.
+  CommandResult shardctl = RunCommand(
+      {BinaryPath("shardctl"), "--coordinator", "127.0.0.1:1", "--timeout", "2s", "status"},
+      absl::Seconds(20));
+  EXPECT_EQ(shardctl.exit_code, 1) << shardctl.output;
+  EXPECT_NE(shardctl.output.find("cannot reach the coordinator at 127.0.0.1:1"), std::string::npos)
+      << shardctl.output;
+
+  CommandResult worker = RunCommand({BinaryPath("shard-worker"), "--coordinator", "127.0.0.1:1",
+                                     "--id", "lonely", "--coordinator-timeout", "2s"},
+                                    absl::Seconds(30));
+  EXPECT_EQ(worker.exit_code, 1) << worker.output;
+  EXPECT_NE(worker.output.find("cannot reach the coordinator at 127.0.0.1:1"), std::string::npos)
+      << worker.output;
+  EXPECT_LT(worker.elapsed, absl::Seconds(15));
+}
+
+TEST_F(ClusterTest, UnknownFlagsAndBadValuesAreUsageErrors) {
+  struct Case {
+    std::vector<std::string> argv;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {{BinaryPath("shard-coordinator"), "--world-size", "2", "--bogus"}, "--bogus"},
+      {{BinaryPath("shard-coordinator")}, "--world-size is required"},
+      {{BinaryPath("shard-coordinator"), "--world-size", "2", "--lease", "soon"}, "soon"},
+      {{BinaryPath("shard-coordinator"), "--world-size", "0"}, "--world-size"},
+      {{BinaryPath("shard-worker"), "--bogus"}, "--bogus"},
+      {{BinaryPath("shard-worker"), "--id", "a/b"}, "worker id"},
+      {{BinaryPath("shard-worker"), "--device", "tpu:0"}, "tpu:0"},
+      {{BinaryPath("shardctl"), "status", "--bogus"}, "--bogus"},
+      {{BinaryPath("shardctl")}, "subcommand"},
+  };
+  for (const Case& c : cases) {
+    CommandResult result = RunCommand(c.argv, absl::Seconds(10));
+    EXPECT_EQ(result.exit_code, 2) << c.argv.back() << ": " << result.output;
+    EXPECT_NE(result.output.find(c.expected), std::string::npos)
+        << "expected '" << c.expected << "' in: " << result.output;
+  }
+  CommandResult help = RunCommand({BinaryPath("shardctl"), "--help"}, absl::Seconds(10));
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.output.find("status"), std::string::npos);
+}
+
+TEST_F(ClusterTest, ASecondCoordinatorCannotShareTheStateDirectory) {
+  const std::string state = absl::StrCat(dir_, "/shared-state");
+  StartCoordinator(1, state);
+  CommandResult second = RunCommand({BinaryPath("shard-coordinator"), "--listen", "127.0.0.1:0",
+                                     "--world-size", "1", "--state-dir", state},
+                                    absl::Seconds(10));
+  EXPECT_EQ(second.exit_code, 1) << second.output;
+  EXPECT_NE(second.output.find("in use by another shard-coordinator"), std::string::npos)
+      << second.output;
+}
+
+}  // namespace
+}  // namespace shard::testing

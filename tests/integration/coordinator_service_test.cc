@@ -1,0 +1,189 @@
+// The coordinator served on a real port, driven through the real clients in this process.
+#include <filesystem>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/admin_client.h"
+#include "gtest/gtest.h"
+#include "server/coordinator_server.h"
+#include "worker/coordinator_client.h"
+#include "worker/dataplane/gloo_communicator.h"
+#include "worker/dataplane/self_check.h"
+
+namespace shard {
+namespace {
+
+class CoordinatorServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    state_dir_ = ::testing::TempDir() + "/shard-service-test-" +
+                 ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(state_dir_);
+    CoordinatorOptions options;
+    options.listen_address = "127.0.0.1:0";
+    options.state_dir = state_dir_;
+    options.world.job = "svc";
+    options.world.expected_world_size = 3;
+    options.world.lease = absl::Seconds(4);
+    auto server = CoordinatorServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+  }
+
+  std::unique_ptr<CoordinatorClient> Client() {
+    return std::make_unique<CoordinatorClient>(server_->address(), absl::Seconds(10));
+  }
+
+  static v1::JoinRequest JoinRequest(const std::string& id) {
+    v1::JoinRequest request;
+    request.set_worker_id(id);
+    request.set_host("127.0.0.1");
+    request.set_device("cpu");
+    request.set_incarnation(1);
+    return request;
+  }
+
+  std::string state_dir_;
+  std::unique_ptr<CoordinatorServer> server_;
+};
+
+TEST_F(CoordinatorServiceTest, ThreeWorkersFormAWorldRendezvousCheckAndStop) {
+  std::vector<std::thread> workers;
+  for (int i = 0; i < 3; ++i) {
+    workers.emplace_back([this, i] {
+      auto client = Client();
+      const std::string id = absl::StrCat("w", i);
+      auto joined = client->Join(JoinRequest(id));
+      ASSERT_TRUE(joined.ok()) << joined.status();
+      // Long-poll until the world forms.
+      v1::HeartbeatRequest beat;
+      beat.set_worker_id(id);
+      beat.set_incarnation(1);
+      beat.set_known_generation(joined->world().generation());
+      beat.set_known_state(joined->world().state());
+      beat.set_wait_ms(1000);
+      v1::WorldView world = joined->world();
+      for (int tries = 0; tries < 50 && world.state() != v1::JOB_STATE_RUNNING; ++tries) {
+        auto reply = client->Heartbeat(beat);
+        ASSERT_TRUE(reply.ok()) << reply.status();
+        world = reply->world();
+        beat.set_known_generation(world.generation());
+        beat.set_known_state(world.state());
+      }
+      ASSERT_EQ(world.state(), v1::JOB_STATE_RUNNING);
+      ASSERT_EQ(world.world_size(), 3);
+
+      auto rendezvous = client->RendezvousStore(world.scope());
+      GlooOptions options;
+      options.rank = joined->rank();
+      options.size = 3;
+      options.timeout = absl::Seconds(20);
+      auto communicator = CreateGlooCommunicator(rendezvous.get(), options);
+      ASSERT_TRUE(communicator.ok()) << communicator.status();
+      auto checked = RunSelfCheck(**communicator, 10000);
+      ASSERT_TRUE(checked.ok()) << checked.status();
+      v1::ReportSelfCheckRequest report;
+      report.set_worker_id(id);
+      report.set_incarnation(1);
+      report.set_generation(world.generation());
+      report.set_passed(true);
+      report.set_detail(checked->summary);
+      ASSERT_TRUE(client->ReportSelfCheck(report).ok());
+    });
+  }
+  for (std::thread& t : workers) t.join();
+
+  AdminClient admin(server_->address(), absl::Seconds(5));
+  auto status = admin.GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->job(), "svc");
+  EXPECT_EQ(status->world().state(), v1::JOB_STATE_RUNNING);
+  ASSERT_EQ(status->workers_size(), 3);
+  for (const v1::WorkerStatus& worker : status->workers()) {
+    EXPECT_EQ(worker.state(), v1::WORKER_STATE_READY) << worker.id();
+    EXPECT_EQ(worker.self_check().state(), v1::SELF_CHECK_STATE_PASSED);
+  }
+
+  auto stopped = admin.Stop("test over");
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(stopped->world().state(), v1::JOB_STATE_STOPPING);
+  auto client = Client();
+  for (int i = 0; i < 3; ++i) {
+    v1::HeartbeatRequest beat;
+    beat.set_worker_id(absl::StrCat("w", i));
+    beat.set_incarnation(1);
+    auto reply = client->Heartbeat(beat);
+    ASSERT_TRUE(reply.ok());
+    EXPECT_EQ(reply->order().kind(), v1::ORDER_KIND_STOP);
+    EXPECT_EQ(reply->order().reason(), "test over");
+    v1::LeaveRequest leave;
+    leave.set_worker_id(absl::StrCat("w", i));
+    leave.set_incarnation(1);
+    ASSERT_TRUE(client->Leave(leave).ok());
+  }
+  EXPECT_TRUE(server_->WaitUntilStopped(absl::Seconds(5)));
+}
+
+TEST_F(CoordinatorServiceTest, ErrorCodesSurviveTheWire) {
+  auto client = Client();
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(client->Join(JoinRequest(absl::StrCat("w", i))).ok());
+  auto full = client->Join(JoinRequest("w3"));
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.status().message().find("world is full"), absl::string_view::npos);
+
+  v1::JoinRequest taken = JoinRequest("w9");
+  taken.set_requested_rank(0);
+  EXPECT_EQ(client->Join(taken).status().code(), absl::StatusCode::kAlreadyExists);
+
+  v1::HeartbeatRequest stranger;
+  stranger.set_worker_id("nobody");
+  EXPECT_EQ(client->Heartbeat(stranger).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CoordinatorServiceTest, RendezvousWaitTimesOutAndStaleGenerationsAreAborted) {
+  auto client = Client();
+  auto joined = client->Join(JoinRequest("w0"));
+  ASSERT_TRUE(joined.ok());
+  auto rendezvous = client->RendezvousStore(joined->world().scope());
+  ASSERT_TRUE(rendezvous->Set("k", "v").ok());
+  auto value = rendezvous->Get("k");
+  ASSERT_TRUE(value.ok());
+  EXPECT_EQ(*value, "v");
+  const absl::Time start = absl::Now();
+  absl::Status waited = rendezvous->Wait({"k", "never"}, absl::Milliseconds(300));
+  EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  EXPECT_NE(waited.message().find("'never'"), absl::string_view::npos) << waited;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+
+  // A second join bumps the generation: the first scope is closed.
+  ASSERT_TRUE(client->Join(JoinRequest("w1")).ok());
+  EXPECT_EQ(rendezvous->Set("k", "v2").code(), absl::StatusCode::kAborted);
+}
+
+TEST_F(CoordinatorServiceTest, CancellingTheRendezvousReleasesABlockedWait) {
+  auto client = Client();
+  auto joined = client->Join(JoinRequest("w0"));
+  ASSERT_TRUE(joined.ok());
+  auto rendezvous = client->RendezvousStore(joined->world().scope());
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    rendezvous->Cancel();
+  });
+  absl::Status waited = rendezvous->Wait({"never"}, absl::Seconds(30));
+  canceller.join();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kCancelled) << waited;
+}
+
+TEST_F(CoordinatorServiceTest, StateDirectoryIsLockedWhileServing) {
+  CoordinatorOptions options;
+  options.listen_address = "127.0.0.1:0";
+  options.state_dir = state_dir_;
+  options.world.job = "svc";
+  options.world.expected_world_size = 3;
+  auto second = CoordinatorServer::Start(options);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+}
+
+}  // namespace
+}  // namespace shard

@@ -1,0 +1,132 @@
+#include "tests/support/process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+extern char** environ;
+
+namespace shard::testing {
+
+std::string BinaryPath(const std::string& name) { return absl::StrCat(SHARD_BIN_DIR, "/", name); }
+
+absl::StatusOr<Process> Process::Start(std::vector<std::string> argv, std::string log_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  std::vector<char*> args;
+  for (std::string& arg : argv) args.push_back(arg.data());
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
+    return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": ", std::strerror(rc)));
+  }
+  return Process(pid, std::move(log_path));
+}
+
+Process::Process(Process&& other) noexcept
+    : pid_(other.pid_), log_path_(std::move(other.log_path_)), exit_code_(other.exit_code_) {
+  other.pid_ = -1;
+}
+
+Process& Process::operator=(Process&& other) noexcept {
+  if (this != &other) {
+    this->~Process();
+    pid_ = other.pid_;
+    log_path_ = std::move(other.log_path_);
+    exit_code_ = other.exit_code_;
+    other.pid_ = -1;
+  }
+  return *this;
+}
+
+Process::~Process() {
+  if (running()) {
+    ::kill(pid_, SIGKILL);
+    Wait(absl::Seconds(10));
+  }
+}
+
+std::string Process::Log() const {
+  std::ifstream in(log_path_);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+void Process::Signal(int signal) const {
+  if (running()) ::kill(pid_, signal);
+}
+
+std::optional<int> Process::Wait(absl::Duration timeout) {
+  if (exit_code_.has_value()) return exit_code_;
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    int status = 0;
+    const pid_t done = ::waitpid(pid_, &status, WNOHANG);
+    if (done == pid_) {
+      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      return exit_code_;
+    }
+    if (done < 0 && errno != EINTR) return std::nullopt;
+    if (absl::Now() >= deadline) return std::nullopt;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+CommandResult RunCommand(std::vector<std::string> argv, absl::Duration timeout) {
+  const std::string log = absl::StrCat(MakeTempDir("command"), "/output");
+  CommandResult result;
+  const absl::Time start = absl::Now();
+  absl::StatusOr<Process> process = Process::Start(std::move(argv), log);
+  if (!process.ok()) {
+    result.output = std::string(process.status().message());
+    return result;
+  }
+  std::optional<int> code = process->Wait(timeout);
+  result.elapsed = absl::Now() - start;
+  result.exit_code = code.value_or(-1);
+  if (!code.has_value()) process->Signal(SIGKILL);
+  result.output = process->Log();
+  return result;
+}
+
+std::string MakeTempDir(const std::string& name) {
+  static int counter = 0;
+  const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string base = ::testing::TempDir();
+  const std::string dir =
+      absl::StrCat(base, "/shard-", getpid(), "-", test ? test->name() : "test", "-", name, "-",
+                   counter++);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+bool Eventually(const std::function<bool()>& condition, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (condition()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return condition();
+}
+
+}  // namespace shard::testing

@@ -1,0 +1,64 @@
+// Real processes of our binaries for integration tests: started with posix_spawn, output to a
+// log file, killed by pid, waited for with a deadline.
+#pragma once
+
+#include <sys/types.h>
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace shard::testing {
+
+// Path of one of our binaries in build/bin.
+std::string BinaryPath(const std::string& name);
+
+class Process {
+ public:
+  // Starts `argv[0]` (a path) with stdout and stderr appended to `log_path`.
+  static absl::StatusOr<Process> Start(std::vector<std::string> argv, std::string log_path);
+
+  Process(Process&& other) noexcept;
+  Process& operator=(Process&& other) noexcept;
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+  // Kills (SIGKILL) and reaps a process that is still running, so no test leaks one.
+  ~Process();
+
+  pid_t pid() const { return pid_; }
+  const std::string& log_path() const { return log_path_; }
+  std::string Log() const;
+
+  void Signal(int signal) const;
+  // The exit code (128+signal when killed by one), or nullopt if it is still running after
+  // `timeout`.
+  std::optional<int> Wait(absl::Duration timeout);
+  bool running() const { return pid_ > 0 && !exit_code_.has_value(); }
+
+ private:
+  Process(pid_t pid, std::string log_path) : pid_(pid), log_path_(std::move(log_path)) {}
+  pid_t pid_ = -1;
+  std::string log_path_;
+  std::optional<int> exit_code_;
+};
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+  absl::Duration elapsed;
+};
+
+// Runs a command to completion (killed after `timeout`, then exit_code is -1).
+CommandResult RunCommand(std::vector<std::string> argv, absl::Duration timeout);
+
+// A fresh empty directory under the test's temporary directory.
+std::string MakeTempDir(const std::string& name);
+
+// Polls `condition` every 50ms until it holds or `timeout` passes.
+bool Eventually(const std::function<bool()>& condition, absl::Duration timeout);
+
+}  // namespace shard::testing
