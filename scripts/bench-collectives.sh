@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Builds shard-bench-collectives and reports all-reduce / all-gather bus bandwidth through our
+# Gloo communicator beside raw Gloo and loopback TCP, for 2 and 4 ranks (nccl-tests columns).
+# Extra arguments go to every run, e.g.:
+#   scripts/bench-collectives.sh --iters 10 --segment-bytes 4MiB --collectives all_reduce
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+scripts/setup.sh
+scripts/build.sh --target shard-bench-collectives
+
+status=0
+for ranks in 2 4; do
+  "${SHARD_BUILD_DIR:-build}/bin/shard-bench-collectives" --ranks "${ranks}" "$@" || status=1
+  echo
+done
+exit "${status}"
