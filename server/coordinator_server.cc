@@ -24,15 +24,20 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->world_ = std::move(*world);
   server->kv_ = std::make_unique<KvStoreManager>(options.world.job,
                                                  server->world_->world().generation);
+  server->plan_ = std::make_unique<PlanManager>(options.plan);
+  server->plan_->OnGeneration(server->world_->world().generation);
   KvStoreManager* kv = server->kv_.get();
-  server->world_->set_generation_listener(
-      [kv](int64_t generation) { kv->SetCurrentGeneration(generation); });
+  PlanManager* plan = server->plan_.get();
+  server->world_->set_generation_listener([kv, plan](int64_t generation) {
+    kv->SetCurrentGeneration(generation);
+    plan->OnGeneration(generation);
+  });
 
   const Clock clock = [] { return absl::Now(); };
   CoordinatorServer* self = server.get();
-  server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(server->world_.get(), clock);
+  server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(server->world_.get(), plan, clock);
   server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(kv, clock);
-  server->admin_service_ = std::make_unique<AdminServiceImpl>(server->world_.get(), clock, now, [self] {
+  server->admin_service_ = std::make_unique<AdminServiceImpl>(server->world_.get(), plan, clock, now, [self] {
     absl::MutexLock lock(&self->mu_);
     self->wake_ = true;
   });
@@ -87,6 +92,7 @@ void CoordinatorServer::Housekeeping() {
     const absl::Time now = absl::Now();
     world_->ExpireLeases(now);
     world_->ExpireWatches(now);
+    plan_->ExpireWaits(now);
     kv_->ExpireWaiters(now);
     if (world_->world().state == JobState::kStopped && !stopped_.HasBeenNotified()) {
       spdlog::info("job '{}' stopped: every worker has left", world_->options().job);
@@ -107,6 +113,7 @@ void CoordinatorServer::Shutdown() {
   const absl::Status closing = absl::UnavailableError("the coordinator is shutting down");
   kv_->Close(closing);
   world_->CloseWatches(closing);
+  plan_->CloseWaits(closing);
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
 }
 

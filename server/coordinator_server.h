@@ -12,6 +12,7 @@
 #include "grpcpp/server.h"
 #include "server/coordinator_service.h"
 #include "server/kv_store_manager.h"
+#include "server/plan_manager.h"
 #include "server/store/state_store.h"
 #include "server/world_manager.h"
 
@@ -21,6 +22,7 @@ struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:7460";
   std::string state_dir;  // empty: keep state in memory only
   WorldOptions world;
+  PlanConfig plan;
   // How often leases and rendezvous waits are checked.
   absl::Duration housekeeping_interval = absl::Milliseconds(50);
 };
@@ -52,6 +54,7 @@ class CoordinatorServer {
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<WorldManager> world_;
   std::unique_ptr<KvStoreManager> kv_;
+  std::unique_ptr<PlanManager> plan_;
   std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/grpc_status.h"
+#include "proto/plan_convert.h"
 
 namespace shard {
 namespace {
@@ -64,6 +65,32 @@ JobState FromProto(v1::JobState state) {
     case v1::JOB_STATE_STOPPED: return JobState::kStopped;
     default: return JobState::kForming;
   }
+}
+
+v1::OverlapStatus ToProto(OverlapStatus status) {
+  switch (status) {
+    case OverlapStatus::kUninitialized: return v1::OVERLAP_STATUS_UNINITIALIZED;
+    case OverlapStatus::kRebuilt: return v1::OVERLAP_STATUS_DDP_HAS_REBUILT_BUCKETS;
+    case OverlapStatus::kInitialized: return v1::OVERLAP_STATUS_INITIALIZED;
+  }
+  return v1::OVERLAP_STATUS_UNSPECIFIED;
+}
+
+void FillPlan(const PlanView& view, v1::PlanResponse* response) {
+  *response->mutable_plan() = ToPlanSpec(*view.plan, view.version, view.generation);
+  response->set_status(ToProto(view.status));
+}
+
+v1::StepStats ToProto(const StepReport& report) {
+  v1::StepStats out;
+  out.set_step(report.step);
+  out.set_step_ms(report.step_ms);
+  out.set_backward_ms(report.backward_ms);
+  out.set_communication_ms(report.communication_ms);
+  out.set_hidden_ms(report.hidden_ms);
+  for (int64_t bytes : report.bucket_bytes) out.add_bucket_bytes(bytes);
+  out.set_loss(report.loss);
+  return out;
 }
 
 }  // namespace
@@ -133,6 +160,61 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Leave(grpc::CallbackServerCont
                                       request->reason(), clock_()));
 }
 
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::RegisterManifest(
+    grpc::CallbackServerContext* context, const v1::RegisterManifestRequest* request,
+    v1::PlanResponse* response) {
+  absl::StatusOr<MemberRef> member = world_->Member(request->worker_id(), request->incarnation());
+  if (!member.ok()) return Reply(context, member.status());
+  absl::StatusOr<Manifest> manifest = FromProto(request->manifest());
+  if (!manifest.ok()) return Reply(context, manifest.status());
+  absl::StatusOr<PlanView> view = plan_->RegisterManifest(*member, *manifest);
+  if (view.ok()) FillPlan(*view, response);
+  return Reply(context, view.status());
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::AckPlan(grpc::CallbackServerContext* context,
+                                                          const v1::AckPlanRequest* request,
+                                                          v1::PlanResponse* response) {
+  absl::StatusOr<MemberRef> member = world_->Member(request->worker_id(), request->incarnation());
+  if (!member.ok()) return Reply(context, member.status());
+  absl::StatusOr<PlanView> view = plan_->AckPlan(*member, request->version(), request->hash());
+  if (view.ok()) FillPlan(*view, response);
+  return Reply(context, view.status());
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportGradientOrder(
+    grpc::CallbackServerContext* context, const v1::ReportGradientOrderRequest* request,
+    v1::PlanResponse* response) {
+  absl::StatusOr<MemberRef> member = world_->Member(request->worker_id(), request->incarnation());
+  if (!member.ok()) return Reply(context, member.status());
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  plan_->ReportGradientOrder(
+      *member, request->plan_version(), {request->order().begin(), request->order().end()},
+      absl::Milliseconds(std::max<int64_t>(0, request->wait_ms())), clock_(),
+      [reactor, response](absl::StatusOr<PlanView> view) {
+        if (view.ok()) FillPlan(*view, response);
+        reactor->Finish(ToGrpcStatus(view.status()));
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportStepStats(
+    grpc::CallbackServerContext* context, const v1::ReportStepStatsRequest* request,
+    v1::ReportStepStatsResponse* /*response*/) {
+  absl::StatusOr<MemberRef> member = world_->Member(request->worker_id(), request->incarnation());
+  if (!member.ok()) return Reply(context, member.status());
+  const v1::StepStats& stats = request->stats();
+  StepReport report;
+  report.step = stats.step();
+  report.step_ms = stats.step_ms();
+  report.backward_ms = stats.backward_ms();
+  report.communication_ms = stats.communication_ms();
+  report.hidden_ms = stats.hidden_ms();
+  report.bucket_bytes.assign(stats.bucket_bytes().begin(), stats.bucket_bytes().end());
+  report.loss = stats.loss();
+  return Reply(context, plan_->ReportStepStats(*member, std::move(report)));
+}
+
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Set(grpc::CallbackServerContext* context,
                                                      const v1::KvSetRequest* request,
                                                      v1::KvSetResponse* /*response*/) {
@@ -182,6 +264,50 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
     out->mutable_self_check()->set_generation(worker.self_check.generation);
     out->mutable_self_check()->set_detail(worker.self_check.detail);
     out->set_joined_generation(worker.joined_generation);
+  }
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::GetPlan(grpc::CallbackServerContext* context,
+                                                    const v1::GetPlanRequest* /*request*/,
+                                                    v1::PlanSummary* response) {
+  std::optional<PlanView> view = plan_->Current();
+  if (!view.has_value()) {
+    return Reply(context, absl::NotFoundError("no plan yet: no worker has registered a manifest "
+                                              "in the current generation"));
+  }
+  *response = ToPlanSummary(*view->plan, *view->manifest, view->version, view->generation);
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::GetStats(grpc::CallbackServerContext* context,
+                                                     const v1::GetStatsRequest* /*request*/,
+                                                     v1::GetStatsResponse* response) {
+  const PlanStats stats = plan_->Stats();
+  response->set_status(ToProto(stats.status));
+  response->set_plan_version(stats.plan_version);
+  response->set_plan_hash(stats.plan_hash);
+  for (int rank : stats.pending_acks) response->add_pending_acks(rank);
+  for (const OrderDisagreement& d : stats.disagreements) {
+    v1::OrderDisagreement* out = response->add_disagreements();
+    out->set_rank(d.rank);
+    out->set_position(d.position);
+    out->set_expected(d.expected);
+    out->set_reported(d.reported);
+  }
+  response->set_steps_reported(stats.steps_reported);
+  response->set_mean_step_ms(stats.mean_step_ms);
+  response->set_mean_backward_ms(stats.mean_backward_ms);
+  response->set_mean_communication_ms(stats.mean_communication_ms);
+  response->set_mean_hidden_ms(stats.mean_hidden_ms);
+  response->set_overlap_fraction(stats.overlap_fraction);
+  for (int64_t bytes : stats.bucket_bytes) response->add_bucket_bytes(bytes);
+  for (const PlanStats::Rank& rank : stats.ranks) {
+    v1::RankStats* out = response->add_ranks();
+    out->set_rank(rank.rank);
+    out->set_worker_id(rank.worker_id);
+    out->set_acked_plan_version(rank.acked_version);
+    if (rank.last.has_value()) *out->mutable_last() = ToProto(*rank.last);
   }
   return Reply(context, absl::OkStatus());
 }

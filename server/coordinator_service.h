@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "server/kv_store_manager.h"
+#include "server/plan_manager.h"
 #include "server/world_manager.h"
 #include "shard/v1/coordinator.grpc.pb.h"
 
@@ -14,7 +15,8 @@ using Clock = std::function<absl::Time()>;
 
 class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
  public:
-  CoordinatorServiceImpl(WorldManager* world, Clock clock) : world_(world), clock_(clock) {}
+  CoordinatorServiceImpl(WorldManager* world, PlanManager* plan, Clock clock)
+      : world_(world), plan_(plan), clock_(clock) {}
 
   grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* context,
                                  const v1::JoinRequest* request,
@@ -28,9 +30,22 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
   grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* context,
                                   const v1::LeaveRequest* request,
                                   v1::LeaveResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterManifest(grpc::CallbackServerContext* context,
+                                             const v1::RegisterManifestRequest* request,
+                                             v1::PlanResponse* response) override;
+  grpc::ServerUnaryReactor* AckPlan(grpc::CallbackServerContext* context,
+                                    const v1::AckPlanRequest* request,
+                                    v1::PlanResponse* response) override;
+  grpc::ServerUnaryReactor* ReportGradientOrder(grpc::CallbackServerContext* context,
+                                                const v1::ReportGradientOrderRequest* request,
+                                                v1::PlanResponse* response) override;
+  grpc::ServerUnaryReactor* ReportStepStats(grpc::CallbackServerContext* context,
+                                            const v1::ReportStepStatsRequest* request,
+                                            v1::ReportStepStatsResponse* response) override;
 
  private:
   WorldManager* world_;
+  PlanManager* plan_;
   Clock clock_;
 };
 
@@ -56,9 +71,13 @@ class RendezvousServiceImpl final : public v1::Rendezvous::CallbackService {
 class AdminServiceImpl final : public v1::Admin::CallbackService {
  public:
   // `on_stop` runs after a stop was accepted (the server uses it to wake its housekeeping).
-  AdminServiceImpl(WorldManager* world, Clock clock, absl::Time started,
+  AdminServiceImpl(WorldManager* world, PlanManager* plan, Clock clock, absl::Time started,
                    std::function<void()> on_stop)
-      : world_(world), clock_(clock), started_(started), on_stop_(std::move(on_stop)) {}
+      : world_(world),
+        plan_(plan),
+        clock_(clock),
+        started_(started),
+        on_stop_(std::move(on_stop)) {}
 
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
                                       const v1::GetStatusRequest* request,
@@ -66,9 +85,16 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
   grpc::ServerUnaryReactor* Stop(grpc::CallbackServerContext* context,
                                  const v1::StopRequest* request,
                                  v1::StopResponse* response) override;
+  grpc::ServerUnaryReactor* GetPlan(grpc::CallbackServerContext* context,
+                                    const v1::GetPlanRequest* request,
+                                    v1::PlanSummary* response) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const v1::GetStatsRequest* request,
+                                     v1::GetStatsResponse* response) override;
 
  private:
   WorldManager* world_;
+  PlanManager* plan_;
   Clock clock_;
   absl::Time started_;
   std::function<void()> on_stop_;

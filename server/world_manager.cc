@@ -114,6 +114,20 @@ World WorldManager::WorldLocked() const {
   return world;
 }
 
+absl::StatusOr<MemberRef> WorldManager::Member(const std::string& worker_id,
+                                               uint64_t incarnation) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Worker*> worker = FindMember(worker_id, incarnation);
+  if (!worker.ok()) return worker.status();
+  const World world = WorldLocked();
+  if (world.state != JobState::kRunning) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the world is ", JobStateName(world.state), " at generation ", world.generation,
+        "; planning needs a running world"));
+  }
+  return MemberRef{worker_id, (*worker)->rank, world.generation, world.world_size};
+}
+
 World WorldManager::world() const {
   absl::ReaderMutexLock lock(&mu_);
   return WorldLocked();

@@ -62,6 +62,14 @@ struct World {
   int expected_world_size = 0;
 };
 
+// A member of the running world, as the other managers need to know it.
+struct MemberRef {
+  std::string worker_id;
+  int rank = -1;
+  int64_t generation = 0;
+  int world_size = 0;
+};
+
 struct JoinOutcome {
   int rank = -1;
   World world;
@@ -142,6 +150,10 @@ class WorldManager {
 
   // Asks every member to leave; the job is STOPPED once none is live.
   World RequestStop(const std::string& reason, absl::Time now);
+
+  // The member `worker_id` of the running world; NotFound/FailedPrecondition as Heartbeat, and
+  // FailedPrecondition while the world is not running.
+  absl::StatusOr<MemberRef> Member(const std::string& worker_id, uint64_t incarnation);
 
   World world() const;
   StatusSnapshot Status(absl::Time now) const;
