@@ -12,35 +12,52 @@ AdminClient::AdminClient(std::string address, absl::Duration rpc_timeout)
       rpc_timeout_(rpc_timeout),
       stub_(v1::Admin::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()))) {}
 
-absl::Status AdminClient::Explain(const absl::Status& status) const {
+template <typename Response, typename Rpc>
+absl::StatusOr<Response> AdminClient::Call(Rpc rpc, absl::string_view what) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
+  Response response;
+  absl::Status status = FromGrpcStatus(rpc(&context, &response), what);
   if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) {
     return absl::Status(status.code(),
                         absl::StrCat("cannot reach the coordinator at ", address_, " (",
                                      status.message(),
                                      "); is shard-coordinator running there? Check --coordinator"));
   }
-  return status;
+  if (!status.ok()) return status;
+  return response;
 }
 
 absl::StatusOr<v1::GetStatusResponse> AdminClient::GetStatus() {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
-  v1::GetStatusResponse response;
-  absl::Status status =
-      FromGrpcStatus(stub_->GetStatus(&context, v1::GetStatusRequest(), &response), "status");
-  if (!status.ok()) return Explain(status);
-  return response;
+  return Call<v1::GetStatusResponse>(
+      [&](auto* context, auto* response) {
+        return stub_->GetStatus(context, v1::GetStatusRequest(), response);
+      },
+      "status");
 }
 
 absl::StatusOr<v1::StopResponse> AdminClient::Stop(const std::string& reason) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
   v1::StopRequest request;
   request.set_reason(reason);
-  v1::StopResponse response;
-  absl::Status status = FromGrpcStatus(stub_->Stop(&context, request, &response), "stop");
-  if (!status.ok()) return Explain(status);
-  return response;
+  return Call<v1::StopResponse>(
+      [&](auto* context, auto* response) { return stub_->Stop(context, request, response); },
+      "stop");
+}
+
+absl::StatusOr<v1::PlanSummary> AdminClient::GetPlan() {
+  return Call<v1::PlanSummary>(
+      [&](auto* context, auto* response) {
+        return stub_->GetPlan(context, v1::GetPlanRequest(), response);
+      },
+      "plan");
+}
+
+absl::StatusOr<v1::GetStatsResponse> AdminClient::GetStats() {
+  return Call<v1::GetStatsResponse>(
+      [&](auto* context, auto* response) {
+        return stub_->GetStats(context, v1::GetStatsRequest(), response);
+      },
+      "stats");
 }
 
 }  // namespace shard

@@ -16,10 +16,14 @@ class AdminClient {
 
   absl::StatusOr<v1::GetStatusResponse> GetStatus();
   absl::StatusOr<v1::StopResponse> Stop(const std::string& reason);
+  absl::StatusOr<v1::PlanSummary> GetPlan();
+  absl::StatusOr<v1::GetStatsResponse> GetStats();
 
  private:
-  // Unreachable coordinators get an error that says so and what to check.
-  absl::Status Explain(const absl::Status& status) const;
+  // One call with the deadline; unreachable coordinators get an error that says so and what
+  // to check.
+  template <typename Response, typename Rpc>
+  absl::StatusOr<Response> Call(Rpc rpc, absl::string_view what);
 
   std::string address_;
   absl::Duration rpc_timeout_;

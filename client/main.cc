@@ -5,8 +5,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/admin_client.h"
+#include "client/plan_view.h"
 #include "client/status_view.h"
 #include "common/cli.h"
+#include "common/files.h"
+#include "common/manifest.h"
+#include "common/plan.h"
+#include "proto/plan_convert.h"
 
 namespace {
 
@@ -82,10 +87,25 @@ int WaitForReady(shard::AdminClient& admin, absl::Duration timeout) {
   }
 }
 
+// `shardctl plan --manifest FILE ...`: the plan computed here, with the coordinator's code.
+absl::StatusOr<shard::v1::PlanSummary> OfflinePlan(const std::string& manifest_file,
+                                                   const shard::PlanOptions& options) {
+  absl::StatusOr<std::string> text = shard::ReadFile(manifest_file);
+  if (!text.ok()) return text.status();
+  absl::StatusOr<shard::Manifest> manifest = shard::ParseManifestJson(*text);
+  if (!manifest.ok()) {
+    return absl::Status(manifest.status().code(),
+                        absl::StrCat(manifest_file, ": ", manifest.status().message()));
+  }
+  absl::StatusOr<shard::Plan> plan = shard::MakePlan(*manifest, options);
+  if (!plan.ok()) return plan.status();
+  return shard::ToPlanSummary(*plan, *manifest, /*version=*/0, /*generation=*/0);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"shardctl: the admin client of a Shard job (status, workers, wait, stop).", "shardctl"};
+  CLI::App app{"shardctl: the admin client of a Shard job (status, workers, wait, stop, plan, stats).", "shardctl"};
   app.require_subcommand(1);
   std::string coordinator = "127.0.0.1:7460";
   std::string timeout = "10s";
@@ -119,8 +139,63 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(shard::DurationValidator());
 
+  std::string manifest_file;
+  int plan_world_size = 0;
+  std::string plan_mode = "range";
+  double bucket_cap_mb = 25;
+  double first_bucket_cap_mb = 1;
+  CLI::App* plan_cmd = app.add_subcommand(
+      "plan",
+      "the current plan of the running job, or with --manifest a plan computed here by the "
+      "coordinator's own code: buckets, per-rank ownership, imbalance");
+  plan_cmd->add_option("--manifest", manifest_file, "plan this manifest offline (JSON file)")
+      ->check(CLI::ExistingFile);
+  plan_cmd->add_option("--world-size", plan_world_size, "ranks to plan for (with --manifest)")
+      ->check(CLI::Range(1, 1 << 20));
+  plan_cmd->add_option("--mode", plan_mode, "range or param (with --manifest)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"range", "param"}));
+  plan_cmd->add_option("--bucket-cap-mb", bucket_cap_mb, "bucket cap in MiB (with --manifest)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  plan_cmd->add_option("--first-bucket-cap-mb", first_bucket_cap_mb,
+                       "first bucket's cap in MiB (with --manifest)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  plan_cmd->add_flag("--json", json, "print JSON for scripts");
+  CLI::App* stats_cmd = app.add_subcommand(
+      "stats", "overlap status (bucket rebuild), plan acknowledgements and step statistics");
+  stats_cmd->add_flag("--json", json, "print JSON for scripts");
+
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  if (plan_cmd->parsed() && !manifest_file.empty()) {
+    if (plan_world_size < 1) {
+      std::cerr << "shardctl: plan --manifest needs --world-size\n";
+      return 2;
+    }
+    shard::PlanOptions options;
+    options.world_size = plan_world_size;
+    options.mode = *shard::ParseShardMode(plan_mode);
+    options.bucket_cap_bytes = shard::MebibytesToBytes(bucket_cap_mb);
+    options.first_bucket_cap_bytes = shard::MebibytesToBytes(first_bucket_cap_mb);
+    absl::StatusOr<shard::v1::PlanSummary> plan = OfflinePlan(manifest_file, options);
+    if (!plan.ok()) return Fail(plan.status());
+    std::cout << (json ? shard::PlanToJson(*plan).dump(2) + "\n" : shard::PlanTable(*plan));
+    return 0;
+  }
   shard::AdminClient admin(coordinator, shard::ParsedDuration(timeout));
+  if (plan_cmd->parsed()) {
+    absl::StatusOr<shard::v1::PlanSummary> plan = admin.GetPlan();
+    if (!plan.ok()) return Fail(plan.status());
+    std::cout << (json ? shard::PlanToJson(*plan).dump(2) + "\n" : shard::PlanTable(*plan));
+    return 0;
+  }
+  if (stats_cmd->parsed()) {
+    absl::StatusOr<shard::v1::GetStatsResponse> stats = admin.GetStats();
+    if (!stats.ok()) return Fail(stats.status());
+    std::cout << (json ? shard::StatsToJson(*stats).dump(2) + "\n" : shard::StatsTable(*stats));
+    return 0;
+  }
 
   if (status_cmd->parsed() || workers_cmd->parsed()) {
     absl::StatusOr<shard::v1::GetStatusResponse> status = admin.GetStatus();

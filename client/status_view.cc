@@ -29,7 +29,8 @@ std::string Ago(int64_t ms) {
   return absl::StrFormat("%.1fs ago", ms / 1000.0);
 }
 
-// Left-aligned columns, two spaces apart.
+}  // namespace
+
 std::string RenderTable(const std::vector<std::vector<std::string>>& rows) {
   std::vector<size_t> widths;
   for (const auto& row : rows) {
@@ -47,8 +48,6 @@ std::string RenderTable(const std::vector<std::vector<std::string>>& rows) {
   }
   return out;
 }
-
-}  // namespace
 
 std::string EnumWord(const std::string& enum_name, const std::string& prefix) {
   std::string word = absl::StartsWith(enum_name, prefix) ? enum_name.substr(prefix.size())

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "nlohmann/json.hpp"
 #include "shard/v1/coordinator.pb.h"
@@ -16,6 +17,9 @@ nlohmann::json StatusToJson(const v1::GetStatusResponse& status);
 // One header line about the job, then the workers table.
 std::string StatusTable(const v1::GetStatusResponse& status);
 std::string WorkersTable(const v1::GetStatusResponse& status);
+
+// Left-aligned columns, two spaces apart; the first row is the header.
+std::string RenderTable(const std::vector<std::vector<std::string>>& rows);
 
 // "JOB_STATE_RUNNING" -> "running".
 std::string EnumWord(const std::string& enum_name, const std::string& prefix);

@@ -1,6 +1,7 @@
 // Command-line helpers shared by the binaries (CLI11).
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -27,6 +28,11 @@ inline absl::Duration ParsedDuration(const std::string& value) {
   absl::Duration parsed;
   absl::ParseDuration(value, &parsed);
   return parsed;
+}
+
+// A size flag given in MiB (fractions allowed), in bytes.
+inline int64_t MebibytesToBytes(double mebibytes) {
+  return static_cast<int64_t>(mebibytes * (1 << 20) + 0.5);
 }
 
 // Parses argv; returns the process exit code when the program must stop here (--help: 0,

@@ -203,7 +203,15 @@ absl::StatusOr<Plan> MakePlan(const Manifest& manifest, const PlanOptions& optio
 
   plan.locations.assign(manifest.params.size(), ParamLocation{});
   plan.ranks.resize(world);
-  for (int r = 0; r < world; ++r) plan.ranks[r].rank = r;
+  size_t entries = 0;
+  for (const Bucket& bucket : plan.buckets) entries += bucket.entries.size();
+  for (int r = 0; r < world; ++r) {
+    plan.ranks[r].rank = r;
+    // Range mode: every rank gets a piece of nearly every bucket.
+    plan.ranks[r].ranges.reserve(options.mode == ShardMode::kRange
+                                     ? plan.buckets.size() + entries / world + 1
+                                     : entries / world + 1);
+  }
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     Bucket& bucket = plan.buckets[b];
     bucket.index = static_cast<int>(b);

@@ -39,6 +39,21 @@ int main(int argc, char** argv) {
                  "directory for the coordinator's durable state (generation, membership "
                  "history); created if missing, locked while running")
       ->capture_default_str();
+  std::string shard_mode = "range";
+  double bucket_cap_mb = 25;
+  double first_bucket_cap_mb = 1;
+  app.add_option("--shard-mode", shard_mode,
+                 "optimizer-state sharding: range (equal contiguous shards of every bucket) or "
+                 "param (whole parameters balanced over ranks)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"range", "param"}));
+  app.add_option("--bucket-cap-mb", bucket_cap_mb, "gradient bucket cap in MiB")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--first-bucket-cap-mb", first_bucket_cap_mb,
+                 "cap of the first bucket in MiB (small, so communication starts early)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--port-file", port_file,
                  "write the bound port to this file once serving (for --listen host:0)");
   app.add_option("--log-level", log_level, "trace, debug, info, warn or error")
@@ -49,6 +64,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.world.lease = shard::ParsedDuration(lease);
+  options.plan.mode = *shard::ParseShardMode(shard_mode);
+  options.plan.bucket_cap_bytes = shard::MebibytesToBytes(bucket_cap_mb);
+  options.plan.first_bucket_cap_bytes = shard::MebibytesToBytes(first_bucket_cap_mb);
 
   // Set up before any thread starts, so that only the watcher ever receives these signals.
   std::unique_ptr<shard::CoordinatorServer> server;

@@ -192,9 +192,9 @@ void PlanManager::ReportGradientOrder(const MemberRef& member, int64_t plan_vers
       const int world = plan_->options.world_size;
       rebuilt_order_ = std::move(order);
       plan_.reset();
-      const absl::Status made = EnsurePlanLocked(world);
-      result = made;
-      if (made.ok()) {
+      if (const absl::Status made = EnsurePlanLocked(world); !made.ok()) {
+        result = made;
+      } else {
         spdlog::info("buckets rebuilt from rank 0's gradient order: plan v{}, overlap status "
                      "DDP_HAS_REBUILT_BUCKETS",
                      version_);

@@ -5,10 +5,12 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "spdlog/spdlog.h"
 #include "worker/dataplane/gloo_communicator.h"
 #include "worker/dataplane/self_check.h"
+#include "worker/plan_session.h"
 
 namespace shard {
 namespace {
@@ -210,8 +212,39 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
   }
   if (!reported.ok()) return reported;
   spdlog::info("self-check passed: {}", checked->summary);
+  if (options_.manifest.has_value()) {
+    if (absl::Status planned = ApplyPlan(); !planned.ok()) return planned;
+  }
   absl::MutexLock lock(&mu_);
   communicator_generation_ = world.generation;
+  return absl::OkStatus();
+}
+
+absl::Status WorkerAgent::ApplyPlan() {
+  PlanSession session(client_.get(), options_.worker_id, incarnation_, *options_.manifest);
+  absl::StatusOr<AppliedPlan> applied = session.Register();
+  if (!applied.ok()) return applied.status();
+  auto describe = [](const AppliedPlan& p, int rank) {
+    const RankOwnership& mine = p.plan->ranks[rank];
+    return absl::StrCat("plan v", p.version, " (hash ", p.plan->hash, "): ",
+                        p.plan->buckets.size(), " buckets, this rank owns ", mine.owned_numel,
+                        " elements in ", mine.ranges.size(), " ranges, imbalance ",
+                        absl::StrFormat("%.3f", p.plan->imbalance), ", overlap status ",
+                        v1::OverlapStatus_Name(p.status));
+  };
+  int rank = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    rank = world_.rank;
+  }
+  spdlog::info("applied {}", describe(*applied, rank));
+  if (applied->status != v1::OVERLAP_STATUS_UNINITIALIZED) return absl::OkStatus();
+  // No model runs in this worker, so the first iteration's gradients become ready in the
+  // order a sequential backward produces: the plan's default, reverse registration order.
+  absl::StatusOr<AppliedPlan> rebuilt = session.Rebuild(
+      applied->version, applied->plan->options.gradient_order, options_.collective_timeout);
+  if (!rebuilt.ok()) return rebuilt.status();
+  spdlog::info("applied rebuilt {}", describe(*rebuilt, rank));
   return absl::OkStatus();
 }
 

@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/manifest.h"
 #include "worker/coordinator_client.h"
 #include "worker/dataplane/communicator.h"
 
@@ -24,6 +25,9 @@ struct WorkerOptions {
   absl::Duration coordinator_timeout = absl::Seconds(60);
   absl::Duration collective_timeout = absl::Seconds(60);
   size_t self_check_elements = 1 << 16;
+  // A model's parameter manifest to plan for; without a model attached, the gradient order
+  // reported after the "first iteration" is that of a sequential backward.
+  std::optional<Manifest> manifest;
 };
 
 class WorkerAgent {
@@ -53,6 +57,8 @@ class WorkerAgent {
   void UpdateWorld(const v1::WorldView& world, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Builds and self-checks the communicator of `world`; Aborted if the generation moved on.
   absl::Status ConnectGeneration(const WorldSnapshot& world);
+  // Registers the manifest, applies the plan, and after the first iteration the rebuilt one.
+  absl::Status ApplyPlan();
   void Fail(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Leave();
 

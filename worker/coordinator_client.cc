@@ -133,6 +133,50 @@ absl::Status CoordinatorClient::Leave(const v1::LeaveRequest& request) {
       .status();
 }
 
+absl::StatusOr<v1::PlanResponse> CoordinatorClient::RegisterManifest(
+    const v1::RegisterManifestRequest& request) {
+  grpc::ClientContext context;
+  return UnaryCall<v1::PlanResponse>(
+      &context,
+      [&](auto* context, auto* response) {
+        return coordinator_->RegisterManifest(context, request, response);
+      },
+      rpc_timeout_, absl::StrCat("manifest registration at ", address_));
+}
+
+absl::StatusOr<v1::PlanResponse> CoordinatorClient::AckPlan(const v1::AckPlanRequest& request) {
+  grpc::ClientContext context;
+  return UnaryCall<v1::PlanResponse>(
+      &context,
+      [&](auto* context, auto* response) {
+        return coordinator_->AckPlan(context, request, response);
+      },
+      rpc_timeout_, absl::StrCat("plan acknowledgement at ", address_));
+}
+
+absl::StatusOr<v1::PlanResponse> CoordinatorClient::ReportGradientOrder(
+    const v1::ReportGradientOrderRequest& request) {
+  grpc::ClientContext context;
+  return UnaryCall<v1::PlanResponse>(
+      &context,
+      [&](auto* context, auto* response) {
+        return coordinator_->ReportGradientOrder(context, request, response);
+      },
+      absl::Milliseconds(request.wait_ms()) + rpc_timeout_,
+      absl::StrCat("gradient order report at ", address_));
+}
+
+absl::Status CoordinatorClient::ReportStepStats(const v1::ReportStepStatsRequest& request) {
+  grpc::ClientContext context;
+  return UnaryCall<v1::ReportStepStatsResponse>(
+             &context,
+             [&](auto* context, auto* response) {
+               return coordinator_->ReportStepStats(context, request, response);
+             },
+             rpc_timeout_, absl::StrCat("step statistics report at ", address_))
+      .status();
+}
+
 std::unique_ptr<RendezvousClient> CoordinatorClient::RendezvousStore(
     const v1::RendezvousScope& scope) {
   return std::make_unique<RendezvousClient>(rendezvous_, scope, address_, rpc_timeout_);

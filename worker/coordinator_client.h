@@ -51,6 +51,12 @@ class CoordinatorClient {
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
   absl::Status ReportSelfCheck(const v1::ReportSelfCheckRequest& request);
   absl::Status Leave(const v1::LeaveRequest& request);
+  absl::StatusOr<v1::PlanResponse> RegisterManifest(const v1::RegisterManifestRequest& request);
+  absl::StatusOr<v1::PlanResponse> AckPlan(const v1::AckPlanRequest& request);
+  // Held by the coordinator up to request.wait_ms(); the deadline allows for that.
+  absl::StatusOr<v1::PlanResponse> ReportGradientOrder(
+      const v1::ReportGradientOrderRequest& request);
+  absl::Status ReportStepStats(const v1::ReportStepStatsRequest& request);
 
   // The rendezvous store of one generation, for the data path.
   std::unique_ptr<RendezvousClient> RendezvousStore(const v1::RendezvousScope& scope);

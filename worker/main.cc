@@ -7,7 +7,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/cli.h"
+#include "common/files.h"
 #include "common/logging.h"
+#include "common/manifest.h"
 #include "common/names.h"
 #include "common/signal_watcher.h"
 #include "spdlog/spdlog.h"
@@ -60,6 +62,11 @@ int main(int argc, char** argv) {
                  "f32 elements in the self-check all-reduce")
       ->capture_default_str()
       ->check(CLI::Range(size_t{1}, size_t{1} << 28));
+  std::string manifest_file;
+  app.add_option("--manifest", manifest_file,
+                 "parameter manifest (JSON) to register and plan for, "
+                 "{\"params\": [{\"name\": ..., \"shape\": [...], \"dtype\": \"f32\"}]}")
+      ->check(CLI::ExistingFile);
   app.add_option("--log-level", log_level, "trace, debug, info, warn or error")
       ->capture_default_str();
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
@@ -80,6 +87,17 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (rank >= 0) options.rank = rank;
+  if (!manifest_file.empty()) {
+    absl::StatusOr<std::string> text = shard::ReadFile(manifest_file);
+    absl::StatusOr<shard::Manifest> manifest =
+        text.ok() ? shard::ParseManifestJson(*text) : absl::StatusOr<shard::Manifest>(text.status());
+    if (!manifest.ok()) {
+      std::fprintf(stderr, "shard-worker: --manifest %s: %s\n", manifest_file.c_str(),
+                   std::string(manifest.status().message()).c_str());
+      return 2;
+    }
+    options.manifest = std::move(*manifest);
+  }
   options.coordinator_timeout = shard::ParsedDuration(coordinator_timeout);
   options.collective_timeout = shard::ParsedDuration(collective_timeout);
 

@@ -138,6 +138,77 @@ TEST_F(ClusterTest, ThreeWorkersFormAWorldAndAKilledOneIsDeclaredDeadWithinTheLe
   }
 }
 
+TEST_F(ClusterTest, WorkersRegisterAManifestAndReachInitializedWithPlanVersionTwo) {
+  const std::string manifest = absl::StrCat(dir_, "/manifest.json");
+  std::ofstream(manifest) << R"({"params": [
+    {"name": "layers.0.weight", "shape": [512, 256]}, {"name": "layers.0.bias", "shape": [512]},
+    {"name": "layers.1.weight", "shape": [64, 512]}, {"name": "layers.1.bias", "shape": [64]}]})";
+  StartCoordinator(3);
+  std::vector<Process> workers;
+  for (int i = 0; i < 3; ++i) {
+    workers.push_back(StartWorker(absl::StrCat("w", i), {"--manifest", manifest}));
+  }
+  nlohmann::json stats;
+  ASSERT_TRUE(Eventually(
+      [&] {
+        CommandResult result = RunCommand(
+            {BinaryPath("shardctl"), "--coordinator", address_, "stats", "--json"},
+            absl::Seconds(10));
+        if (result.exit_code != 0) return false;
+        stats = nlohmann::json::parse(result.output, nullptr, false);
+        return !stats.is_discarded() && stats["status"] == "initialized";
+      },
+      absl::Seconds(30)))
+      << stats.dump(2) << coordinator_->Log();
+  EXPECT_EQ(stats["plan_version"], 2);
+  EXPECT_TRUE(stats["pending_acks"].empty());
+  ASSERT_EQ(stats["ranks"].size(), 3u);
+  for (const nlohmann::json& rank : stats["ranks"]) EXPECT_EQ(rank["acked_plan_version"], 2);
+  // Every worker computed the plan itself and arrived at the coordinator's hash.
+  const std::string hash = stats["plan_hash"];
+  for (Process& worker : workers) {
+    EXPECT_NE(worker.Log().find(absl::StrCat("applied rebuilt plan v2 (hash ", hash)),
+              std::string::npos)
+        << worker.Log();
+  }
+  CommandResult plan = RunCommand(
+      {BinaryPath("shardctl"), "--coordinator", address_, "plan", "--json"}, absl::Seconds(10));
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  nlohmann::json summary = nlohmann::json::parse(plan.output);
+  EXPECT_EQ(summary["hash"], hash);
+  EXPECT_EQ(summary["world_size"], 3);
+  int64_t owned = 0;
+  for (const nlohmann::json& rank : summary["ranks"]) owned += rank["owned_numel"].get<int64_t>();
+  EXPECT_EQ(owned, 512 * 256 + 512 + 64 * 512 + 64);
+  CommandResult stop = RunCommand({BinaryPath("shardctl"), "--coordinator", address_, "stop"},
+                                  absl::Seconds(30));
+  EXPECT_EQ(stop.exit_code, 0) << stop.output;
+}
+
+TEST_F(ClusterTest, OfflinePlanningUsesTheSameCodeAndValidatesInput) {
+  const std::string manifest = absl::StrCat(dir_, "/manifest.json");
+  std::ofstream(manifest) << R"({"params": [{"name": "w", "shape": [1000, 100]},
+                                             {"name": "b", "shape": [1000]}]})";
+  CommandResult plan = RunCommand({BinaryPath("shardctl"), "plan", "--manifest", manifest,
+                                   "--world-size", "4", "--mode", "param", "--json"},
+                                  absl::Seconds(10));
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  nlohmann::json summary = nlohmann::json::parse(plan.output);
+  EXPECT_EQ(summary["mode"], "param");
+  EXPECT_EQ(summary["ranks"].size(), 4u);
+  EXPECT_DOUBLE_EQ(summary["imbalance"].get<double>(), 100000.0 * 4 / 101000.0);
+
+  std::ofstream(manifest, std::ios::trunc) << R"({"params": [{"name": "w", "shape": [0]}]})";
+  CommandResult bad = RunCommand(
+      {BinaryPath("shardctl"), "plan", "--manifest", manifest, "--world-size", "4"},
+      absl::Seconds(10));
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.output.find("dimension 0 of size 0"), std::string::npos) << bad.output;
+  CommandResult no_world = RunCommand({BinaryPath("shardctl"), "plan", "--manifest", manifest},
+                                      absl::Seconds(10));
+  EXPECT_EQ(no_world.exit_code, 2) << no_world.output;
+}
+
 TEST_F(ClusterTest, SigtermMakesAWorkerLeaveCleanly) {
   StartCoordinator(1);
   Process worker = StartWorker("solo");

@@ -10,6 +10,7 @@
 #include "worker/coordinator_client.h"
 #include "worker/dataplane/gloo_communicator.h"
 #include "worker/dataplane/self_check.h"
+#include "worker/plan_session.h"
 
 namespace shard {
 namespace {
@@ -183,6 +184,80 @@ TEST_F(CoordinatorServiceTest, StateDirectoryIsLockedWhileServing) {
   options.world.expected_world_size = 3;
   auto second = CoordinatorServer::Start(options);
   EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+}
+
+Manifest SmallModel() {
+  return Manifest{{ParamSpec{"layers.0.weight", {256, 128}, DataType::kFloat32, true},
+                   ParamSpec{"layers.0.bias", {256}, DataType::kFloat32, true},
+                   ParamSpec{"layers.1.weight", {10, 256}, DataType::kFloat32, true},
+                   ParamSpec{"layers.1.bias", {10}, DataType::kFloat32, true}}};
+}
+
+TEST_F(CoordinatorServiceTest, WorkersAgreeOnAPlanAndRebuildItFromRankZerosOrder) {
+  auto client = Client();
+  std::vector<std::unique_ptr<PlanSession>> sessions;
+  std::vector<int> ranks;
+  for (int i = 0; i < 3; ++i) {
+    auto joined = client->Join(JoinRequest(absl::StrCat("w", i)));
+    ASSERT_TRUE(joined.ok());
+    ranks.push_back(joined->rank());
+  }
+  for (int i = 0; i < 3; ++i) {
+    sessions.push_back(
+        std::make_unique<PlanSession>(client.get(), absl::StrCat("w", i), 1, SmallModel()));
+  }
+  std::vector<AppliedPlan> v1;
+  for (auto& session : sessions) {
+    auto applied = session->Register();
+    ASSERT_TRUE(applied.ok()) << applied.status();
+    v1.push_back(*applied);
+  }
+  EXPECT_EQ(v1[0].plan->hash, v1[2].plan->hash);
+  EXPECT_EQ(v1[0].version, 1);
+
+  // A worker with another model is turned away, naming the parameter.
+  Manifest other = SmallModel();
+  other.params[3].shape = {11};
+  PlanSession odd(client.get(), "w1", 1, other);
+  absl::StatusOr<AppliedPlan> rejected = odd.Register();
+  EXPECT_EQ(rejected.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(rejected.status().message().find("layers.1.bias"), absl::string_view::npos)
+      << rejected.status();
+
+  // Ranks other than 0 wait for rank 0's order; then all switch to v2 together.
+  const std::vector<int> observed = {0, 1, 2, 3};
+  std::vector<absl::StatusOr<AppliedPlan>> rebuilt(3, absl::UnknownError("not run"));
+  std::vector<std::thread> reporters;
+  for (int i = 0; i < 3; ++i) {
+    if (ranks[i] == 0) continue;
+    reporters.emplace_back([&, i] {
+      std::vector<int> order = observed;
+      if (ranks[i] == 2) std::swap(order[1], order[2]);  // this rank disagrees
+      rebuilt[i] = sessions[i]->Rebuild(1, order, absl::Seconds(20));
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (int i = 0; i < 3; ++i) {
+    if (ranks[i] == 0) rebuilt[i] = sessions[i]->Rebuild(1, observed, absl::Seconds(20));
+  }
+  for (std::thread& t : reporters) t.join();
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(rebuilt[i].ok()) << rebuilt[i].status();
+    EXPECT_EQ(rebuilt[i]->version, 2);
+    EXPECT_EQ(rebuilt[i]->plan->options.gradient_order, observed);
+  }
+
+  AdminClient admin(server_->address(), absl::Seconds(5));
+  auto stats = admin.GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->status(), v1::OVERLAP_STATUS_INITIALIZED);
+  EXPECT_EQ(stats->plan_version(), 2);
+  ASSERT_EQ(stats->disagreements_size(), 1);
+  EXPECT_EQ(stats->disagreements(0).rank(), 2);
+  auto plan = admin.GetPlan();
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->spec().hash(), rebuilt[0]->plan->hash);
+  EXPECT_EQ(plan->ranks_size(), 3);
 }
 
 }  // namespace

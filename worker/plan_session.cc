@@ -1,0 +1,59 @@
+#include "worker/plan_session.h"
+
+#include "absl/strings/str_cat.h"
+#include "proto/plan_convert.h"
+
+namespace shard {
+
+PlanSession::PlanSession(CoordinatorClient* client, std::string worker_id, uint64_t incarnation,
+                         Manifest manifest)
+    : client_(client),
+      worker_id_(std::move(worker_id)),
+      incarnation_(incarnation),
+      manifest_(std::move(manifest)) {}
+
+absl::StatusOr<AppliedPlan> PlanSession::Apply(const v1::PlanResponse& response) {
+  const v1::PlanSpec& spec = response.plan();
+  absl::StatusOr<PlanOptions> options = PlanOptionsFromSpec(spec);
+  if (!options.ok()) return options.status();
+  absl::StatusOr<Plan> plan = MakePlan(manifest_, *options);
+  if (!plan.ok()) {
+    return absl::Status(plan.status().code(), absl::StrCat("cannot compute plan v", spec.version(),
+                                                           ": ", plan.status().message()));
+  }
+  v1::AckPlanRequest ack;
+  ack.set_worker_id(worker_id_);
+  ack.set_incarnation(incarnation_);
+  ack.set_version(spec.version());
+  ack.set_hash(plan->hash);
+  // A hash that differs is refused by the coordinator with the details.
+  absl::StatusOr<v1::PlanResponse> acked = client_->AckPlan(ack);
+  if (!acked.ok()) return acked.status();
+  return AppliedPlan{std::make_shared<const Plan>(std::move(*plan)), spec.version(),
+                     acked->status()};
+}
+
+absl::StatusOr<AppliedPlan> PlanSession::Register() {
+  v1::RegisterManifestRequest request;
+  request.set_worker_id(worker_id_);
+  request.set_incarnation(incarnation_);
+  *request.mutable_manifest() = ToProto(manifest_);
+  absl::StatusOr<v1::PlanResponse> response = client_->RegisterManifest(request);
+  if (!response.ok()) return response.status();
+  return Apply(*response);
+}
+
+absl::StatusOr<AppliedPlan> PlanSession::Rebuild(int64_t version, const std::vector<int>& order,
+                                                 absl::Duration wait) {
+  v1::ReportGradientOrderRequest request;
+  request.set_worker_id(worker_id_);
+  request.set_incarnation(incarnation_);
+  request.set_plan_version(version);
+  for (int p : order) request.add_order(p);
+  request.set_wait_ms(absl::ToInt64Milliseconds(wait));
+  absl::StatusOr<v1::PlanResponse> response = client_->ReportGradientOrder(request);
+  if (!response.ok()) return response.status();
+  return Apply(*response);
+}
+
+}  // namespace shard
