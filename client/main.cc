@@ -47,8 +47,9 @@ int WaitForStop(shard::AdminClient& admin, absl::Duration timeout) {
                    "; run 'shardctl status' to see which workers are still live")));
 }
 
-// Waits until the world is formed and every member passed its self-check.
-int WaitForReady(shard::AdminClient& admin, absl::Duration timeout) {
+// Waits until the world is formed and every member passed its self-check (and, with
+// `initialized`, every worker applied the rebuilt plan).
+int WaitForReady(shard::AdminClient& admin, absl::Duration timeout, bool initialized) {
   const absl::Time give_up = absl::Now() + timeout;
   std::string last_progress;
   while (true) {
@@ -64,7 +65,13 @@ int WaitForReady(shard::AdminClient& admin, absl::Duration timeout) {
       }
     }
     const int expected = status->world().expected_world_size();
-    if (status->world().state() == shard::v1::JOB_STATE_RUNNING && ready == expected) {
+    bool planned = true;
+    if (initialized) {
+      absl::StatusOr<shard::v1::GetStatsResponse> stats = admin.GetStats();
+      if (!stats.ok()) return Fail(stats.status());
+      planned = stats->status() == shard::v1::OVERLAP_STATUS_INITIALIZED;
+    }
+    if (status->world().state() == shard::v1::JOB_STATE_RUNNING && ready == expected && planned) {
       std::cout << "ready: " << ready << "/" << expected << " workers at generation "
                 << status->world().generation() << "\n";
       return 0;
@@ -75,7 +82,8 @@ int WaitForReady(shard::AdminClient& admin, absl::Duration timeout) {
     }
     const std::string progress =
         absl::StrCat("waiting: ", status->world().world_size(), "/", expected, " joined, ", ready,
-                     " ready (generation ", status->world().generation(), ")");
+                     " ready (generation ", status->world().generation(), ")",
+                     planned ? "" : ", plan not yet initialized");
     if (progress != last_progress) std::cout << progress << "\n" << std::flush;
     last_progress = progress;
     if (absl::Now() >= give_up) {
@@ -138,6 +146,10 @@ int main(int argc, char** argv) {
   wait_cmd->add_option("--wait-timeout", ready_timeout, "give up after this long")
       ->capture_default_str()
       ->check(shard::DurationValidator());
+  bool wait_initialized = false;
+  wait_cmd->add_flag("--initialized", wait_initialized,
+                     "also wait until every worker applied the rebuilt plan (overlap status "
+                     "INITIALIZED)");
 
   std::string manifest_file;
   int plan_world_size = 0;
@@ -209,7 +221,9 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  if (wait_cmd->parsed()) return WaitForReady(admin, shard::ParsedDuration(ready_timeout));
+  if (wait_cmd->parsed()) {
+    return WaitForReady(admin, shard::ParsedDuration(ready_timeout), wait_initialized);
+  }
   if (stop_cmd->parsed()) {
     absl::StatusOr<shard::v1::StopResponse> stopped = admin.Stop(reason);
     if (!stopped.ok()) return Fail(stopped.status());

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: a coordinator and N CPU workers on 127.0.0.1 (free
-# ports), shown as they form a world and self-check their data path, then stopped with
-# shardctl. Everything it starts is stopped on exit, Ctrl-C included. Exits 0 only if the job
+# ports), shown as they form a world, self-check their data path and agree on a plan for the
+# demo MLP's parameters (widths 512,1024,1024,64), then stopped with shardctl. Everything it starts is stopped on exit, Ctrl-C included. Exits 0 only if the job
 # succeeded: the world formed, every worker passed its self-check, and all exited cleanly.
 #
 #   scripts/local-cluster.sh [--workers N] [--lease DURATION] [--keep-logs]
@@ -59,16 +59,25 @@ tail -n +1 -f --pid="$COORDINATOR_PID" "$RUN_DIR/coordinator.log" | sed -u 's/^/
 PIDS+=("$!")
 SHARDCTL=("$BIN/shardctl" --coordinator "$ADDRESS")
 
+# The demo model's parameter manifest: the brief's MLP with widths 512,1024,1024,64.
+cat >"$RUN_DIR/manifest.json" <<'JSON'
+{"params": [
+  {"name": "layers.0.weight", "shape": [1024, 512]}, {"name": "layers.0.bias", "shape": [1024]},
+  {"name": "layers.1.weight", "shape": [1024, 1024]}, {"name": "layers.1.bias", "shape": [1024]},
+  {"name": "layers.2.weight", "shape": [64, 1024]}, {"name": "layers.2.bias", "shape": [64]}]}
+JSON
+
 say "starting $WORKERS shard-worker processes"
 WORKER_PIDS=()
 for i in $(seq 0 $((WORKERS - 1))); do
-  "$BIN/shard-worker" --coordinator "$ADDRESS" --id "worker-$i" >"$RUN_DIR/worker-$i.log" 2>&1 &
+  "$BIN/shard-worker" --coordinator "$ADDRESS" --id "worker-$i" \
+    --manifest "$RUN_DIR/manifest.json" >"$RUN_DIR/worker-$i.log" 2>&1 &
   WORKER_PIDS+=("$!")
   PIDS+=("$!")
 done
 
-if ! "${SHARDCTL[@]}" wait --wait-timeout 60s; then
-  say "the world did not form with every self-check passed"
+if ! "${SHARDCTL[@]}" wait --initialized --wait-timeout 60s; then
+  say "the world did not form with every self-check passed and the plan applied"
   "${SHARDCTL[@]}" status || true
   for i in $(seq 0 $((WORKERS - 1))); do echo "--- worker-$i"; tail -5 "$RUN_DIR/worker-$i.log"; done
   exit 1
@@ -76,6 +85,11 @@ fi
 
 say "world formed: every worker passed its data-path self-check"
 "${SHARDCTL[@]}" status
+
+say "the plan every worker computed and acknowledged (buckets rebuilt from rank 0's gradient order)"
+"${SHARDCTL[@]}" plan
+echo
+"${SHARDCTL[@]}" stats
 
 say "stopping the job with shardctl stop"
 "${SHARDCTL[@]}" stop

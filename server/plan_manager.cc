@@ -161,7 +161,9 @@ absl::Status PlanManager::CheckOrderLocked(const MemberRef& member, int64_t plan
   if (plan_ == nullptr || manifest_ == nullptr) {
     return absl::FailedPreconditionError("register a manifest before reporting an order");
   }
-  if (plan_version != version_) {
+  // Once rebuilt, an order observed under an earlier plan of this generation still counts (it
+  // is compared with rank 0's); before, it must be the current plan's.
+  if (plan_version != version_ && !rebuilt_order_.has_value()) {
     return absl::AbortedError(absl::StrCat("the order was observed under plan v", plan_version,
                                            " but v", version_, " is current"));
   }

@@ -286,8 +286,15 @@ absl::Status WorkerAgent::Run() {
     absl::Status connected = ConnectGeneration(target);
     if (connected.ok()) continue;
     absl::MutexLock lock(&mu_);
+    if (absl::IsAborted(connected)) {
+      // The coordinator says the generation ended; our heartbeat may not have seen it yet.
+      auto moved_on = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || world_.generation != target.generation;
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&moved_on), 2 * heartbeat_interval_);
+    }
     if (stop_) break;
-    if (absl::IsAborted(connected) || world_.generation != target.generation) {
+    if (world_.generation != target.generation) {
       spdlog::info("generation {} ended before its data path was ready ({}); waiting for the next",
                    target.generation, connected.message());
       continue;

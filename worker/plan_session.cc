@@ -38,9 +38,18 @@ absl::StatusOr<AppliedPlan> PlanSession::Register() {
   request.set_worker_id(worker_id_);
   request.set_incarnation(incarnation_);
   *request.mutable_manifest() = ToProto(manifest_);
-  absl::StatusOr<v1::PlanResponse> response = client_->RegisterManifest(request);
-  if (!response.ok()) return response.status();
-  return Apply(*response);
+  // A rebuild may publish a newer version between our registration and our acknowledgement
+  // (a fast rank 0): the stale acknowledgement is refused, and registering again returns the
+  // new version. Registering in an ended generation is refused and ends the loop.
+  constexpr int kAttempts = 3;
+  absl::StatusOr<AppliedPlan> applied;
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    absl::StatusOr<v1::PlanResponse> response = client_->RegisterManifest(request);
+    if (!response.ok()) return response.status();
+    applied = Apply(*response);
+    if (!absl::IsAborted(applied.status())) return applied;
+  }
+  return applied;
 }
 
 absl::StatusOr<AppliedPlan> PlanSession::Rebuild(int64_t version, const std::vector<int>& order,

@@ -27,7 +27,8 @@ class PlanSession {
   PlanSession(CoordinatorClient* client, std::string worker_id, uint64_t incarnation,
               Manifest manifest);
 
-  // Registers the manifest; returns the current plan, applied and acknowledged.
+  // Registers the manifest; returns the current plan, applied and acknowledged (the newest one
+  // if a rebuild publishes a new version meanwhile).
   absl::StatusOr<AppliedPlan> Register();
   // Reports the order in which gradients became ready under plan `version` and returns the
   // rebuilt plan (rank 0's order), applied and acknowledged. Waits up to `wait` for rank 0.
