@@ -13,6 +13,7 @@ size_t DataTypeSize(DataType dtype) {
     case DataType::kFloat16: return 2;
     case DataType::kBFloat16: return 2;
     case DataType::kInt64: return 8;
+    case DataType::kFloat64: return 8;
   }
   return 0;
 }
@@ -23,17 +24,18 @@ absl::string_view DataTypeName(DataType dtype) {
     case DataType::kFloat16: return "f16";
     case DataType::kBFloat16: return "bf16";
     case DataType::kInt64: return "i64";
+    case DataType::kFloat64: return "f64";
   }
   return "unknown";
 }
 
 absl::StatusOr<DataType> ParseDataType(absl::string_view name) {
   for (DataType dtype : {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16,
-                         DataType::kInt64}) {
+                         DataType::kInt64, DataType::kFloat64}) {
     if (name == DataTypeName(dtype)) return dtype;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown dtype '", name, "'; expected one of f32, f16, bf16, i64"));
+      absl::StrCat("unknown dtype '", name, "'; expected one of f32, f16, bf16, i64, f64"));
 }
 
 float HalfToFloat(uint16_t h) {

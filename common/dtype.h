@@ -9,12 +9,12 @@
 
 namespace shard {
 
-enum class DataType : uint8_t { kFloat32, kFloat16, kBFloat16, kInt64 };
+enum class DataType : uint8_t { kFloat32, kFloat16, kBFloat16, kInt64, kFloat64 };
 
 // Bytes per element.
 size_t DataTypeSize(DataType dtype);
 
-// Lower-case short name as used in manifests and safetensors-like headers: f32, f16, bf16, i64.
+// Lower-case short name as used in manifests: f32, f16, bf16, i64, f64.
 absl::string_view DataTypeName(DataType dtype);
 
 // Inverse of DataTypeName; InvalidArgument naming the accepted values otherwise.

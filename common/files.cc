@@ -29,11 +29,6 @@ class FileDescriptor {
     if (fd_ >= 0) ::close(fd_);
   }
   int get() const { return fd_; }
-  int release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
 
  private:
   int fd_;
@@ -53,31 +48,65 @@ absl::Status WriteAll(int fd, absl::string_view data, const std::string& path) {
 
 }  // namespace
 
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
-  const std::filesystem::path target(path);
-  const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
+absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(
+    const std::string& path) {
   const std::string temp = absl::StrCat(path, ".tmp.", ::getpid());
-  {
-    FileDescriptor fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (fd.get() < 0) return ErrnoError("cannot create", temp, errno);
-    absl::Status written = WriteAll(fd.get(), contents, temp);
-    if (written.ok() && ::fsync(fd.get()) != 0) written = ErrnoError("cannot fsync", temp, errno);
-    if (written.ok() && ::close(fd.release()) != 0) {
-      written = ErrnoError("cannot close", temp, errno);
-    }
-    if (!written.ok()) {
-      ::unlink(temp.c_str());
-      return written;
-    }
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoError("cannot create", temp, errno);
+  return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, temp, fd));
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) ::unlink(temp_path_.c_str());
+}
+
+absl::Status AtomicFileWriter::Write(absl::string_view data) {
+  if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(path_, " is already committed"));
+  return WriteAll(fd_, data, temp_path_);
+}
+
+absl::Status AtomicFileWriter::Commit() {
+  if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(path_, " is already committed"));
+  if (::fsync(fd_) != 0) return ErrnoError("cannot fsync", temp_path_, errno);
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) return ErrnoError("cannot close", temp_path_, errno);
+  if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+    return ErrnoError("cannot rename temporary file onto", path_, errno);
   }
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(temp.c_str());
-    return ErrnoError("cannot rename temporary file onto", path, err);
-  }
+  committed_ = true;
+  const std::filesystem::path target(path_);
+  const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
   FileDescriptor dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir_fd.get() < 0) return ErrnoError("cannot open directory", dir, errno);
   if (::fsync(dir_fd.get()) != 0) return ErrnoError("cannot fsync directory", dir, errno);
+  return absl::OkStatus();
+}
+
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
+  absl::StatusOr<std::unique_ptr<AtomicFileWriter>> writer = AtomicFileWriter::Create(path);
+  if (!writer.ok()) return writer.status();
+  if (absl::Status written = (*writer)->Write(contents); !written.ok()) return written;
+  return (*writer)->Commit();
+}
+
+absl::Status ReadAt(int fd, uint64_t offset, void* out, size_t bytes, const std::string& path) {
+  char* dst = static_cast<char*>(out);
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd, dst, bytes, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError("cannot read", path, errno);
+    }
+    if (n == 0) {
+      return absl::DataLossError(absl::StrCat("'", path, "' ends at byte ", offset, ", ", bytes,
+                                              " bytes short of what its header promises"));
+    }
+    dst += n;
+    bytes -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
   return absl::OkStatus();
 }
 

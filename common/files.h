@@ -1,6 +1,8 @@
 // Whole-file reads and crash-safe writes.
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -9,10 +11,35 @@
 
 namespace shard {
 
-// Replaces `path` with `contents` so that a crash at any moment leaves either the old or the
-// new file, never a torn one: write to a temporary name in the same directory, fsync, rename
-// over `path`, fsync the directory.
+// Writes a file so that a crash at any moment leaves either the old file or the new one, never
+// a torn one: data goes to a temporary name in the same directory; Commit() fsyncs it, renames
+// it over the target and fsyncs the directory. Destroyed uncommitted, it removes the temporary.
+class AtomicFileWriter {
+ public:
+  static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Create(const std::string& path);
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  absl::Status Write(absl::string_view data);
+  absl::Status Commit();
+
+ private:
+  AtomicFileWriter(std::string path, std::string temp_path, int fd)
+      : path_(std::move(path)), temp_path_(std::move(temp_path)), fd_(fd) {}
+
+  std::string path_;
+  std::string temp_path_;
+  int fd_;
+  bool committed_ = false;
+};
+
+// Replaces `path` with `contents` through an AtomicFileWriter.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
+
+// Reads exactly `bytes` at `offset` of the open file `fd` (named `path` in errors); a file that
+// ends early is DataLoss.
+absl::Status ReadAt(int fd, uint64_t offset, void* out, size_t bytes, const std::string& path);
 
 // Reads all of `path`; NotFound if it does not exist.
 absl::StatusOr<std::string> ReadFile(const std::string& path);

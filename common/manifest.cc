@@ -58,9 +58,10 @@ absl::Status ValidateManifest(const Manifest& manifest) {
       }
       numel *= param.shape[d];
     }
-    if (param.dtype == DataType::kInt64) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, " has dtype i64; parameters are f32, bf16 or f16"));
+    if (param.dtype == DataType::kInt64 || param.dtype == DataType::kFloat64) {
+      return absl::InvalidArgumentError(absl::StrCat(where, " has dtype ",
+                                                     DataTypeName(param.dtype),
+                                                     "; parameters are f32, bf16 or f16"));
     }
   }
   return absl::OkStatus();

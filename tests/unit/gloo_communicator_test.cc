@@ -163,6 +163,29 @@ TEST_P(CollectivesTest, BroadcastFromEveryRootAndBarrier) {
       /*segment_bytes=*/1000);
 }
 
+TEST_P(CollectivesTest, ReduceDeliversTheSumToTheRootOnly) {
+  const int world = GetParam();
+  RunRanks(
+      world,
+      [&](GlooCommunicator& c) {
+        for (int root = 0; root < world; ++root) {
+          const size_t n = 3001;
+          std::vector<double> in(n);
+          for (size_t i = 0; i < n; ++i) in[i] = (c.rank() + 1) * 0.5 + static_cast<double>(i);
+          std::vector<double> out(n, -7.0);
+          ASSERT_TRUE(c.Reduce(in.data(), out.data(), n, DataType::kFloat64, ReduceOp::kSum, root)
+                          .ok());
+          for (size_t i = 0; i < n; ++i) {
+            const double expected =
+                c.rank() == root ? world * (world + 1) / 4.0 + world * static_cast<double>(i)
+                                 : -7.0;
+            ASSERT_EQ(out[i], expected) << "root " << root << " rank " << c.rank() << " i " << i;
+          }
+        }
+      },
+      /*segment_bytes=*/4096);
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CollectivesTest, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return absl::StrCat("ranks", info.param); });
 

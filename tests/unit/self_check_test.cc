@@ -31,6 +31,9 @@ class CorruptingCommunicator : public Communicator {
     std::memmove(recv, send, count * DataTypeSize(dtype));
     return absl::OkStatus();
   }
+  absl::Status Reduce(const void*, void*, size_t, DataType, ReduceOp, int) override {
+    return absl::UnimplementedError("unused");
+  }
   absl::Status Broadcast(void*, size_t, DataType, int) override { return absl::OkStatus(); }
   absl::Status Barrier() override { return absl::OkStatus(); }
   void Abort(absl::string_view) override {}

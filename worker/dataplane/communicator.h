@@ -35,6 +35,9 @@ class Communicator {
   // recv holds size() * send_count elements: block r is rank r's send.
   virtual absl::Status AllGather(const void* send, void* recv, size_t send_count,
                                  DataType dtype) = 0;
+  // recv on `root` = op over ranks of send (recv is only written on root; in place allowed).
+  virtual absl::Status Reduce(const void* send, void* recv, size_t count, DataType dtype,
+                              ReduceOp op, int root) = 0;
   // buffer of `root` is copied to every rank's buffer.
   virtual absl::Status Broadcast(void* buffer, size_t count, DataType dtype, int root) = 0;
   virtual absl::Status Barrier() = 0;

@@ -152,6 +152,22 @@ class GlooCommunicator::Impl {
     });
   }
 
+  absl::Status Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                      int root) {
+    if (root < 0 || root >= size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("reduce root ", root, " is not a rank of this world of ", size()));
+    }
+    return Run("reduce", [&] {
+      if (size() == 1) {
+        if (send != recv) std::memmove(recv, send, count * DataTypeSize(dtype));
+        return absl::OkStatus();
+      }
+      return ChainReduce(static_cast<const char*>(send), static_cast<char*>(recv), count, dtype,
+                         op, root);
+    });
+  }
+
   absl::Status Broadcast(void* buffer, size_t count, DataType dtype, int root) {
     if (root < 0 || root >= size()) {
       return absl::InvalidArgumentError(
@@ -389,6 +405,48 @@ class GlooCommunicator::Impl {
     return absl::OkStatus();
   }
 
+  // Pipelined chain root+1 -> root+2 -> ... -> root: each rank adds its contribution to the
+  // partial sum of a segment and forwards it as soon as it arrives; root ends with the total.
+  absl::Status ChainReduce(const char* send, char* recv, size_t count, DataType dtype,
+                           ReduceOp op, int root) {
+    const int position = Mod(rank() - root - 1);  // 0 starts the chain, size()-1 is root
+    const bool first = position == 0;
+    const bool last = position == size() - 1;
+    const size_t esize = DataTypeSize(dtype);
+    const size_t bytes = count * esize;
+    Buffers buffers(this);
+    const std::vector<Segment> layout = Segments(count, dtype);
+    char* incoming = first ? nullptr : Scratch(0, bytes);
+    char* partial = first || last ? nullptr : Scratch(2, bytes);
+    std::vector<UnboundBuffer*> received;
+    std::vector<UnboundBuffer*> sent;
+    for (const Segment& s : layout) {
+      const size_t offset = s.offset * esize;
+      const size_t length = s.count * esize;
+      if (!first) {
+        received.push_back(buffers.Make(incoming + offset, length));
+        received.back()->recv(Left(), kSlotPrefix, 0, length);
+      }
+      if (!last) {
+        char* source = first ? const_cast<char*>(send) + offset : partial + offset;
+        sent.push_back(buffers.Make(source, length));
+      }
+    }
+    for (size_t j = 0; j < layout.size(); ++j) {
+      const size_t offset = layout[j].offset * esize;
+      if (!first) {
+        if (absl::Status got = WaitRecv(received[j]); !got.ok()) return got;
+        ReduceBuffers(dtype, op, last ? recv + offset : partial + offset, send + offset,
+                      incoming + offset, layout[j].count);
+      }
+      if (!last) sent[j]->send(Right(), kSlotPrefix, 0, layout[j].count * esize);
+    }
+    for (UnboundBuffer* buffer : sent) {
+      if (absl::Status done = WaitSend(buffer); !done.ok()) return done;
+    }
+    return absl::OkStatus();
+  }
+
   // Pipelined chain root -> root+1 -> ... : each rank forwards a segment as soon as it has it.
   absl::Status ChainBroadcast(char* data, size_t count, DataType dtype, int root) {
     const int position = Mod(rank() - root);
@@ -515,6 +573,11 @@ absl::Status GlooCommunicator::ReduceScatter(const void* send, void* recv, size_
 absl::Status GlooCommunicator::AllGather(const void* send, void* recv, size_t send_count,
                                          DataType dtype) {
   return impl_->AllGather(send, recv, send_count, dtype);
+}
+
+absl::Status GlooCommunicator::Reduce(const void* send, void* recv, size_t count, DataType dtype,
+                                      ReduceOp op, int root) {
+  return impl_->Reduce(send, recv, count, dtype, op, root);
 }
 
 absl::Status GlooCommunicator::Broadcast(void* buffer, size_t count, DataType dtype, int root) {

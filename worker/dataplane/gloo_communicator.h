@@ -53,6 +53,8 @@ class GlooCommunicator : public Communicator {
                              ReduceOp op) override;
   absl::Status AllGather(const void* send, void* recv, size_t send_count,
                          DataType dtype) override;
+  absl::Status Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                      int root) override;
   absl::Status Broadcast(void* buffer, size_t count, DataType dtype, int root) override;
   absl::Status Barrier() override;
   void Abort(absl::string_view reason) override;

@@ -45,6 +45,7 @@ void ReduceBuffers(DataType dtype, ReduceOp op, void* dst, const void* a, const 
   switch (dtype) {
     case DataType::kFloat32: return ApplyOp<float>(op, dst, a, b, count);
     case DataType::kInt64: return ApplyOp<int64_t>(op, dst, a, b, count);
+    case DataType::kFloat64: return ApplyOp<double>(op, dst, a, b, count);
     case DataType::kFloat16: return ApplyOp16<HalfToFloat, FloatToHalf>(op, dst, a, b, count);
     case DataType::kBFloat16:
       return ApplyOp16<BFloat16ToFloat, FloatToBFloat16>(op, dst, a, b, count);

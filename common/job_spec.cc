@@ -1,0 +1,121 @@
+#include "common/job_spec.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/names.h"
+#include "common/safetensors.h"
+
+namespace shard {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat("job spec: ", field, " ", why));
+}
+
+}  // namespace
+
+absl::string_view OptimizerKindName(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kAdam: return "adam";
+    case OptimizerKind::kAdamW: return "adamw";
+    case OptimizerKind::kSgd: return "sgd";
+  }
+  return "unknown";
+}
+
+absl::Status ValidateJobConfig(const JobConfig& job) {
+  if (absl::Status name = ValidateName("job spec: name", job.name); !name.ok()) return name;
+  if (job.world_size < 1) return Invalid("world_size", "must be at least 1");
+  if (job.min_world_size < 1 || job.min_world_size > job.world_size) {
+    return Invalid("min_world_size", absl::StrCat("must be in [1, world_size = ", job.world_size,
+                                                  "], got ", job.min_world_size));
+  }
+  if (job.widths.size() < 2) {
+    return Invalid("model.mlp.widths", "needs at least an input and an output width");
+  }
+  for (size_t i = 0; i < job.widths.size(); ++i) {
+    if (job.widths[i] < 1 || job.widths[i] > (int64_t{1} << 24)) {
+      return Invalid("model.mlp.widths", absl::StrCat("entry ", i, " is ", job.widths[i],
+                                                      "; widths must be in [1, 2^24]"));
+    }
+  }
+  if (job.widths.back() < 2) {
+    return Invalid("model.mlp.widths", "needs at least 2 output classes");
+  }
+  if (job.data_path.empty()) return Invalid("data.path", "is required");
+  if (job.output_dir.empty()) return Invalid("output_dir", "is required");
+  const OptimizerConfig& o = job.optimizer;
+  if (!(o.lr > 0) || !std::isfinite(o.lr)) return Invalid("optimizer.lr", "must be positive");
+  if (!(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1)) {
+    return Invalid("optimizer.betas", "must be two numbers in [0, 1)");
+  }
+  if (!(o.eps > 0)) return Invalid("optimizer.eps", "must be positive");
+  if (!(o.weight_decay >= 0)) return Invalid("optimizer.weight_decay", "must be >= 0");
+  if (!(o.momentum >= 0 && o.momentum < 1)) return Invalid("optimizer.momentum", "must be in [0, 1)");
+  if (o.nesterov && (o.kind != OptimizerKind::kSgd || o.momentum <= 0)) {
+    return Invalid("optimizer.nesterov", "needs sgd with momentum > 0");
+  }
+  if (job.global_batch < 1) return Invalid("global_batch", "must be at least 1");
+  if (job.global_batch % job.world_size != 0) {
+    return Invalid("global_batch", absl::StrCat(job.global_batch, " does not divide evenly over ",
+                                                job.world_size,
+                                                " workers; use a multiple of the world size"));
+  }
+  if (job.global_batch % job.min_world_size != 0) {
+    return Invalid("global_batch", absl::StrCat(job.global_batch,
+                                                " does not divide evenly over min_world_size ",
+                                                job.min_world_size));
+  }
+  if (job.steps < 1) return Invalid("steps", "must be at least 1");
+  if (job.zero_stage < 0 || job.zero_stage > 2) {
+    return Invalid("zero_stage", absl::StrCat("must be 0, 1 or 2, got ", job.zero_stage));
+  }
+  if (job.bucket_cap_bytes < 1 || job.first_bucket_cap_bytes < 1) {
+    return Invalid("bucket_cap_mb", "must be positive");
+  }
+  if (job.precision != "fp32") {
+    return Invalid("precision", absl::StrCat("'", job.precision,
+                                             "' is not available on CPU workers; use fp32"));
+  }
+  if (!(job.grad_clip_norm >= 0)) return Invalid("grad_clip_norm", "must be >= 0 (0 = off)");
+  return absl::OkStatus();
+}
+
+Manifest MlpManifest(const std::vector<int64_t>& widths) {
+  Manifest manifest;
+  for (size_t i = 0; i + 1 < widths.size(); ++i) {
+    manifest.params.push_back(ParamSpec{absl::StrCat("layers.", i, ".weight"),
+                                        {widths[i + 1], widths[i]}, DataType::kFloat32, true});
+    manifest.params.push_back(
+        ParamSpec{absl::StrCat("layers.", i, ".bias"), {widths[i + 1]}, DataType::kFloat32, true});
+  }
+  return manifest;
+}
+
+absl::Status CheckJobData(const JobConfig& job) {
+  absl::StatusOr<std::unique_ptr<SafetensorsReader>> data = SafetensorsReader::Open(job.data_path);
+  if (!data.ok()) return data.status();
+  const TensorInfo* x = (*data)->Find("x");
+  const TensorInfo* y = (*data)->Find("y");
+  if (x == nullptr || y == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data file '", job.data_path, "' needs tensors x (F32 [N, ", job.widths.front(),
+        "]) and y (I64 [N])"));
+  }
+  if (x->shape.size() != 2 || x->shape[0] < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data file '", job.data_path, "': x must be F32 [N, in] with N >= 1"));
+  }
+  const int64_t samples = x->shape[0];
+  if (absl::StatusOr<const TensorInfo*> checked =
+          (*data)->Expect("x", DataType::kFloat32, {samples, job.widths.front()});
+      !checked.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(checked.status().message(),
+                                                   " (model.mlp.widths[0] is ", job.widths.front(),
+                                                   ")"));
+  }
+  return (*data)->Expect("y", DataType::kInt64, {samples}).status();
+}
+
+}  // namespace shard

@@ -1,0 +1,154 @@
+#include "proto/job_convert.h"
+
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "common/cli.h"
+#include "common/files.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace shard {
+namespace {
+
+absl::Status Missing(absl::string_view field) {
+  return absl::InvalidArgumentError(absl::StrCat("job spec: ", field, " is required"));
+}
+
+std::string Resolve(const std::string& path, const std::string& base_dir) {
+  if (path.empty() || base_dir.empty() || std::filesystem::path(path).is_absolute()) return path;
+  return (std::filesystem::path(base_dir) / path).lexically_normal().string();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::JobSpec> ParseJobSpecJson(absl::string_view json) {
+  v1::JobSpec spec;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  const auto parsed = google::protobuf::util::JsonStringToMessage(
+      google::protobuf::StringPiece(json.data(), json.size()), &spec, options);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec is not a valid JobSpec: ", parsed.message().as_string()));
+  }
+  return spec;
+}
+
+absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std::string& base_dir) {
+  JobConfig job;
+  if (spec.name().empty()) return Missing("name");
+  job.name = spec.name();
+  if (spec.world_size() == 0) return Missing("world_size");
+  job.world_size = spec.world_size();
+  job.min_world_size = spec.has_min_world_size() ? spec.min_world_size() : spec.world_size();
+  if (!spec.has_model() || !spec.model().has_mlp() || spec.model().mlp().widths().empty()) {
+    return Missing("model.mlp.widths");
+  }
+  job.widths.assign(spec.model().mlp().widths().begin(), spec.model().mlp().widths().end());
+  if (spec.data().path().empty()) return Missing("data.path");
+  job.data_path = Resolve(spec.data().path(), base_dir);
+  job.init_path = Resolve(spec.init().path(), base_dir);
+  job.seed = spec.seed();
+
+  const v1::OptimizerSpec& o = spec.optimizer();
+  if (o.name() == "adam") {
+    job.optimizer.kind = OptimizerKind::kAdam;
+  } else if (o.name() == "adamw") {
+    job.optimizer.kind = OptimizerKind::kAdamW;
+  } else if (o.name() == "sgd") {
+    job.optimizer.kind = OptimizerKind::kSgd;
+  } else if (o.name().empty()) {
+    return Missing("optimizer.name (adam, adamw or sgd)");
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: optimizer.name '", o.name(),
+                                                   "' is unknown; use adam, adamw or sgd"));
+  }
+  if (o.lr() == 0) return Missing("optimizer.lr");
+  job.optimizer.lr = o.lr();
+  if (o.betas_size() != 0 && o.betas_size() != 2) {
+    return absl::InvalidArgumentError("job spec: optimizer.betas needs exactly two numbers");
+  }
+  if (o.betas_size() == 2) {
+    job.optimizer.beta1 = o.betas(0);
+    job.optimizer.beta2 = o.betas(1);
+  }
+  if (o.has_eps()) job.optimizer.eps = o.eps();
+  job.optimizer.weight_decay = o.weight_decay();
+  job.optimizer.momentum = o.momentum();
+  job.optimizer.nesterov = o.nesterov();
+
+  if (spec.global_batch() == 0) return Missing("global_batch");
+  job.global_batch = spec.global_batch();
+  if (spec.steps() == 0) return Missing("steps");
+  job.steps = spec.steps();
+  if (spec.has_zero_stage()) job.zero_stage = spec.zero_stage();
+  if (!spec.shard_mode().empty()) {
+    absl::StatusOr<ShardMode> mode = ParseShardMode(spec.shard_mode());
+    if (!mode.ok()) return absl::InvalidArgumentError(absl::StrCat("job spec: ", mode.status().message()));
+    job.shard_mode = *mode;
+  }
+  if (spec.has_bucket_cap_mb()) {
+    job.bucket_cap_bytes = MebibytesToBytes(spec.bucket_cap_mb());
+  }
+  if (spec.has_first_bucket_cap_mb()) {
+    job.first_bucket_cap_bytes = MebibytesToBytes(spec.first_bucket_cap_mb());
+  }
+  if (!spec.precision().empty()) job.precision = spec.precision();
+  job.grad_clip_norm = spec.grad_clip_norm();
+  if (spec.output_dir().empty()) return Missing("output_dir");
+  job.output_dir = Resolve(spec.output_dir(), base_dir);
+  if (spec.has_overlap()) job.overlap = spec.overlap();
+  if (absl::Status valid = ValidateJobConfig(job); !valid.ok()) return valid;
+  return job;
+}
+
+v1::JobSpec ToProto(const JobConfig& job) {
+  v1::JobSpec spec;
+  spec.set_name(job.name);
+  spec.set_world_size(job.world_size);
+  spec.set_min_world_size(job.min_world_size);
+  for (int64_t w : job.widths) spec.mutable_model()->mutable_mlp()->add_widths(w);
+  spec.mutable_data()->set_path(job.data_path);
+  spec.mutable_init()->set_path(job.init_path);
+  spec.set_seed(job.seed);
+  v1::OptimizerSpec* o = spec.mutable_optimizer();
+  o->set_name(std::string(OptimizerKindName(job.optimizer.kind)));
+  o->set_lr(job.optimizer.lr);
+  o->add_betas(job.optimizer.beta1);
+  o->add_betas(job.optimizer.beta2);
+  o->set_eps(job.optimizer.eps);
+  o->set_weight_decay(job.optimizer.weight_decay);
+  o->set_momentum(job.optimizer.momentum);
+  o->set_nesterov(job.optimizer.nesterov);
+  spec.set_global_batch(job.global_batch);
+  spec.set_steps(job.steps);
+  spec.set_zero_stage(job.zero_stage);
+  spec.set_shard_mode(std::string(ShardModeName(job.shard_mode)));
+  spec.set_bucket_cap_mb(static_cast<double>(job.bucket_cap_bytes) / (1 << 20));
+  spec.set_first_bucket_cap_mb(static_cast<double>(job.first_bucket_cap_bytes) / (1 << 20));
+  spec.set_precision(job.precision);
+  spec.set_grad_clip_norm(job.grad_clip_norm);
+  spec.set_output_dir(job.output_dir);
+  spec.set_overlap(job.overlap);
+  return spec;
+}
+
+absl::StatusOr<JobConfig> LoadJobFile(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return text.status();
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpecJson(*text);
+  if (!spec.ok()) {
+    return absl::Status(spec.status().code(), absl::StrCat(path, ": ", spec.status().message()));
+  }
+  const std::string base_dir = std::filesystem::path(path).parent_path().string();
+  absl::StatusOr<JobConfig> job = JobConfigFromProto(*spec, base_dir);
+  if (!job.ok()) {
+    return absl::Status(job.status().code(), absl::StrCat(path, ": ", job.status().message()));
+  }
+  if (absl::Status data = CheckJobData(*job); !data.ok()) {
+    return absl::Status(data.code(), absl::StrCat(path, ": ", data.message()));
+  }
+  return job;
+}
+
+}  // namespace shard

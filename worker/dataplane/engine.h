@@ -1,0 +1,150 @@
+// The data-parallel engine: the worker library's public API for a model, the built-in MLP's
+// or a user's own.
+//
+//   auto engine = Engine::Create(manifest, communicator, plans, options);
+//   engine->BroadcastParameters();            // after writing initial values into param(i)
+//   for each step:
+//     forward with param(i)                   // views into the engine's flat buffers
+//     engine->StartBackward();
+//     backward: write grad(i), then MarkGradReady(i), last layers first
+//     engine->Step(&timings);                 // waits for reductions, updates, gathers
+//
+// Parameters and gradients live in per-bucket flat buffers laid out by the plan; param(i) and
+// grad(i) are views into them (valid until the next Step: the first Step rebuilds the buckets).
+// Backward overwrites each gradient (no accumulation). When a bucket's last gradient is marked
+// ready, a communication thread starts its reduction while backward continues (overlap);
+// buckets are reduced in plan order on every rank, as DDP does.
+//
+// ZeRO stages: 0 all-reduces gradients and every rank updates everything; 1 all-reduces, each
+// rank updates only what the plan makes it own and the parameters are all-gathered; 2
+// reduce-scatters (range mode) or reduces to the owner (param mode), so each rank keeps only
+// its reduced gradient shard. Optimizer state exists only for owned elements: 1/W of the total
+// plus padding at stages 1 and 2.
+//
+// The first step reduces with all-reduce at every stage and reports the gradient-ready order;
+// the rebuilt plan (the same on every rank) takes over before the first update, so no
+// optimizer state ever needs moving between layouts.
+//
+// Thread-compatible: one compute thread calls everything; the engine owns the communication
+// thread.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/job_spec.h"
+#include "common/manifest.h"
+#include "common/plan.h"
+#include "worker/dataplane/communicator.h"
+#include "worker/dataplane/optimizer.h"
+#include "worker/dataplane/plan_provider.h"
+
+namespace shard {
+
+struct EngineOptions {
+  int zero_stage = 1;
+  bool overlap = true;  // reduce buckets during backward on the communication thread
+  OptimizerConfig optimizer;
+  double grad_clip_norm = 0;  // global L2 norm; 0 = off
+};
+
+struct StepTimings {
+  double backward_ms = 0;       // StartBackward to the last MarkGradReady
+  double communication_ms = 0;  // gradient reductions, summed over buckets
+  double hidden_ms = 0;         // the part of those reductions that overlapped backward
+  double optimizer_ms = 0;
+  double gather_ms = 0;         // parameter all-gather (stages 1 and 2)
+  double grad_norm = 0;         // before clipping (0 when clipping is off)
+  std::vector<int64_t> bucket_bytes;
+  bool rebuilt = false;         // this step switched to the rebuilt plan
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(Manifest manifest,
+                                                        Communicator* communicator,
+                                                        PlanProvider* plans,
+                                                        EngineOptions options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const Manifest& manifest() const { return manifest_; }
+  const Plan& plan() const { return *plan_; }
+  int64_t plan_version() const { return plan_version_; }
+  int64_t steps_done() const { return steps_done_; }
+
+  float* param(int index);
+  float* grad(int index);
+
+  // Makes every rank's parameters rank 0's (as DDP does at construction).
+  absl::Status BroadcastParameters();
+
+  void StartBackward();
+  void MarkGradReady(int index);
+  absl::Status Step(StepTimings* timings);
+
+  // Bytes of optimizer state this rank holds, and the state's names (exp_avg, ...).
+  int64_t optimizer_state_bytes() const;
+  const std::vector<std::string>& optimizer_state_names() const {
+    return optimizer_.state_names();
+  }
+
+ private:
+  struct BucketState {
+    std::vector<float> params;
+    std::vector<float> grads;
+    std::vector<std::vector<float>> state;  // per optimizer state tensor, over the owned span
+    int64_t own_begin = 0;                  // owned span within the bucket
+    int64_t own_end = 0;
+    int pending = 0;                        // gradients not yet marked ready this step
+  };
+
+  Engine(Manifest manifest, Communicator* communicator, PlanProvider* plans,
+         EngineOptions options);
+
+  // Lays out buckets for `plan`, copying parameters (and, if asked, gradients) from the
+  // current layout when there is one.
+  void Apply(AppliedPlan applied, bool carry_gradients);
+  absl::Status ReduceBucket(int bucket);
+  void CommunicationLoop();
+  absl::Status ClipGradients(StepTimings* timings);
+  absl::Status GatherParameters();
+
+  const Manifest manifest_;
+  Communicator* const communicator_;
+  PlanProvider* const plans_;
+  const EngineOptions options_;
+  const OptimizerKernel optimizer_;
+
+  std::shared_ptr<const Plan> plan_;
+  int64_t plan_version_ = 0;
+  bool rebuilt_ = false;
+  std::vector<BucketState> buckets_;
+  std::vector<std::vector<float>> frozen_;  // parameters without gradients, by index
+  int64_t steps_done_ = 0;
+  std::vector<int> ready_order_;      // this step's MarkGradReady order
+  std::vector<bool> marked_;          // by parameter, this step
+  absl::Time backward_start_;
+  absl::Time backward_end_;
+
+  // Communication thread: reduces buckets in order as they become ready.
+  absl::Mutex mu_;
+  std::vector<bool> bucket_ready_ ABSL_GUARDED_BY(mu_);
+  int next_bucket_ ABSL_GUARDED_BY(mu_) = 0;  // next to reduce
+  int reduced_ ABSL_GUARDED_BY(mu_) = 0;      // reduced this step
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool first_step_all_reduce_ ABSL_GUARDED_BY(mu_) = true;
+  absl::Status communication_error_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<absl::Time, absl::Time>> reduce_spans_ ABSL_GUARDED_BY(mu_);
+  std::thread communication_thread_;
+};
+
+}  // namespace shard

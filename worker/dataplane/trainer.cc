@@ -1,0 +1,139 @@
+#include "worker/dataplane/trainer.h"
+
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "common/files.h"
+#include "common/safetensors.h"
+#include "worker/dataplane/mlp.h"
+#include "worker/dataplane/mlp_data.h"
+
+namespace shard {
+namespace {
+
+// Initial values: the job's init file, or torch.nn.Linear's default from the job's seed.
+absl::Status InitializeParameters(const JobConfig& job, Engine& engine) {
+  const Manifest& manifest = engine.manifest();
+  if (job.init_path.empty()) {
+    const std::vector<std::vector<float>> values = InitMlpParameters(job.widths, job.seed);
+    for (size_t i = 0; i < values.size(); ++i) {
+      std::memcpy(engine.param(static_cast<int>(i)), values[i].data(),
+                  values[i].size() * sizeof(float));
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<SafetensorsReader>> init = SafetensorsReader::Open(job.init_path);
+  if (!init.ok()) return init.status();
+  for (size_t i = 0; i < manifest.params.size(); ++i) {
+    const ParamSpec& param = manifest.params[i];
+    absl::StatusOr<const TensorInfo*> tensor =
+        (*init)->Expect(param.name, DataType::kFloat32, param.shape);
+    if (!tensor.ok()) return tensor.status();
+    if (absl::Status read = (*init)->ReadElements(**tensor, 0, param.numel(),
+                                                  engine.param(static_cast<int>(i)));
+        !read.ok()) {
+      return read;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WriteParameters(Engine& engine, const std::string& path) {
+  const Manifest& manifest = engine.manifest();
+  std::vector<TensorDecl> tensors;
+  std::vector<const void*> data;
+  for (size_t i = 0; i < manifest.params.size(); ++i) {
+    const ParamSpec& param = manifest.params[i];
+    tensors.push_back(TensorDecl{param.name, param.dtype, param.shape});
+    data.push_back(engine.param(static_cast<int>(i)));
+  }
+  return WriteSafetensors(path, tensors, data, {{"format", "pt"}, {"producer", "shard"}});
+}
+
+absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communicator,
+                                     PlanProvider& plans, const TrainerOptions& options) {
+  const int rank = communicator.rank();
+  const int world = communicator.size();
+  if (job.global_batch % world != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("global batch ", job.global_batch,
+                                                   " does not divide over ", world, " workers"));
+  }
+  absl::StatusOr<std::unique_ptr<MlpBatchReader>> data =
+      MlpBatchReader::Open(job.data_path, job.widths.front());
+  if (!data.ok()) return data.status();
+
+  EngineOptions engine_options;
+  engine_options.zero_stage = job.zero_stage;
+  engine_options.overlap = job.overlap;
+  engine_options.optimizer = job.optimizer;
+  engine_options.grad_clip_norm = job.grad_clip_norm;
+  absl::StatusOr<std::unique_ptr<Engine>> engine =
+      Engine::Create(MlpManifest(job.widths), &communicator, &plans, engine_options);
+  if (!engine.ok()) return engine.status();
+  if (absl::Status init = InitializeParameters(job, **engine); !init.ok()) return init;
+  if (absl::Status synced = (*engine)->BroadcastParameters(); !synced.ok()) return synced;
+
+  Mlp model(job.widths);
+  const int parameters = static_cast<int>((*engine)->manifest().params.size());
+  std::vector<float> x;
+  std::vector<int64_t> y;
+  std::vector<const float*> params(parameters);
+  std::vector<float*> grads(parameters);
+  const float scale = 1.0f / static_cast<float>(job.global_batch);
+  TrainResult result;
+  for (int64_t step = 0; step < job.steps; ++step) {
+    if (options.stop != nullptr && options.stop->load()) {
+      return absl::CancelledError(absl::StrCat("training stopped before step ", step + 1));
+    }
+    const absl::Time start = absl::Now();
+    if (absl::Status read = (*data)->Read(step, job.global_batch, rank, world, &x, &y);
+        !read.ok()) {
+      return read;
+    }
+    for (int i = 0; i < parameters; ++i) {
+      params[i] = (*engine)->param(i);
+      grads[i] = (*engine)->grad(i);
+    }
+    absl::StatusOr<double> loss_sum =
+        model.Forward(params, x.data(), y.data(), job.global_batch / world);
+    if (!loss_sum.ok()) {
+      return absl::Status(loss_sum.status().code(),
+                          absl::StrCat("data file '", job.data_path, "', step ", step + 1, ": ",
+                                       loss_sum.status().message()));
+    }
+    (*engine)->StartBackward();
+    Engine* e = engine->get();
+    model.Backward(params, grads, scale, [e](int index) { e->MarkGradReady(index); });
+    StepRecord record;
+    if (absl::Status stepped = (*engine)->Step(&record.timings); !stepped.ok()) return stepped;
+    // The global mean loss: every rank's share of the sum over the global batch.
+    double loss = *loss_sum / static_cast<double>(job.global_batch);
+    if (absl::Status s =
+            communicator.AllReduce(&loss, &loss, 1, DataType::kFloat64, ReduceOp::kSum);
+        !s.ok()) {
+      return s;
+    }
+    record.step = step + 1;
+    record.loss = loss;
+    record.step_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+    record.plan_version = (*engine)->plan_version();
+    if (step == 0) result.first_loss = loss;
+    result.last_loss = loss;
+    result.steps = step + 1;
+    if (options.on_step) options.on_step(record);
+  }
+  result.optimizer_state_bytes = (*engine)->optimizer_state_bytes();
+  if (rank == 0) {
+    if (absl::Status made = MakeDirectories(job.output_dir); !made.ok()) return made;
+    result.output_path = (std::filesystem::path(job.output_dir) / "final.safetensors").string();
+    if (absl::Status written = WriteParameters(**engine, result.output_path); !written.ok()) {
+      return written;
+    }
+  }
+  return result;
+}
+
+}  // namespace shard

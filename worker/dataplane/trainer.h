@@ -1,0 +1,47 @@
+// Trains the built-in MLP of a job on one rank: data slicing, forward, backward into the
+// engine's buckets, the sharded step, the global loss, and at the end the consolidated
+// parameters in output_dir/final.safetensors (written by rank 0).
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+#include "worker/dataplane/communicator.h"
+#include "worker/dataplane/engine.h"
+#include "worker/dataplane/plan_provider.h"
+
+namespace shard {
+
+struct StepRecord {
+  int64_t step = 0;       // 1-based
+  double loss = 0;        // mean cross-entropy over the global batch
+  double step_ms = 0;     // wall time of the whole step on this rank
+  StepTimings timings;
+  int64_t plan_version = 0;
+};
+
+struct TrainResult {
+  int64_t steps = 0;
+  double first_loss = 0;
+  double last_loss = 0;
+  int64_t optimizer_state_bytes = 0;  // on this rank
+  std::string output_path;            // rank 0 only
+};
+
+struct TrainerOptions {
+  // Called after every step (e.g. to log and report to the coordinator).
+  std::function<void(const StepRecord&)> on_step;
+  // Polled between steps; training stops with Cancelled once it is set.
+  const std::atomic<bool>* stop = nullptr;
+};
+
+absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communicator,
+                                     PlanProvider& plans, const TrainerOptions& options = {});
+
+// Writes the model's parameters (full tensors, manifest names) as safetensors.
+absl::Status WriteParameters(Engine& engine, const std::string& path);
+
+}  // namespace shard
