@@ -12,6 +12,9 @@
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "proto/plan_convert.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "worker/dataplane/mlp_data.h"
 
 namespace {
 
@@ -113,7 +116,8 @@ absl::StatusOr<shard::v1::PlanSummary> OfflinePlan(const std::string& manifest_f
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"shardctl: the admin client of a Shard job (status, workers, wait, stop, plan, stats).", "shardctl"};
+  CLI::App app{"shardctl: the admin client of a Shard job (status, workers, wait, stop, plan, stats) and "
+      "its tools (data generate).", "shardctl"};
   app.require_subcommand(1);
   std::string coordinator = "127.0.0.1:7460";
   std::string timeout = "10s";
@@ -179,7 +183,47 @@ int main(int argc, char** argv) {
       "stats", "overlap status (bucket rebuild), plan acknowledgements and step statistics");
   stats_cmd->add_flag("--json", json, "print JSON for scripts");
 
+  CLI::App* data_cmd = app.add_subcommand("data", "training data tools");
+  CLI::App* generate_cmd = data_cmd->add_subcommand(
+      "generate",
+      "write an MLP data file (safetensors: x F32 [N, in], y I64 [N]) whose labels come from a "
+      "seeded random teacher MLP of the given widths, so that a student can learn them");
+  data_cmd->require_subcommand(1);
+  std::string widths_text;
+  int64_t samples = 0;
+  uint64_t data_seed = 0;
+  std::string data_out;
+  generate_cmd->add_option("--widths", widths_text, "layer widths, e.g. 512,1024,64")->required();
+  generate_cmd->add_option("--samples", samples, "rows to generate")
+      ->required()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 32));
+  generate_cmd->add_option("--seed", data_seed, "generator seed")->capture_default_str();
+  generate_cmd->add_option("--out", data_out, "output file")->required();
+
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  if (generate_cmd->parsed()) {
+    std::vector<int64_t> widths;
+    for (absl::string_view part : absl::StrSplit(widths_text, ',')) {
+      int64_t width = 0;
+      if (!absl::SimpleAtoi(part, &width) || width < 1) {
+        std::cerr << "shardctl: --widths must be positive integers separated by commas, got '"
+                  << widths_text << "'\n";
+        return 2;
+      }
+      widths.push_back(width);
+    }
+    if (widths.size() < 2) {
+      std::cerr << "shardctl: --widths needs at least an input and an output width\n";
+      return 2;
+    }
+    if (absl::Status generated = shard::GenerateMlpData(widths, samples, data_seed, data_out);
+        !generated.ok()) {
+      return Fail(generated);
+    }
+    std::cout << "wrote " << samples << " samples (" << widths.front() << " features, "
+              << widths.back() << " classes) to " << data_out << "\n";
+    return 0;
+  }
   if (plan_cmd->parsed() && !manifest_file.empty()) {
     if (plan_world_size < 1) {
       std::cerr << "shardctl: plan --manifest needs --world-size\n";

@@ -35,7 +35,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   const Clock clock = [] { return absl::Now(); };
   CoordinatorServer* self = server.get();
-  server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(server->world_.get(), plan, clock);
+  server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(server->world_.get(), plan,
+                                                                       options.job, clock);
   server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(kv, clock);
   server->admin_service_ = std::make_unique<AdminServiceImpl>(server->world_.get(), plan, clock, now, [self] {
     absl::MutexLock lock(&self->mu_);

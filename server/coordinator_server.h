@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -23,6 +24,7 @@ struct CoordinatorOptions {
   std::string state_dir;  // empty: keep state in memory only
   WorldOptions world;
   PlanConfig plan;
+  std::optional<v1::JobSpec> job;  // handed to every joining worker
   // How often leases and rendezvous waits are checked.
   absl::Duration housekeeping_interval = absl::Milliseconds(50);
 };

@@ -115,6 +115,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Join(grpc::CallbackServerConte
     response->set_heartbeat_interval_ms(
         std::max<int64_t>(1, absl::ToInt64Milliseconds(options.lease / 4)));
     FillWorld(options.job, outcome->world, response->mutable_world());
+    if (job_.has_value()) *response->mutable_job_spec() = *job_;
   }
   return Reply(context, outcome.status());
 }
@@ -213,6 +214,15 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportStepStats(
   report.bucket_bytes.assign(stats.bucket_bytes().begin(), stats.bucket_bytes().end());
   report.loss = stats.loss();
   return Reply(context, plan_->ReportStepStats(*member, std::move(report)));
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportTrainingDone(
+    grpc::CallbackServerContext* context, const v1::ReportTrainingDoneRequest* request,
+    v1::ReportTrainingDoneResponse* /*response*/) {
+  std::string summary = absl::StrCat(request->steps(), " steps, final loss ", request->final_loss());
+  if (!request->output_path().empty()) absl::StrAppend(&summary, ", parameters in ", request->output_path());
+  return Reply(context, world_->ReportTrainingDone(request->worker_id(), request->incarnation(),
+                                                   summary, clock_()));
 }
 
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Set(grpc::CallbackServerContext* context,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 
 #include "server/kv_store_manager.h"
 #include "server/plan_manager.h"
@@ -15,8 +16,10 @@ using Clock = std::function<absl::Time()>;
 
 class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
  public:
-  CoordinatorServiceImpl(WorldManager* world, PlanManager* plan, Clock clock)
-      : world_(world), plan_(plan), clock_(clock) {}
+  // `job`: the training job handed to every joining worker, if any.
+  CoordinatorServiceImpl(WorldManager* world, PlanManager* plan, std::optional<v1::JobSpec> job,
+                         Clock clock)
+      : world_(world), plan_(plan), job_(std::move(job)), clock_(clock) {}
 
   grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* context,
                                  const v1::JoinRequest* request,
@@ -42,10 +45,14 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
   grpc::ServerUnaryReactor* ReportStepStats(grpc::CallbackServerContext* context,
                                             const v1::ReportStepStatsRequest* request,
                                             v1::ReportStepStatsResponse* response) override;
+  grpc::ServerUnaryReactor* ReportTrainingDone(grpc::CallbackServerContext* context,
+                                               const v1::ReportTrainingDoneRequest* request,
+                                               v1::ReportTrainingDoneResponse* response) override;
 
  private:
   WorldManager* world_;
   PlanManager* plan_;
+  std::optional<v1::JobSpec> job_;
   Clock clock_;
 };
 

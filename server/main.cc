@@ -8,6 +8,7 @@
 #include "common/logging.h"
 #include "server/coordinator_server.h"
 #include "common/signal_watcher.h"
+#include "proto/job_convert.h"
 #include "spdlog/spdlog.h"
 
 int main(int argc, char** argv) {
@@ -24,12 +25,20 @@ int main(int argc, char** argv) {
   app.add_option("--listen", options.listen_address,
                  "host:port to serve gRPC on; port 0 picks a free port (see --port-file)")
       ->capture_default_str();
-  app.add_option("--world-size", options.world.expected_world_size,
-                 "number of workers that form the world")
-      ->required()
-      ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--job-name", options.world.job, "name of the job ([A-Za-z0-9._-])")
-      ->capture_default_str();
+  std::string job_file;
+  app.add_option("--job", job_file,
+                 "training job spec (JSON, protobuf mapping of shard.v1.JobSpec); sets the job "
+                 "name, world size and planning, and is handed to every worker. Without it the "
+                 "workers only form a world and self-check their data path")
+      ->check(CLI::ExistingFile);
+  CLI::Option* world_size = app.add_option("--world-size", options.world.expected_world_size,
+                                           "number of workers that form the world (default: the "
+                                           "job's world_size)")
+                                ->check(CLI::Range(1, 1 << 20));
+  CLI::Option* job_name =
+      app.add_option("--job-name", options.world.job,
+                     "name of the job ([A-Za-z0-9._-]; default: the job spec's name)")
+          ->capture_default_str();
   app.add_option("--lease", lease,
                  "a worker silent for longer than this is declared dead (workers heartbeat "
                  "every quarter lease)")
@@ -64,9 +73,46 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.world.lease = shard::ParsedDuration(lease);
-  options.plan.mode = *shard::ParseShardMode(shard_mode);
-  options.plan.bucket_cap_bytes = shard::MebibytesToBytes(bucket_cap_mb);
-  options.plan.first_bucket_cap_bytes = shard::MebibytesToBytes(first_bucket_cap_mb);
+  if (!job_file.empty()) {
+    absl::StatusOr<shard::JobConfig> job = shard::LoadJobFile(job_file);
+    if (!job.ok()) {
+      std::fprintf(stderr, "shard-coordinator: %s\n", std::string(job.status().message()).c_str());
+      return 2;
+    }
+    if (world_size->count() > 0 && options.world.expected_world_size != job->world_size) {
+      std::fprintf(stderr,
+                   "shard-coordinator: --world-size %d disagrees with the job's world_size %d\n",
+                   options.world.expected_world_size, job->world_size);
+      return 2;
+    }
+    if (job_name->count() > 0 && options.world.job != job->name) {
+      std::fprintf(stderr, "shard-coordinator: --job-name %s disagrees with the job's name %s\n",
+                   options.world.job.c_str(), job->name.c_str());
+      return 2;
+    }
+    options.world.job = job->name;
+    options.world.expected_world_size = job->world_size;
+    options.plan.mode = job->shard_mode;
+    options.plan.bucket_cap_bytes = job->bucket_cap_bytes;
+    options.plan.first_bucket_cap_bytes = job->first_bucket_cap_bytes;
+    options.job = shard::ToProto(*job);
+    for (const char* flag : {"--shard-mode", "--bucket-cap-mb", "--first-bucket-cap-mb"}) {
+      if (app.count(flag) > 0) {
+        std::fprintf(stderr, "shard-coordinator: %s comes from the job spec when --job is given\n",
+                     flag);
+        return 2;
+      }
+    }
+  } else {
+    if (world_size->count() == 0) {
+      std::fprintf(stderr, "shard-coordinator: give --job FILE or --world-size N (see --help)\n");
+      return 2;
+    }
+    options.plan.mode = *shard::ParseShardMode(shard_mode);
+    options.plan.bucket_cap_bytes = shard::MebibytesToBytes(bucket_cap_mb);
+    options.plan.first_bucket_cap_bytes = shard::MebibytesToBytes(first_bucket_cap_mb);
+  }
+
 
   // Set up before any thread starts, so that only the watcher ever receives these signals.
   std::unique_ptr<shard::CoordinatorServer> server;

@@ -537,52 +537,44 @@ World WorldManager::RequestStopLocked(const std::string& reason, absl::Time now)
 }
 
 absl::StatusOr<JoinOutcome> WorldManager::Join(const JoinParams& params, absl::Time now) {
-  std::vector<Answer> answers;
-  absl::StatusOr<JoinOutcome> result;
-  {
-    absl::MutexLock lock(&mu_);
-    result = JoinLocked(params, now);
-    answers = TakeChangedWatchesLocked();
-  }
-  Deliver(std::move(answers));
-  return result;
+  return Mutate([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return JoinLocked(params, now); });
 }
 
 absl::Status WorldManager::Leave(const std::string& worker_id, uint64_t incarnation,
                                  const std::string& reason, absl::Time now) {
-  std::vector<Answer> answers;
-  absl::Status result;
-  {
-    absl::MutexLock lock(&mu_);
-    result = LeaveLocked(worker_id, incarnation, reason, now);
-    answers = TakeChangedWatchesLocked();
-  }
-  Deliver(std::move(answers));
-  return result;
+  return Mutate([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return LeaveLocked(worker_id, incarnation, reason, now); });
 }
 
 std::vector<std::string> WorldManager::ExpireLeases(absl::Time now) {
-  std::vector<Answer> answers;
-  std::vector<std::string> result;
-  {
-    absl::MutexLock lock(&mu_);
-    result = ExpireLeasesLocked(now);
-    answers = TakeChangedWatchesLocked();
-  }
-  Deliver(std::move(answers));
-  return result;
+  return Mutate([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ExpireLeasesLocked(now); });
 }
 
 World WorldManager::RequestStop(const std::string& reason, absl::Time now) {
-  std::vector<Answer> answers;
-  World result;
-  {
-    absl::MutexLock lock(&mu_);
-    result = RequestStopLocked(reason, now);
-    answers = TakeChangedWatchesLocked();
+  return Mutate([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return RequestStopLocked(reason, now); });
+}
+
+absl::Status WorldManager::ReportTrainingDoneLocked(const std::string& worker_id,
+                                                    uint64_t incarnation,
+                                                    const std::string& summary, absl::Time now) {
+  absl::StatusOr<Worker*> worker = FindMember(worker_id, incarnation);
+  if (!worker.ok()) return worker.status();
+  (*worker)->last_heartbeat = now;
+  (*worker)->done_generation = state_.generation();
+  spdlog::info("worker {} (rank {}) finished training: {}", worker_id, (*worker)->rank, summary);
+  for (const std::string& id : rank_holders_) {
+    if (id.empty() || workers_.at(id).done_generation != state_.generation()) {
+      return absl::OkStatus();
+    }
   }
-  Deliver(std::move(answers));
-  return result;
+  if (WorldLocked().state == JobState::kRunning) {
+    RequestStopLocked(absl::StrCat("training finished (", summary, ")"), now);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorldManager::ReportTrainingDone(const std::string& worker_id, uint64_t incarnation,
+                                              const std::string& summary, absl::Time now) {
+  return Mutate([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ReportTrainingDoneLocked(worker_id, incarnation, summary, now); });
 }
 
 void WorldManager::PruneDepartedLocked() {

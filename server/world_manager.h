@@ -144,6 +144,10 @@ class WorldManager {
                                absl::Time now);
   absl::Status Leave(const std::string& worker_id, uint64_t incarnation,
                      const std::string& reason, absl::Time now);
+  // The member finished training; once every member of the generation has, the job is
+  // stopped with `summary` as the reason.
+  absl::Status ReportTrainingDone(const std::string& worker_id, uint64_t incarnation,
+                                  const std::string& summary, absl::Time now);
 
   // Declares every member whose lease has expired dead; returns their ids.
   std::vector<std::string> ExpireLeases(absl::Time now);
@@ -174,6 +178,7 @@ class WorldManager {
     std::string departed_detail;
     SelfCheckRecord self_check;
     int64_t joined_generation = 0;
+    int64_t done_generation = 0;  // the generation in which it finished training
   };
 
   struct Watch {
@@ -201,6 +206,9 @@ class WorldManager {
   std::vector<std::string> ExpireLeasesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   World RequestStopLocked(const std::string& reason, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ReportTrainingDoneLocked(const std::string& worker_id, uint64_t incarnation,
+                                        const std::string& summary, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<HeartbeatOutcome> HeartbeatLocked(const std::string& worker_id,
                                                    uint64_t incarnation, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -213,6 +221,19 @@ class WorldManager {
   // Moves the watches whose world changed (or all, or those past `now`) into answers.
   std::vector<Answer> TakeChangedWatchesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void Deliver(std::vector<Answer> answers);
+  // Runs `change` under the lock, then answers the watches the change concerns.
+  template <typename Change>
+  auto Mutate(Change change) -> decltype(change()) {
+    std::vector<Answer> answers;
+    decltype(change()) result;
+    {
+      absl::MutexLock lock(&mu_);
+      result = change();
+      answers = TakeChangedWatchesLocked();
+    }
+    Deliver(std::move(answers));
+    return result;
+  }
 
   World WorldLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   int LiveCount() const ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -6,10 +6,13 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "proto/job_convert.h"
 #include "common/logging.h"
 #include "spdlog/spdlog.h"
 #include "worker/dataplane/gloo_communicator.h"
 #include "worker/dataplane/self_check.h"
+#include "worker/dataplane/trainer.h"
 #include "worker/plan_session.h"
 
 namespace shard {
@@ -31,8 +34,13 @@ WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClien
 
 void WorkerAgent::RequestStop(const std::string& reason) {
   absl::MutexLock lock(&mu_);
+  SetStop(reason);
+}
+
+void WorkerAgent::SetStop(const std::string& reason) {
   if (stop_) return;
   stop_ = true;
+  stop_requested_ = true;
   stop_reason_ = reason;
   // Whatever the data path is blocked in must give way now.
   if (communicator_ != nullptr) communicator_->Abort(absl::StrCat("worker stopping: ", reason));
@@ -81,6 +89,15 @@ absl::Status WorkerAgent::JoinWithRetry() {
     absl::MutexLock lock(&mu_);
     if (joined.ok()) {
       heartbeat_interval_ = absl::Milliseconds(joined->heartbeat_interval_ms());
+      if (joined->has_job_spec() && !job_.has_value()) {
+        absl::StatusOr<JobConfig> job = JobConfigFromProto(joined->job_spec(), "");
+        if (!job.ok()) {
+          return absl::Status(job.status().code(),
+                              absl::StrCat("the coordinator's job spec is not usable here: ",
+                                           job.status().message()));
+        }
+        job_ = std::move(*job);
+      }
       UpdateWorld(joined->world(), joined->rank());
       spdlog::info("joined job '{}' as rank {} (lease {}ms)", joined->job(), joined->rank(),
                    joined->lease_ms());
@@ -127,10 +144,7 @@ void WorkerAgent::HeartbeatLoop() {
       UpdateWorld(beat->world(), beat->rank());
       if (beat->order().kind() == v1::ORDER_KIND_STOP && !stop_) {
         spdlog::info("coordinator ordered a stop: {}", beat->order().reason());
-        stop_ = true;
-        stop_reason_ = beat->order().reason();
-        if (communicator_ != nullptr) communicator_->Abort("job stopping");
-        if (rendezvous_ != nullptr) rendezvous_->Cancel();
+        SetStop(beat->order().reason());
       }
       continue;
     }
@@ -212,7 +226,14 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
   }
   if (!reported.ok()) return reported;
   spdlog::info("self-check passed: {}", checked->summary);
-  if (options_.manifest.has_value()) {
+  std::optional<JobConfig> job;
+  {
+    absl::MutexLock lock(&mu_);
+    job = job_;
+  }
+  if (job.has_value() && !trained_) {
+    if (absl::Status trained = Train(*job, world.rank); !trained.ok()) return trained;
+  } else if (options_.manifest.has_value()) {
     if (absl::Status planned = ApplyPlan(); !planned.ok()) return planned;
   }
   absl::MutexLock lock(&mu_);
@@ -220,17 +241,88 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
   return absl::OkStatus();
 }
 
+absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
+  std::shared_ptr<Communicator> communicator;
+  {
+    absl::MutexLock lock(&mu_);
+    communicator = communicator_;
+  }
+  PlanSession plans(client_.get(), options_.worker_id, incarnation_,
+                    options_.collective_timeout);
+  const int64_t log_every = std::max<int64_t>(1, job.steps / 50);
+  TrainerOptions trainer;
+  trainer.stop = &stop_requested_;
+  trainer.on_step = [&](const StepRecord& record) {
+    const StepTimings& t = record.timings;
+    if (rank == 0 && (record.step % log_every == 0 || record.step == 1 || record.step == job.steps)) {
+      spdlog::info("step {}/{} loss {:.6f} ({:.1f} ms: backward {:.1f} ms, reduction {:.1f} ms of "
+                   "which {:.0f}% hidden, update {:.2f} ms, gather {:.1f} ms; plan v{}{})",
+                   record.step, job.steps, record.loss, record.step_ms, t.backward_ms,
+                   t.communication_ms,
+                   t.communication_ms > 0 ? 100 * t.hidden_ms / t.communication_ms : 0.0,
+                   t.optimizer_ms, t.gather_ms, record.plan_version,
+                   t.rebuilt ? ", buckets rebuilt" : "");
+    }
+    v1::ReportStepStatsRequest report;
+    report.set_worker_id(options_.worker_id);
+    report.set_incarnation(incarnation_);
+    v1::StepStats* stats = report.mutable_stats();
+    stats->set_step(record.step);
+    stats->set_step_ms(record.step_ms);
+    stats->set_backward_ms(t.backward_ms);
+    stats->set_communication_ms(t.communication_ms);
+    stats->set_hidden_ms(t.hidden_ms);
+    for (int64_t bytes : t.bucket_bytes) stats->add_bucket_bytes(bytes);
+    stats->set_loss(record.loss);
+    if (absl::Status sent = client_->ReportStepStats(report); !sent.ok()) {
+      spdlog::warn("could not report step {}: {}", record.step, sent.message());
+    }
+  };
+  spdlog::info("training job '{}': MLP {}, {} steps, global batch {}, {} with lr {}, ZeRO stage "
+               "{}, {} shards, overlap {}",
+               job.name, absl::StrJoin(job.widths, "x"), job.steps, job.global_batch,
+               OptimizerKindName(job.optimizer.kind), job.optimizer.lr, job.zero_stage,
+               ShardModeName(job.shard_mode), job.overlap ? "on" : "off");
+  absl::StatusOr<TrainResult> result = TrainMlp(job, *communicator, plans, trainer);
+  if (!result.ok()) {
+    if (stop_requested_) return absl::CancelledError(result.status().message());
+    if (absl::IsAborted(result.status())) {
+      // A membership change mid-training: without a checkpoint there is nothing to resume
+      // from, and starting over silently would be wrong.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "training was interrupted by a membership change (", result.status().message(),
+          "); the job cannot resume without a checkpoint"));
+    }
+    return absl::Status(result.status().code(),
+                        absl::StrCat("training failed: ", result.status().message()));
+  }
+  trained_ = true;
+  spdlog::info("training finished: {} steps, loss {:.6f} -> {:.6f}, optimizer state {} bytes on "
+               "this rank{}",
+               result->steps, result->first_loss, result->last_loss,
+               result->optimizer_state_bytes,
+               result->output_path.empty() ? "" : ", parameters written to " + result->output_path);
+  v1::ReportTrainingDoneRequest done;
+  done.set_worker_id(options_.worker_id);
+  done.set_incarnation(incarnation_);
+  done.set_steps(result->steps);
+  done.set_final_loss(result->last_loss);
+  done.set_output_path(result->output_path);
+  return client_->ReportTrainingDone(done);
+}
+
 absl::Status WorkerAgent::ApplyPlan() {
-  PlanSession session(client_.get(), options_.worker_id, incarnation_, *options_.manifest);
-  absl::StatusOr<AppliedPlan> applied = session.Register();
+  PlanSession session(client_.get(), options_.worker_id, incarnation_,
+                      options_.collective_timeout);
+  absl::StatusOr<AppliedPlan> applied = session.Initial(*options_.manifest);
   if (!applied.ok()) return applied.status();
   auto describe = [](const AppliedPlan& p, int rank) {
     const RankOwnership& mine = p.plan->ranks[rank];
     return absl::StrCat("plan v", p.version, " (hash ", p.plan->hash, "): ",
                         p.plan->buckets.size(), " buckets, this rank owns ", mine.owned_numel,
                         " elements in ", mine.ranges.size(), " ranges, imbalance ",
-                        absl::StrFormat("%.3f", p.plan->imbalance), ", overlap status ",
-                        v1::OverlapStatus_Name(p.status));
+                        absl::StrFormat("%.3f", p.plan->imbalance),
+                        p.rebuilt ? ", buckets rebuilt" : "");
   };
   int rank = 0;
   {
@@ -238,11 +330,11 @@ absl::Status WorkerAgent::ApplyPlan() {
     rank = world_.rank;
   }
   spdlog::info("applied {}", describe(*applied, rank));
-  if (applied->status != v1::OVERLAP_STATUS_UNINITIALIZED) return absl::OkStatus();
+  if (applied->rebuilt) return absl::OkStatus();
   // No model runs in this worker, so the first iteration's gradients become ready in the
   // order a sequential backward produces: the plan's default, reverse registration order.
-  absl::StatusOr<AppliedPlan> rebuilt = session.Rebuild(
-      applied->version, applied->plan->options.gradient_order, options_.collective_timeout);
+  absl::StatusOr<AppliedPlan> rebuilt =
+      session.Rebuild(applied->version, applied->plan->options.gradient_order);
   if (!rebuilt.ok()) return rebuilt.status();
   spdlog::info("applied rebuilt {}", describe(*rebuilt, rank));
   return absl::OkStatus();

@@ -2,6 +2,7 @@
 // for each generation of the world, self-check it, and leave cleanly when told to.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -10,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/job_spec.h"
 #include "common/manifest.h"
 #include "worker/coordinator_client.h"
 #include "worker/dataplane/communicator.h"
@@ -25,8 +27,9 @@ struct WorkerOptions {
   absl::Duration coordinator_timeout = absl::Seconds(60);
   absl::Duration collective_timeout = absl::Seconds(60);
   size_t self_check_elements = 1 << 16;
-  // A model's parameter manifest to plan for; without a model attached, the gradient order
-  // reported after the "first iteration" is that of a sequential backward.
+  // Without a training job from the coordinator: a parameter manifest to plan for. No model
+  // runs, so the gradient order reported after the "first iteration" is that of a sequential
+  // backward.
   std::optional<Manifest> manifest;
 };
 
@@ -59,6 +62,9 @@ class WorkerAgent {
   absl::Status ConnectGeneration(const WorldSnapshot& world);
   // Registers the manifest, applies the plan, and after the first iteration the rebuilt one.
   absl::Status ApplyPlan();
+  // Trains the job on the connected communicator and reports the result.
+  absl::Status Train(const JobConfig& job, int rank);
+  void SetStop(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Fail(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Leave();
 
@@ -74,6 +80,9 @@ class WorkerAgent {
   absl::Status fatal_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Communicator> communicator_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<RendezvousClient> rendezvous_ ABSL_GUARDED_BY(mu_);  // while connecting
+  std::optional<JobConfig> job_ ABSL_GUARDED_BY(mu_);  // from the coordinator, at join
+  bool trained_ = false;                                // the job's training has finished
+  std::atomic<bool> stop_requested_{false};             // stop_, for the training loop
   int64_t communicator_generation_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -177,6 +177,17 @@ absl::Status CoordinatorClient::ReportStepStats(const v1::ReportStepStatsRequest
       .status();
 }
 
+absl::Status CoordinatorClient::ReportTrainingDone(const v1::ReportTrainingDoneRequest& request) {
+  grpc::ClientContext context;
+  return UnaryCall<v1::ReportTrainingDoneResponse>(
+             &context,
+             [&](auto* context, auto* response) {
+               return coordinator_->ReportTrainingDone(context, request, response);
+             },
+             rpc_timeout_, absl::StrCat("training report at ", address_))
+      .status();
+}
+
 std::unique_ptr<RendezvousClient> CoordinatorClient::RendezvousStore(
     const v1::RendezvousScope& scope) {
   return std::make_unique<RendezvousClient>(rendezvous_, scope, address_, rpc_timeout_);

@@ -57,6 +57,7 @@ class CoordinatorClient {
   absl::StatusOr<v1::PlanResponse> ReportGradientOrder(
       const v1::ReportGradientOrderRequest& request);
   absl::Status ReportStepStats(const v1::ReportStepStatsRequest& request);
+  absl::Status ReportTrainingDone(const v1::ReportTrainingDoneRequest& request);
 
   // The rendezvous store of one generation, for the data path.
   std::unique_ptr<RendezvousClient> RendezvousStore(const v1::RendezvousScope& scope);

@@ -14,6 +14,7 @@
 #include "common/signal_watcher.h"
 #include "spdlog/spdlog.h"
 #include "worker/agent.h"
+#include "worker/dataplane/mlp.h"
 
 namespace {
 
@@ -29,7 +30,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "shard-worker: one data-parallel rank of a Shard job. Joins the coordinator, receives its "
       "rank, connects the data path to its peers (Gloo over TCP on CPU), self-checks it with "
-      "collectives of known result, and keeps its lease alive until the job stops.",
+      "collectives of known result, trains the coordinator's job, and keeps its lease alive "
+      "until the job stops.",
       "shard-worker"};
   shard::WorkerOptions options;
   std::string coordinator = "127.0.0.1:7460";
@@ -62,6 +64,12 @@ int main(int argc, char** argv) {
                  "f32 elements in the self-check all-reduce")
       ->capture_default_str()
       ->check(CLI::Range(size_t{1}, size_t{1} << 28));
+  int compute_threads = 1;
+  app.add_option("--compute-threads", compute_threads,
+                 "threads for the model's matrix products (OpenBLAS); keep workers x threads "
+                 "within the machine's cores")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
   std::string manifest_file;
   app.add_option("--manifest", manifest_file,
                  "parameter manifest (JSON) to register and plan for, "
@@ -87,6 +95,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (rank >= 0) options.rank = rank;
+  shard::SetComputeThreads(compute_threads);
   if (!manifest_file.empty()) {
     absl::StatusOr<std::string> text = shard::ReadFile(manifest_file);
     absl::StatusOr<shard::Manifest> manifest =

@@ -6,11 +6,11 @@
 namespace shard {
 
 PlanSession::PlanSession(CoordinatorClient* client, std::string worker_id, uint64_t incarnation,
-                         Manifest manifest)
+                         absl::Duration rebuild_wait)
     : client_(client),
       worker_id_(std::move(worker_id)),
       incarnation_(incarnation),
-      manifest_(std::move(manifest)) {}
+      rebuild_wait_(rebuild_wait) {}
 
 absl::StatusOr<AppliedPlan> PlanSession::Apply(const v1::PlanResponse& response) {
   const v1::PlanSpec& spec = response.plan();
@@ -30,10 +30,11 @@ absl::StatusOr<AppliedPlan> PlanSession::Apply(const v1::PlanResponse& response)
   absl::StatusOr<v1::PlanResponse> acked = client_->AckPlan(ack);
   if (!acked.ok()) return acked.status();
   return AppliedPlan{std::make_shared<const Plan>(std::move(*plan)), spec.version(),
-                     acked->status()};
+                     acked->status() != v1::OVERLAP_STATUS_UNINITIALIZED};
 }
 
-absl::StatusOr<AppliedPlan> PlanSession::Register() {
+absl::StatusOr<AppliedPlan> PlanSession::Initial(const Manifest& manifest) {
+  manifest_ = manifest;
   v1::RegisterManifestRequest request;
   request.set_worker_id(worker_id_);
   request.set_incarnation(incarnation_);
@@ -52,14 +53,14 @@ absl::StatusOr<AppliedPlan> PlanSession::Register() {
   return applied;
 }
 
-absl::StatusOr<AppliedPlan> PlanSession::Rebuild(int64_t version, const std::vector<int>& order,
-                                                 absl::Duration wait) {
+absl::StatusOr<AppliedPlan> PlanSession::Rebuild(int64_t version,
+                                                 const std::vector<int>& order) {
   v1::ReportGradientOrderRequest request;
   request.set_worker_id(worker_id_);
   request.set_incarnation(incarnation_);
   request.set_plan_version(version);
   for (int p : order) request.add_order(p);
-  request.set_wait_ms(absl::ToInt64Milliseconds(wait));
+  request.set_wait_ms(absl::ToInt64Milliseconds(rebuild_wait_));
   absl::StatusOr<v1::PlanResponse> response = client_->ReportGradientOrder(request);
   if (!response.ok()) return response.status();
   return Apply(*response);

@@ -1,39 +1,31 @@
-// A worker's side of planning: registers the model's manifest, recomputes the plan from the
-// coordinator's spec with the same pure function, checks that it arrives at the same hash,
-// and acknowledges it; after the first iteration, reports the gradient-ready order and applies
-// the rebuilt plan the same way.
+// A worker's side of planning, the engine's PlanProvider in a real job: registers the model's
+// manifest with the coordinator, recomputes the plan from the coordinator's spec with the same
+// pure function, and acknowledges it with the hash it got (the coordinator refuses a different
+// one); after the first iteration, reports the gradient-ready order and applies the rebuilt
+// plan the same way.
 #pragma once
 
-#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/manifest.h"
-#include "common/plan.h"
 #include "worker/coordinator_client.h"
+#include "worker/dataplane/plan_provider.h"
 
 namespace shard {
 
-struct AppliedPlan {
-  std::shared_ptr<const Plan> plan;
-  int64_t version = 0;
-  v1::OverlapStatus status = v1::OVERLAP_STATUS_UNSPECIFIED;
-};
-
-class PlanSession {
+class PlanSession : public PlanProvider {
  public:
+  // `rebuild_wait`: how long a rank waits for rank 0's order after reporting its own.
   PlanSession(CoordinatorClient* client, std::string worker_id, uint64_t incarnation,
-              Manifest manifest);
+              absl::Duration rebuild_wait);
 
-  // Registers the manifest; returns the current plan, applied and acknowledged (the newest one
-  // if a rebuild publishes a new version meanwhile).
-  absl::StatusOr<AppliedPlan> Register();
-  // Reports the order in which gradients became ready under plan `version` and returns the
-  // rebuilt plan (rank 0's order), applied and acknowledged. Waits up to `wait` for rank 0.
-  absl::StatusOr<AppliedPlan> Rebuild(int64_t version, const std::vector<int>& order,
-                                      absl::Duration wait);
+  // Registers the manifest and returns the current plan, applied and acknowledged (the newest
+  // one if a rebuild publishes a new version meanwhile).
+  absl::StatusOr<AppliedPlan> Initial(const Manifest& manifest) override;
+  absl::StatusOr<AppliedPlan> Rebuild(int64_t version, const std::vector<int>& order) override;
 
  private:
   absl::StatusOr<AppliedPlan> Apply(const v1::PlanResponse& response);
@@ -41,6 +33,7 @@ class PlanSession {
   CoordinatorClient* client_;
   std::string worker_id_;
   uint64_t incarnation_;
+  absl::Duration rebuild_wait_;
   Manifest manifest_;
 };
 

@@ -282,7 +282,7 @@ TEST_F(ClusterTest, UnknownFlagsAndBadValuesAreUsageErrors) {
   };
   const std::vector<Case> cases = {
       {{BinaryPath("shard-coordinator"), "--world-size", "2", "--bogus"}, "--bogus"},
-      {{BinaryPath("shard-coordinator")}, "--world-size is required"},
+      {{BinaryPath("shard-coordinator")}, "--job FILE or --world-size N"},
       {{BinaryPath("shard-coordinator"), "--world-size", "2", "--lease", "soon"}, "soon"},
       {{BinaryPath("shard-coordinator"), "--world-size", "0"}, "--world-size"},
       {{BinaryPath("shard-worker"), "--bogus"}, "--bogus"},

@@ -204,11 +204,11 @@ TEST_F(CoordinatorServiceTest, WorkersAgreeOnAPlanAndRebuildItFromRankZerosOrder
   }
   for (int i = 0; i < 3; ++i) {
     sessions.push_back(
-        std::make_unique<PlanSession>(client.get(), absl::StrCat("w", i), 1, SmallModel()));
+        std::make_unique<PlanSession>(client.get(), absl::StrCat("w", i), 1, absl::Seconds(20)));
   }
   std::vector<AppliedPlan> v1;
   for (auto& session : sessions) {
-    auto applied = session->Register();
+    auto applied = session->Initial(SmallModel());
     ASSERT_TRUE(applied.ok()) << applied.status();
     v1.push_back(*applied);
   }
@@ -218,8 +218,8 @@ TEST_F(CoordinatorServiceTest, WorkersAgreeOnAPlanAndRebuildItFromRankZerosOrder
   // A worker with another model is turned away, naming the parameter.
   Manifest other = SmallModel();
   other.params[3].shape = {11};
-  PlanSession odd(client.get(), "w1", 1, other);
-  absl::StatusOr<AppliedPlan> rejected = odd.Register();
+  PlanSession odd(client.get(), "w1", 1, absl::Seconds(20));
+  absl::StatusOr<AppliedPlan> rejected = odd.Initial(other);
   EXPECT_EQ(rejected.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(rejected.status().message().find("layers.1.bias"), absl::string_view::npos)
       << rejected.status();
@@ -233,12 +233,12 @@ TEST_F(CoordinatorServiceTest, WorkersAgreeOnAPlanAndRebuildItFromRankZerosOrder
     reporters.emplace_back([&, i] {
       std::vector<int> order = observed;
       if (ranks[i] == 2) std::swap(order[1], order[2]);  // this rank disagrees
-      rebuilt[i] = sessions[i]->Rebuild(1, order, absl::Seconds(20));
+      rebuilt[i] = sessions[i]->Rebuild(1, order);
     });
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   for (int i = 0; i < 3; ++i) {
-    if (ranks[i] == 0) rebuilt[i] = sessions[i]->Rebuild(1, observed, absl::Seconds(20));
+    if (ranks[i] == 0) rebuilt[i] = sessions[i]->Rebuild(1, observed);
   }
   for (std::thread& t : reporters) t.join();
   for (int i = 0; i < 3; ++i) {

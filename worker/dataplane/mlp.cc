@@ -113,6 +113,8 @@ std::vector<int64_t> Mlp::Predictions() const {
   return predicted;
 }
 
+void SetComputeThreads(int threads) { openblas_set_num_threads(threads); }
+
 float UniformFloat(std::mt19937_64& rng) {
   return static_cast<float>(rng() >> 40) * (1.0f / 16777216.0f);
 }

@@ -55,6 +55,9 @@ class Mlp {
 std::vector<std::vector<float>> InitMlpParameters(const std::vector<int64_t>& widths,
                                                   uint64_t seed);
 
+// Threads OpenBLAS may use for this process's matrix products.
+void SetComputeThreads(int threads);
+
 // A uniform float in [0, 1) with 24 random bits, the same everywhere.
 float UniformFloat(std::mt19937_64& rng);
 
