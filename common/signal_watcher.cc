@@ -1,38 +1,55 @@
 #include "common/signal_watcher.h"
 
-#include <pthread.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 namespace shard {
 namespace {
 
-// SIGUSR1 is our own: the destructor sends it to end the watching thread.
-sigset_t WatchedSignals() {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGUSR1);
-  return signals;
+int pipe_fds[2] = {-1, -1};
+
+void OnSignal(int signal) {
+  const int saved_errno = errno;
+  const unsigned char byte = static_cast<unsigned char>(signal);
+  [[maybe_unused]] ssize_t written = ::write(pipe_fds[1], &byte, 1);
+  errno = saved_errno;
 }
 
 }  // namespace
 
 SignalWatcher::SignalWatcher(std::function<void(int, int)> on_signal) {
-  const sigset_t signals = WatchedSignals();
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  thread_ = std::thread([signals, on_signal = std::move(on_signal)] {
+  ::pipe2(pipe_fds, O_CLOEXEC);
+  struct sigaction action = {};
+  action.sa_handler = OnSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  thread_ = std::thread([on_signal = std::move(on_signal)] {
     int count = 0;
-    int received = 0;
-    while (sigwait(&signals, &received) == 0 && received != SIGUSR1) {
-      on_signal(received, ++count);
+    unsigned char byte = 0;
+    while (true) {
+      const ssize_t n = ::read(pipe_fds[0], &byte, 1);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0 || byte == 0) return;  // 0: the destructor's wake-up
+      on_signal(byte, ++count);
     }
   });
 }
 
 SignalWatcher::~SignalWatcher() {
-  pthread_kill(thread_.native_handle(), SIGUSR1);
+  struct sigaction action = {};
+  action.sa_handler = SIG_DFL;
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  const unsigned char stop = 0;
+  [[maybe_unused]] ssize_t written = ::write(pipe_fds[1], &stop, 1);
   thread_.join();
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
 }
 
 }  // namespace shard

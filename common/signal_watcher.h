@@ -1,5 +1,7 @@
-// SIGINT and SIGTERM handled on one dedicated thread (sigwait), so that no other thread is
-// ever interrupted and handlers may take locks and log.
+// SIGINT and SIGTERM turned into calls on one dedicated thread, so that the callback may take
+// locks and log. The handler only writes the signal number to a pipe (async-signal-safe), so it
+// does not matter which thread the kernel picks, including threads that libraries started
+// before main (OpenBLAS's pool, gRPC's executors).
 #pragma once
 
 #include <functional>
@@ -9,11 +11,10 @@ namespace shard {
 
 class SignalWatcher {
  public:
-  // Blocks SIGINT/SIGTERM in the calling thread (and so in threads it starts later) and calls
-  // `on_signal(signal, count)` for each one received, count starting at 1. Construct it before
-  // starting any other thread.
+  // Calls `on_signal(signal, count)` for each SIGINT/SIGTERM received, count starting at 1.
+  // One watcher per process.
   explicit SignalWatcher(std::function<void(int signal, int count)> on_signal);
-  ~SignalWatcher();
+  ~SignalWatcher();  // restores the default dispositions
   SignalWatcher(const SignalWatcher&) = delete;
   SignalWatcher& operator=(const SignalWatcher&) = delete;
 

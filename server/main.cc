@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
   }
 
 
-  // Set up before any thread starts, so that only the watcher ever receives these signals.
+  // Signals stop the job through the server, once it exists.
   std::unique_ptr<shard::CoordinatorServer> server;
   absl::Mutex server_mu;
   shard::SignalWatcher signals([&](int signal, int count) {

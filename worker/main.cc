@@ -110,7 +110,7 @@ int main(int argc, char** argv) {
   options.coordinator_timeout = shard::ParsedDuration(coordinator_timeout);
   options.collective_timeout = shard::ParsedDuration(collective_timeout);
 
-  // Set up before gRPC starts its threads, so that only the watcher ever receives signals.
+  // Signals stop the agent, once it exists (a signal before that is remembered).
   absl::Mutex agent_mu;
   shard::WorkerAgent* running_agent = nullptr;
   std::string early_stop;

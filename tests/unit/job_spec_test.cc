@@ -1,0 +1,118 @@
+#include "common/job_spec.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "gtest/gtest.h"
+#include "proto/job_convert.h"
+#include "worker/dataplane/mlp_data.h"
+
+namespace shard {
+namespace {
+
+constexpr char kJob[] = R"({
+  "name": "demo", "worldSize": 4,
+  "model": {"mlp": {"widths": [8, 16, 4]}},
+  "data": {"path": "data.safetensors"},
+  "optimizer": {"name": "adamw", "lr": 0.001, "weightDecay": 0.1},
+  "globalBatch": 32, "steps": 10, "outputDir": "out"
+})";
+
+std::string Dir() {
+  const std::string dir = ::testing::TempDir() + "/shard-job-spec-test";
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string WriteJob(const std::string& name, const std::string& json) {
+  const std::string path = Dir() + "/" + name;
+  std::ofstream(path) << json;
+  return path;
+}
+
+TEST(JobSpecTest, DefaultsAreAppliedAndPathsResolvedAgainstTheJobFile) {
+  auto spec = ParseJobSpecJson(kJob);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  auto job = JobConfigFromProto(*spec, "/jobs");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->min_world_size, 4);
+  EXPECT_EQ(job->zero_stage, 1);
+  EXPECT_EQ(job->shard_mode, ShardMode::kRange);
+  EXPECT_EQ(job->bucket_cap_bytes, 25 << 20);
+  EXPECT_DOUBLE_EQ(job->optimizer.beta2, 0.999);
+  EXPECT_DOUBLE_EQ(job->optimizer.eps, 1e-8);
+  EXPECT_EQ(job->optimizer.kind, OptimizerKind::kAdamW);
+  EXPECT_TRUE(job->overlap);
+  EXPECT_EQ(job->data_path, "/jobs/data.safetensors");
+  EXPECT_EQ(job->output_dir, "/jobs/out");
+  // What workers receive is explicit and converts back to the same job.
+  auto again = JobConfigFromProto(ToProto(*job), "/elsewhere");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->data_path, job->data_path);
+  EXPECT_EQ(again->zero_stage, job->zero_stage);
+  EXPECT_EQ(again->bucket_cap_bytes, job->bucket_cap_bytes);
+}
+
+TEST(JobSpecTest, BadSpecsAreClearErrors) {
+  struct Case {
+    std::string replace;
+    std::string with;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {"\"steps\": 10", "\"steps\": 10, \"colour\": 1", "colour"},
+      {"\"globalBatch\": 32", "\"globalBatch\": 30", "does not divide evenly over 4"},
+      {"\"name\": \"demo\", ", "", "name is required"},
+      {"\"outputDir\": \"out\"", "\"outputDir\": \"\"", "output_dir is required"},
+      {"\"adamw\"", "\"lamb\"", "'lamb' is unknown"},
+      {"\"lr\": 0.001", "\"lr\": -1", "optimizer.lr"},
+      {"\"steps\": 10", "\"steps\": 10, \"zeroStage\": 3", "zero_stage"},
+      {"\"steps\": 10", "\"steps\": 10, \"precision\": \"bf16\"", "precision"},
+      {"[8, 16, 4]", "[8]", "model.mlp.widths"},
+      {"\"steps\": 10", "\"steps\": \"many\"", "steps"},
+  };
+  for (const Case& c : cases) {
+    std::string json = kJob;
+    const size_t at = json.find(c.replace);
+    ASSERT_NE(at, std::string::npos) << c.replace;
+    json.replace(at, c.replace.size(), c.with);
+    absl::StatusOr<JobConfig> job = absl::UnknownError("unparsed");
+    auto spec = ParseJobSpecJson(json);
+    job = spec.ok() ? JobConfigFromProto(*spec, "") : absl::StatusOr<JobConfig>(spec.status());
+    ASSERT_FALSE(job.ok()) << json;
+    EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(job.status().message().find(c.expected), absl::string_view::npos)
+        << "expected '" << c.expected << "' in " << job.status();
+  }
+}
+
+TEST(JobSpecTest, TheDataFileIsCheckedAgainstTheModel) {
+  const std::string data = Dir() + "/data.safetensors";
+  ASSERT_TRUE(GenerateMlpData({8, 16, 4}, 100, 1, data).ok());
+  const std::string job = WriteJob("job.json", kJob);
+  auto loaded = LoadJobFile(job);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+
+  // Widths that disagree with the data.
+  std::string other = kJob;
+  other.replace(other.find("[8, 16, 4]"), 10, "[9, 16, 4]");
+  auto mismatch = LoadJobFile(WriteJob("mismatch.json", other));
+  ASSERT_FALSE(mismatch.ok());
+  EXPECT_NE(mismatch.status().message().find("F32[100, 8] but F32[100, 9] is needed"),
+            absl::string_view::npos)
+      << mismatch.status();
+
+  // A truncated data file.
+  std::filesystem::resize_file(data, std::filesystem::file_size(data) - 100);
+  auto truncated = LoadJobFile(job);
+  ASSERT_FALSE(truncated.ok());
+  EXPECT_EQ(truncated.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(truncated.status().message().find("data.safetensors"), absl::string_view::npos);
+
+  // No data file at all.
+  std::filesystem::remove(data);
+  EXPECT_EQ(LoadJobFile(job).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace shard
