@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: a coordinator and N CPU workers on 127.0.0.1 (free
-# ports), shown as they form a world, self-check their data path and agree on a plan for the
-# demo MLP's parameters (widths 512,1024,1024,64), then stopped with shardctl. Everything it starts is stopped on exit, Ctrl-C included. Exits 0 only if the job
-# succeeded: the world formed, every worker passed its self-check, and all exited cleanly.
+# ports) train the demo MLP (widths 512,1024,1024,64) on generated data with sharded Adam
+# (ZeRO stage 2): they form a world, self-check their data path, agree on a plan, and train
+# while rank 0 shows the loss per step and the overlap; the coordinator finishes the job when
+# every rank is done and rank 0 has written the consolidated parameters. Everything it starts
+# is stopped on exit, Ctrl-C included. Exits 0 only if the job succeeded and every process
+# exited cleanly.
 #
-#   scripts/local-cluster.sh [--workers N] [--lease DURATION] [--keep-logs]
+#   scripts/local-cluster.sh [--workers N] [--steps N] [--lease DURATION] [--keep-logs]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WORKERS=4
+STEPS=100
 LEASE=5s
 KEEP_LOGS=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --workers) WORKERS="$2"; shift 2 ;;
+    --steps) STEPS="$2"; shift 2 ;;
     --lease) LEASE="$2"; shift 2 ;;
     --keep-logs) KEEP_LOGS=1; shift ;;
-    -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "local-cluster: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 [[ "$WORKERS" =~ ^[1-9][0-9]*$ ]] || { echo "local-cluster: --workers must be a positive integer" >&2; exit 2; }
+[[ "$STEPS" =~ ^[1-9][0-9]*$ ]] || { echo "local-cluster: --steps must be a positive integer" >&2; exit 2; }
 
 scripts/setup.sh
 scripts/build.sh --target shard-coordinator shard-worker shardctl
@@ -45,9 +51,31 @@ trap 'echo; echo "interrupted: stopping everything"; exit 130' INT TERM
 
 say() { printf '\n== %s\n' "$*"; }
 
+say "generating training data from a random teacher MLP"
+"$BIN/shardctl" data generate --widths 512,1024,1024,64 --samples 16384 --seed 1 \
+  --out "$RUN_DIR/data.safetensors"
+cat >"$RUN_DIR/job.json" <<JSON
+{
+  "name": "demo",
+  "worldSize": $WORKERS,
+  "model": {"mlp": {"widths": [512, 1024, 1024, 64]}},
+  "data": {"path": "data.safetensors"},
+  "seed": 42,
+  "optimizer": {"name": "adam", "lr": 0.001},
+  "globalBatch": $((WORKERS * 64)),
+  "steps": $STEPS,
+  "zeroStage": 2,
+  "shardMode": "range",
+  "bucketCapMb": 4,
+  "outputDir": "out"
+}
+JSON
+echo "job spec ($RUN_DIR/job.json):"
+sed 's/^/  /' "$RUN_DIR/job.json"
+
 say "starting shard-coordinator (world of $WORKERS workers, lease $LEASE) in $RUN_DIR"
 "$BIN/shard-coordinator" --listen 127.0.0.1:0 --port-file "$RUN_DIR/port" \
-  --world-size "$WORKERS" --lease "$LEASE" --state-dir "$RUN_DIR/state" \
+  --job "$RUN_DIR/job.json" --lease "$LEASE" --state-dir "$RUN_DIR/state" \
   >"$RUN_DIR/coordinator.log" 2>&1 &
 COORDINATOR_PID=$!
 PIDS+=("$COORDINATOR_PID")
@@ -59,41 +87,32 @@ tail -n +1 -f --pid="$COORDINATOR_PID" "$RUN_DIR/coordinator.log" | sed -u 's/^/
 PIDS+=("$!")
 SHARDCTL=("$BIN/shardctl" --coordinator "$ADDRESS")
 
-# The demo model's parameter manifest: the brief's MLP with widths 512,1024,1024,64.
-cat >"$RUN_DIR/manifest.json" <<'JSON'
-{"params": [
-  {"name": "layers.0.weight", "shape": [1024, 512]}, {"name": "layers.0.bias", "shape": [1024]},
-  {"name": "layers.1.weight", "shape": [1024, 1024]}, {"name": "layers.1.bias", "shape": [1024]},
-  {"name": "layers.2.weight", "shape": [64, 1024]}, {"name": "layers.2.bias", "shape": [64]}]}
-JSON
-
 say "starting $WORKERS shard-worker processes"
 WORKER_PIDS=()
 for i in $(seq 0 $((WORKERS - 1))); do
-  "$BIN/shard-worker" --coordinator "$ADDRESS" --id "worker-$i" \
-    --manifest "$RUN_DIR/manifest.json" >"$RUN_DIR/worker-$i.log" 2>&1 &
+  "$BIN/shard-worker" --coordinator "$ADDRESS" --id "worker-$i" --compute-threads 1 \
+    >"$RUN_DIR/worker-$i.log" 2>&1 &
   WORKER_PIDS+=("$!")
   PIDS+=("$!")
 done
+# Rank 0 logs the loss per step; show it as it trains.
+for i in $(seq 0 $((WORKERS - 1))); do
+  tail -n +1 -f --pid="$COORDINATOR_PID" "$RUN_DIR/worker-$i.log" \
+    | grep --line-buffered -E " step [0-9]+/|training job|training finished:| E " \
+    | sed -u "s/^/  [worker-$i] /" &
+  PIDS+=("$!")
+done
 
-if ! "${SHARDCTL[@]}" wait --initialized --wait-timeout 60s; then
-  say "the world did not form with every self-check passed and the plan applied"
+if ! "${SHARDCTL[@]}" wait --wait-timeout 60s >/dev/null; then
+  say "the world did not form with every self-check passed"
   "${SHARDCTL[@]}" status || true
   for i in $(seq 0 $((WORKERS - 1))); do echo "--- worker-$i"; tail -5 "$RUN_DIR/worker-$i.log"; done
   exit 1
 fi
+say "world formed: every worker passed its data-path self-check and is training"
+"${SHARDCTL[@]}" status || true
 
-say "world formed: every worker passed its data-path self-check"
-"${SHARDCTL[@]}" status
-
-say "the plan every worker computed and acknowledged (buckets rebuilt from rank 0's gradient order)"
-"${SHARDCTL[@]}" plan
-echo
-"${SHARDCTL[@]}" stats
-
-say "stopping the job with shardctl stop"
-"${SHARDCTL[@]}" stop
-
+say "training (the coordinator finishes the job when every rank is done)"
 FAILED=0
 for i in "${!WORKER_PIDS[@]}"; do
   if wait "${WORKER_PIDS[$i]}"; then :; else
@@ -107,8 +126,17 @@ sleep 0.2
 
 say "summary"
 echo "workers: $WORKERS formed a world over Gloo TCP on 127.0.0.1 and passed the self-check"
-grep -H "self-check passed" "$RUN_DIR"/worker-*.log \
-  | sed 's|^.*/\(worker-[0-9]*\)\.log:.* self-check passed: |  \1: |' | sort -V
+grep -h "overlap status INITIALIZED" "$RUN_DIR/coordinator.log" | sed 's/^.* coordinator /plan: /' || true
+grep -h "training finished" "$RUN_DIR"/worker-*.log | grep "parameters written" \
+  | sed 's/^.* training finished: /training: /' || { echo "no training summary"; FAILED=1; }
+grep -H "optimizer state" "$RUN_DIR"/worker-*.log \
+  | sed -E 's|^.*/(worker-[0-9]+)\.log:.* optimizer state ([0-9]+) bytes.*|  \1 optimizer state: \2 bytes|' | sort -V
+if [ -f "$RUN_DIR/out/final.safetensors" ]; then
+  echo "consolidated parameters: $(stat -c %s "$RUN_DIR/out/final.safetensors") bytes of safetensors" \
+    "(kept with --keep-logs)"
+else
+  echo "no consolidated parameters were written"; FAILED=1
+fi
 if [ $FAILED -ne 0 ]; then
   say "FAILED: a process did not exit cleanly"
   exit 1

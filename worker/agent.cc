@@ -14,6 +14,7 @@
 #include "worker/dataplane/self_check.h"
 #include "worker/dataplane/trainer.h"
 #include "worker/plan_session.h"
+#include "worker/stats_reporter.h"
 
 namespace shard {
 namespace {
@@ -250,6 +251,7 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
   PlanSession plans(client_.get(), options_.worker_id, incarnation_,
                     options_.collective_timeout);
   const int64_t log_every = std::max<int64_t>(1, job.steps / 50);
+  StatsReporter reporter(client_.get());
   TrainerOptions trainer;
   trainer.stop = &stop_requested_;
   trainer.on_step = [&](const StepRecord& record) {
@@ -274,9 +276,7 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
     stats->set_hidden_ms(t.hidden_ms);
     for (int64_t bytes : t.bucket_bytes) stats->add_bucket_bytes(bytes);
     stats->set_loss(record.loss);
-    if (absl::Status sent = client_->ReportStepStats(report); !sent.ok()) {
-      spdlog::warn("could not report step {}: {}", record.step, sent.message());
-    }
+    reporter.Submit(std::move(report));
   };
   spdlog::info("training job '{}': MLP {}, {} steps, global batch {}, {} with lr {}, ZeRO stage "
                "{}, {} shards, overlap {}",
@@ -297,10 +297,11 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
                         absl::StrCat("training failed: ", result.status().message()));
   }
   trained_ = true;
-  spdlog::info("training finished: {} steps, loss {:.6f} -> {:.6f}, optimizer state {} bytes on "
+  spdlog::info("training finished: {} steps, loss {:.6f} -> {:.6f}, {:.2f} steps/s over steps 2-{}, "
+               "{:.0f}% of gradient reduction hidden behind backward, optimizer state {} bytes on "
                "this rank{}",
-               result->steps, result->first_loss, result->last_loss,
-               result->optimizer_state_bytes,
+               result->steps, result->first_loss, result->last_loss, result->steps_per_second,
+               result->steps, 100 * result->hidden_fraction, result->optimizer_state_bytes,
                result->output_path.empty() ? "" : ", parameters written to " + result->output_path);
   v1::ReportTrainingDoneRequest done;
   done.set_worker_id(options_.worker_id);

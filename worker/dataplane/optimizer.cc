@@ -13,7 +13,9 @@ OptimizerKernel::OptimizerKernel(OptimizerConfig config) : config_(config) {
 }
 
 // The loops below are written so the compiler vectorises them (this file is built with -O3
-// -fno-math-errno); every expression keeps torch's operation order.
+// -fno-math-errno), for AVX2 where the CPU has it; every expression keeps torch's operation
+// order, and without FMA contraction the wider vectors round exactly as scalar code does.
+__attribute__((target_clones("avx2", "default")))
 void OptimizerKernel::Update(int64_t step, float* __restrict param, const float* __restrict grad,
                              float* const* state, size_t n) const {
   const OptimizerConfig& c = config_;

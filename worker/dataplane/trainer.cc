@@ -84,6 +84,9 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
   std::vector<float*> grads(parameters);
   const float scale = 1.0f / static_cast<float>(job.global_batch);
   TrainResult result;
+  absl::Time steady_start;  // end of the first step
+  double hidden_ms = 0;
+  double reduction_ms = 0;
   for (int64_t step = 0; step < job.steps; ++step) {
     if (options.stop != nullptr && options.stop->load()) {
       return absl::CancelledError(absl::StrCat("training stopped before step ", step + 1));
@@ -120,10 +123,21 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     record.loss = loss;
     record.step_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
     record.plan_version = (*engine)->plan_version();
-    if (step == 0) result.first_loss = loss;
+    if (step == 0) {
+      result.first_loss = loss;
+      steady_start = absl::Now();
+    } else {
+      hidden_ms += record.timings.hidden_ms;
+      reduction_ms += record.timings.communication_ms;
+    }
     result.last_loss = loss;
     result.steps = step + 1;
     if (options.on_step) options.on_step(record);
+  }
+  if (job.steps > 1) {
+    result.steps_per_second =
+        (job.steps - 1) / absl::ToDoubleSeconds(absl::Now() - steady_start);
+    result.hidden_fraction = reduction_ms > 0 ? hidden_ms / reduction_ms : 0;
   }
   result.optimizer_state_bytes = (*engine)->optimizer_state_bytes();
   if (rank == 0) {

@@ -27,6 +27,9 @@ struct TrainResult {
   int64_t steps = 0;
   double first_loss = 0;
   double last_loss = 0;
+  // Over steps 2..N (the first step also plans and rebuilds the buckets).
+  double steps_per_second = 0;
+  double hidden_fraction = 0;  // of gradient-reduction time that overlapped backward
   int64_t optimizer_state_bytes = 0;  // on this rank
   std::string output_path;            // rank 0 only
 };

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Training throughput of the medium MLP (widths 512,1024,1024,1024,64, global batch 256, Adam)
+# on a local cluster of real processes: steps per second over steps 2..N at 1, 2 and 4 workers,
+# ZeRO stages 0/1/2, overlap on and off, with the fraction of gradient-reduction time hidden
+# behind backward, and each run's ratio to the 1-worker run measured in the same invocation.
+#
+#   scripts/bench-train.sh [--steps N] [--bucket-cap-mb X] [--workers "1 2 4"] [--stages "0 1 2"]
+#
+# Each worker gets max(1, cores / workers) OpenBLAS threads, so every run uses the same cores.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+STEPS=60
+BUCKET_CAP_MB=4
+WORKER_COUNTS="1 2 4"
+STAGES="0 1 2"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --steps) STEPS="$2"; shift 2 ;;
+    --bucket-cap-mb) BUCKET_CAP_MB="$2"; shift 2 ;;
+    --workers) WORKER_COUNTS="$2"; shift 2 ;;
+    --stages) STAGES="$2"; shift 2 ;;
+    -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "bench-train: unknown argument '$1'" >&2; exit 2 ;;
+  esac
+done
+
+scripts/setup.sh >/dev/null
+scripts/build.sh --target shard-coordinator shard-worker shardctl >/dev/null
+BIN="$PWD/${SHARD_BUILD_DIR:-build}/bin"
+CORES=$(nproc)
+RUN_DIR="$(mktemp -d -t shard-bench-train.XXXXXX)"
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  rm -rf "$RUN_DIR"
+}
+trap cleanup EXIT
+
+"$BIN/shardctl" data generate --widths 512,1024,1024,1024,64 --samples 16384 --seed 1 \
+  --out "$RUN_DIR/data.safetensors" >/dev/null
+
+# run WORKERS STAGE OVERLAP -> prints "steps_per_second hidden_percent"
+run() {
+  local workers=$1 stage=$2 overlap=$3
+  local dir="$RUN_DIR/run-$workers-$stage-$overlap"
+  mkdir -p "$dir"
+  cat >"$dir/job.json" <<JSON
+{"name": "bench", "worldSize": $workers,
+ "model": {"mlp": {"widths": [512, 1024, 1024, 1024, 64]}},
+ "data": {"path": "$RUN_DIR/data.safetensors"}, "optimizer": {"name": "adam", "lr": 0.001},
+ "globalBatch": 256, "steps": $STEPS, "zeroStage": $stage, "overlap": $overlap,
+ "bucketCapMb": $BUCKET_CAP_MB, "outputDir": "$dir/out"}
+JSON
+  "$BIN/shard-coordinator" --listen 127.0.0.1:0 --port-file "$dir/port" --job "$dir/job.json" \
+    --state-dir "$dir/state" >"$dir/coordinator.log" 2>&1 &
+  local coordinator=$!
+  PIDS+=("$coordinator")
+  for _ in $(seq 100); do [ -s "$dir/port" ] && break; sleep 0.05; done
+  local threads=$(( CORES / workers > 0 ? CORES / workers : 1 ))
+  for i in $(seq 0 $((workers - 1))); do
+    "$BIN/shard-worker" --coordinator "127.0.0.1:$(cat "$dir/port")" --id "w$i" \
+      --compute-threads "$threads" >"$dir/w$i.log" 2>&1 &
+    PIDS+=("$!")
+  done
+  if ! wait "$coordinator"; then
+    echo "bench-train: run $workers workers stage $stage overlap $overlap failed; see below" >&2
+    tail -5 "$dir"/*.log >&2
+    exit 1
+  fi
+  # Rank 0's summary: "... N steps/s over steps 2-M, P% of gradient reduction hidden ..."
+  grep -h "parameters written to" "$dir"/w*.log |
+    sed -E 's/.* ([0-9.]+) steps\/s over steps.* ([0-9]+)% of gradient reduction.*/\1 \2/'
+}
+
+printf "# medium MLP 512,1024,1024,1024,64, global batch 256, Adam, %s steps, bucket cap %s MiB, %s cores\n" \
+  "$STEPS" "$BUCKET_CAP_MB" "$CORES"
+printf "%8s %6s %8s %10s %10s %12s\n" workers stage overlap steps/s hidden vs_1_worker
+baseline=""
+for workers in $WORKER_COUNTS; do
+  for stage in $STAGES; do
+    for overlap in true false; do
+      # One worker has nothing to overlap or shard: measure it once.
+      if [ "$workers" = 1 ] && { [ "$stage" != 0 ] || [ "$overlap" = false ]; }; then continue; fi
+      read -r rate hidden < <(run "$workers" "$stage" "$overlap")
+      [ -z "$baseline" ] && baseline=$rate
+      awk -v w="$workers" -v s="$stage" -v o="$overlap" -v r="$rate" -v h="$hidden" \
+        -v b="$baseline" 'BEGIN { printf "%8s %6s %8s %10s %9s%% %11.2fx\n", w, s, o, r, h, r / b }'
+    done
+  done
+done
