@@ -41,6 +41,10 @@ absl::string_view SelfCheckStateName(SelfCheckState state) {
   return "unknown";
 }
 
+namespace {
+constexpr char kMembershipRecord[] = "membership";
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<WorldManager>> WorldManager::Create(WorldOptions options,
                                                                    StateStore* store,
                                                                    absl::Time now) {
@@ -52,11 +56,15 @@ absl::StatusOr<std::unique_ptr<WorldManager>> WorldManager::Create(WorldOptions 
   if (options.lease <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("heartbeat lease must be positive");
   }
-  absl::StatusOr<std::optional<v1::CoordinatorState>> loaded = store->Load();
-  if (!loaded.ok()) return loaded.status();
   v1::CoordinatorState state;
-  if (loaded->has_value()) {
-    state = **loaded;
+  absl::StatusOr<bool> loaded = store->Load(kMembershipRecord, &state);
+  if (!loaded.ok()) return loaded.status();
+  if (*loaded) {
+    if (state.format_version() != 1) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the state directory's membership record has format version ",
+                       state.format_version(), "; this shard-coordinator reads version 1"));
+    }
     if (state.job() != options.job) {
       return absl::FailedPreconditionError(
           absl::StrCat("the state directory belongs to job '", state.job(),
@@ -163,7 +171,7 @@ absl::Status WorldManager::PersistLocked(int64_t next_generation,
   }
   const int excess = next.events_size() - static_cast<int>(options_.max_events);
   if (excess > 0) next.mutable_events()->DeleteSubrange(0, excess);
-  if (absl::Status saved = store_->Save(next); !saved.ok()) {
+  if (absl::Status saved = store_->Save(kMembershipRecord, next); !saved.ok()) {
     return absl::UnavailableError(absl::StrCat(
         "the coordinator cannot record the membership change in its state directory (",
         saved.message(), "); nothing was changed, retry once the disk is writable"));

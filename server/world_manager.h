@@ -31,6 +31,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/store/state_store.h"
+#include "shard/v1/state.pb.h"
 
 namespace shard {
 

@@ -13,11 +13,21 @@
 
 namespace shard {
 
-absl::StatusOr<std::optional<v1::CoordinatorState>> InMemoryStateStore::Load() { return state_; }
+absl::StatusOr<bool> InMemoryStateStore::Load(absl::string_view key,
+                                              google::protobuf::Message* message) {
+  absl::MutexLock lock(&mu_);
+  auto it = records_.find(std::string(key));
+  if (it == records_.end()) return false;
+  if (!message->ParseFromString(it->second)) {
+    return absl::DataLossError(absl::StrCat("in-memory record '", key, "' does not parse"));
+  }
+  return true;
+}
 
-absl::Status InMemoryStateStore::Save(const v1::CoordinatorState& state) {
-  state_ = state;
-  ++saves_;
+absl::Status InMemoryStateStore::Save(absl::string_view key,
+                                      const google::protobuf::Message& message) {
+  absl::MutexLock lock(&mu_);
+  records_[std::string(key)] = message.SerializeAsString();
   return absl::OkStatus();
 }
 
@@ -42,45 +52,47 @@ absl::StatusOr<std::unique_ptr<DirectoryStateStore>> DirectoryStateStore::Open(
     return absl::InternalError(
         absl::StrCat("cannot lock '", lock_path, "': ", std::strerror(err)));
   }
-  return std::unique_ptr<DirectoryStateStore>(
-      new DirectoryStateStore(absl::StrCat(dir, "/coordinator-state.json"), fd));
+  return std::unique_ptr<DirectoryStateStore>(new DirectoryStateStore(dir, fd));
 }
 
 DirectoryStateStore::~DirectoryStateStore() {
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
 }
 
-absl::StatusOr<std::optional<v1::CoordinatorState>> DirectoryStateStore::Load() {
-  absl::StatusOr<std::string> contents = ReadFile(state_file_);
-  if (absl::IsNotFound(contents.status())) return std::nullopt;
-  if (!contents.ok()) return contents.status();
-  v1::CoordinatorState state;
-  const auto parsed = google::protobuf::util::JsonStringToMessage(*contents, &state);
-  if (!parsed.ok()) {
-    return absl::DataLossError(absl::StrCat("state file '", state_file_,
-                                            "' is not a valid coordinator state (",
-                                            parsed.message().as_string(),
-                                            "); move it away to start the job's state afresh"));
-  }
-  if (state.format_version() != 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "state file '", state_file_, "' has format version ", state.format_version(),
-        "; this shard-coordinator reads version 1"));
-  }
-  return state;
+std::string DirectoryStateStore::PathOf(absl::string_view key) const {
+  return absl::StrCat(dir_, "/", key, ".json");
 }
 
-absl::Status DirectoryStateStore::Save(const v1::CoordinatorState& state) {
+absl::StatusOr<bool> DirectoryStateStore::Load(absl::string_view key,
+                                               google::protobuf::Message* message) {
+  absl::MutexLock lock(&mu_);
+  const std::string path = PathOf(key);
+  absl::StatusOr<std::string> contents = ReadFile(path);
+  if (absl::IsNotFound(contents.status())) return false;
+  if (!contents.ok()) return contents.status();
+  const auto parsed = google::protobuf::util::JsonStringToMessage(*contents, message);
+  if (!parsed.ok()) {
+    return absl::DataLossError(absl::StrCat("state file '", path, "' is not a valid ",
+                                            message->GetTypeName(), " (",
+                                            parsed.message().as_string(),
+                                            "); move it away to start that record afresh"));
+  }
+  return true;
+}
+
+absl::Status DirectoryStateStore::Save(absl::string_view key,
+                                       const google::protobuf::Message& message) {
   std::string json;
   google::protobuf::util::JsonPrintOptions options;
   options.add_whitespace = true;
   options.preserve_proto_field_names = true;
-  const auto printed = google::protobuf::util::MessageToJsonString(state, &json, options);
+  const auto printed = google::protobuf::util::MessageToJsonString(message, &json, options);
   if (!printed.ok()) {
     return absl::InternalError(
-        absl::StrCat("cannot encode coordinator state: ", printed.message().as_string()));
+        absl::StrCat("cannot encode state record '", key, "': ", printed.message().as_string()));
   }
-  return WriteFileAtomically(state_file_, json);
+  absl::MutexLock lock(&mu_);
+  return WriteFileAtomically(PathOf(key), json);
 }
 
 }  // namespace shard

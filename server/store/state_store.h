@@ -1,40 +1,44 @@
-// Where the coordinator keeps what must survive its own restart. Implementations are
-// thread-compatible: the owner serialises calls.
+// Where the coordinator keeps what must survive its own restart: named records (protobuf
+// messages), one per manager ("membership", "checkpoints"), each replaced atomically.
+// Implementations are thread-safe.
 #pragma once
 
+#include <map>
 #include <memory>
-#include <optional>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "shard/v1/state.pb.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "google/protobuf/message.h"
 
 namespace shard {
 
 class StateStore {
  public:
   virtual ~StateStore() = default;
-  // The last saved state, or nullopt when nothing was ever saved.
-  virtual absl::StatusOr<std::optional<v1::CoordinatorState>> Load() = 0;
-  // Durably replaces the saved state: after OK, a crash loses nothing.
-  virtual absl::Status Save(const v1::CoordinatorState& state) = 0;
+  // Reads record `key` into `message`: true if found, false if it was never saved.
+  virtual absl::StatusOr<bool> Load(absl::string_view key, google::protobuf::Message* message) = 0;
+  // Durably replaces record `key`: after OK, a crash loses nothing.
+  virtual absl::Status Save(absl::string_view key, const google::protobuf::Message& message) = 0;
 };
 
 // For tests and for a coordinator run without a state directory.
 class InMemoryStateStore : public StateStore {
  public:
-  absl::StatusOr<std::optional<v1::CoordinatorState>> Load() override;
-  absl::Status Save(const v1::CoordinatorState& state) override;
-  int saves() const { return saves_; }
+  absl::StatusOr<bool> Load(absl::string_view key, google::protobuf::Message* message) override;
+  absl::Status Save(absl::string_view key, const google::protobuf::Message& message) override;
 
  private:
-  std::optional<v1::CoordinatorState> state_;
-  int saves_ = 0;
+  absl::Mutex mu_;
+  std::map<std::string, std::string> records_ ABSL_GUARDED_BY(mu_);
 };
 
-// One JSON file, `coordinator-state.json`, replaced atomically on every save. The directory is
-// locked (flock on `LOCK`) for the life of the store, so two coordinators never share one.
+// One JSON file per record, `<dir>/<key>.json`, replaced atomically (temporary file, fsync,
+// rename, fsync of the directory). The directory is locked (flock on `LOCK`) for the life of
+// the store, so two coordinators never share one.
 class DirectoryStateStore : public StateStore {
  public:
   static absl::StatusOr<std::unique_ptr<DirectoryStateStore>> Open(const std::string& dir);
@@ -42,17 +46,17 @@ class DirectoryStateStore : public StateStore {
   DirectoryStateStore(const DirectoryStateStore&) = delete;
   DirectoryStateStore& operator=(const DirectoryStateStore&) = delete;
 
-  absl::StatusOr<std::optional<v1::CoordinatorState>> Load() override;
-  absl::Status Save(const v1::CoordinatorState& state) override;
+  absl::StatusOr<bool> Load(absl::string_view key, google::protobuf::Message* message) override;
+  absl::Status Save(absl::string_view key, const google::protobuf::Message& message) override;
 
-  const std::string& state_file() const { return state_file_; }
+  std::string PathOf(absl::string_view key) const;
 
  private:
-  DirectoryStateStore(std::string state_file, int lock_fd)
-      : state_file_(std::move(state_file)), lock_fd_(lock_fd) {}
+  DirectoryStateStore(std::string dir, int lock_fd) : dir_(std::move(dir)), lock_fd_(lock_fd) {}
 
-  std::string state_file_;
+  std::string dir_;
   int lock_fd_;
+  absl::Mutex mu_;
 };
 
 }  // namespace shard

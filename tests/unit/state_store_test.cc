@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "gtest/gtest.h"
+#include "shard/v1/state.pb.h"
 
 namespace shard {
 namespace {
@@ -44,19 +45,25 @@ class StateStoreContractTest : public ::testing::Test {
 using StoreTypes = ::testing::Types<InMemoryStateStore, DirectoryStateStore>;
 TYPED_TEST_SUITE(StateStoreContractTest, StoreTypes);
 
-TYPED_TEST(StateStoreContractTest, EmptyThenSavedThenReplaced) {
+TYPED_TEST(StateStoreContractTest, RecordsAreEmptyThenSavedThenReplacedIndependently) {
   std::unique_ptr<StateStore> store = this->Open();
-  auto empty = store->Load();
+  v1::CoordinatorState loaded;
+  auto empty = store->Load("membership", &loaded);
   ASSERT_TRUE(empty.ok());
-  EXPECT_FALSE(empty->has_value());
+  EXPECT_FALSE(*empty);
   v1::CoordinatorState state = SampleState();
-  ASSERT_TRUE(store->Save(state).ok());
+  ASSERT_TRUE(store->Save("membership", state).ok());
   state.set_generation(43);
-  ASSERT_TRUE(store->Save(state).ok());
-  auto loaded = store->Load();
-  ASSERT_TRUE(loaded.ok() && loaded->has_value());
-  EXPECT_EQ((*loaded)->generation(), 43);
-  EXPECT_EQ((*loaded)->events(0).worker_id(), "w1");
+  ASSERT_TRUE(store->Save("membership", state).ok());
+  v1::CoordinatorState other = SampleState();
+  other.set_job("other");
+  ASSERT_TRUE(store->Save("other", other).ok());
+  auto found = store->Load("membership", &loaded);
+  ASSERT_TRUE(found.ok() && *found);
+  EXPECT_EQ(loaded.generation(), 43);
+  EXPECT_EQ(loaded.events(0).worker_id(), "w1");
+  ASSERT_TRUE(*store->Load("other", &loaded));
+  EXPECT_EQ(loaded.job(), "other");
 }
 
 TEST(DirectoryStateStoreTest, SurvivesReopeningAndLocksTheDirectory) {
@@ -64,36 +71,28 @@ TEST(DirectoryStateStoreTest, SurvivesReopeningAndLocksTheDirectory) {
   {
     auto store = DirectoryStateStore::Open(dir);
     ASSERT_TRUE(store.ok());
-    ASSERT_TRUE((*store)->Save(SampleState()).ok());
+    ASSERT_TRUE((*store)->Save("membership", SampleState()).ok());
     auto second = DirectoryStateStore::Open(dir);
     EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_NE(second.status().message().find("in use"), absl::string_view::npos);
   }
   auto reopened = DirectoryStateStore::Open(dir);
   ASSERT_TRUE(reopened.ok()) << "the lock is released with the store";
-  auto loaded = (*reopened)->Load();
-  ASSERT_TRUE(loaded.ok() && loaded->has_value());
-  EXPECT_EQ((*loaded)->generation(), 42);
+  v1::CoordinatorState loaded;
+  auto found = (*reopened)->Load("membership", &loaded);
+  ASSERT_TRUE(found.ok() && *found);
+  EXPECT_EQ(loaded.generation(), 42);
 }
 
 TEST(DirectoryStateStoreTest, ACorruptFileIsDataLossNamingTheFile) {
   const std::string dir = FreshDir("corrupt");
   auto store = DirectoryStateStore::Open(dir);
   ASSERT_TRUE(store.ok());
-  std::ofstream((*store)->state_file()) << "{\"generation\": \"not a number\"";
-  auto loaded = (*store)->Load();
-  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss);
-  EXPECT_NE(loaded.status().message().find("coordinator-state.json"), absl::string_view::npos);
-}
-
-TEST(DirectoryStateStoreTest, AnUnknownFormatVersionIsRefused) {
-  const std::string dir = FreshDir("version");
-  auto store = DirectoryStateStore::Open(dir);
-  ASSERT_TRUE(store.ok());
-  v1::CoordinatorState future = SampleState();
-  future.set_format_version(9);
-  ASSERT_TRUE((*store)->Save(future).ok());
-  EXPECT_EQ((*store)->Load().status().code(), absl::StatusCode::kFailedPrecondition);
+  std::ofstream((*store)->PathOf("membership")) << "{\"generation\": \"not a number\"";
+  v1::CoordinatorState loaded;
+  auto found = (*store)->Load("membership", &loaded);
+  EXPECT_EQ(found.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(found.status().message().find("membership.json"), absl::string_view::npos);
 }
 
 }  // namespace

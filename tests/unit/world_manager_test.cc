@@ -12,9 +12,16 @@ namespace {
 // A store whose writes can be made to fail, to check that nothing changes when they do.
 class FlakyStateStore : public InMemoryStateStore {
  public:
-  absl::Status Save(const v1::CoordinatorState& state) override {
+  absl::Status Save(absl::string_view key, const google::protobuf::Message& message) override {
     if (fail) return absl::InternalError("disk full");
-    return InMemoryStateStore::Save(state);
+    return InMemoryStateStore::Save(key, message);
+  }
+  // The saved membership record.
+  std::optional<v1::CoordinatorState> Membership() {
+    v1::CoordinatorState state;
+    absl::StatusOr<bool> found = Load("membership", &state);
+    if (!found.ok() || !*found) return std::nullopt;
+    return state;
   }
   bool fail = false;
 };
@@ -234,6 +241,17 @@ TEST_F(WorldManagerTest, GenerationsContinueAcrossACoordinatorRestart) {
   EXPECT_NE(wrong.status().message().find("job1"), absl::string_view::npos);
 }
 
+TEST_F(WorldManagerTest, AMembershipRecordOfAnUnknownFormatIsRefused) {
+  v1::CoordinatorState future;
+  future.set_format_version(9);
+  future.set_job("job1");
+  ASSERT_TRUE(store_.Save("membership", future).ok());
+  WorldOptions options;
+  options.job = "job1";
+  EXPECT_EQ(WorldManager::Create(options, &store_, now_).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(WorldManagerTest, AFailedStateWriteRefusesTheJoinAndChangesNothing) {
   auto world = Make(2);
   ASSERT_TRUE(world->Join(Params("a"), now_).ok());
@@ -246,10 +264,10 @@ TEST_F(WorldManagerTest, AFailedStateWriteRefusesTheJoinAndChangesNothing) {
   EXPECT_EQ(world->world().world_size, 1);
   store_.fail = false;
   ASSERT_TRUE(world->Join(Params("b"), now_).ok());
-  auto saved = store_.Load();
-  ASSERT_TRUE(saved.ok() && saved->has_value());
-  EXPECT_EQ((*saved)->generation(), world->world().generation);
-  EXPECT_EQ((*saved)->events().rbegin()->kind(), v1::MEMBERSHIP_EVENT_KIND_WORLD_FORMED);
+  auto saved = store_.Membership();
+  ASSERT_TRUE(saved.has_value());
+  EXPECT_EQ(saved->generation(), world->world().generation);
+  EXPECT_EQ(saved->events().rbegin()->kind(), v1::MEMBERSHIP_EVENT_KIND_WORLD_FORMED);
 }
 
 TEST_F(WorldManagerTest, DeathsAreNotLostWhenTheStateWriteFails) {
@@ -260,9 +278,9 @@ TEST_F(WorldManagerTest, DeathsAreNotLostWhenTheStateWriteFails) {
   EXPECT_EQ(world->world().world_size, 0);
   store_.fail = false;
   world->ExpireLeases(now_ + absl::Seconds(3));  // retries the pending write
-  auto saved = store_.Load();
-  ASSERT_TRUE(saved.ok() && saved->has_value());
-  EXPECT_EQ((*saved)->generation(), world->world().generation);
+  auto saved = store_.Membership();
+  ASSERT_TRUE(saved.has_value());
+  EXPECT_EQ(saved->generation(), world->world().generation);
 }
 
 TEST_F(WorldManagerTest, HeartbeatWatchAnswersWhenTheWorldFormsNotOnEveryJoin) {
