@@ -79,6 +79,9 @@ absl::Status ValidateJobConfig(const JobConfig& job) {
                                              "' is not available on CPU workers; use fp32"));
   }
   if (!(job.grad_clip_norm >= 0)) return Invalid("grad_clip_norm", "must be >= 0 (0 = off)");
+  if (job.checkpoint_dir.empty()) return Invalid("checkpoint.dir", "is required");
+  if (job.checkpoint_every < 0) return Invalid("checkpoint.every_steps", "must be >= 0");
+  if (job.checkpoint_keep_last < 1) return Invalid("checkpoint.keep_last", "must be at least 1");
   return absl::OkStatus();
 }
 

@@ -47,6 +47,9 @@ struct JobConfig {
   double grad_clip_norm = 0;
   std::string output_dir;
   bool overlap = true;
+  std::string checkpoint_dir;  // checkpoints go to <checkpoint_dir>/<name>/<id>/
+  int64_t checkpoint_every = 0;
+  int checkpoint_keep_last = 3;
 };
 
 // Every rule that needs no file: names, sizes, ranges, the optimizer's hyper-parameters, and

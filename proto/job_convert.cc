@@ -98,6 +98,11 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
   if (spec.output_dir().empty()) return Missing("output_dir");
   job.output_dir = Resolve(spec.output_dir(), base_dir);
   if (spec.has_overlap()) job.overlap = spec.overlap();
+  job.checkpoint_dir = spec.checkpoint().dir().empty()
+                           ? (std::filesystem::path(job.output_dir) / "checkpoints").string()
+                           : Resolve(spec.checkpoint().dir(), base_dir);
+  job.checkpoint_every = spec.checkpoint().every_steps();
+  if (spec.checkpoint().has_keep_last()) job.checkpoint_keep_last = spec.checkpoint().keep_last();
   if (absl::Status valid = ValidateJobConfig(job); !valid.ok()) return valid;
   return job;
 }
@@ -130,6 +135,9 @@ v1::JobSpec ToProto(const JobConfig& job) {
   spec.set_grad_clip_norm(job.grad_clip_norm);
   spec.set_output_dir(job.output_dir);
   spec.set_overlap(job.overlap);
+  spec.mutable_checkpoint()->set_dir(job.checkpoint_dir);
+  spec.mutable_checkpoint()->set_every_steps(job.checkpoint_every);
+  spec.mutable_checkpoint()->set_keep_last(job.checkpoint_keep_last);
   return spec;
 }
 

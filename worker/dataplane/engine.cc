@@ -339,6 +339,91 @@ absl::Status Engine::Step(StepTimings* timings) {
   return absl::OkStatus();
 }
 
+absl::Status Engine::CopyOwnedState(std::vector<char>* out) const {
+  const int states = static_cast<int>(optimizer_.state_names().size());
+  const ShardLayout layout = MakeShardLayout(manifest_, *plan_, communicator_->rank(), states);
+  out->assign(layout.bytes, 0);
+  for (const ShardPiece& piece : layout.pieces) {
+    char* dst = out->data() + piece.byte_offset;
+    const size_t bytes = piece.numel * sizeof(float);
+    const ParamLocation location = plan_->locations[piece.param];
+    if (location.bucket < 0) {  // no gradient: values only, zero state
+      std::memcpy(dst, frozen_[piece.param].data() + piece.param_offset, bytes);
+      continue;
+    }
+    const BucketState& bucket = buckets_[location.bucket];
+    const int64_t offset = location.offset + piece.param_offset;
+    if (offset < bucket.own_begin || offset + piece.numel > bucket.own_end) {
+      return absl::InternalError(absl::StrCat("rank ", communicator_->rank(),
+                                              " does not hold the state of its plan range of '",
+                                              manifest_.params[piece.param].name, "'"));
+    }
+    std::memcpy(dst, bucket.params.data() + offset, bytes);
+    for (int k = 0; k < states; ++k) {
+      std::memcpy(dst + (k + 1) * bytes, bucket.state[k].data() + (offset - bucket.own_begin),
+                  bytes);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Restore(CheckpointReader& checkpoint) {
+  const CheckpointManifest& saved = checkpoint.manifest();
+  if (absl::Status same = CompareManifests(manifest_, saved.model(),
+                                           absl::StrCat("checkpoint ", saved.id));
+      !same.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint ", saved.id, " is of a different model: ", same.message()));
+  }
+  if (saved.state_names != optimizer_.state_names()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", saved.id, " holds ", OptimizerKindName(saved.optimizer.kind),
+        " state but this job's optimizer is ", OptimizerKindName(optimizer_.config().kind)));
+  }
+  if (!rebuilt_) {
+    return absl::FailedPreconditionError(
+        "restoring needs the rebuilt plan (the checkpoint's gradient order)");
+  }
+  const int states = static_cast<int>(optimizer_.state_names().size());
+  // What this rank owns: parameters and state of its owned span of every bucket.
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    BucketState& bucket = buckets_[b];
+    for (const BucketEntry& entry : plan_->buckets[b].entries) {
+      const int64_t begin = std::max(entry.offset, bucket.own_begin);
+      const int64_t end = std::min(entry.offset + entry.numel, bucket.own_end);
+      if (begin >= end) continue;
+      const int64_t param_offset = begin - entry.offset;
+      if (absl::Status read = checkpoint.ReadElements(entry.param, -1, param_offset, end - begin,
+                                                      bucket.params.data() + begin);
+          !read.ok()) {
+        return read;
+      }
+      for (int k = 0; k < states; ++k) {
+        if (absl::Status read =
+                checkpoint.ReadElements(entry.param, k, param_offset, end - begin,
+                                        bucket.state[k].data() + (begin - bucket.own_begin));
+            !read.ok()) {
+          return read;
+        }
+      }
+    }
+  }
+  for (size_t p = 0; p < frozen_.size(); ++p) {
+    if (frozen_[p].empty()) continue;
+    if (absl::Status read = checkpoint.ReadElements(static_cast<int>(p), -1, 0,
+                                                    static_cast<int64_t>(frozen_[p].size()),
+                                                    frozen_[p].data());
+        !read.ok()) {
+      return read;
+    }
+  }
+  if (options_.zero_stage > 0) {
+    if (absl::Status gathered = GatherParameters(); !gathered.ok()) return gathered;
+  }
+  steps_done_ = saved.step;
+  return absl::OkStatus();
+}
+
 int64_t Engine::optimizer_state_bytes() const {
   int64_t bytes = 0;
   for (const BucketState& bucket : buckets_) {

@@ -39,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/checkpoint.h"
 #include "common/job_spec.h"
 #include "common/manifest.h"
 #include "common/plan.h"
@@ -78,6 +79,7 @@ class Engine {
 
   const Manifest& manifest() const { return manifest_; }
   const Plan& plan() const { return *plan_; }
+  std::shared_ptr<const Plan> plan_pointer() const { return plan_; }
   int64_t plan_version() const { return plan_version_; }
   int64_t steps_done() const { return steps_done_; }
 
@@ -90,6 +92,14 @@ class Engine {
   void StartBackward();
   void MarkGradReady(int index);
   absl::Status Step(StepTimings* timings);
+
+  // Checkpoints. The bytes this rank saves (its plan ranges: parameters and optimizer state,
+  // laid out as common/checkpoint.h MakeShardLayout says), copied out of the live buffers.
+  absl::Status CopyOwnedState(std::vector<char>* out) const;
+  // Loads the elements this rank owns from a checkpoint of the same model and optimizer, of any
+  // world size, gathers the parameters, and continues the step count from the checkpoint's.
+  // Needs the rebuilt plan (the checkpoint's gradient order).
+  absl::Status Restore(CheckpointReader& checkpoint);
 
   // Bytes of optimizer state this rank holds, and the state's names (exp_avg, ...).
   int64_t optimizer_state_bytes() const;

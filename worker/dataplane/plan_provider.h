@@ -29,7 +29,8 @@ class PlanProvider {
 };
 
 // Plans with common/plan.h in this process. Ranks using their own LocalPlanProvider agree as
-// long as their models make gradients ready in the same order.
+// long as their models make gradients ready in the same order. Options with a gradient order
+// (e.g. a checkpoint's) give a plan that is already rebuilt.
 class LocalPlanProvider : public PlanProvider {
  public:
   explicit LocalPlanProvider(PlanOptions options) : options_(std::move(options)) {}
@@ -38,7 +39,8 @@ class LocalPlanProvider : public PlanProvider {
     manifest_ = manifest;
     absl::StatusOr<Plan> plan = MakePlan(manifest_, options_);
     if (!plan.ok()) return plan.status();
-    return AppliedPlan{std::make_shared<const Plan>(std::move(*plan)), 1, false};
+    return AppliedPlan{std::make_shared<const Plan>(std::move(*plan)), 1,
+                       !options_.gradient_order.empty()};
   }
 
   absl::StatusOr<AppliedPlan> Rebuild(int64_t version, const std::vector<int>& order) override {

@@ -73,8 +73,21 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
   absl::StatusOr<std::unique_ptr<Engine>> engine =
       Engine::Create(MlpManifest(job.widths), &communicator, &plans, engine_options);
   if (!engine.ok()) return engine.status();
-  if (absl::Status init = InitializeParameters(job, **engine); !init.ok()) return init;
-  if (absl::Status synced = (*engine)->BroadcastParameters(); !synced.ok()) return synced;
+  int64_t start_step = 0;
+  if (!options.restore_dir.empty()) {
+    absl::StatusOr<std::unique_ptr<CheckpointReader>> checkpoint =
+        CheckpointReader::Open(options.restore_dir);
+    if (!checkpoint.ok()) return checkpoint.status();
+    if (absl::Status restored = (*engine)->Restore(**checkpoint); !restored.ok()) return restored;
+    start_step = (*checkpoint)->manifest().step;
+  } else {
+    if (absl::Status init = InitializeParameters(job, **engine); !init.ok()) return init;
+    if (absl::Status synced = (*engine)->BroadcastParameters(); !synced.ok()) return synced;
+  }
+  CheckpointSaver saver([&options](const SavedShard& saved) {
+    if (options.on_checkpoint) options.on_checkpoint(saved);
+  });
+  int64_t satisfied_request = 0;
 
   Mlp model(job.widths);
   const int parameters = static_cast<int>((*engine)->manifest().params.size());
@@ -84,10 +97,11 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
   std::vector<float*> grads(parameters);
   const float scale = 1.0f / static_cast<float>(job.global_batch);
   TrainResult result;
+  result.start_step = start_step;
   absl::Time steady_start;  // end of the first step
   double hidden_ms = 0;
   double reduction_ms = 0;
-  for (int64_t step = 0; step < job.steps; ++step) {
+  for (int64_t step = start_step; step < job.steps; ++step) {
     if (options.stop != nullptr && options.stop->load()) {
       return absl::CancelledError(absl::StrCat("training stopped before step ", step + 1));
     }
@@ -123,7 +137,7 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     record.loss = loss;
     record.step_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
     record.plan_version = (*engine)->plan_version();
-    if (step == 0) {
+    if (step == start_step) {
       result.first_loss = loss;
       steady_start = absl::Now();
     } else {
@@ -132,11 +146,43 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     }
     result.last_loss = loss;
     result.steps = step + 1;
+
+    // Checkpoint at this step boundary if it is due or requested anywhere.
+    int64_t request = options.save_request != nullptr ? options.save_request->load() : 0;
+    if (options.save_request != nullptr) {
+      if (absl::Status s = communicator.AllReduce(&request, &request, 1, DataType::kInt64,
+                                                  ReduceOp::kMax);
+          !s.ok()) {
+        return s;
+      }
+    }
+    const bool periodic = job.checkpoint_every > 0 && (step + 1) % job.checkpoint_every == 0;
+    if (periodic || request > satisfied_request) {
+      const absl::Time pause_start = absl::Now();
+      std::vector<char> bytes;
+      saver.WaitIdle();
+      if (absl::Status copied = (*engine)->CopyOwnedState(&bytes); !copied.ok()) return copied;
+      SavedShard saved;
+      saved.id = CheckpointIdForStep(step + 1);
+      saved.dir = CheckpointDirectory(job.checkpoint_dir, job.name, saved.id);
+      saved.step = step + 1;
+      saved.request = std::max(request, satisfied_request);
+      saved.rank = rank;
+      saved.plan = (*engine)->plan_pointer();
+      saved.plan_version = (*engine)->plan_version();
+      saved.pause_ms = absl::ToDoubleMilliseconds(absl::Now() - pause_start);
+      result.max_checkpoint_pause_ms = std::max(result.max_checkpoint_pause_ms, saved.pause_ms);
+      ++result.checkpoints_saved;
+      record.checkpoint_pause_ms = saved.pause_ms;
+      satisfied_request = saved.request;
+      saver.Start(std::move(saved), world, std::move(bytes));
+    }
     if (options.on_step) options.on_step(record);
   }
-  if (job.steps > 1) {
+  saver.WaitIdle();
+  if (job.steps - start_step > 1) {
     result.steps_per_second =
-        (job.steps - 1) / absl::ToDoubleSeconds(absl::Now() - steady_start);
+        (job.steps - start_step - 1) / absl::ToDoubleSeconds(absl::Now() - steady_start);
     result.hidden_fraction = reduction_ms > 0 ? hidden_ms / reduction_ms : 0;
   }
   result.optimizer_state_bytes = (*engine)->optimizer_state_bytes();

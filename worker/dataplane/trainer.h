@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
+#include "worker/dataplane/checkpoint_saver.h"
 #include "worker/dataplane/communicator.h"
 #include "worker/dataplane/engine.h"
 #include "worker/dataplane/plan_provider.h"
@@ -21,9 +22,11 @@ struct StepRecord {
   double step_ms = 0;     // wall time of the whole step on this rank
   StepTimings timings;
   int64_t plan_version = 0;
+  double checkpoint_pause_ms = 0;  // when this step ended with a checkpoint
 };
 
 struct TrainResult {
+  int64_t start_step = 0;  // steps already done before this run (restored from a checkpoint)
   int64_t steps = 0;
   double first_loss = 0;
   double last_loss = 0;
@@ -32,6 +35,8 @@ struct TrainResult {
   double hidden_fraction = 0;  // of gradient-reduction time that overlapped backward
   int64_t optimizer_state_bytes = 0;  // on this rank
   std::string output_path;            // rank 0 only
+  int checkpoints_saved = 0;
+  double max_checkpoint_pause_ms = 0;  // the longest training stall of a save
 };
 
 struct TrainerOptions {
@@ -39,6 +44,16 @@ struct TrainerOptions {
   std::function<void(const StepRecord&)> on_step;
   // Polled between steps; training stops with Cancelled once it is set.
   const std::atomic<bool>* stop = nullptr;
+
+  // Checkpoints (see common/checkpoint.h). Restore from this committed checkpoint directory
+  // before training: training continues with the step after the checkpoint's.
+  std::string restore_dir;
+  // The newest save request this rank knows of (e.g. from the coordinator). All ranks save at
+  // the first step boundary at which any of them knows a request newer than the last one saved
+  // (they agree through one small all-reduce per step). Periodic saves need no request.
+  const std::atomic<int64_t>* save_request = nullptr;
+  // Called from the writer thread when this rank's shard is on disk (or failed).
+  std::function<void(const SavedShard&)> on_checkpoint;
 };
 
 absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communicator,

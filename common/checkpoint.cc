@@ -1,0 +1,535 @@
+#include "common/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/names.h"
+#include "common/safetensors.h"
+#include "nlohmann/json.hpp"
+
+namespace shard {
+namespace {
+
+constexpr char kManifestFile[] = "manifest.json";
+
+std::string Hex(uint64_t value) { return absl::StrFormat("%016x", value); }
+
+absl::Status Corrupt(const std::string& path, absl::string_view what) {
+  return absl::DataLossError(absl::StrCat("checkpoint file '", path, "': ", what));
+}
+
+uint64_t ArrayBytes(int64_t numel) { return static_cast<uint64_t>(numel) * sizeof(float); }
+
+}  // namespace
+
+std::string CheckpointIdForStep(int64_t step) { return absl::StrFormat("step-%08d", step); }
+
+absl::Status ValidateCheckpointId(absl::string_view id) {
+  return ValidateName("checkpoint id", id);
+}
+
+std::string CheckpointDirectory(const std::string& root, const std::string& job,
+                                const std::string& id) {
+  return (std::filesystem::path(root) / job / id).string();
+}
+
+std::string ShardFileName(int rank, int world_size) {
+  return absl::StrFormat("shard-%05d-of-%05d.bin", rank, world_size);
+}
+
+ShardLayout MakeShardLayout(const Manifest& model, const Plan& plan, int rank,
+                            int state_tensors) {
+  ShardLayout layout;
+  auto add = [&](int param, int64_t offset, int64_t numel) {
+    layout.pieces.push_back(ShardPiece{param, offset, numel, layout.bytes});
+    layout.bytes += ArrayBytes(numel) * (1 + state_tensors);
+  };
+  for (const OwnedRange& range : plan.ranks[rank].ranges) {
+    add(range.param, range.param_offset, range.numel);
+  }
+  if (rank == 0) {
+    for (size_t p = 0; p < model.params.size(); ++p) {
+      if (!model.params[p].requires_grad) add(static_cast<int>(p), 0, model.params[p].numel());
+    }
+  }
+  return layout;
+}
+
+Manifest CheckpointManifest::model() const {
+  Manifest model;
+  for (const CheckpointTensor& tensor : tensors) model.params.push_back(tensor.param);
+  return model;
+}
+
+uint64_t CheckpointManifest::total_bytes() const {
+  uint64_t total = 0;
+  for (const ShardRecord& shard : shards) total += shard.bytes;
+  return total;
+}
+
+absl::StatusOr<CheckpointManifest> MakeCheckpointManifest(
+    const std::string& job, const std::string& id, int64_t step, int zero_stage,
+    const Manifest& model, const Plan& plan, const OptimizerConfig& optimizer,
+    const std::vector<std::string>& state_names, std::vector<ShardRecord> shards) {
+  const int world = plan.options.world_size;
+  if (static_cast<int>(shards.size()) != world) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", id, " has ", shards.size(), " shards for a world of ", world));
+  }
+  CheckpointManifest manifest;
+  manifest.job = job;
+  manifest.id = id;
+  manifest.step = step;
+  manifest.world_size = world;
+  manifest.zero_stage = zero_stage;
+  manifest.plan = plan.options;
+  manifest.plan_hash = plan.hash;
+  manifest.manifest_hash = ManifestHash(model);
+  manifest.optimizer = optimizer;
+  manifest.state_names = state_names;
+  manifest.created_unix_ms = absl::ToUnixMillis(absl::Now());
+  for (const ParamSpec& param : model.params) manifest.tensors.push_back(CheckpointTensor{param, {}});
+  for (int rank = 0; rank < world; ++rank) {
+    const ShardLayout layout =
+        MakeShardLayout(model, plan, rank, static_cast<int>(state_names.size()));
+    if (shards[rank].rank != rank || shards[rank].bytes != layout.bytes) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " reported a shard of ", shards[rank].bytes, " bytes but the plan puts ",
+          layout.bytes, " bytes there"));
+    }
+    for (const ShardPiece& piece : layout.pieces) {
+      manifest.tensors[piece.param].pieces.push_back(
+          TensorPiece{piece.param_offset, piece.param_offset + piece.numel, rank,
+                      piece.byte_offset});
+    }
+  }
+  for (CheckpointTensor& tensor : manifest.tensors) {
+    std::sort(tensor.pieces.begin(), tensor.pieces.end(),
+              [](const TensorPiece& a, const TensorPiece& b) { return a.begin < b.begin; });
+  }
+  manifest.shards = std::move(shards);
+  return manifest;
+}
+
+std::string CheckpointManifestToJson(const CheckpointManifest& m) {
+  nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
+  for (const CheckpointTensor& t : m.tensors) {
+    nlohmann::ordered_json pieces = nlohmann::ordered_json::array();
+    for (const TensorPiece& p : t.pieces) {
+      pieces.push_back({{"begin", p.begin}, {"end", p.end}, {"shard", p.shard}, {"offset", p.offset}});
+    }
+    tensors.push_back({{"name", t.param.name},
+                       {"shape", t.param.shape},
+                       {"dtype", std::string(DataTypeName(t.param.dtype))},
+                       {"requires_grad", t.param.requires_grad},
+                       {"pieces", pieces}});
+  }
+  nlohmann::ordered_json shards = nlohmann::ordered_json::array();
+  for (const ShardRecord& s : m.shards) {
+    shards.push_back({{"file", s.file},
+                      {"rank", s.rank},
+                      {"bytes", s.bytes},
+                      {"xxh3", s.xxh3},
+                      {"block_bytes", kCheckpointBlockBytes},
+                      {"block_xxh3", s.block_xxh3}});
+  }
+  const OptimizerConfig& o = m.optimizer;
+  nlohmann::ordered_json doc = {
+      {"format_version", m.format_version},
+      {"job", m.job},
+      {"id", m.id},
+      {"step", m.step},
+      {"world_size", m.world_size},
+      {"zero_stage", m.zero_stage},
+      {"created_unix_ms", m.created_unix_ms},
+      {"plan",
+       {{"mode", std::string(ShardModeName(m.plan.mode))},
+        {"world_size", m.plan.world_size},
+        {"bucket_cap_bytes", m.plan.bucket_cap_bytes},
+        {"first_bucket_cap_bytes", m.plan.first_bucket_cap_bytes},
+        {"alignment_bytes", m.plan.alignment_bytes},
+        {"gradient_order", m.plan.gradient_order},
+        {"hash", m.plan_hash}}},
+      {"manifest_hash", m.manifest_hash},
+      {"optimizer",
+       {{"name", std::string(OptimizerKindName(o.kind))},
+        {"lr", o.lr},
+        {"betas", {o.beta1, o.beta2}},
+        {"eps", o.eps},
+        {"weight_decay", o.weight_decay},
+        {"momentum", o.momentum},
+        {"nesterov", o.nesterov},
+        {"state", m.state_names}}},
+      {"tensors", tensors},
+      {"shards", shards}};
+  return doc.dump(1);
+}
+
+absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view json,
+                                                              const std::string& path) {
+  const nlohmann::json doc = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.is_object()) return Corrupt(path, "the manifest is not JSON");
+  CheckpointManifest m;
+  try {
+    m.format_version = doc.at("format_version").get<int>();
+    if (m.format_version > kCheckpointFormatVersion) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", path, "' has format version ", m.format_version,
+          ", newer than this Shard reads (", kCheckpointFormatVersion, "); upgrade Shard"));
+    }
+    if (m.format_version < 1) return Corrupt(path, "format_version must be at least 1");
+    m.job = doc.at("job").get<std::string>();
+    m.id = doc.at("id").get<std::string>();
+    m.step = doc.at("step").get<int64_t>();
+    m.world_size = doc.at("world_size").get<int>();
+    m.zero_stage = doc.at("zero_stage").get<int>();
+    m.created_unix_ms = doc.at("created_unix_ms").get<int64_t>();
+    const nlohmann::json& plan = doc.at("plan");
+    absl::StatusOr<ShardMode> mode = ParseShardMode(plan.at("mode").get<std::string>());
+    if (!mode.ok()) return Corrupt(path, mode.status().message());
+    m.plan.mode = *mode;
+    m.plan.world_size = plan.at("world_size").get<int>();
+    m.plan.bucket_cap_bytes = plan.at("bucket_cap_bytes").get<int64_t>();
+    m.plan.first_bucket_cap_bytes = plan.at("first_bucket_cap_bytes").get<int64_t>();
+    m.plan.alignment_bytes = plan.at("alignment_bytes").get<int64_t>();
+    m.plan.gradient_order = plan.at("gradient_order").get<std::vector<int>>();
+    m.plan_hash = plan.at("hash").get<std::string>();
+    m.manifest_hash = doc.at("manifest_hash").get<std::string>();
+    const nlohmann::json& o = doc.at("optimizer");
+    const std::string name = o.at("name").get<std::string>();
+    m.optimizer.kind = name == "adam"    ? OptimizerKind::kAdam
+                       : name == "adamw" ? OptimizerKind::kAdamW
+                                         : OptimizerKind::kSgd;
+    m.optimizer.lr = o.at("lr").get<double>();
+    m.optimizer.beta1 = o.at("betas").at(0).get<double>();
+    m.optimizer.beta2 = o.at("betas").at(1).get<double>();
+    m.optimizer.eps = o.at("eps").get<double>();
+    m.optimizer.weight_decay = o.at("weight_decay").get<double>();
+    m.optimizer.momentum = o.at("momentum").get<double>();
+    m.optimizer.nesterov = o.at("nesterov").get<bool>();
+    m.state_names = o.at("state").get<std::vector<std::string>>();
+    for (const nlohmann::json& s : doc.at("shards")) {
+      ShardRecord record;
+      record.file = s.at("file").get<std::string>();
+      record.rank = s.at("rank").get<int>();
+      record.bytes = s.at("bytes").get<uint64_t>();
+      record.xxh3 = s.at("xxh3").get<std::string>();
+      record.block_xxh3 = s.at("block_xxh3").get<std::vector<std::string>>();
+      if (s.at("block_bytes").get<uint64_t>() != kCheckpointBlockBytes) {
+        return Corrupt(path, "shards use a block size this Shard does not read");
+      }
+      if (absl::Status name = ValidateName("shard file name", record.file); !name.ok()) {
+        return Corrupt(path, name.message());
+      }
+      if (record.block_xxh3.size() !=
+          (record.bytes + kCheckpointBlockBytes - 1) / kCheckpointBlockBytes) {
+        return Corrupt(path, absl::StrCat("shard '", record.file, "' lists ",
+                                          record.block_xxh3.size(), " block checksums for ",
+                                          record.bytes, " bytes"));
+      }
+      m.shards.push_back(std::move(record));
+    }
+    for (const nlohmann::json& t : doc.at("tensors")) {
+      CheckpointTensor tensor;
+      tensor.param.name = t.at("name").get<std::string>();
+      tensor.param.shape = t.at("shape").get<std::vector<int64_t>>();
+      absl::StatusOr<DataType> dtype = ParseDataType(t.at("dtype").get<std::string>());
+      if (!dtype.ok()) return Corrupt(path, dtype.status().message());
+      tensor.param.dtype = *dtype;
+      tensor.param.requires_grad = t.at("requires_grad").get<bool>();
+      for (const nlohmann::json& p : t.at("pieces")) {
+        tensor.pieces.push_back(TensorPiece{p.at("begin").get<int64_t>(),
+                                            p.at("end").get<int64_t>(), p.at("shard").get<int>(),
+                                            p.at("offset").get<uint64_t>()});
+      }
+      m.tensors.push_back(std::move(tensor));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return Corrupt(path, absl::StrCat("the manifest is missing or mistypes a field: ", e.what()));
+  }
+  if (absl::Status id = ValidateCheckpointId(m.id); !id.ok()) return Corrupt(path, id.message());
+  if (absl::Status job = ValidateName("job name", m.job); !job.ok()) return Corrupt(path, job.message());
+  if (absl::Status model = ValidateManifest(m.model()); !model.ok()) {
+    return Corrupt(path, model.message());
+  }
+  // Every tensor is covered exactly, by pieces inside their shards.
+  const uint64_t arrays = 1 + m.state_names.size();
+  for (const CheckpointTensor& t : m.tensors) {
+    int64_t next = 0;
+    for (const TensorPiece& piece : t.pieces) {
+      if (piece.begin != next || piece.end <= piece.begin || piece.shard < 0 ||
+          piece.shard >= static_cast<int>(m.shards.size()) ||
+          piece.offset + ArrayBytes(piece.end - piece.begin) * arrays >
+              m.shards[piece.shard].bytes) {
+        return Corrupt(path, absl::StrCat("the pieces of tensor '", t.param.name,
+                                          "' do not cover it exactly inside their shards"));
+      }
+      next = piece.end;
+    }
+    if (next != t.param.numel()) {
+      return Corrupt(path, absl::StrCat("the pieces of tensor '", t.param.name, "' cover ", next,
+                                        " of its ", t.param.numel(), " elements"));
+    }
+  }
+  return m;
+}
+
+absl::Status CommitCheckpoint(const std::string& dir, const CheckpointManifest& manifest) {
+  return WriteFileAtomically((std::filesystem::path(dir) / kManifestFile).string(),
+                             CheckpointManifestToJson(manifest));
+}
+
+absl::StatusOr<CheckpointManifest> ReadCheckpointManifest(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / kManifestFile).string();
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (absl::IsNotFound(text.status())) {
+    return absl::NotFoundError(absl::StrCat(
+        "checkpoint directory '", dir, "' has no manifest.json: it was never committed"));
+  }
+  if (!text.ok()) return text.status();
+  return CheckpointManifestFromJson(*text, path);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<ShardWriter>> ShardWriter::Create(const std::string& dir, int rank,
+                                                                 int world_size) {
+  if (absl::Status made = MakeDirectories(dir); !made.ok()) return made;
+  std::unique_ptr<ShardWriter> writer(new ShardWriter());
+  writer->file_ = ShardFileName(rank, world_size);
+  writer->rank_ = rank;
+  absl::StatusOr<std::unique_ptr<AtomicFileWriter>> out =
+      AtomicFileWriter::Create((std::filesystem::path(dir) / writer->file_).string());
+  if (!out.ok()) return out.status();
+  writer->out_ = std::move(*out);
+  writer->whole_ = XXH3_createState();
+  writer->block_ = XXH3_createState();
+  XXH3_64bits_reset(static_cast<XXH3_state_t*>(writer->whole_));
+  XXH3_64bits_reset(static_cast<XXH3_state_t*>(writer->block_));
+  return writer;
+}
+
+ShardWriter::~ShardWriter() {
+  if (whole_ != nullptr) XXH3_freeState(static_cast<XXH3_state_t*>(whole_));
+  if (block_ != nullptr) XXH3_freeState(static_cast<XXH3_state_t*>(block_));
+}
+
+absl::Status ShardWriter::Append(const void* data, size_t bytes) {
+  if (absl::Status written =
+          out_->Write(absl::string_view(static_cast<const char*>(data), bytes));
+      !written.ok()) {
+    return written;
+  }
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(whole_), data, bytes);
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const uint64_t room = kCheckpointBlockBytes - bytes_ % kCheckpointBlockBytes;
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(room, bytes));
+    XXH3_64bits_update(static_cast<XXH3_state_t*>(block_), p, take);
+    bytes_ += take;
+    p += take;
+    bytes -= take;
+    if (bytes_ % kCheckpointBlockBytes == 0) {
+      blocks_.push_back(Hex(XXH3_64bits_digest(static_cast<XXH3_state_t*>(block_))));
+      XXH3_64bits_reset(static_cast<XXH3_state_t*>(block_));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ShardRecord> ShardWriter::Finish() {
+  if (bytes_ % kCheckpointBlockBytes != 0) {
+    blocks_.push_back(Hex(XXH3_64bits_digest(static_cast<XXH3_state_t*>(block_))));
+  }
+  if (absl::Status committed = out_->Commit(); !committed.ok()) return committed;
+  return ShardRecord{file_, rank_, bytes_,
+                     Hex(XXH3_64bits_digest(static_cast<XXH3_state_t*>(whole_))), blocks_};
+}
+
+// ---------------------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::string& dir) {
+  std::unique_ptr<CheckpointReader> reader(new CheckpointReader());
+  reader->dir_ = dir;
+  absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(dir);
+  if (!manifest.ok()) return manifest.status();
+  reader->manifest_ = std::move(*manifest);
+  reader->fds_.assign(reader->manifest_.shards.size(), -1);
+  return reader;
+}
+
+CheckpointReader::~CheckpointReader() {
+  for (int fd : fds_) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+absl::StatusOr<const char*> CheckpointReader::Block(int shard, uint64_t block) {
+  if (shard == cached_shard_ && block == cached_block_) return cache_.data();
+  const ShardRecord& record = manifest_.shards[shard];
+  const std::string path = (std::filesystem::path(dir_) / record.file).string();
+  if (fds_[shard] < 0) {
+    fds_[shard] = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fds_[shard] < 0) {
+      return absl::DataLossError(absl::StrCat("checkpoint shard '", path,
+                                              "' cannot be opened: ", std::strerror(errno)));
+    }
+    const off_t size = ::lseek(fds_[shard], 0, SEEK_END);
+    if (size != static_cast<off_t>(record.bytes)) {
+      return absl::DataLossError(absl::StrCat("checkpoint shard '", path, "' is ", size,
+                                              " bytes but the manifest records ", record.bytes,
+                                              " (truncated or replaced)"));
+    }
+  }
+  const uint64_t begin = block * kCheckpointBlockBytes;
+  const uint64_t length = std::min(kCheckpointBlockBytes, record.bytes - begin);
+  cache_.resize(length);
+  cached_shard_ = -1;
+  if (absl::Status read = ReadAt(fds_[shard], begin, cache_.data(), length, path); !read.ok()) {
+    return read;
+  }
+  if (Hex(XXH3_64bits(cache_.data(), length)) != record.block_xxh3[block]) {
+    return absl::DataLossError(absl::StrCat("checkpoint shard '", path, "' is corrupt: bytes [",
+                                            begin, ", ", begin + length,
+                                            ") do not match their checksum"));
+  }
+  cached_shard_ = shard;
+  cached_block_ = block;
+  return cache_.data();
+}
+
+absl::Status CheckpointReader::ReadBytes(int shard, uint64_t offset, uint64_t bytes, char* out) {
+  while (bytes > 0) {
+    const uint64_t block = offset / kCheckpointBlockBytes;
+    absl::StatusOr<const char*> data = Block(shard, block);
+    if (!data.ok()) return data.status();
+    const uint64_t within = offset - block * kCheckpointBlockBytes;
+    const uint64_t take = std::min(bytes, kCheckpointBlockBytes - within);
+    std::memcpy(out, *data + within, take);
+    out += take;
+    offset += take;
+    bytes -= take;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointReader::ReadElements(int param, int array, int64_t begin, int64_t count,
+                                            float* out) {
+  const CheckpointTensor& tensor = manifest_.tensors[param];
+  if (begin < 0 || count < 0 || begin + count > tensor.param.numel() ||
+      array >= static_cast<int>(manifest_.state_names.size())) {
+    return absl::OutOfRangeError(absl::StrCat("elements [", begin, ", ", begin + count, ") of '",
+                                              tensor.param.name, "' array ", array,
+                                              " are not in the checkpoint"));
+  }
+  const int64_t end = begin + count;
+  auto piece = std::upper_bound(tensor.pieces.begin(), tensor.pieces.end(), begin,
+                                [](int64_t value, const TensorPiece& p) { return value < p.begin; });
+  --piece;  // the piece holding `begin`
+  for (int64_t next = begin; next < end; ++piece) {
+    const int64_t stop = std::min(end, piece->end);
+    const int64_t numel = piece->end - piece->begin;
+    const uint64_t offset = piece->offset + ArrayBytes(numel) * (array + 1) +
+                            ArrayBytes(next - piece->begin);
+    if (absl::Status read = ReadBytes(piece->shard, offset, ArrayBytes(stop - next),
+                                      reinterpret_cast<char*>(out + (next - begin)));
+        !read.ok()) {
+      return read;
+    }
+    next = stop;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointReader::VerifyShard(int shard, const std::function<void(uint64_t)>& progress) {
+  const ShardRecord& record = manifest_.shards[shard];
+  XXH3_state_t* whole = XXH3_createState();
+  XXH3_64bits_reset(whole);
+  absl::Status result;
+  for (uint64_t block = 0; block < record.block_xxh3.size() && result.ok(); ++block) {
+    absl::StatusOr<const char*> data = Block(shard, block);
+    if (!data.ok()) {
+      result = data.status();
+      break;
+    }
+    const uint64_t length = std::min(kCheckpointBlockBytes, record.bytes - block * kCheckpointBlockBytes);
+    XXH3_64bits_update(whole, *data, length);
+    if (progress) progress(length);
+  }
+  if (result.ok() && Hex(XXH3_64bits_digest(whole)) != record.xxh3) {
+    result = absl::DataLossError(absl::StrCat("checkpoint shard '", record.file,
+                                              "' does not match its whole-file checksum"));
+  }
+  XXH3_freeState(whole);
+  return result;
+}
+
+absl::Status ExportCheckpoint(const std::string& dir, const std::string& out_path,
+                              bool with_state, uint64_t buffer_bytes,
+                              const std::function<void(uint64_t, uint64_t)>& progress) {
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(dir);
+  if (!reader.ok()) return reader.status();
+  const CheckpointManifest& m = (*reader)->manifest();
+  struct Item {
+    int param;
+    int array;  // -1: the parameter itself
+  };
+  std::vector<TensorDecl> decls;
+  std::vector<Item> items;
+  uint64_t total = 0;
+  for (size_t p = 0; p < m.tensors.size(); ++p) {
+    const ParamSpec& param = m.tensors[p].param;
+    decls.push_back(TensorDecl{param.name, DataType::kFloat32, param.shape});
+    items.push_back(Item{static_cast<int>(p), -1});
+    total += ArrayBytes(param.numel());
+    if (!with_state || !param.requires_grad) continue;
+    for (size_t k = 0; k < m.state_names.size(); ++k) {
+      decls.push_back(TensorDecl{param.name + "." + m.state_names[k], DataType::kFloat32,
+                                 param.shape});
+      items.push_back(Item{static_cast<int>(p), static_cast<int>(k)});
+      total += ArrayBytes(param.numel());
+    }
+  }
+  std::map<std::string, std::string> metadata = {
+      {"format", "pt"},
+      {"producer", "shard"},
+      {"checkpoint", m.id},
+      {"step", absl::StrCat(m.step)},
+      {"optimizer", std::string(OptimizerKindName(m.optimizer.kind))}};
+  absl::StatusOr<std::unique_ptr<SafetensorsWriter>> writer =
+      SafetensorsWriter::Create(out_path, decls, metadata);
+  if (!writer.ok()) return writer.status();
+  const int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(buffer_bytes / sizeof(float)));
+  std::vector<float> buffer(chunk);
+  uint64_t done = 0;
+  for (const Item& item : items) {
+    const int64_t numel = m.tensors[item.param].param.numel();
+    for (int64_t begin = 0; begin < numel; begin += chunk) {
+      const int64_t count = std::min(chunk, numel - begin);
+      if (absl::Status read = (*reader)->ReadElements(item.param, item.array, begin, count,
+                                                      buffer.data());
+          !read.ok()) {
+        return read;
+      }
+      if (absl::Status written = (*writer)->Append(buffer.data(), ArrayBytes(count));
+          !written.ok()) {
+        return written;
+      }
+      done += ArrayBytes(count);
+      if (progress) progress(done, total);
+    }
+  }
+  return (*writer)->Finish();
+}
+
+}  // namespace shard

@@ -1,0 +1,179 @@
+// Sharded checkpoints (docs/checkpoints.md).
+//
+// A checkpoint is a directory <root>/<job>/<id>/ holding one shard file per saving rank and,
+// written last, manifest.json. A rank's shard holds, for each range of parameter elements the
+// plan makes it own (in the plan's order), the fp32 parameter values followed by each optimizer
+// state tensor's values for the same elements. The manifest records the format version, job,
+// step, world size, plan, optimizer and its hyper-parameters, every tensor's name, shape and
+// dtype, which element range of each tensor lives at which byte offset of which shard, and each
+// shard's size with XXH3-64 checksums of the whole file and of every 4 MiB block, so that any
+// read (even of a few elements) is verified.
+//
+// Writing is crash safe: shards are written to temporary names, fsynced and renamed; the
+// manifest is written the same way, last, and is the commit point. A directory without a
+// manifest is an incomplete checkpoint and is removed.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/files.h"
+#include "common/job_spec.h"
+#include "common/manifest.h"
+#include "common/plan.h"
+
+namespace shard {
+
+constexpr int kCheckpointFormatVersion = 1;
+constexpr uint64_t kCheckpointBlockBytes = uint64_t{4} << 20;
+
+// "step-00000015": checkpoints sort by step.
+std::string CheckpointIdForStep(int64_t step);
+// Checkpoint ids and job names must be plain names: no path traversal.
+absl::Status ValidateCheckpointId(absl::string_view id);
+std::string CheckpointDirectory(const std::string& root, const std::string& job,
+                                const std::string& id);
+std::string ShardFileName(int rank, int world_size);
+
+// Where a rank's bytes go: one piece per owned range, in plan order.
+struct ShardPiece {
+  int param = 0;
+  int64_t param_offset = 0;  // first element of the parameter in this piece
+  int64_t numel = 0;
+  uint64_t byte_offset = 0;  // of the parameter values; state k follows at + (k+1) x numel x 4
+};
+
+struct ShardLayout {
+  std::vector<ShardPiece> pieces;
+  uint64_t bytes = 0;
+};
+
+// Rank r's pieces are its plan ranges; rank 0 also keeps the parameters that take no gradient
+// (whole, with zero state).
+ShardLayout MakeShardLayout(const Manifest& model, const Plan& plan, int rank, int state_tensors);
+
+struct ShardRecord {
+  std::string file;
+  int rank = 0;
+  uint64_t bytes = 0;
+  std::string xxh3;                     // of the whole file
+  std::vector<std::string> block_xxh3;  // of each kCheckpointBlockBytes block
+};
+
+// Where one element range of a tensor lives.
+struct TensorPiece {
+  int64_t begin = 0;  // elements of the parameter
+  int64_t end = 0;
+  int shard = 0;      // index into CheckpointManifest::shards
+  uint64_t offset = 0;  // byte offset of the parameter values in that shard
+};
+
+struct CheckpointTensor {
+  ParamSpec param;
+  std::vector<TensorPiece> pieces;  // sorted by begin, covering [0, numel) exactly
+};
+
+struct CheckpointManifest {
+  int format_version = kCheckpointFormatVersion;
+  std::string job;
+  std::string id;
+  int64_t step = 0;  // training steps completed; a restore continues with step + 1
+  int world_size = 0;
+  int zero_stage = 0;
+  PlanOptions plan;  // including the rebuilt gradient order
+  std::string plan_hash;
+  std::string manifest_hash;
+  OptimizerConfig optimizer;
+  std::vector<std::string> state_names;  // exp_avg, exp_avg_sq / momentum_buffer
+  std::vector<CheckpointTensor> tensors;
+  std::vector<ShardRecord> shards;
+  int64_t created_unix_ms = 0;
+
+  Manifest model() const;
+  uint64_t total_bytes() const;
+};
+
+// The manifest of a checkpoint that `plan` describes, from the ranks' shard records (by rank).
+absl::StatusOr<CheckpointManifest> MakeCheckpointManifest(
+    const std::string& job, const std::string& id, int64_t step, int zero_stage,
+    const Manifest& model, const Plan& plan, const OptimizerConfig& optimizer,
+    const std::vector<std::string>& state_names, std::vector<ShardRecord> shards);
+
+std::string CheckpointManifestToJson(const CheckpointManifest& manifest);
+// Parses and checks (format version, names, pieces covering every tensor exactly).
+absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view json,
+                                                              const std::string& path);
+
+// The commit point: writes <dir>/manifest.json atomically.
+absl::Status CommitCheckpoint(const std::string& dir, const CheckpointManifest& manifest);
+absl::StatusOr<CheckpointManifest> ReadCheckpointManifest(const std::string& dir);
+
+// Streams one shard file: written to a temporary name and hashed as it goes; Finish() fsyncs
+// and renames it and returns its record.
+class ShardWriter {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShardWriter>> Create(const std::string& dir, int rank,
+                                                             int world_size);
+  ~ShardWriter();
+  ShardWriter(const ShardWriter&) = delete;
+  ShardWriter& operator=(const ShardWriter&) = delete;
+
+  absl::Status Append(const void* data, size_t bytes);
+  absl::StatusOr<ShardRecord> Finish();
+
+ private:
+  ShardWriter() = default;
+  std::string file_;
+  int rank_ = 0;
+  std::unique_ptr<AtomicFileWriter> out_;
+  void* whole_ = nullptr;  // XXH3 state of the whole file
+  void* block_ = nullptr;  // XXH3 state of the current block
+  uint64_t bytes_ = 0;
+  std::vector<std::string> blocks_;
+};
+
+// Reads a committed checkpoint; every byte it returns comes from a block whose checksum was
+// verified. Errors name the shard file and the byte range.
+class CheckpointReader {
+ public:
+  static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& dir);
+  ~CheckpointReader();
+
+  const CheckpointManifest& manifest() const { return manifest_; }
+  const std::string& dir() const { return dir_; }
+
+  // Copies elements [begin, begin + count) of parameter `param` (array -1) or of its optimizer
+  // state `array` (0-based, as in manifest().state_names) into `out`.
+  absl::Status ReadElements(int param, int array, int64_t begin, int64_t count, float* out);
+
+  // Re-reads every shard in full, checking sizes and every checksum; `progress(bytes)` is
+  // called as it goes. The error names the shard and what is wrong.
+  absl::Status VerifyShard(int shard, const std::function<void(uint64_t)>& progress);
+
+ private:
+  CheckpointReader() = default;
+  absl::StatusOr<const char*> Block(int shard, uint64_t block);
+  absl::Status ReadBytes(int shard, uint64_t offset, uint64_t bytes, char* out);
+
+  std::string dir_;
+  CheckpointManifest manifest_;
+  std::vector<int> fds_;  // opened on first use, -1 until then
+  // The most recently verified block (sequential and clustered reads hit it).
+  int cached_shard_ = -1;
+  uint64_t cached_block_ = 0;
+  std::vector<char> cache_;
+};
+
+// Writes the checkpoint as one safetensors file with full tensors named as the model's
+// parameters (and `<name>.<state>` for each optimizer state tensor when `with_state`), streamed
+// through a buffer of `buffer_bytes`: the exporter never holds more than that plus one block.
+// `progress(done, total)` counts bytes written.
+absl::Status ExportCheckpoint(const std::string& dir, const std::string& out_path,
+                              bool with_state, uint64_t buffer_bytes,
+                              const std::function<void(uint64_t, uint64_t)>& progress);
+
+}  // namespace shard

@@ -1,0 +1,68 @@
+#include "worker/dataplane/checkpoint_saver.h"
+
+namespace shard {
+
+CheckpointSaver::CheckpointSaver(std::function<void(const SavedShard&)> on_saved)
+    : on_saved_(std::move(on_saved)), thread_([this] { Loop(); }) {}
+
+CheckpointSaver::~CheckpointSaver() {
+  WaitIdle();
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+}
+
+absl::Duration CheckpointSaver::WaitIdle() {
+  const absl::Time start = absl::Now();
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !busy_; };
+  mu_.Await(absl::Condition(&idle));
+  return absl::Now() - start;
+}
+
+void CheckpointSaver::Start(SavedShard saved, int world_size, std::vector<char> bytes) {
+  WaitIdle();
+  absl::MutexLock lock(&mu_);
+  job_ = std::move(saved);
+  world_size_ = world_size;
+  bytes_ = std::move(bytes);
+  busy_ = true;
+}
+
+void CheckpointSaver::Loop() {
+  while (true) {
+    SavedShard saved;
+    std::vector<char> bytes;
+    int world_size = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || busy_; };
+      mu_.Await(absl::Condition(&work));
+      if (!busy_) return;
+      saved = std::move(job_);
+      bytes.swap(bytes_);
+      world_size = world_size_;
+    }
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::unique_ptr<ShardWriter>> writer =
+        ShardWriter::Create(saved.dir, saved.rank, world_size);
+    if (!writer.ok()) {
+      saved.record = writer.status();
+    } else if (absl::Status written = (*writer)->Append(bytes.data(), bytes.size());
+               !written.ok()) {
+      saved.record = written;
+    } else {
+      saved.record = (*writer)->Finish();
+    }
+    saved.write_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+    bytes.clear();
+    bytes.shrink_to_fit();
+    on_saved_(saved);
+    absl::MutexLock lock(&mu_);
+    busy_ = false;
+  }
+}
+
+}  // namespace shard
