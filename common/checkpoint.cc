@@ -32,7 +32,10 @@ uint64_t ArrayBytes(int64_t numel) { return static_cast<uint64_t>(numel) * sizeo
 
 }  // namespace
 
-std::string CheckpointIdForStep(int64_t step) { return absl::StrFormat("step-%08d", step); }
+std::string CheckpointIdForStep(int64_t step, absl::string_view tag) {
+  return tag.empty() ? absl::StrFormat("step-%08d", step)
+                     : absl::StrFormat("step-%08d-%s", step, tag);
+}
 
 absl::Status ValidateCheckpointId(absl::string_view id) {
   return ValidateName("checkpoint id", id);
@@ -304,6 +307,11 @@ absl::StatusOr<CheckpointManifest> ReadCheckpointManifest(const std::string& dir
 
 absl::StatusOr<std::unique_ptr<ShardWriter>> ShardWriter::Create(const std::string& dir, int rank,
                                                                  int world_size) {
+  // A committed checkpoint is never written into again.
+  if (std::filesystem::exists(std::filesystem::path(dir) / kManifestFile)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("checkpoint '", dir, "' is already committed; it is never overwritten"));
+  }
   if (absl::Status made = MakeDirectories(dir); !made.ok()) return made;
   std::unique_ptr<ShardWriter> writer(new ShardWriter());
   writer->file_ = ShardFileName(rank, world_size);

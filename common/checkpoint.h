@@ -31,8 +31,9 @@ namespace shard {
 constexpr int kCheckpointFormatVersion = 1;
 constexpr uint64_t kCheckpointBlockBytes = uint64_t{4} << 20;
 
-// "step-00000015": checkpoints sort by step.
-std::string CheckpointIdForStep(int64_t step);
+// "step-00000015-g7": checkpoints sort by step; the tag (e.g. the world generation) keeps the
+// ids of a restored run's steps apart from those of the run it restored from. No tag, no suffix.
+std::string CheckpointIdForStep(int64_t step, absl::string_view tag = "");
 // Checkpoint ids and job names must be plain names: no path traversal.
 absl::Status ValidateCheckpointId(absl::string_view id);
 std::string CheckpointDirectory(const std::string& root, const std::string& job,

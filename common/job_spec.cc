@@ -24,6 +24,14 @@ absl::string_view OptimizerKindName(OptimizerKind kind) {
   return "unknown";
 }
 
+std::vector<std::string> OptimizerStateNames(const OptimizerConfig& optimizer) {
+  if (optimizer.kind == OptimizerKind::kSgd) {
+    return optimizer.momentum > 0 ? std::vector<std::string>{"momentum_buffer"}
+                                  : std::vector<std::string>{};
+  }
+  return {"exp_avg", "exp_avg_sq"};
+}
+
 absl::Status ValidateJobConfig(const JobConfig& job) {
   if (absl::Status name = ValidateName("job spec: name", job.name); !name.ok()) return name;
   if (job.world_size < 1) return Invalid("world_size", "must be at least 1");

@@ -28,6 +28,10 @@ struct OptimizerConfig {
 
 absl::string_view OptimizerKindName(OptimizerKind kind);
 
+// The optimizer's state tensors per parameter element, by PyTorch's names: exp_avg and
+// exp_avg_sq for Adam/AdamW, momentum_buffer for SGD with momentum, none for plain SGD.
+std::vector<std::string> OptimizerStateNames(const OptimizerConfig& optimizer);
+
 struct JobConfig {
   std::string name;
   int world_size = 1;

@@ -148,7 +148,8 @@ absl::StatusOr<JobConfig> LoadJobFile(const std::string& path) {
   if (!spec.ok()) {
     return absl::Status(spec.status().code(), absl::StrCat(path, ": ", spec.status().message()));
   }
-  const std::string base_dir = std::filesystem::path(path).parent_path().string();
+  // Paths in the job are relative to the job file, wherever the workers run.
+  const std::string base_dir = std::filesystem::absolute(path).parent_path().string();
   absl::StatusOr<JobConfig> job = JobConfigFromProto(*spec, base_dir);
   if (!job.ok()) {
     return absl::Status(job.status().code(), absl::StrCat(path, ": ", job.status().message()));

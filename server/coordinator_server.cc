@@ -1,7 +1,9 @@
 #include "server/coordinator_server.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "grpcpp/server_builder.h"
+#include "proto/job_convert.h"
 #include "grpcpp/security/server_credentials.h"
 #include "common/logging.h"
 #include "spdlog/spdlog.h"
@@ -26,19 +28,63 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                                                  server->world_->world().generation);
   server->plan_ = std::make_unique<PlanManager>(options.plan);
   server->plan_->OnGeneration(server->world_->world().generation);
+  std::optional<v1::JobSpec> job_spec;
+  if (options.job.has_value()) {
+    const JobConfig& job = *options.job;
+    job_spec = ToProto(job);
+    CheckpointOptions checkpoint_options;
+    checkpoint_options.job = job.name;
+    checkpoint_options.root = job.checkpoint_dir;
+    checkpoint_options.keep_last = job.checkpoint_keep_last;
+    checkpoint_options.zero_stage = job.zero_stage;
+    checkpoint_options.optimizer = job.optimizer;
+    checkpoint_options.state_names = OptimizerStateNames(job.optimizer);
+    auto checkpoints = CheckpointManager::Create(checkpoint_options, server->store_.get());
+    if (!checkpoints.ok()) return checkpoints.status();
+    server->checkpoints_ = std::move(*checkpoints);
+    if (!options.restore.empty()) {
+      absl::StatusOr<v1::CheckpointRecord> record = server->checkpoints_->Find(options.restore);
+      if (!record.ok()) return record.status();
+      absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(record->dir());
+      if (!manifest.ok()) return manifest.status();
+      if (absl::Status same = CompareManifests(MlpManifest(job.widths), manifest->model(),
+                                               absl::StrCat("checkpoint ", manifest->id));
+          !same.ok()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "cannot restore checkpoint ", manifest->id, ": it is of a different model (",
+            same.message(), ")"));
+      }
+      if (manifest->state_names != checkpoint_options.state_names) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "cannot restore checkpoint ", manifest->id, ": it holds ",
+            OptimizerKindName(manifest->optimizer.kind), " state but the job uses ",
+            OptimizerKindName(job.optimizer.kind)));
+      }
+      if (absl::StatusOr<TrainingStartPoint> start =
+              server->checkpoints_->SetRestorePoint(record->id());
+          !start.ok()) {
+        return start.status();
+      }
+      server->plan_->SeedRebuiltOrder(manifest->plan.gradient_order);
+    }
+  } else if (!options.restore.empty()) {
+    return absl::InvalidArgumentError("--restore needs --job");
+  }
   KvStoreManager* kv = server->kv_.get();
   PlanManager* plan = server->plan_.get();
-  server->world_->set_generation_listener([kv, plan](int64_t generation) {
+  CheckpointManager* checkpoint_manager = server->checkpoints_.get();
+  server->world_->set_generation_listener([kv, plan, checkpoint_manager](int64_t generation) {
     kv->SetCurrentGeneration(generation);
     plan->OnGeneration(generation);
+    if (checkpoint_manager != nullptr) checkpoint_manager->OnGeneration(generation);
   });
 
   const Clock clock = [] { return absl::Now(); };
   CoordinatorServer* self = server.get();
-  server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(server->world_.get(), plan,
-                                                                       options.job, clock);
+  server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(
+      server->world_.get(), plan, checkpoint_manager, job_spec, clock);
   server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(kv, clock);
-  server->admin_service_ = std::make_unique<AdminServiceImpl>(server->world_.get(), plan, clock, now, [self] {
+  server->admin_service_ = std::make_unique<AdminServiceImpl>(server->world_.get(), plan, checkpoint_manager, clock, now, [self] {
     absl::MutexLock lock(&self->mu_);
     self->wake_ = true;
   });

@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/server.h"
+#include "server/checkpoint_manager.h"
 #include "server/coordinator_service.h"
 #include "server/kv_store_manager.h"
 #include "server/plan_manager.h"
@@ -24,7 +25,9 @@ struct CoordinatorOptions {
   std::string state_dir;  // empty: keep state in memory only
   WorldOptions world;
   PlanConfig plan;
-  std::optional<v1::JobSpec> job;  // handed to every joining worker
+  std::optional<JobConfig> job;  // handed to every joining worker
+  // With a job: restore the training from this checkpoint ("latest" allowed) when it starts.
+  std::string restore;
   // How often leases and rendezvous waits are checked.
   absl::Duration housekeeping_interval = absl::Milliseconds(50);
 };
@@ -57,6 +60,7 @@ class CoordinatorServer {
   std::unique_ptr<WorldManager> world_;
   std::unique_ptr<KvStoreManager> kv_;
   std::unique_ptr<PlanManager> plan_;
+  std::unique_ptr<CheckpointManager> checkpoints_;  // with a job only
   std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;

@@ -93,6 +93,23 @@ v1::StepStats ToProto(const StepReport& report) {
   return out;
 }
 
+void FillStart(const TrainingStartPoint& start, v1::TrainingStart* out) {
+  out->set_checkpoint_id(start.checkpoint_id);
+  out->set_checkpoint_dir(start.dir);
+  out->set_step(start.step);
+}
+
+void FillCheckpoint(const v1::CheckpointRecord& record, v1::CheckpointInfo* out) {
+  out->set_id(record.id());
+  out->set_step(record.step());
+  out->set_world_size(record.world_size());
+  out->set_dir(record.dir());
+  out->set_bytes(record.bytes());
+  out->set_committed_unix_ms(record.committed_unix_ms());
+  out->set_max_pause_ms(record.max_pause_ms());
+  out->set_max_write_ms(record.max_write_ms());
+}
+
 }  // namespace
 
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::Join(grpc::CallbackServerContext* context,
@@ -116,6 +133,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Join(grpc::CallbackServerConte
         std::max<int64_t>(1, absl::ToInt64Milliseconds(options.lease / 4)));
     FillWorld(options.job, outcome->world, response->mutable_world());
     if (job_.has_value()) *response->mutable_job_spec() = *job_;
+    if (checkpoints_ != nullptr) FillStart(checkpoints_->start(), response->mutable_start());
   }
   return Reply(context, outcome.status());
 }
@@ -132,17 +150,23 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Heartbeat(grpc::CallbackServer
   params.known_state = FromProto(request->known_state());
   params.wait = absl::Milliseconds(std::max<int64_t>(0, request->wait_ms()));
   const std::string job = world_->options().job;
-  world_->WatchHeartbeat(params, clock_(),
-                         [reactor, response, job](absl::StatusOr<HeartbeatOutcome> outcome) {
-                           if (outcome.ok()) {
-                             FillWorld(job, outcome->world, response->mutable_world());
-                             response->set_rank(outcome->rank);
-                             response->mutable_order()->set_kind(
-                                 outcome->stop ? v1::ORDER_KIND_STOP : v1::ORDER_KIND_CONTINUE);
-                             response->mutable_order()->set_reason(outcome->stop_reason);
-                           }
-                           reactor->Finish(ToGrpcStatus(outcome.status()));
-                         });
+  CheckpointManager* checkpoints = checkpoints_;
+  world_->WatchHeartbeat(
+      params, clock_(),
+      [reactor, response, job, checkpoints](absl::StatusOr<HeartbeatOutcome> outcome) {
+        if (outcome.ok()) {
+          FillWorld(job, outcome->world, response->mutable_world());
+          response->set_rank(outcome->rank);
+          response->mutable_order()->set_kind(outcome->stop ? v1::ORDER_KIND_STOP
+                                                            : v1::ORDER_KIND_CONTINUE);
+          response->mutable_order()->set_reason(outcome->stop_reason);
+          if (checkpoints != nullptr) {
+            response->set_checkpoint_request(checkpoints->latest_request());
+            FillStart(checkpoints->start(), response->mutable_start());
+          }
+        }
+        reactor->Finish(ToGrpcStatus(outcome.status()));
+      });
   return reactor;
 }
 
@@ -213,7 +237,40 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportStepStats(
   report.hidden_ms = stats.hidden_ms();
   report.bucket_bytes.assign(stats.bucket_bytes().begin(), stats.bucket_bytes().end());
   report.loss = stats.loss();
+  if (checkpoints_ != nullptr) checkpoints_->NoteTrainingStarted();
   return Reply(context, plan_->ReportStepStats(*member, std::move(report)));
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportCheckpointShard(
+    grpc::CallbackServerContext* context, const v1::ReportCheckpointShardRequest* request,
+    v1::ReportCheckpointShardResponse* response) {
+  if (checkpoints_ == nullptr) {
+    return Reply(context, absl::FailedPreconditionError("this coordinator runs no job"));
+  }
+  absl::StatusOr<MemberRef> member = world_->Member(request->worker_id(), request->incarnation());
+  if (!member.ok()) return Reply(context, member.status());
+  std::optional<PlanView> plan = plan_->Current();
+  if (!plan.has_value()) {
+    return Reply(context, absl::FailedPreconditionError("no plan in this generation"));
+  }
+  ShardReport report;
+  report.worker_id = request->worker_id();
+  report.rank = member->rank;
+  report.id = request->checkpoint_id();
+  report.step = request->step();
+  report.request = request->request();
+  report.plan_version = request->plan_version();
+  report.plan_hash = request->plan_hash();
+  report.record = ShardRecord{request->shard().file(), member->rank, request->shard().bytes(),
+                              request->shard().xxh3(),
+                              {request->shard().block_xxh3().begin(),
+                               request->shard().block_xxh3().end()}};
+  report.pause_ms = request->pause_ms();
+  report.write_ms = request->write_ms();
+  report.error = request->error();
+  absl::StatusOr<bool> committed = checkpoints_->ReportShard(report, *plan);
+  if (committed.ok()) response->set_committed(*committed);
+  return Reply(context, committed.status());
 }
 
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportTrainingDone(
@@ -319,6 +376,99 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStats(grpc::CallbackServerContext
     out->set_acked_plan_version(rank.acked_version);
     if (rank.last.has_value()) *out->mutable_last() = ToProto(*rank.last);
   }
+  return Reply(context, absl::OkStatus());
+}
+
+absl::Status AdminServiceImpl::NeedCheckpoints() const {
+  if (checkpoints_ != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "this coordinator runs no training job (started without --job), so it has no checkpoints");
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::SaveCheckpoint(
+    grpc::CallbackServerContext* context, const v1::SaveCheckpointRequest* /*request*/,
+    v1::SaveCheckpointResponse* response) {
+  if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
+  if (world_->world().state != JobState::kRunning) {
+    return Reply(context, absl::FailedPreconditionError(
+                              "the world is not running; a checkpoint is saved by its workers"));
+  }
+  absl::StatusOr<int64_t> request = checkpoints_->RequestSave();
+  if (request.ok()) {
+    response->set_request(*request);
+    world_->WakeWatches();  // workers learn of the request at once
+  }
+  return Reply(context, request.status());
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::GetSaveProgress(
+    grpc::CallbackServerContext* context, const v1::GetSaveProgressRequest* request,
+    v1::GetSaveProgressResponse* response) {
+  if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
+  const SaveProgress progress = checkpoints_->Progress(request->request());
+  response->set_shards_done(progress.shards_done);
+  response->set_world_size(progress.world_size);
+  response->set_bytes_done(progress.bytes_done);
+  response->set_checkpoint_id(progress.committed_id);
+  response->set_error(progress.error);
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::ListCheckpoints(
+    grpc::CallbackServerContext* context, const v1::ListCheckpointsRequest* /*request*/,
+    v1::ListCheckpointsResponse* response) {
+  if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
+  for (const v1::CheckpointRecord& record : checkpoints_->List()) {
+    FillCheckpoint(record, response->add_checkpoints());
+  }
+  response->set_root(checkpoints_->root());
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::GetCheckpoint(grpc::CallbackServerContext* context,
+                                                          const v1::GetCheckpointRequest* request,
+                                                          v1::CheckpointInfo* response) {
+  if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
+  absl::StatusOr<v1::CheckpointRecord> record = checkpoints_->Find(request->id());
+  if (!record.ok()) return Reply(context, record.status());
+  FillCheckpoint(*record, response);
+  absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(record->dir());
+  if (!manifest.ok()) return Reply(context, manifest.status());
+  response->set_tensors(static_cast<int32_t>(manifest->tensors.size()));
+  response->set_zero_stage(manifest->zero_stage);
+  response->set_optimizer(std::string(OptimizerKindName(manifest->optimizer.kind)));
+  for (const ShardRecord& shard : manifest->shards) {
+    v1::ShardRecord* out = response->add_shards();
+    out->set_file(shard.file);
+    out->set_rank(shard.rank);
+    out->set_bytes(shard.bytes);
+    out->set_xxh3(shard.xxh3);
+  }
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::DeleteCheckpoint(
+    grpc::CallbackServerContext* context, const v1::DeleteCheckpointRequest* request,
+    v1::DeleteCheckpointResponse* /*response*/) {
+  if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
+  return Reply(context, checkpoints_->Delete(request->id()));
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::RestoreCheckpoint(
+    grpc::CallbackServerContext* context, const v1::RestoreCheckpointRequest* request,
+    v1::RestoreCheckpointResponse* response) {
+  if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
+  absl::StatusOr<v1::CheckpointRecord> record = checkpoints_->Find(request->id());
+  if (!record.ok()) return Reply(context, record.status());
+  absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(record->dir());
+  if (!manifest.ok()) return Reply(context, manifest.status());
+  absl::StatusOr<TrainingStartPoint> start = checkpoints_->SetRestorePoint(record->id());
+  if (!start.ok()) return Reply(context, start.status());
+  plan_->SeedRebuiltOrder(manifest->plan.gradient_order);
+  const World world = world_->Reform(absl::StrCat("restore from checkpoint ", record->id()),
+                                     clock_());
+  FillStart(*start, response->mutable_start());
+  response->set_generation(world.generation);
   return Reply(context, absl::OkStatus());
 }
 

@@ -5,6 +5,7 @@
 #include <functional>
 #include <optional>
 
+#include "server/checkpoint_manager.h"
 #include "server/kv_store_manager.h"
 #include "server/plan_manager.h"
 #include "server/world_manager.h"
@@ -16,10 +17,15 @@ using Clock = std::function<absl::Time()>;
 
 class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
  public:
-  // `job`: the training job handed to every joining worker, if any.
-  CoordinatorServiceImpl(WorldManager* world, PlanManager* plan, std::optional<v1::JobSpec> job,
-                         Clock clock)
-      : world_(world), plan_(plan), job_(std::move(job)), clock_(clock) {}
+  // `job`: the training job handed to every joining worker, if any; `checkpoints` exists with
+  // a job only.
+  CoordinatorServiceImpl(WorldManager* world, PlanManager* plan, CheckpointManager* checkpoints,
+                         std::optional<v1::JobSpec> job, Clock clock)
+      : world_(world),
+        plan_(plan),
+        checkpoints_(checkpoints),
+        job_(std::move(job)),
+        clock_(clock) {}
 
   grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* context,
                                  const v1::JoinRequest* request,
@@ -48,10 +54,14 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
   grpc::ServerUnaryReactor* ReportTrainingDone(grpc::CallbackServerContext* context,
                                                const v1::ReportTrainingDoneRequest* request,
                                                v1::ReportTrainingDoneResponse* response) override;
+  grpc::ServerUnaryReactor* ReportCheckpointShard(
+      grpc::CallbackServerContext* context, const v1::ReportCheckpointShardRequest* request,
+      v1::ReportCheckpointShardResponse* response) override;
 
  private:
   WorldManager* world_;
   PlanManager* plan_;
+  CheckpointManager* checkpoints_;
   std::optional<v1::JobSpec> job_;
   Clock clock_;
 };
@@ -78,10 +88,11 @@ class RendezvousServiceImpl final : public v1::Rendezvous::CallbackService {
 class AdminServiceImpl final : public v1::Admin::CallbackService {
  public:
   // `on_stop` runs after a stop was accepted (the server uses it to wake its housekeeping).
-  AdminServiceImpl(WorldManager* world, PlanManager* plan, Clock clock, absl::Time started,
-                   std::function<void()> on_stop)
+  AdminServiceImpl(WorldManager* world, PlanManager* plan, CheckpointManager* checkpoints,
+                   Clock clock, absl::Time started, std::function<void()> on_stop)
       : world_(world),
         plan_(plan),
+        checkpoints_(checkpoints),
         clock_(clock),
         started_(started),
         on_stop_(std::move(on_stop)) {}
@@ -98,10 +109,32 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
                                      const v1::GetStatsRequest* request,
                                      v1::GetStatsResponse* response) override;
+  grpc::ServerUnaryReactor* SaveCheckpoint(grpc::CallbackServerContext* context,
+                                           const v1::SaveCheckpointRequest* request,
+                                           v1::SaveCheckpointResponse* response) override;
+  grpc::ServerUnaryReactor* GetSaveProgress(grpc::CallbackServerContext* context,
+                                            const v1::GetSaveProgressRequest* request,
+                                            v1::GetSaveProgressResponse* response) override;
+  grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* context,
+                                            const v1::ListCheckpointsRequest* request,
+                                            v1::ListCheckpointsResponse* response) override;
+  grpc::ServerUnaryReactor* GetCheckpoint(grpc::CallbackServerContext* context,
+                                          const v1::GetCheckpointRequest* request,
+                                          v1::CheckpointInfo* response) override;
+  grpc::ServerUnaryReactor* DeleteCheckpoint(grpc::CallbackServerContext* context,
+                                             const v1::DeleteCheckpointRequest* request,
+                                             v1::DeleteCheckpointResponse* response) override;
+  grpc::ServerUnaryReactor* RestoreCheckpoint(grpc::CallbackServerContext* context,
+                                              const v1::RestoreCheckpointRequest* request,
+                                              v1::RestoreCheckpointResponse* response) override;
 
  private:
+  // FailedPrecondition when the coordinator runs no job (and so keeps no checkpoints).
+  absl::Status NeedCheckpoints() const;
+
   WorldManager* world_;
   PlanManager* plan_;
+  CheckpointManager* checkpoints_;
   Clock clock_;
   absl::Time started_;
   std::function<void()> on_stop_;

@@ -26,11 +26,16 @@ int main(int argc, char** argv) {
                  "host:port to serve gRPC on; port 0 picks a free port (see --port-file)")
       ->capture_default_str();
   std::string job_file;
+  std::string restore;
   app.add_option("--job", job_file,
                  "training job spec (JSON, protobuf mapping of shard.v1.JobSpec); sets the job "
                  "name, world size and planning, and is handed to every worker. Without it the "
                  "workers only form a world and self-check their data path")
       ->check(CLI::ExistingFile);
+  app.add_option("--restore", restore,
+                 "with --job: continue training from this committed checkpoint of the job (an id "
+                 "from 'shardctl checkpoint list', or 'latest'), on whatever world size the job "
+                 "now has");
   CLI::Option* world_size = app.add_option("--world-size", options.world.expected_world_size,
                                            "number of workers that form the world (default: the "
                                            "job's world_size)")
@@ -95,7 +100,8 @@ int main(int argc, char** argv) {
     options.plan.mode = job->shard_mode;
     options.plan.bucket_cap_bytes = job->bucket_cap_bytes;
     options.plan.first_bucket_cap_bytes = job->first_bucket_cap_bytes;
-    options.job = shard::ToProto(*job);
+    options.job = *job;
+    options.restore = restore;
     for (const char* flag : {"--shard-mode", "--bucket-cap-mb", "--first-bucket-cap-mb"}) {
       if (app.count(flag) > 0) {
         std::fprintf(stderr, "shard-coordinator: %s comes from the job spec when --job is given\n",

@@ -45,6 +45,13 @@ void PlanManager::OnGeneration(int64_t generation) {
   for (Answer& answer : answers) answer.done(std::move(answer.result));
 }
 
+void PlanManager::SeedRebuiltOrder(std::vector<int> order) {
+  absl::MutexLock lock(&mu_);
+  if (rebuilt_order_.has_value()) return;
+  rebuilt_order_ = std::move(order);
+  plan_.reset();  // the next registration plans with it
+}
+
 absl::Status PlanManager::CheckGeneration(const MemberRef& member) const {
   if (member.generation != generation_) {
     return absl::AbortedError(absl::StrCat("request for generation ", member.generation,

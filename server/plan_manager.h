@@ -90,6 +90,10 @@ class PlanManager {
   // order if there is one. Pending rebuild waits are answered Aborted.
   void OnGeneration(int64_t generation);
 
+  // The gradient order of a checkpoint the job restores from, when no rebuild happened yet in
+  // this coordinator: plans are made with it, so no rebuild (and no state move) is needed.
+  void SeedRebuiltOrder(std::vector<int> order);
+
   absl::StatusOr<PlanView> RegisterManifest(const MemberRef& member, const Manifest& manifest);
   absl::StatusOr<PlanView> AckPlan(const MemberRef& member, int64_t version,
                                    const std::string& hash);

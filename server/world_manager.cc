@@ -430,6 +430,18 @@ void WorldManager::ExpireWatches(absl::Time now) {
   Deliver(std::move(answers));
 }
 
+void WorldManager::WakeWatches() {
+  std::vector<Answer> answers;
+  {
+    absl::MutexLock lock(&mu_);
+    for (Watch& watch : watches_) {
+      answers.push_back(Answer{std::move(watch.done), OutcomeLocked(watch.worker_id)});
+    }
+    watches_.clear();
+  }
+  Deliver(std::move(answers));
+}
+
 void WorldManager::CloseWatches(const absl::Status& reason) {
   std::vector<Watch> closed;
   {
@@ -578,6 +590,18 @@ absl::Status WorldManager::ReportTrainingDoneLocked(const std::string& worker_id
     RequestStopLocked(absl::StrCat("training finished (", summary, ")"), now);
   }
   return absl::OkStatus();
+}
+
+World WorldManager::ReformLocked(const std::string& reason, absl::Time now) {
+  std::vector<v1::MembershipEvent> events;
+  events.push_back(MakeEvent(v1::MEMBERSHIP_EVENT_KIND_REFORMED, "", -1, reason, now));
+  PersistOrRetryLocked(state_.generation() + 1, std::move(events));
+  spdlog::info("world re-formed at generation {}: {}", state_.generation(), reason);
+  return WorldLocked();
+}
+
+World WorldManager::Reform(const std::string& reason, absl::Time now) {
+  return Mutate([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ReformLocked(reason, now); });
 }
 
 absl::Status WorldManager::ReportTrainingDone(const std::string& worker_id, uint64_t incarnation,

@@ -138,6 +138,8 @@ class WorldManager {
   void WatchHeartbeat(const HeartbeatParams& params, absl::Time now, HeartbeatCallback done);
   // Answers the watches whose wait has run out.
   void ExpireWatches(absl::Time now);
+  // Answers every watch now (something outside the membership changed, e.g. a save request).
+  void WakeWatches();
   // Answers every watch with `reason` (at shutdown).
   void CloseWatches(const absl::Status& reason);
   absl::Status ReportSelfCheck(const std::string& worker_id, uint64_t incarnation,
@@ -152,6 +154,10 @@ class WorldManager {
 
   // Declares every member whose lease has expired dead; returns their ids.
   std::vector<std::string> ExpireLeases(absl::Time now);
+
+  // Bumps the generation with the same members (e.g. to restart training from a checkpoint):
+  // every worker re-connects its data path.
+  World Reform(const std::string& reason, absl::Time now);
 
   // Asks every member to leave; the job is STOPPED once none is live.
   World RequestStop(const std::string& reason, absl::Time now);
@@ -207,6 +213,7 @@ class WorldManager {
   std::vector<std::string> ExpireLeasesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   World RequestStopLocked(const std::string& reason, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  World ReformLocked(const std::string& reason, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ReportTrainingDoneLocked(const std::string& worker_id, uint64_t incarnation,
                                         const std::string& summary, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

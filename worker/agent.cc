@@ -99,6 +99,7 @@ absl::Status WorkerAgent::JoinWithRetry() {
         }
         job_ = std::move(*job);
       }
+      start_ = joined->start();
       UpdateWorld(joined->world(), joined->rank());
       spdlog::info("joined job '{}' as rank {} (lease {}ms)", joined->job(), joined->rank(),
                    joined->lease_ms());
@@ -143,6 +144,8 @@ void WorkerAgent::HeartbeatLoop() {
       last_contact = absl::Now();
       absl::MutexLock lock(&mu_);
       UpdateWorld(beat->world(), beat->rank());
+      save_request_ = beat->checkpoint_request();
+      start_ = beat->start();
       if (beat->order().kind() == v1::ORDER_KIND_STOP && !stop_) {
         spdlog::info("coordinator ordered a stop: {}", beat->order().reason());
         SetStop(beat->order().reason());
@@ -244,9 +247,11 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
 
 absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
   std::shared_ptr<Communicator> communicator;
+  v1::TrainingStart start;
   {
     absl::MutexLock lock(&mu_);
     communicator = communicator_;
+    start = start_;
   }
   PlanSession plans(client_.get(), options_.worker_id, incarnation_,
                     options_.collective_timeout);
@@ -254,6 +259,47 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
   StatsReporter reporter(client_.get());
   TrainerOptions trainer;
   trainer.stop = &stop_requested_;
+  trainer.save_request = &save_request_;
+  {
+    absl::MutexLock lock(&mu_);
+    trainer.checkpoint_tag = absl::StrCat("g", world_.generation);
+  }
+  if (!start.checkpoint_id().empty()) {
+    trainer.restore_dir = start.checkpoint_dir();
+    spdlog::info("restoring from checkpoint {} (step {}) in {}", start.checkpoint_id(),
+                 start.step(), start.checkpoint_dir());
+  }
+  trainer.on_checkpoint = [&](const SavedShard& saved) {
+    v1::ReportCheckpointShardRequest report;
+    report.set_worker_id(options_.worker_id);
+    report.set_incarnation(incarnation_);
+    report.set_checkpoint_id(saved.id);
+    report.set_step(saved.step);
+    report.set_request(saved.request);
+    report.set_plan_version(saved.plan_version);
+    report.set_plan_hash(saved.plan->hash);
+    report.set_pause_ms(saved.pause_ms);
+    report.set_write_ms(saved.write_ms);
+    if (saved.record.ok()) {
+      v1::ShardRecord* shard = report.mutable_shard();
+      shard->set_file(saved.record->file);
+      shard->set_rank(saved.record->rank);
+      shard->set_bytes(saved.record->bytes);
+      shard->set_xxh3(saved.record->xxh3);
+      for (const std::string& block : saved.record->block_xxh3) shard->add_block_xxh3(block);
+      if (rank == 0) {
+        spdlog::info("checkpoint {} (step {}): shard written in {:.1f} ms, training paused "
+                     "{:.2f} ms",
+                     saved.id, saved.step, saved.write_ms, saved.pause_ms);
+      }
+    } else {
+      report.set_error(std::string(saved.record.status().message()));
+      spdlog::error("checkpoint {}: {}", saved.id, saved.record.status().message());
+    }
+    if (absl::Status sent = client_->ReportCheckpointShard(report); !sent.ok()) {
+      spdlog::warn("could not report checkpoint {}: {}", saved.id, sent.message());
+    }
+  };
   trainer.on_step = [&](const StepRecord& record) {
     const StepTimings& t = record.timings;
     if (rank == 0 && (record.step % log_every == 0 || record.step == 1 || record.step == job.steps)) {
@@ -287,11 +333,9 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
   if (!result.ok()) {
     if (stop_requested_) return absl::CancelledError(result.status().message());
     if (absl::IsAborted(result.status())) {
-      // A membership change mid-training: without a checkpoint there is nothing to resume
-      // from, and starting over silently would be wrong.
-      return absl::FailedPreconditionError(absl::StrCat(
-          "training was interrupted by a membership change (", result.status().message(),
-          "); the job cannot resume without a checkpoint"));
+      // The world moved on (a membership change or a restore): the next generation's training
+      // starts where the coordinator says (its latest checkpoint, or the beginning).
+      return result.status();
     }
     return absl::Status(result.status().code(),
                         absl::StrCat("training failed: ", result.status().message()));

@@ -83,6 +83,8 @@ class WorkerAgent {
   std::optional<JobConfig> job_ ABSL_GUARDED_BY(mu_);  // from the coordinator, at join
   bool trained_ = false;                                // the job's training has finished
   std::atomic<bool> stop_requested_{false};             // stop_, for the training loop
+  std::atomic<int64_t> save_request_{0};                // the newest checkpoint request seen
+  v1::TrainingStart start_ ABSL_GUARDED_BY(mu_);         // where this generation's training starts
   int64_t communicator_generation_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

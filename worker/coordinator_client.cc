@@ -188,6 +188,18 @@ absl::Status CoordinatorClient::ReportTrainingDone(const v1::ReportTrainingDoneR
       .status();
 }
 
+absl::Status CoordinatorClient::ReportCheckpointShard(
+    const v1::ReportCheckpointShardRequest& request) {
+  grpc::ClientContext context;
+  return UnaryCall<v1::ReportCheckpointShardResponse>(
+             &context,
+             [&](auto* context, auto* response) {
+               return coordinator_->ReportCheckpointShard(context, request, response);
+             },
+             rpc_timeout_, absl::StrCat("checkpoint report at ", address_))
+      .status();
+}
+
 std::unique_ptr<RendezvousClient> CoordinatorClient::RendezvousStore(
     const v1::RendezvousScope& scope) {
   return std::make_unique<RendezvousClient>(rendezvous_, scope, address_, rpc_timeout_);

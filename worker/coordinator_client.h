@@ -58,6 +58,7 @@ class CoordinatorClient {
       const v1::ReportGradientOrderRequest& request);
   absl::Status ReportStepStats(const v1::ReportStepStatsRequest& request);
   absl::Status ReportTrainingDone(const v1::ReportTrainingDoneRequest& request);
+  absl::Status ReportCheckpointShard(const v1::ReportCheckpointShardRequest& request);
 
   // The rendezvous store of one generation, for the data path.
   std::unique_ptr<RendezvousClient> RendezvousStore(const v1::RendezvousScope& scope);

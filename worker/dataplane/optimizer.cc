@@ -4,13 +4,8 @@
 
 namespace shard {
 
-OptimizerKernel::OptimizerKernel(OptimizerConfig config) : config_(config) {
-  if (config_.kind == OptimizerKind::kSgd) {
-    if (config_.momentum > 0) state_names_ = {"momentum_buffer"};
-  } else {
-    state_names_ = {"exp_avg", "exp_avg_sq"};
-  }
-}
+OptimizerKernel::OptimizerKernel(OptimizerConfig config)
+    : config_(config), state_names_(OptimizerStateNames(config)) {}
 
 // The loops below are written so the compiler vectorises them (this file is built with -O3
 // -fno-math-errno), for AVX2 where the CPU has it; every expression keeps torch's operation

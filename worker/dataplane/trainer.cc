@@ -163,7 +163,7 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
       saver.WaitIdle();
       if (absl::Status copied = (*engine)->CopyOwnedState(&bytes); !copied.ok()) return copied;
       SavedShard saved;
-      saved.id = CheckpointIdForStep(step + 1);
+      saved.id = CheckpointIdForStep(step + 1, options.checkpoint_tag);
       saved.dir = CheckpointDirectory(job.checkpoint_dir, job.name, saved.id);
       saved.step = step + 1;
       saved.request = std::max(request, satisfied_request);

@@ -52,6 +52,8 @@ struct TrainerOptions {
   // the first step boundary at which any of them knows a request newer than the last one saved
   // (they agree through one small all-reduce per step). Periodic saves need no request.
   const std::atomic<int64_t>* save_request = nullptr;
+  // Appended to checkpoint ids (e.g. "g7"), so that a restored run never reuses an id.
+  std::string checkpoint_tag;
   // Called from the writer thread when this rank's shard is on disk (or failed).
   std::function<void(const SavedShard&)> on_checkpoint;
 };

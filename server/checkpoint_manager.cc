@@ -1,0 +1,301 @@
+#include "server/checkpoint_manager.h"
+
+#include <filesystem>
+#include <regex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "spdlog/spdlog.h"
+
+namespace shard {
+namespace {
+
+constexpr char kCatalogRecord[] = "checkpoints";
+
+// Only directories named like our checkpoints are ever removed.
+bool LooksLikeCheckpoint(const std::string& name) {
+  static const std::regex pattern("step-[0-9]{8}(-[A-Za-z0-9]+)?");
+  return std::regex_match(name, pattern);
+}
+
+void RemoveDirectory(const std::string& dir, absl::string_view why) {
+  std::error_code error;
+  std::filesystem::remove_all(dir, error);
+  if (error) {
+    spdlog::warn("could not remove {} ({}): {}", dir, why, error.message());
+  } else {
+    spdlog::info("removed {} ({})", dir, why);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(
+    CheckpointOptions options, StateStore* store) {
+  std::unique_ptr<CheckpointManager> manager(new CheckpointManager(std::move(options), store));
+  absl::MutexLock lock(&manager->mu_);
+  absl::StatusOr<bool> loaded = store->Load(kCatalogRecord, &manager->catalog_);
+  if (!loaded.ok()) return loaded.status();
+  // Keep what is committed and still there; drop the rest of the catalog.
+  v1::CheckpointCatalog kept;
+  kept.set_last_request(manager->catalog_.last_request());
+  for (const v1::CheckpointRecord& record : manager->catalog_.checkpoints()) {
+    if (std::filesystem::exists(std::filesystem::path(record.dir()) / "manifest.json")) {
+      *kept.add_checkpoints() = record;
+    } else {
+      spdlog::warn("checkpoint {} is in the catalog but {} has no manifest; forgetting it",
+                   record.id(), record.dir());
+    }
+  }
+  const bool changed = kept.checkpoints_size() != manager->catalog_.checkpoints_size();
+  manager->catalog_ = std::move(kept);
+  if (changed) {
+    if (absl::Status saved = manager->PersistLocked(); !saved.ok()) return saved;
+  }
+  // Directories of checkpoints that never committed.
+  const std::filesystem::path job_dir =
+      std::filesystem::path(manager->options_.root) / manager->options_.job;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(job_dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_directory() || !LooksLikeCheckpoint(name)) continue;
+    bool committed = false;
+    for (const v1::CheckpointRecord& record : manager->catalog_.checkpoints()) {
+      committed = committed || record.id() == name;
+    }
+    if (!committed) RemoveDirectory(entry.path().string(), "a checkpoint that never committed");
+  }
+  return manager;
+}
+
+std::string CheckpointManager::Directory(const std::string& id) const {
+  return CheckpointDirectory(options_.root, options_.job, id);
+}
+
+absl::Status CheckpointManager::PersistLocked() {
+  if (absl::Status saved = store_->Save(kCatalogRecord, catalog_); !saved.ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        "the coordinator cannot record its checkpoint catalog in its state directory (",
+        saved.message(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> CheckpointManager::RequestSave() {
+  absl::MutexLock lock(&mu_);
+  catalog_.set_last_request(catalog_.last_request() + 1);
+  if (absl::Status saved = PersistLocked(); !saved.ok()) return saved;
+  spdlog::info("checkpoint requested (request {})", catalog_.last_request());
+  return catalog_.last_request();
+}
+
+int64_t CheckpointManager::latest_request() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return catalog_.last_request();
+}
+
+absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
+                                                    const PlanView& plan) {
+  if (absl::Status id = ValidateCheckpointId(report.id); !id.ok()) return id;
+  if (report.plan_hash != plan.plan->hash) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", report.rank, "'s shard of ", report.id, " is laid out by plan ",
+        report.plan_hash, " but the current plan is ", plan.plan->hash));
+  }
+  const int world = plan.plan->options.world_size;
+  absl::MutexLock lock(&mu_);
+  if (FindLocked(report.id).ok()) return false;  // already committed (a retried report)
+  Pending& pending = pending_[report.id];
+  if (pending.shards.empty()) {
+    pending.shards.resize(world);
+    pending.step = report.step;
+    pending.plan_hash = report.plan_hash;
+  }
+  pending.request = std::max(pending.request, report.request);
+  pending.max_pause_ms = std::max(pending.max_pause_ms, report.pause_ms);
+  pending.max_write_ms = std::max(pending.max_write_ms, report.write_ms);
+  if (!report.error.empty()) {
+    pending.error = absl::StrCat("rank ", report.rank, " could not write its shard: ", report.error);
+    errors_[pending.request] = pending.error;
+    spdlog::error("checkpoint {} failed: {}", report.id, pending.error);
+    RemoveDirectory(Directory(report.id), "a failed checkpoint");
+    pending_.erase(report.id);
+    return false;
+  }
+  if (report.rank < 0 || report.rank >= world || report.step != pending.step) {
+    return absl::InvalidArgumentError(absl::StrCat("shard report of rank ", report.rank,
+                                                   " for ", report.id, " does not fit its world"));
+  }
+  pending.shards[report.rank] = report.record;
+  for (const std::optional<ShardRecord>& shard : pending.shards) {
+    if (!shard.has_value()) return false;
+  }
+  // Every shard is on disk: write the manifest, the commit point.
+  std::vector<ShardRecord> shards;
+  for (const std::optional<ShardRecord>& shard : pending.shards) shards.push_back(*shard);
+  absl::StatusOr<CheckpointManifest> manifest = MakeCheckpointManifest(
+      options_.job, report.id, pending.step, options_.zero_stage, *plan.manifest, *plan.plan,
+      options_.optimizer, options_.state_names, std::move(shards));
+  const std::string dir = Directory(report.id);
+  absl::Status committed = manifest.ok() ? CommitCheckpoint(dir, *manifest) : manifest.status();
+  if (!committed.ok()) {
+    errors_[pending.request] = std::string(committed.message());
+    pending_.erase(report.id);
+    RemoveDirectory(dir, "a checkpoint that could not be committed");
+    return committed;
+  }
+  v1::CheckpointRecord* record = catalog_.add_checkpoints();
+  record->set_id(report.id);
+  record->set_step(pending.step);
+  record->set_world_size(world);
+  record->set_dir(dir);
+  record->set_bytes(manifest->total_bytes());
+  record->set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
+  record->set_request(pending.request);
+  record->set_max_pause_ms(pending.max_pause_ms);
+  record->set_max_write_ms(pending.max_write_ms);
+  spdlog::info("checkpoint {} committed: step {}, {} ranks, {} bytes, training paused at most "
+               "{:.2f} ms, slowest shard write {:.1f} ms",
+               report.id, pending.step, world, manifest->total_bytes(), pending.max_pause_ms,
+               pending.max_write_ms);
+  pending_.erase(report.id);
+  ApplyRetentionLocked();
+  if (absl::Status saved = PersistLocked(); !saved.ok()) return saved;
+  return true;
+}
+
+void CheckpointManager::ApplyRetentionLocked() {
+  while (catalog_.checkpoints_size() > options_.keep_last) {
+    const v1::CheckpointRecord oldest = catalog_.checkpoints(0);
+    if (start_.checkpoint_id == oldest.id()) break;  // still the restore point
+    catalog_.mutable_checkpoints()->erase(catalog_.mutable_checkpoints()->begin());
+    RemoveDirectory(oldest.dir(), absl::StrCat("keeping the last ", options_.keep_last));
+  }
+}
+
+SaveProgress CheckpointManager::Progress(int64_t request) const {
+  absl::ReaderMutexLock lock(&mu_);
+  SaveProgress progress;
+  for (const v1::CheckpointRecord& record : catalog_.checkpoints()) {
+    if (record.request() >= request) {
+      progress.committed_id = record.id();
+      progress.world_size = record.world_size();
+      progress.shards_done = record.world_size();
+      progress.bytes_done = record.bytes();
+      return progress;
+    }
+  }
+  for (const auto& [request_seq, error] : errors_) {
+    if (request_seq >= request) progress.error = error;
+  }
+  for (const auto& [id, pending] : pending_) {
+    if (pending.request < request) continue;
+    progress.world_size = static_cast<int>(pending.shards.size());
+    for (const std::optional<ShardRecord>& shard : pending.shards) {
+      if (!shard.has_value()) continue;
+      ++progress.shards_done;
+      progress.bytes_done += shard->bytes;
+    }
+  }
+  return progress;
+}
+
+std::vector<v1::CheckpointRecord> CheckpointManager::List() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return {catalog_.checkpoints().begin(), catalog_.checkpoints().end()};
+}
+
+absl::StatusOr<v1::CheckpointRecord> CheckpointManager::FindLocked(const std::string& id) const {
+  if (id == "latest") {
+    if (catalog_.checkpoints().empty()) {
+      return absl::NotFoundError(
+          absl::StrCat("job '", options_.job, "' has no committed checkpoint yet"));
+    }
+    return *catalog_.checkpoints().rbegin();
+  }
+  if (absl::Status valid = ValidateCheckpointId(id); !valid.ok()) return valid;
+  for (const v1::CheckpointRecord& record : catalog_.checkpoints()) {
+    if (record.id() == id) return record;
+  }
+  return absl::NotFoundError(absl::StrCat("job '", options_.job, "' has no checkpoint '", id,
+                                          "'; 'shardctl checkpoint list' shows the committed ones"));
+}
+
+absl::StatusOr<v1::CheckpointRecord> CheckpointManager::Find(const std::string& id) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return FindLocked(id);
+}
+
+absl::Status CheckpointManager::Delete(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<v1::CheckpointRecord> record = FindLocked(id);
+  if (!record.ok()) return record.status();
+  if (start_.checkpoint_id == record->id()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", record->id(), " is where the job's training restarts; restore another "
+        "first"));
+  }
+  auto* list = catalog_.mutable_checkpoints();
+  for (auto it = list->begin(); it != list->end(); ++it) {
+    if (it->id() == record->id()) {
+      list->erase(it);
+      break;
+    }
+  }
+  if (absl::Status saved = PersistLocked(); !saved.ok()) return saved;
+  RemoveDirectory(record->dir(), "deleted by an operator");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TrainingStartPoint> CheckpointManager::SetRestorePoint(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<v1::CheckpointRecord> record = FindLocked(id);
+  if (!record.ok()) return record.status();
+  start_ = TrainingStartPoint{record->id(), record->dir(), record->step()};
+  restore_requested_ = true;
+  spdlog::info("training restarts from checkpoint {} (step {})", record->id(), record->step());
+  return start_;
+}
+
+void CheckpointManager::NoteTrainingStarted() {
+  absl::MutexLock lock(&mu_);
+  training_started_ = true;
+}
+
+void CheckpointManager::RestartFromLatest() {
+  absl::MutexLock lock(&mu_);
+  RestartFromLatestLocked();
+}
+
+void CheckpointManager::RestartFromLatestLocked() {
+  if (catalog_.checkpoints().empty()) {
+    start_ = TrainingStartPoint{};
+    spdlog::warn("no committed checkpoint: training restarts from the initial weights");
+    return;
+  }
+  const v1::CheckpointRecord& latest = *catalog_.checkpoints().rbegin();
+  start_ = TrainingStartPoint{latest.id(), latest.dir(), latest.step()};
+  spdlog::info("training restarts from the latest checkpoint {} (step {})", latest.id(),
+               latest.step());
+}
+
+TrainingStartPoint CheckpointManager::start() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return start_;
+}
+
+void CheckpointManager::OnGeneration(int64_t /*generation*/) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, pending] : pending_) {
+    RemoveDirectory(Directory(id), "a checkpoint of an ended generation");
+  }
+  pending_.clear();
+  if (restore_requested_) {
+    restore_requested_ = false;  // this is the re-formation the restore asked for
+  } else if (training_started_) {
+    RestartFromLatestLocked();
+  }
+}
+
+}  // namespace shard
