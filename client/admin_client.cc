@@ -61,3 +61,65 @@ absl::StatusOr<v1::GetStatsResponse> AdminClient::GetStats() {
 }
 
 }  // namespace shard
+
+namespace shard {
+
+absl::StatusOr<v1::SaveCheckpointResponse> AdminClient::SaveCheckpoint() {
+  return Call<v1::SaveCheckpointResponse>(
+      [&](auto* context, auto* response) {
+        return stub_->SaveCheckpoint(context, v1::SaveCheckpointRequest(), response);
+      },
+      "checkpoint save");
+}
+
+absl::StatusOr<v1::GetSaveProgressResponse> AdminClient::GetSaveProgress(int64_t request) {
+  v1::GetSaveProgressRequest message;
+  message.set_request(request);
+  return Call<v1::GetSaveProgressResponse>(
+      [&](auto* context, auto* response) {
+        return stub_->GetSaveProgress(context, message, response);
+      },
+      "checkpoint progress");
+}
+
+absl::StatusOr<v1::ListCheckpointsResponse> AdminClient::ListCheckpoints() {
+  return Call<v1::ListCheckpointsResponse>(
+      [&](auto* context, auto* response) {
+        return stub_->ListCheckpoints(context, v1::ListCheckpointsRequest(), response);
+      },
+      "checkpoint list");
+}
+
+absl::StatusOr<v1::CheckpointInfo> AdminClient::GetCheckpoint(const std::string& id) {
+  v1::GetCheckpointRequest message;
+  message.set_id(id);
+  return Call<v1::CheckpointInfo>(
+      [&](auto* context, auto* response) {
+        return stub_->GetCheckpoint(context, message, response);
+      },
+      "checkpoint lookup");
+}
+
+absl::Status AdminClient::DeleteCheckpoint(const std::string& id) {
+  v1::DeleteCheckpointRequest message;
+  message.set_id(id);
+  return Call<v1::DeleteCheckpointResponse>(
+             [&](auto* context, auto* response) {
+               return stub_->DeleteCheckpoint(context, message, response);
+             },
+             "checkpoint delete")
+      .status();
+}
+
+absl::StatusOr<v1::RestoreCheckpointResponse> AdminClient::RestoreCheckpoint(
+    const std::string& id) {
+  v1::RestoreCheckpointRequest message;
+  message.set_id(id);
+  return Call<v1::RestoreCheckpointResponse>(
+      [&](auto* context, auto* response) {
+        return stub_->RestoreCheckpoint(context, message, response);
+      },
+      "checkpoint restore");
+}
+
+}  // namespace shard

@@ -18,6 +18,12 @@ class AdminClient {
   absl::StatusOr<v1::StopResponse> Stop(const std::string& reason);
   absl::StatusOr<v1::PlanSummary> GetPlan();
   absl::StatusOr<v1::GetStatsResponse> GetStats();
+  absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint();
+  absl::StatusOr<v1::GetSaveProgressResponse> GetSaveProgress(int64_t request);
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints();
+  absl::StatusOr<v1::CheckpointInfo> GetCheckpoint(const std::string& id);
+  absl::Status DeleteCheckpoint(const std::string& id);
+  absl::StatusOr<v1::RestoreCheckpointResponse> RestoreCheckpoint(const std::string& id);
 
  private:
   // One call with the deadline; unreachable coordinators get an error that says so and what

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/admin_client.h"
+#include "client/checkpoint_commands.h"
 #include "client/plan_view.h"
 #include "client/status_view.h"
 #include "common/cli.h"
@@ -116,8 +117,8 @@ absl::StatusOr<shard::v1::PlanSummary> OfflinePlan(const std::string& manifest_f
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"shardctl: the admin client of a Shard job (status, workers, wait, stop, plan, stats) and "
-      "its tools (data generate).", "shardctl"};
+  CLI::App app{"shardctl: the admin client of a Shard job (status, workers, wait, stop, plan, stats, "
+      "checkpoint) and its tools (data generate).", "shardctl"};
   app.require_subcommand(1);
   std::string coordinator = "127.0.0.1:7460";
   std::string timeout = "10s";
@@ -200,7 +201,20 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--seed", data_seed, "generator seed")->capture_default_str();
   generate_cmd->add_option("--out", data_out, "output file")->required();
 
+  shard::CheckpointCommands checkpoint_commands;
+  shard::AddCheckpointCommands(app, &checkpoint_commands);
+
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  std::unique_ptr<shard::AdminClient> admin_client;
+  auto admin_on_demand = [&]() -> shard::AdminClient& {
+    if (admin_client == nullptr) {
+      admin_client = std::make_unique<shard::AdminClient>(coordinator, shard::ParsedDuration(timeout));
+    }
+    return *admin_client;
+  };
+  if (shard::CheckpointCommandParsed(checkpoint_commands)) {
+    return shard::RunCheckpointCommand(checkpoint_commands, admin_on_demand);
+  }
   if (generate_cmd->parsed()) {
     std::vector<int64_t> widths;
     for (absl::string_view part : absl::StrSplit(widths_text, ',')) {
@@ -239,7 +253,7 @@ int main(int argc, char** argv) {
     std::cout << (json ? shard::PlanToJson(*plan).dump(2) + "\n" : shard::PlanTable(*plan));
     return 0;
   }
-  shard::AdminClient admin(coordinator, shard::ParsedDuration(timeout));
+  shard::AdminClient& admin = admin_on_demand();
   if (plan_cmd->parsed()) {
     absl::StatusOr<shard::v1::PlanSummary> plan = admin.GetPlan();
     if (!plan.ok()) return Fail(plan.status());

@@ -90,9 +90,14 @@ absl::StatusOr<int64_t> CheckpointManager::RequestSave() {
   return catalog_.last_request();
 }
 
-int64_t CheckpointManager::latest_request() const {
+int64_t CheckpointManager::pending_request() const {
   absl::ReaderMutexLock lock(&mu_);
-  return catalog_.last_request();
+  const int64_t latest = catalog_.last_request();
+  for (const v1::CheckpointRecord& record : catalog_.checkpoints()) {
+    if (record.request() >= latest) return 0;
+  }
+  if (!errors_.empty() && errors_.rbegin()->first >= latest) return 0;
+  return latest;
 }
 
 absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,

@@ -69,7 +69,8 @@ class CheckpointManager {
 
   // A new save request, numbered from 1; workers save at their next step boundary.
   absl::StatusOr<int64_t> RequestSave();
-  int64_t latest_request() const;
+  // The newest request not yet answered by a commit or a failure; 0 when there is none.
+  int64_t pending_request() const;
 
   // Records a rank's shard; once every rank of `plan`'s world has reported, writes the
   // manifest and records the checkpoint (true). Reports must match the current plan.

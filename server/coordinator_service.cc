@@ -161,7 +161,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Heartbeat(grpc::CallbackServer
                                                             : v1::ORDER_KIND_CONTINUE);
           response->mutable_order()->set_reason(outcome->stop_reason);
           if (checkpoints != nullptr) {
-            response->set_checkpoint_request(checkpoints->latest_request());
+            response->set_checkpoint_request(checkpoints->pending_request());
             FillStart(checkpoints->start(), response->mutable_start());
           }
         }

@@ -235,13 +235,16 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
     absl::MutexLock lock(&mu_);
     job = job_;
   }
+  {
+    // Connected and checked: a later generation change aborts this communicator.
+    absl::MutexLock lock(&mu_);
+    communicator_generation_ = world.generation;
+  }
   if (job.has_value() && !trained_) {
     if (absl::Status trained = Train(*job, world.rank); !trained.ok()) return trained;
   } else if (options_.manifest.has_value()) {
     if (absl::Status planned = ApplyPlan(); !planned.ok()) return planned;
   }
-  absl::MutexLock lock(&mu_);
-  communicator_generation_ = world.generation;
   return absl::OkStatus();
 }
 
@@ -432,8 +435,8 @@ absl::Status WorkerAgent::Run() {
     }
     if (stop_) break;
     if (world_.generation != target.generation) {
-      spdlog::info("generation {} ended before its data path was ready ({}); waiting for the next",
-                   target.generation, connected.message());
+      spdlog::info("generation {} ended ({}); waiting for the next", target.generation,
+                   connected.message());
       continue;
     }
     Fail(connected);
