@@ -137,19 +137,29 @@ class ShardWriter {
   std::vector<std::string> blocks_;
 };
 
+// Full tensors by element range, from wherever they are stored (a checkpoint, a consolidated
+// safetensors file). `array` -1 is the parameter, k >= 0 its k-th optimizer state tensor.
+class StateSource {
+ public:
+  virtual ~StateSource() = default;
+  virtual absl::Status ReadElements(int param, int array, int64_t begin, int64_t count,
+                                    float* out) = 0;
+};
+
 // Reads a committed checkpoint; every byte it returns comes from a block whose checksum was
 // verified. Errors name the shard file and the byte range.
-class CheckpointReader {
+class CheckpointReader : public StateSource {
  public:
   static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& dir);
-  ~CheckpointReader();
+  ~CheckpointReader() override;
 
   const CheckpointManifest& manifest() const { return manifest_; }
   const std::string& dir() const { return dir_; }
 
   // Copies elements [begin, begin + count) of parameter `param` (array -1) or of its optimizer
   // state `array` (0-based, as in manifest().state_names) into `out`.
-  absl::Status ReadElements(int param, int array, int64_t begin, int64_t count, float* out);
+  absl::Status ReadElements(int param, int array, int64_t begin, int64_t count,
+                            float* out) override;
 
   // Re-reads every shard in full, checking sizes and every checksum; `progress(bytes)` is
   // called as it goes. The error names the shard and what is wrong.

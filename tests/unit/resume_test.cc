@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/checkpoint.h"
+#include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "worker/dataplane/gloo_communicator.h"
 #include "worker/dataplane/mlp_data.h"
@@ -49,7 +50,8 @@ JobConfig Job(const std::string& root, int world, int stage, ShardMode mode) {
 
 // Runs the job on threads, playing the coordinator's part for checkpoints: once every rank's
 // shard of a checkpoint is on disk, it writes the manifest (the commit).
-void Train(const JobConfig& job, const std::string& restore_dir) {
+void Train(const JobConfig& job, const std::string& restore_dir,
+           const std::string& consolidate_path = "") {
   absl::Mutex mu;
   std::map<std::string, std::vector<SavedShard>> saved;
   InProcessKeyValueStore store;
@@ -77,6 +79,10 @@ void Train(const JobConfig& job, const std::string& restore_dir) {
       LocalPlanProvider plans(plan);
       TrainerOptions options;
       options.restore_dir = restore_dir;
+      if (!consolidate_path.empty()) {
+        options.consolidate_to_rank = job.world_size - 1;
+        options.consolidate_path = consolidate_path;
+      }
       options.on_checkpoint = [&](const SavedShard& shard) {
         absl::MutexLock lock(&mu);
         saved[shard.id].push_back(shard);
@@ -162,6 +168,70 @@ TEST_P(ResumeTest, RestoringOnAnyWorldSizeContinuesExactlyAsIfNeverStopped) {
     // 15 more Adam steps keep parameters and moments within 2e-5 of the uninterrupted run's.
     EXPECT_LT(worst, 2e-5);
   }
+}
+
+// Every tensor of a safetensors file.
+std::map<std::string, std::vector<float>> SafetensorsContents(const std::string& path) {
+  std::map<std::string, std::vector<float>> contents;
+  auto file = SafetensorsReader::Open(path);
+  EXPECT_TRUE(file.ok()) << file.status();
+  for (const TensorInfo& tensor : (*file)->tensors()) {
+    std::vector<float> values(tensor.numel());
+    EXPECT_TRUE((*file)->ReadElements(tensor, 0, tensor.numel(), values.data()).ok());
+    contents[tensor.name] = values;
+  }
+  return contents;
+}
+
+double MaxDifference(const std::map<std::string, std::vector<float>>& a,
+                     const std::map<std::string, std::vector<float>>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (const auto& [name, values] : a) {
+    auto other = b.find(name);
+    EXPECT_NE(other, b.end()) << name;
+    if (other == b.end()) return 1e30;
+    for (size_t i = 0; i < values.size(); ++i) {
+      worst = std::max(worst, std::abs(static_cast<double>(values[i]) - other->second[i]));
+    }
+  }
+  return worst;
+}
+
+TEST(ConsolidationTest, ConsolidatedStateEqualsTheExportAndImportingItContinuesTheRun) {
+  const std::string data = ::testing::TempDir() + "/shard-resume-test-data.safetensors";
+  if (!std::filesystem::exists(data)) {
+    ASSERT_TRUE(GenerateMlpData(kWidths, 300, 4, data).ok());
+  }
+  const std::string root = Root("consolidation");
+  JobConfig a = Job(root + "/a", 4, 2, ShardMode::kRange);
+  a.steps = 20;
+  a.checkpoint_every = 10;
+  const std::string consolidated_a = root + "/a-consolidated.safetensors";
+  Train(a, "", consolidated_a);
+
+  // consolidate_state_dict(to=3) and the streamed export of the step-20 checkpoint agree.
+  const std::string exported_20 = root + "/a-export-20.safetensors";
+  ASSERT_TRUE(ExportCheckpoint(CheckpointDirectory(a.checkpoint_dir, a.name, "step-00000020"),
+                               exported_20, /*with_state=*/true, 4096, nullptr)
+                  .ok());
+  EXPECT_EQ(MaxDifference(SafetensorsContents(consolidated_a), SafetensorsContents(exported_20)),
+            0.0);
+
+  // A new job on 2 ranks, another stage and mode, importing the step-10 export with its state,
+  // continues the run: it ends where the uninterrupted run ended.
+  const std::string exported_10 = root + "/a-export-10.safetensors";
+  ASSERT_TRUE(ExportCheckpoint(CheckpointDirectory(a.checkpoint_dir, a.name, "step-00000010"),
+                               exported_10, /*with_state=*/true, 1 << 20, nullptr)
+                  .ok());
+  JobConfig b = Job(root + "/b", 2, 1, ShardMode::kParam);
+  b.steps = 20;
+  b.checkpoint_every = 0;
+  b.init_path = exported_10;
+  const std::string consolidated_b = root + "/b-consolidated.safetensors";
+  Train(b, "", consolidated_b);
+  EXPECT_LT(MaxDifference(SafetensorsContents(consolidated_a), SafetensorsContents(consolidated_b)),
+            2e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Stages, ResumeTest,

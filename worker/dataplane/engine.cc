@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/safetensors.h"
 
 namespace shard {
 namespace {
@@ -116,11 +117,13 @@ void Engine::Apply(AppliedPlan applied, bool carry_gradients) {
   first_step_all_reduce_ = !rebuilt_;
 }
 
-float* Engine::param(int index) {
+const float* Engine::param_pointer(int index) const {
   const ParamLocation location = plan_->locations[index];
   if (location.bucket < 0) return frozen_[index].data();
   return buckets_[location.bucket].params.data() + location.offset;
 }
+
+float* Engine::param(int index) { return const_cast<float*>(param_pointer(index)); }
 
 float* Engine::grad(int index) {
   const ParamLocation location = plan_->locations[index];
@@ -301,6 +304,14 @@ absl::Status Engine::Step(StepTimings* timings) {
     }
     Apply(std::move(*rebuilt), /*carry_gradients=*/true);
     timings->rebuilt = true;
+    if (pending_state_ != nullptr) {
+      // Imported optimizer state, now into the final layout (still before any update).
+      if (absl::Status read = ReadOwned(*pending_state_, /*params=*/false, /*states=*/true);
+          !read.ok()) {
+        return read;
+      }
+      pending_state_.reset();
+    }
   }
 
   if (options_.grad_clip_norm > 0) {
@@ -384,8 +395,19 @@ absl::Status Engine::Restore(CheckpointReader& checkpoint) {
     return absl::FailedPreconditionError(
         "restoring needs the rebuilt plan (the checkpoint's gradient order)");
   }
-  const int states = static_cast<int>(optimizer_.state_names().size());
-  // What this rank owns: parameters and state of its owned span of every bucket.
+  if (absl::Status read = ReadOwned(checkpoint, /*params=*/true, /*states=*/true); !read.ok()) {
+    return read;
+  }
+  if (options_.zero_stage > 0) {
+    if (absl::Status gathered = GatherParameters(); !gathered.ok()) return gathered;
+  }
+  steps_done_ = saved.step;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::ReadOwned(StateSource& source, bool params, bool states) {
+  const int state_count = states ? static_cast<int>(optimizer_.state_names().size()) : 0;
+  // What this rank owns: its owned span of every bucket.
   for (size_t b = 0; b < buckets_.size(); ++b) {
     BucketState& bucket = buckets_[b];
     for (const BucketEntry& entry : plan_->buckets[b].entries) {
@@ -393,35 +415,92 @@ absl::Status Engine::Restore(CheckpointReader& checkpoint) {
       const int64_t end = std::min(entry.offset + entry.numel, bucket.own_end);
       if (begin >= end) continue;
       const int64_t param_offset = begin - entry.offset;
-      if (absl::Status read = checkpoint.ReadElements(entry.param, -1, param_offset, end - begin,
-                                                      bucket.params.data() + begin);
-          !read.ok()) {
-        return read;
+      if (params) {
+        if (absl::Status read = source.ReadElements(entry.param, -1, param_offset, end - begin,
+                                                    bucket.params.data() + begin);
+            !read.ok()) {
+          return read;
+        }
       }
-      for (int k = 0; k < states; ++k) {
+      for (int k = 0; k < state_count; ++k) {
         if (absl::Status read =
-                checkpoint.ReadElements(entry.param, k, param_offset, end - begin,
-                                        bucket.state[k].data() + (begin - bucket.own_begin));
+                source.ReadElements(entry.param, k, param_offset, end - begin,
+                                    bucket.state[k].data() + (begin - bucket.own_begin));
             !read.ok()) {
           return read;
         }
       }
     }
   }
+  if (!params) return absl::OkStatus();
   for (size_t p = 0; p < frozen_.size(); ++p) {
     if (frozen_[p].empty()) continue;
-    if (absl::Status read = checkpoint.ReadElements(static_cast<int>(p), -1, 0,
-                                                    static_cast<int64_t>(frozen_[p].size()),
-                                                    frozen_[p].data());
+    if (absl::Status read = source.ReadElements(static_cast<int>(p), -1, 0,
+                                                static_cast<int64_t>(frozen_[p].size()),
+                                                frozen_[p].data());
         !read.ok()) {
       return read;
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::LoadState(std::unique_ptr<StateSource> source, bool with_state,
+                               int64_t steps_done) {
+  if (absl::Status read = ReadOwned(*source, /*params=*/true, with_state && rebuilt_); !read.ok()) {
+    return read;
+  }
   if (options_.zero_stage > 0) {
     if (absl::Status gathered = GatherParameters(); !gathered.ok()) return gathered;
   }
-  steps_done_ = saved.step;
+  steps_done_ = steps_done;
+  // Before the rebuild the owned spans are not final: the state waits for the new layout.
+  if (with_state && !rebuilt_) pending_state_ = std::move(source);
   return absl::OkStatus();
+}
+
+absl::Status Engine::ConsolidateStateDict(int to_rank, const std::string& path) {
+  const int rank = communicator_->rank();
+  const int states = static_cast<int>(optimizer_.state_names().size());
+  // Full optimizer state of every bucket on `to_rank`: owned spans add up to the whole (the
+  // others contribute zeros); at stage 0 every rank already holds it all.
+  std::vector<std::vector<std::vector<float>>> full(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const BucketState& bucket = buckets_[b];
+    for (int k = 0; k < states; ++k) {
+      std::vector<float> values(bucket.params.size(), 0.0f);
+      std::copy(bucket.state[k].begin(), bucket.state[k].end(),
+                values.begin() + bucket.own_begin);
+      if (options_.zero_stage > 0) {
+        if (absl::Status s = communicator_->Reduce(values.data(), values.data(), values.size(),
+                                                   DataType::kFloat32, ReduceOp::kSum, to_rank);
+            !s.ok()) {
+          return s;
+        }
+      }
+      if (rank == to_rank) full[b].push_back(std::move(values));
+    }
+  }
+  if (rank != to_rank) return absl::OkStatus();
+  std::vector<TensorDecl> tensors;
+  std::vector<const void*> data;
+  for (size_t p = 0; p < manifest_.params.size(); ++p) {
+    const ParamSpec& param = manifest_.params[p];
+    tensors.push_back(TensorDecl{param.name, param.dtype, param.shape});
+    data.push_back(param_pointer(static_cast<int>(p)));
+    const ParamLocation location = plan_->locations[p];
+    if (location.bucket < 0) continue;
+    for (int k = 0; k < states; ++k) {
+      tensors.push_back(TensorDecl{param.name + "." + optimizer_.state_names()[k], DataType::kFloat32,
+                                   param.shape});
+      data.push_back(full[location.bucket][k].data() + location.offset);
+    }
+  }
+  return WriteSafetensors(path, tensors, data,
+                          {{"format", "pt"},
+                           {"producer", "shard"},
+                           {"step", absl::StrCat(steps_done_)},
+                           {"optimizer", std::string(OptimizerKindName(optimizer_.config().kind))}});
 }
 
 int64_t Engine::optimizer_state_bytes() const {

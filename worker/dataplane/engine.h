@@ -85,6 +85,7 @@ class Engine {
 
   float* param(int index);
   float* grad(int index);
+  const float* param_pointer(int index) const;
 
   // Makes every rank's parameters rank 0's (as DDP does at construction).
   absl::Status BroadcastParameters();
@@ -100,6 +101,16 @@ class Engine {
   // world size, gathers the parameters, and continues the step count from the checkpoint's.
   // Needs the rebuilt plan (the checkpoint's gradient order).
   absl::Status Restore(CheckpointReader& checkpoint);
+  // Loads parameters (now) and, with `with_state`, optimizer state (now if the plan is
+  // rebuilt, else right after the first step's rebuild, before any update) from full tensors,
+  // e.g. a consolidated file; the step count continues from `steps_done`. Collective (the
+  // parameters are gathered).
+  absl::Status LoadState(std::unique_ptr<StateSource> source, bool with_state,
+                         int64_t steps_done);
+  // Like ZeroRedundancyOptimizer.consolidate_state_dict(to=rank): every rank sends what it owns
+  // and `to_rank` writes `path`, a safetensors file with every parameter and its optimizer state
+  // (<name>.<state>) in full, and the step count in its metadata. Collective.
+  absl::Status ConsolidateStateDict(int to_rank, const std::string& path);
 
   // Bytes of optimizer state this rank holds, and the state's names (exp_avg, ...).
   int64_t optimizer_state_bytes() const;
@@ -126,6 +137,8 @@ class Engine {
   absl::Status ReduceBucket(int bucket);
   void CommunicationLoop();
   absl::Status ClipGradients(StepTimings* timings);
+  // Reads what this rank owns (parameters and/or optimizer state) from `source`.
+  absl::Status ReadOwned(StateSource& source, bool params, bool states);
   absl::Status GatherParameters();
 
   const Manifest manifest_;
@@ -142,6 +155,7 @@ class Engine {
   int64_t steps_done_ = 0;
   std::vector<int> ready_order_;      // this step's MarkGradReady order
   std::vector<bool> marked_;          // by parameter, this step
+  std::unique_ptr<StateSource> pending_state_;  // optimizer state to load after the rebuild
   absl::Time backward_start_;
   absl::Time backward_end_;
 

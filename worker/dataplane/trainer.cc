@@ -3,6 +3,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
 #include "common/safetensors.h"
@@ -12,8 +13,47 @@
 namespace shard {
 namespace {
 
-// Initial values: the job's init file, or torch.nn.Linear's default from the job's seed.
-absl::Status InitializeParameters(const JobConfig& job, Engine& engine) {
+// A consolidated safetensors file (an export, or ConsolidateStateDict's output) as a source of
+// parameters and optimizer state (<name>.<state>).
+class SafetensorsStateSource : public StateSource {
+ public:
+  SafetensorsStateSource(std::unique_ptr<SafetensorsReader> file, const Manifest& manifest,
+                         std::vector<std::string> state_names)
+      : file_(std::move(file)), manifest_(manifest), state_names_(std::move(state_names)) {}
+
+  absl::Status ReadElements(int param, int array, int64_t begin, int64_t count,
+                            float* out) override {
+    const ParamSpec& spec = manifest_.params[param];
+    const std::string name = array < 0 ? spec.name : spec.name + "." + state_names_[array];
+    absl::StatusOr<const TensorInfo*> tensor = file_->Expect(name, DataType::kFloat32, spec.shape);
+    if (!tensor.ok()) return tensor.status();
+    return file_->ReadElements(**tensor, begin, count, out);
+  }
+
+ private:
+  std::unique_ptr<SafetensorsReader> file_;
+  const Manifest& manifest_;
+  std::vector<std::string> state_names_;
+};
+
+// Whether `file` holds every optimizer state tensor of every trainable parameter.
+bool HoldsOptimizerState(const SafetensorsReader& file, const Manifest& manifest,
+                         const std::vector<std::string>& state_names) {
+  if (state_names.empty()) return false;
+  for (const ParamSpec& spec : manifest.params) {
+    if (!spec.requires_grad) continue;
+    for (const std::string& state : state_names) {
+      if (file.Find(spec.name + "." + state) == nullptr) return false;
+    }
+  }
+  return true;
+}
+
+// Initial values: the job's init file, or torch.nn.Linear's default from the job's seed. An init
+// file with optimizer state (an export with state, or ConsolidateStateDict's output) continues
+// that run: its state and step count are loaded and training starts after its step. Returns the
+// steps already done.
+absl::StatusOr<int64_t> InitializeParameters(const JobConfig& job, Engine& engine) {
   const Manifest& manifest = engine.manifest();
   if (job.init_path.empty()) {
     const std::vector<std::vector<float>> values = InitMlpParameters(job.widths, job.seed);
@@ -21,22 +61,32 @@ absl::Status InitializeParameters(const JobConfig& job, Engine& engine) {
       std::memcpy(engine.param(static_cast<int>(i)), values[i].data(),
                   values[i].size() * sizeof(float));
     }
-    return absl::OkStatus();
+    if (absl::Status synced = engine.BroadcastParameters(); !synced.ok()) return synced;
+    return 0;
   }
   absl::StatusOr<std::unique_ptr<SafetensorsReader>> init = SafetensorsReader::Open(job.init_path);
   if (!init.ok()) return init.status();
-  for (size_t i = 0; i < manifest.params.size(); ++i) {
-    const ParamSpec& param = manifest.params[i];
-    absl::StatusOr<const TensorInfo*> tensor =
-        (*init)->Expect(param.name, DataType::kFloat32, param.shape);
-    if (!tensor.ok()) return tensor.status();
-    if (absl::Status read = (*init)->ReadElements(**tensor, 0, param.numel(),
-                                                  engine.param(static_cast<int>(i)));
-        !read.ok()) {
-      return read;
+  std::vector<std::string> state_names;
+  int64_t steps_done = 0;
+  if (HoldsOptimizerState(**init, manifest, engine.optimizer_state_names())) {
+    state_names = engine.optimizer_state_names();
+    auto step = (*init)->metadata().find("step");
+    if (step == (*init)->metadata().end() || !absl::SimpleAtoi(step->second, &steps_done)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "init file '", job.init_path,
+          "' holds optimizer state but no \"step\" in its metadata (Adam's bias correction needs "
+          "the step count)"));
     }
   }
-  return absl::OkStatus();
+  // Without optimizer state in the file, the optimizer starts fresh (step 0).
+  const bool with_state = !state_names.empty();
+  if (absl::Status loaded = engine.LoadState(
+          std::make_unique<SafetensorsStateSource>(std::move(*init), manifest, state_names),
+          with_state, steps_done);
+      !loaded.ok()) {
+    return loaded;
+  }
+  return steps_done;
 }
 
 }  // namespace
@@ -81,8 +131,9 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     if (absl::Status restored = (*engine)->Restore(**checkpoint); !restored.ok()) return restored;
     start_step = (*checkpoint)->manifest().step;
   } else {
-    if (absl::Status init = InitializeParameters(job, **engine); !init.ok()) return init;
-    if (absl::Status synced = (*engine)->BroadcastParameters(); !synced.ok()) return synced;
+    absl::StatusOr<int64_t> initialized = InitializeParameters(job, **engine);
+    if (!initialized.ok()) return initialized.status();
+    start_step = *initialized;
   }
   CheckpointSaver saver([&options](const SavedShard& saved) {
     if (options.on_checkpoint) options.on_checkpoint(saved);
@@ -186,6 +237,13 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     result.hidden_fraction = reduction_ms > 0 ? hidden_ms / reduction_ms : 0;
   }
   result.optimizer_state_bytes = (*engine)->optimizer_state_bytes();
+  if (options.consolidate_to_rank >= 0) {
+    if (absl::Status consolidated =
+            (*engine)->ConsolidateStateDict(options.consolidate_to_rank, options.consolidate_path);
+        !consolidated.ok()) {
+      return consolidated;
+    }
+  }
   if (rank == 0) {
     if (absl::Status made = MakeDirectories(job.output_dir); !made.ok()) return made;
     result.output_path = (std::filesystem::path(job.output_dir) / "final.safetensors").string();

@@ -56,6 +56,10 @@ struct TrainerOptions {
   std::string checkpoint_tag;
   // Called from the writer thread when this rank's shard is on disk (or failed).
   std::function<void(const SavedShard&)> on_checkpoint;
+  // After the last step: consolidate parameters and optimizer state onto this rank, which
+  // writes them to `consolidate_path` (Engine::ConsolidateStateDict). -1: no.
+  int consolidate_to_rank = -1;
+  std::string consolidate_path;
 };
 
 absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communicator,
