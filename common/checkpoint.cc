@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/fault.h"
 #include "common/names.h"
 #include "common/safetensors.h"
 #include "nlohmann/json.hpp"
@@ -288,8 +289,14 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
 }
 
 absl::Status CommitCheckpoint(const std::string& dir, const CheckpointManifest& manifest) {
-  return WriteFileAtomically((std::filesystem::path(dir) / kManifestFile).string(),
-                             CheckpointManifestToJson(manifest));
+  absl::StatusOr<std::unique_ptr<AtomicFileWriter>> writer =
+      AtomicFileWriter::Create((std::filesystem::path(dir) / kManifestFile).string());
+  if (!writer.ok()) return writer.status();
+  if (absl::Status written = (*writer)->Write(CheckpointManifestToJson(manifest)); !written.ok()) {
+    return written;
+  }
+  FaultPoint("manifest-before-rename");
+  return (*writer)->Commit();
 }
 
 absl::StatusOr<CheckpointManifest> ReadCheckpointManifest(const std::string& dir) {

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/fault.h"
 #include "common/logging.h"
 #include "spdlog/spdlog.h"
 
@@ -137,6 +138,7 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
     if (!shard.has_value()) return false;
   }
   // Every shard is on disk: write the manifest, the commit point.
+  FaultPoint("manifest-before-write");
   std::vector<ShardRecord> shards;
   for (const std::optional<ShardRecord>& shard : pending.shards) shards.push_back(*shard);
   absl::StatusOr<CheckpointManifest> manifest = MakeCheckpointManifest(

@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <iostream>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -14,6 +15,8 @@
 #include "absl/strings/strip.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "common/checkpoint.h"
+#include "common/safetensors.h"
 #include "tests/support/process.h"
 
 namespace shard::testing {
@@ -296,6 +299,166 @@ TEST_F(ClusterTest, ABadJobIsRefusedBeforeAnyWorkerStarts) {
       absl::Seconds(10));
   EXPECT_EQ(bad_field.exit_code, 2) << bad_field.output;
   EXPECT_NE(bad_field.output.find("learningRate"), std::string::npos) << bad_field.output;
+}
+
+// The committed checkpoints in the coordinator's catalog (its state directory), oldest first.
+std::vector<std::pair<std::string, std::string>> Catalog(const std::string& state_dir) {
+  std::ifstream in(state_dir + "/checkpoints.json");
+  if (!in) return {};
+  nlohmann::json catalog = nlohmann::json::parse(in, nullptr, false);
+  std::vector<std::pair<std::string, std::string>> ids;
+  for (const nlohmann::json& record : catalog["checkpoints"]) {
+    ids.push_back({record["id"], record["dir"]});
+  }
+  return ids;
+}
+
+TEST_F(ClusterTest, ACrashAtAnyPointOfASaveLeavesThePreviousCheckpointIntact) {
+  const std::string job = WriteTrainingJob(
+      dir_, 2, 24, R"(, "checkpoint": {"everySteps": 10, "keepLast": 10})");
+  // Train far longer than the test runs; the test kills everything itself.
+  std::string text;
+  {
+    std::ifstream in(job);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  text.replace(text.find("\"steps\": 40"), 11, "\"steps\": 1000000");
+  std::ofstream(job, std::ios::trunc) << text;
+  const std::string state = dir_ + "/state";
+  int phase = 0;
+  // Starts the coordinator (restoring the latest checkpoint when there is one) and 2 workers,
+  // each with `*_env` in its environment.
+  auto start = [&](const std::vector<std::string>& coordinator_env,
+                   const std::vector<std::string>& worker_env) {
+    ++phase;
+    const std::string port_file = absl::StrCat(dir_, "/port", phase);
+    std::vector<std::string> argv = {BinaryPath("shard-coordinator"), "--listen", "127.0.0.1:0",
+                                     "--port-file", port_file, "--job", job, "--state-dir",
+                                     state, "--lease", "2s"};
+    if (!Catalog(state).empty()) {
+      argv.push_back("--restore");
+      argv.push_back("latest");
+    }
+    auto coordinator =
+        Process::Start(argv, absl::StrCat(dir_, "/coordinator", phase, ".log"), coordinator_env);
+    EXPECT_TRUE(coordinator.ok());
+    EXPECT_TRUE(Eventually([&] { return std::filesystem::exists(port_file); }, absl::Seconds(10)))
+        << coordinator->Log();
+    std::ifstream in(port_file);
+    std::string port;
+    std::getline(in, port);
+    address_ = absl::StrCat("127.0.0.1:", port);
+    std::vector<Process> processes;
+    processes.push_back(std::move(*coordinator));
+    for (int i = 0; i < 2; ++i) {
+      auto worker = Process::Start(
+          {BinaryPath("shard-worker"), "--coordinator", address_, "--id", absl::StrCat("c", i),
+           "--coordinator-timeout", "5s"},
+          absl::StrCat(dir_, "/worker", i, "-", phase, ".log"), worker_env);
+      EXPECT_TRUE(worker.ok());
+      processes.push_back(std::move(*worker));
+    }
+    return processes;
+  };
+  auto kill_all = [](std::vector<Process>& processes) {
+    for (Process& p : processes) {
+      p.Signal(SIGKILL);
+      p.Wait(absl::Seconds(10));
+    }
+  };
+
+  // A healthy run until two checkpoints are committed.
+  std::vector<Process> processes = start({}, {});
+  ASSERT_TRUE(Eventually([&] { return Catalog(state).size() >= 2; }, absl::Seconds(60)))
+      << processes[0].Log();
+  kill_all(processes);
+
+  struct Fault {
+    std::string point;
+    bool in_coordinator;
+  };
+  for (const Fault& fault : {Fault{"shard-before-sync", false},
+                             Fault{"manifest-before-write", true},
+                             Fault{"manifest-before-rename", true}}) {
+    SCOPED_TRACE(fault.point);
+    const auto before = Catalog(state);
+    const std::vector<std::string> env = {"SHARD_FAULT=" + fault.point};
+    processes = start(fault.in_coordinator ? env : std::vector<std::string>{},
+                      fault.in_coordinator ? std::vector<std::string>{} : env);
+    // The faulty process kills itself at its first save.
+    Process& faulty = fault.in_coordinator ? processes[0] : processes[1];
+    ASSERT_EQ(faulty.Wait(absl::Seconds(60)), 128 + SIGKILL) << faulty.Log();
+    kill_all(processes);
+    // Nothing was committed, a partial directory was left, and what was there still verifies.
+    EXPECT_EQ(Catalog(state), before);
+    bool partial = false;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_ + "/out/checkpoints/train-test")) {
+      partial = partial || !std::filesystem::exists(entry.path() / "manifest.json");
+    }
+    EXPECT_TRUE(partial);
+    for (const auto& [id, dir] : before) {
+      CommandResult verify = RunCommand(
+          {BinaryPath("shardctl"), "checkpoint", "verify", "--path", dir}, absl::Seconds(30));
+      EXPECT_EQ(verify.exit_code, 0) << verify.output;
+    }
+  }
+
+  // A clean start removes the partial saves, restores the intact latest checkpoint, and goes on
+  // committing.
+  const auto intact = Catalog(state);
+  processes = start({}, {});
+  ASSERT_TRUE(Eventually([&] { return Catalog(state).size() > intact.size(); }, absl::Seconds(60)))
+      << processes[0].Log();
+  EXPECT_NE(processes[1].Log().find("restoring from checkpoint " + intact.back().first),
+            std::string::npos)
+      << processes[1].Log();
+  EXPECT_NE(processes[0].Log().find("a checkpoint that never committed"), std::string::npos)
+      << processes[0].Log();
+  kill_all(processes);
+}
+
+TEST_F(ClusterTest, ExportingACheckpointLargerThanItsBufferKeepsMemoryBounded) {
+  // A 256 MiB checkpoint (two ranks, one 64M-element parameter, no optimizer state) written
+  // directly in the format; the export buffer is 4 MiB.
+  const Manifest model{{ParamSpec{"big", {8192, 8192}, DataType::kFloat32, true}}};
+  PlanOptions options;
+  options.world_size = 2;
+  auto plan = MakePlan(model, options);
+  ASSERT_TRUE(plan.ok());
+  const std::string dir = CheckpointDirectory(dir_ + "/checkpoints", "job", "step-00000001");
+  std::vector<ShardRecord> records;
+  std::vector<float> chunk(1 << 20, 0.5f);
+  for (int rank = 0; rank < 2; ++rank) {
+    const ShardLayout layout = MakeShardLayout(model, *plan, rank, 0);
+    auto writer = ShardWriter::Create(dir, rank, 2);
+    ASSERT_TRUE(writer.ok());
+    for (uint64_t written = 0; written < layout.bytes;) {
+      const uint64_t bytes = std::min<uint64_t>(chunk.size() * 4, layout.bytes - written);
+      ASSERT_TRUE((*writer)->Append(chunk.data(), bytes).ok());
+      written += bytes;
+    }
+    records.push_back(*(*writer)->Finish());
+  }
+  OptimizerConfig sgd;
+  sgd.kind = OptimizerKind::kSgd;
+  auto manifest = MakeCheckpointManifest("job", "step-00000001", 1, 2, model, *plan, sgd, {},
+                                         records);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  ASSERT_TRUE(CommitCheckpoint(dir, *manifest).ok());
+
+  CommandResult exported = RunCommand(
+      {BinaryPath("shardctl"), "checkpoint", "export", "--path", dir, "--out",
+       dir_ + "/export.safetensors", "--buffer-mb", "4"},
+      absl::Seconds(120));
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  auto file = SafetensorsReader::Open(dir_ + "/export.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_TRUE((*file)->Expect("big", DataType::kFloat32, {8192, 8192}).ok());
+  // The 4 MiB buffer, one verified 4 MiB block, and the program itself: far below the 256 MiB
+  // a whole-model exporter would hold.
+  EXPECT_LT(exported.max_rss_kb, 64 * 1024) << "peak RSS " << exported.max_rss_kb << " KiB";
+  std::cout << "export of 256 MiB with a 4 MiB buffer: peak RSS " << exported.max_rss_kb / 1024
+            << " MiB\n";
 }
 
 TEST_F(ClusterTest, SigtermMakesAWorkerLeaveCleanly) {

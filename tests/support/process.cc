@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,7 +23,8 @@ namespace shard::testing {
 
 std::string BinaryPath(const std::string& name) { return absl::StrCat(SHARD_BIN_DIR, "/", name); }
 
-absl::StatusOr<Process> Process::Start(std::vector<std::string> argv, std::string log_path) {
+absl::StatusOr<Process> Process::Start(std::vector<std::string> argv, std::string log_path,
+                                       const std::vector<std::string>& env) {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
@@ -32,8 +34,13 @@ absl::StatusOr<Process> Process::Start(std::vector<std::string> argv, std::strin
   std::vector<char*> args;
   for (std::string& arg : argv) args.push_back(arg.data());
   args.push_back(nullptr);
+  std::vector<std::string> environment = env;
+  for (char** entry = environ; *entry != nullptr; ++entry) environment.emplace_back(*entry);
+  std::vector<char*> envp;
+  for (std::string& entry : environment) envp.push_back(entry.data());
+  envp.push_back(nullptr);
   pid_t pid = -1;
-  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) {
     return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": ", std::strerror(rc)));
@@ -42,7 +49,10 @@ absl::StatusOr<Process> Process::Start(std::vector<std::string> argv, std::strin
 }
 
 Process::Process(Process&& other) noexcept
-    : pid_(other.pid_), log_path_(std::move(other.log_path_)), exit_code_(other.exit_code_) {
+    : pid_(other.pid_),
+      log_path_(std::move(other.log_path_)),
+      exit_code_(other.exit_code_),
+      max_rss_kb_(other.max_rss_kb_) {
   other.pid_ = -1;
 }
 
@@ -52,6 +62,7 @@ Process& Process::operator=(Process&& other) noexcept {
     pid_ = other.pid_;
     log_path_ = std::move(other.log_path_);
     exit_code_ = other.exit_code_;
+    max_rss_kb_ = other.max_rss_kb_;
     other.pid_ = -1;
   }
   return *this;
@@ -80,8 +91,10 @@ std::optional<int> Process::Wait(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {
     int status = 0;
-    const pid_t done = ::waitpid(pid_, &status, WNOHANG);
+    struct rusage usage = {};
+    const pid_t done = ::wait4(pid_, &status, WNOHANG, &usage);
     if (done == pid_) {
+      max_rss_kb_ = usage.ru_maxrss;
       exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
       return exit_code_;
     }
@@ -103,6 +116,7 @@ CommandResult RunCommand(std::vector<std::string> argv, absl::Duration timeout) 
   std::optional<int> code = process->Wait(timeout);
   result.elapsed = absl::Now() - start;
   result.exit_code = code.value_or(-1);
+  result.max_rss_kb = process->max_rss_kb();
   if (!code.has_value()) process->Signal(SIGKILL);
   result.output = process->Log();
   return result;

@@ -19,8 +19,10 @@ std::string BinaryPath(const std::string& name);
 
 class Process {
  public:
-  // Starts `argv[0]` (a path) with stdout and stderr appended to `log_path`.
-  static absl::StatusOr<Process> Start(std::vector<std::string> argv, std::string log_path);
+  // Starts `argv[0]` (a path) with stdout and stderr appended to `log_path`, and `env`
+  // ("KEY=VALUE") added to this process's environment.
+  static absl::StatusOr<Process> Start(std::vector<std::string> argv, std::string log_path,
+                                       const std::vector<std::string>& env = {});
 
   Process(Process&& other) noexcept;
   Process& operator=(Process&& other) noexcept;
@@ -38,18 +40,22 @@ class Process {
   // `timeout`.
   std::optional<int> Wait(absl::Duration timeout);
   bool running() const { return pid_ > 0 && !exit_code_.has_value(); }
+  // Peak resident memory of the exited process, in KiB (0 while it runs).
+  int64_t max_rss_kb() const { return max_rss_kb_; }
 
  private:
   Process(pid_t pid, std::string log_path) : pid_(pid), log_path_(std::move(log_path)) {}
   pid_t pid_ = -1;
   std::string log_path_;
   std::optional<int> exit_code_;
+  int64_t max_rss_kb_ = 0;
 };
 
 struct CommandResult {
   int exit_code = -1;
   std::string output;  // stdout and stderr together
   absl::Duration elapsed;
+  int64_t max_rss_kb = 0;  // peak resident memory
 };
 
 // Runs a command to completion (killed after `timeout`, then exit_code is -1).

@@ -1,5 +1,7 @@
 #include "worker/dataplane/checkpoint_saver.h"
 
+#include "common/fault.h"
+
 namespace shard {
 
 CheckpointSaver::CheckpointSaver(std::function<void(const SavedShard&)> on_saved)
@@ -54,6 +56,7 @@ void CheckpointSaver::Loop() {
                !written.ok()) {
       saved.record = written;
     } else {
+      FaultPoint("shard-before-sync");
       saved.record = (*writer)->Finish();
     }
     saved.write_ms = absl::ToDoubleMilliseconds(absl::Now() - start);

@@ -1,0 +1,14 @@
+// Crash points for tests of crash safety: when the environment variable SHARD_FAULT names a
+// point, the process kills itself (SIGKILL) on reaching it, exactly as a power cut or the OOM
+// killer would. Points: "shard-before-sync" (a worker wrote its checkpoint shard but has not
+// synced or renamed it), "manifest-before-write" (every shard is on disk, no manifest yet),
+// "manifest-before-rename" (the manifest is written under its temporary name).
+#pragma once
+
+#include "absl/strings/string_view.h"
+
+namespace shard {
+
+void FaultPoint(absl::string_view name);
+
+}  // namespace shard
