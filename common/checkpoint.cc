@@ -340,16 +340,16 @@ ShardWriter::~ShardWriter() {
 }
 
 absl::Status ShardWriter::Append(const void* data, size_t bytes) {
-  if (absl::Status written =
-          out_->Write(absl::string_view(static_cast<const char*>(data), bytes));
-      !written.ok()) {
-    return written;
-  }
-  XXH3_64bits_update(static_cast<XXH3_state_t*>(whole_), data, bytes);
+  // In pieces of a block at most, each hashed right after it is written, while it is still in
+  // the processor's caches.
   const char* p = static_cast<const char*>(data);
   while (bytes > 0) {
     const uint64_t room = kCheckpointBlockBytes - bytes_ % kCheckpointBlockBytes;
     const size_t take = static_cast<size_t>(std::min<uint64_t>(room, bytes));
+    if (absl::Status written = out_->Write(absl::string_view(p, take)); !written.ok()) {
+      return written;
+    }
+    XXH3_64bits_update(static_cast<XXH3_state_t*>(whole_), p, take);
     XXH3_64bits_update(static_cast<XXH3_state_t*>(block_), p, take);
     bytes_ += take;
     p += take;

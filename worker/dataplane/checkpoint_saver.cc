@@ -24,6 +24,12 @@ absl::Duration CheckpointSaver::WaitIdle() {
   return absl::Now() - start;
 }
 
+std::vector<char> CheckpointSaver::TakeBuffer() {
+  WaitIdle();
+  absl::MutexLock lock(&mu_);
+  return std::move(bytes_);
+}
+
 void CheckpointSaver::Start(SavedShard saved, int world_size, std::vector<char> bytes) {
   WaitIdle();
   absl::MutexLock lock(&mu_);
@@ -60,10 +66,9 @@ void CheckpointSaver::Loop() {
       saved.record = (*writer)->Finish();
     }
     saved.write_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
-    bytes.clear();
-    bytes.shrink_to_fit();
     on_saved_(saved);
     absl::MutexLock lock(&mu_);
+    bytes_ = std::move(bytes);  // kept for the next snapshot
     busy_ = false;
   }
 }

@@ -37,6 +37,9 @@ class CheckpointSaver {
 
   // Blocks until no save is in flight (and returns how long that took).
   absl::Duration WaitIdle();
+  // Waits for the save in flight and hands back its buffer (empty the first time), so that the
+  // next snapshot copies into memory that is already mapped.
+  std::vector<char> TakeBuffer();
   // Starts writing `bytes` as shard `saved.rank` of `saved.dir`.
   void Start(SavedShard saved, int world_size, std::vector<char> bytes);
 
@@ -49,7 +52,7 @@ class CheckpointSaver {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   SavedShard job_ ABSL_GUARDED_BY(mu_);
   int world_size_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<char> bytes_ ABSL_GUARDED_BY(mu_);
+  std::vector<char> bytes_ ABSL_GUARDED_BY(mu_);     // to write, then written (kept)
   std::thread thread_;
 };
 

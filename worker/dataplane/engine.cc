@@ -353,13 +353,15 @@ absl::Status Engine::Step(StepTimings* timings) {
 absl::Status Engine::CopyOwnedState(std::vector<char>* out) const {
   const int states = static_cast<int>(optimizer_.state_names().size());
   const ShardLayout layout = MakeShardLayout(manifest_, *plan_, communicator_->rank(), states);
-  out->assign(layout.bytes, 0);
+  // Every byte is written below; a buffer kept from the previous save is reused as it is.
+  if (out->size() != layout.bytes) out->resize(layout.bytes);
   for (const ShardPiece& piece : layout.pieces) {
     char* dst = out->data() + piece.byte_offset;
     const size_t bytes = piece.numel * sizeof(float);
     const ParamLocation location = plan_->locations[piece.param];
     if (location.bucket < 0) {  // no gradient: values only, zero state
       std::memcpy(dst, frozen_[piece.param].data() + piece.param_offset, bytes);
+      std::memset(dst + bytes, 0, bytes * states);
       continue;
     }
     const BucketState& bucket = buckets_[location.bucket];

@@ -95,7 +95,8 @@ class Engine {
   absl::Status Step(StepTimings* timings);
 
   // Checkpoints. The bytes this rank saves (its plan ranges: parameters and optimizer state,
-  // laid out as common/checkpoint.h MakeShardLayout says), copied out of the live buffers.
+  // laid out as common/checkpoint.h MakeShardLayout says), copied out of the live buffers into
+  // `out` (a buffer of the right size from an earlier save is reused without reallocation).
   absl::Status CopyOwnedState(std::vector<char>* out) const;
   // Loads the elements this rank owns from a checkpoint of the same model and optimizer, of any
   // world size, gathers the parameters, and continues the step count from the checkpoint's.

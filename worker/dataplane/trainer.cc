@@ -210,8 +210,7 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     const bool periodic = job.checkpoint_every > 0 && (step + 1) % job.checkpoint_every == 0;
     if (periodic || request > satisfied_request) {
       const absl::Time pause_start = absl::Now();
-      std::vector<char> bytes;
-      saver.WaitIdle();
+      std::vector<char> bytes = saver.TakeBuffer();
       if (absl::Status copied = (*engine)->CopyOwnedState(&bytes); !copied.ok()) return copied;
       SavedShard saved;
       saved.id = CheckpointIdForStep(step + 1, options.checkpoint_tag);
