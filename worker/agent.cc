@@ -344,11 +344,17 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
                         absl::StrCat("training failed: ", result.status().message()));
   }
   trained_ = true;
-  spdlog::info("training finished: {} steps, loss {:.6f} -> {:.6f}, {:.2f} steps/s over steps 2-{}, "
-               "{:.0f}% of gradient reduction hidden behind backward, optimizer state {} bytes on "
-               "this rank{}",
-               result->steps, result->first_loss, result->last_loss, result->steps_per_second,
-               result->steps, 100 * result->hidden_fraction, result->optimizer_state_bytes,
+  spdlog::info("training finished: {} steps{}, loss {:.6f} -> {:.6f}, {:.2f} steps/s over steps "
+               "{}-{}, {:.0f}% of gradient reduction hidden behind backward, optimizer state {} "
+               "bytes on this rank{}",
+               result->steps,
+               result->start_step > 0
+                   ? absl::StrCat(" (this run: steps ", result->start_step + 1, "-", result->steps,
+                                  " after restoring step ", result->start_step, ")")
+                   : "",
+               result->first_loss, result->last_loss, result->steps_per_second,
+               result->start_step + 2, result->steps, 100 * result->hidden_fraction,
+               result->optimizer_state_bytes,
                result->output_path.empty() ? "" : ", parameters written to " + result->output_path);
   v1::ReportTrainingDoneRequest done;
   done.set_worker_id(options_.worker_id);
