@@ -13,9 +13,9 @@ AdminClient::AdminClient(std::string address, absl::Duration rpc_timeout)
       stub_(v1::Admin::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()))) {}
 
 template <typename Response, typename Rpc>
-absl::StatusOr<Response> AdminClient::Call(Rpc rpc, absl::string_view what) {
+absl::StatusOr<Response> AdminClient::Call(Rpc rpc, absl::string_view what, absl::Duration extra) {
   grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
+  context.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_ + extra));
   Response response;
   absl::Status status = FromGrpcStatus(rpc(&context, &response), what);
   if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) {
@@ -120,6 +120,32 @@ absl::StatusOr<v1::RestoreCheckpointResponse> AdminClient::RestoreCheckpoint(
         return stub_->RestoreCheckpoint(context, message, response);
       },
       "checkpoint restore");
+}
+
+absl::StatusOr<v1::ResizeResponse> AdminClient::Resize(int world_size) {
+  v1::ResizeRequest message;
+  message.set_world_size(world_size);
+  return Call<v1::ResizeResponse>(
+      [&](auto* context, auto* response) { return stub_->Resize(context, message, response); },
+      "resize");
+}
+
+absl::StatusOr<v1::DrainResponse> AdminClient::Drain(const std::string& worker_id) {
+  v1::DrainRequest message;
+  message.set_worker_id(worker_id);
+  return Call<v1::DrainResponse>(
+      [&](auto* context, auto* response) { return stub_->Drain(context, message, response); },
+      "drain");
+}
+
+absl::StatusOr<v1::ListEventsResponse> AdminClient::ListEvents(int64_t after,
+                                                               absl::Duration wait) {
+  v1::ListEventsRequest message;
+  message.set_after_sequence(after);
+  message.set_wait_ms(absl::ToInt64Milliseconds(wait));
+  return Call<v1::ListEventsResponse>(
+      [&](auto* context, auto* response) { return stub_->ListEvents(context, message, response); },
+      "events", wait);
 }
 
 }  // namespace shard

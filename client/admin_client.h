@@ -24,12 +24,18 @@ class AdminClient {
   absl::StatusOr<v1::CheckpointInfo> GetCheckpoint(const std::string& id);
   absl::Status DeleteCheckpoint(const std::string& id);
   absl::StatusOr<v1::RestoreCheckpointResponse> RestoreCheckpoint(const std::string& id);
+  absl::StatusOr<v1::ResizeResponse> Resize(int world_size);
+  absl::StatusOr<v1::DrainResponse> Drain(const std::string& worker_id);
+  // Events after `after`; with `wait` > 0 the coordinator holds the reply until there is one
+  // (the call's deadline is `wait` plus the usual timeout).
+  absl::StatusOr<v1::ListEventsResponse> ListEvents(int64_t after, absl::Duration wait);
 
  private:
   // One call with the deadline; unreachable coordinators get an error that says so and what
   // to check.
   template <typename Response, typename Rpc>
-  absl::StatusOr<Response> Call(Rpc rpc, absl::string_view what);
+  absl::StatusOr<Response> Call(Rpc rpc, absl::string_view what,
+                                absl::Duration extra = absl::ZeroDuration());
 
   std::string address_;
   absl::Duration rpc_timeout_;

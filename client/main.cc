@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/admin_client.h"
 #include "client/checkpoint_commands.h"
+#include "client/elastic_commands.h"
 #include "client/plan_view.h"
 #include "client/status_view.h"
 #include "common/cli.h"
@@ -68,7 +69,7 @@ int WaitForReady(shard::AdminClient& admin, absl::Duration timeout, bool initial
                          worker.self_check().detail())));
       }
     }
-    const int expected = status->world().expected_world_size();
+    const int expected = status->world().ranks();
     bool planned = true;
     if (initialized) {
       absl::StatusOr<shard::v1::GetStatsResponse> stats = admin.GetStats();
@@ -117,8 +118,8 @@ absl::StatusOr<shard::v1::PlanSummary> OfflinePlan(const std::string& manifest_f
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"shardctl: the admin client of a Shard job (status, workers, wait, stop, plan, stats, "
-      "checkpoint) and its tools (data generate).", "shardctl"};
+  CLI::App app{"shardctl: the admin client of a Shard job (status, workers, events, wait, stop, "
+      "resize, drain, plan, stats, checkpoint) and its tools (data generate).", "shardctl"};
   app.require_subcommand(1);
   std::string coordinator = "127.0.0.1:7460";
   std::string timeout = "10s";
@@ -203,6 +204,8 @@ int main(int argc, char** argv) {
 
   shard::CheckpointCommands checkpoint_commands;
   shard::AddCheckpointCommands(app, &checkpoint_commands);
+  shard::ElasticCommands elastic_commands;
+  shard::AddElasticCommands(app, &elastic_commands);
 
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
   std::unique_ptr<shard::AdminClient> admin_client;
@@ -254,6 +257,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   shard::AdminClient& admin = admin_on_demand();
+  if (shard::ElasticCommandParsed(elastic_commands)) {
+    return shard::RunElasticCommand(elastic_commands, admin);
+  }
   if (plan_cmd->parsed()) {
     absl::StatusOr<shard::v1::PlanSummary> plan = admin.GetPlan();
     if (!plan.ok()) return Fail(plan.status());

@@ -77,6 +77,10 @@ nlohmann::json StatusToJson(const v1::GetStatusResponse& status) {
       {"generation", status.world().generation()},
       {"world_size", status.world().world_size()},
       {"expected_world_size", status.world().expected_world_size()},
+      {"ranks", status.world().ranks()},
+      {"min_world_size", status.world().min_world_size()},
+      {"standby", status.world().standby()},
+      {"transition", status.world().transition()},
       {"state", JobState(status.world())},
       {"lease_ms", status.lease_ms()},
       {"uptime_ms", status.uptime_ms()},
@@ -100,13 +104,24 @@ std::string WorkersTable(const v1::GetStatusResponse& status) {
   return RenderTable(rows);
 }
 
+std::string WorldLine(const v1::GetStatusResponse& status) {
+  const v1::WorldView& world = status.world();
+  std::string line = absl::StrFormat(
+      "job %s: %s, generation %d, %d/%d ranks held (target %d, min %d)", status.job(),
+      JobState(world), world.generation(), world.world_size(), world.ranks(),
+      world.expected_world_size(), world.min_world_size());
+  if (world.standby() > 0) {
+    absl::StrAppend(&line, ", ", world.standby(), world.standby() == 1 ? " standby" : " standbys");
+  }
+  if (!world.transition().empty()) absl::StrAppend(&line, ": ", world.transition());
+  return line;
+}
+
 std::string StatusTable(const v1::GetStatusResponse& status) {
-  return absl::StrCat(
-      absl::StrFormat("job %s: %s, generation %d, %d/%d workers, lease %dms, up %.1fs\n",
-                      status.job(), JobState(status.world()), status.world().generation(),
-                      status.world().world_size(), status.world().expected_world_size(),
-                      status.lease_ms(), status.uptime_ms() / 1000.0),
-      WorkersTable(status));
+  return absl::StrCat(WorldLine(status),
+                      absl::StrFormat("\nlease %dms, up %.1fs\n", status.lease_ms(),
+                                      status.uptime_ms() / 1000.0),
+                      WorkersTable(status));
 }
 
 }  // namespace shard

@@ -9,13 +9,16 @@
 
 namespace shard {
 
-// Keys: job, generation, world_size, expected_world_size, state, lease_ms, uptime_ms, workers
+// Keys: job, generation, world_size, expected_world_size, ranks, min_world_size, standby,
+// transition, state, lease_ms, uptime_ms, workers
 // (each: id, rank, host, device, capabilities, state, last_heartbeat_ms_ago, self_check,
 // self_check_detail, joined_generation). States are lower-case words: "running", "ready".
 nlohmann::json StatusToJson(const v1::GetStatusResponse& status);
 
-// One header line about the job, then the workers table.
+// One header line about the job (and what it is waiting for), then the workers table.
 std::string StatusTable(const v1::GetStatusResponse& status);
+// "job demo: running, generation 7, 3/3 ranks held (target 4, min 2), 1 standby: ..."
+std::string WorldLine(const v1::GetStatusResponse& status);
 std::string WorkersTable(const v1::GetStatusResponse& status);
 
 // Left-aligned columns, two spaces apart; the first row is the header.

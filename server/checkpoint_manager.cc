@@ -39,8 +39,8 @@ absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(
   absl::StatusOr<bool> loaded = store->Load(kCatalogRecord, &manager->catalog_);
   if (!loaded.ok()) return loaded.status();
   // Keep what is committed and still there; drop the rest of the catalog.
-  v1::CheckpointCatalog kept;
-  kept.set_last_request(manager->catalog_.last_request());
+  v1::CheckpointCatalog kept = manager->catalog_;
+  kept.clear_checkpoints();
   for (const v1::CheckpointRecord& record : manager->catalog_.checkpoints()) {
     if (std::filesystem::exists(std::filesystem::path(record.dir()) / "manifest.json")) {
       *kept.add_checkpoints() = record;
@@ -49,8 +49,18 @@ absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(
                    record.id(), record.dir());
     }
   }
-  const bool changed = kept.checkpoints_size() != manager->catalog_.checkpoints_size();
+  bool changed = kept.checkpoints_size() != manager->catalog_.checkpoints_size();
   manager->catalog_ = std::move(kept);
+  if (manager->options_.recover) {
+    manager->training_started_ = manager->catalog_.training_started();
+    manager->start_ = TrainingStartPoint{manager->catalog_.start_checkpoint_id(),
+                                         manager->catalog_.start_dir(),
+                                         manager->catalog_.start_step()};
+  } else {
+    changed = changed || manager->catalog_.training_started() ||
+              manager->catalog_.pause_request() != 0;
+    manager->catalog_.set_pause_request(0);
+  }
   if (changed) {
     if (absl::Status saved = manager->PersistLocked(); !saved.ok()) return saved;
   }
@@ -75,6 +85,10 @@ std::string CheckpointManager::Directory(const std::string& id) const {
 }
 
 absl::Status CheckpointManager::PersistLocked() {
+  catalog_.set_training_started(training_started_);
+  catalog_.set_start_checkpoint_id(start_.checkpoint_id);
+  catalog_.set_start_dir(start_.dir);
+  catalog_.set_start_step(start_.step);
   if (absl::Status saved = store_->Save(kCatalogRecord, catalog_); !saved.ok()) {
     return absl::UnavailableError(absl::StrCat(
         "the coordinator cannot record its checkpoint catalog in its state directory (",
@@ -83,22 +97,44 @@ absl::Status CheckpointManager::PersistLocked() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> CheckpointManager::RequestSave() {
+absl::StatusOr<int64_t> CheckpointManager::RequestSave(bool pause) {
   absl::MutexLock lock(&mu_);
+  const v1::CheckpointCatalog before = catalog_;
   catalog_.set_last_request(catalog_.last_request() + 1);
-  if (absl::Status saved = PersistLocked(); !saved.ok()) return saved;
-  spdlog::info("checkpoint requested (request {})", catalog_.last_request());
+  if (pause) catalog_.set_pause_request(catalog_.last_request());
+  if (absl::Status saved = PersistLocked(); !saved.ok()) {
+    catalog_ = before;
+    return saved;
+  }
+  spdlog::info("checkpoint requested (request {}{})", catalog_.last_request(),
+               pause ? ", training pauses after it" : "");
   return catalog_.last_request();
+}
+
+bool CheckpointManager::AnsweredLocked(int64_t request) const {
+  for (const v1::CheckpointRecord& record : catalog_.checkpoints()) {
+    if (record.request() >= request) return true;
+  }
+  return !errors_.empty() && errors_.rbegin()->first >= request;
 }
 
 int64_t CheckpointManager::pending_request() const {
   absl::ReaderMutexLock lock(&mu_);
   const int64_t latest = catalog_.last_request();
-  for (const v1::CheckpointRecord& record : catalog_.checkpoints()) {
-    if (record.request() >= latest) return 0;
-  }
-  if (!errors_.empty() && errors_.rbegin()->first >= latest) return 0;
-  return latest;
+  return AnsweredLocked(latest) ? 0 : latest;
+}
+
+int64_t CheckpointManager::pause_request() const {
+  absl::ReaderMutexLock lock(&mu_);
+  const int64_t pause = catalog_.pause_request();
+  return pause == 0 || AnsweredLocked(pause) ? 0 : pause;
+}
+
+void CheckpointManager::CancelPause(int64_t request) {
+  absl::MutexLock lock(&mu_);
+  if (catalog_.pause_request() != request) return;
+  catalog_.set_pause_request(0);
+  if (absl::Status saved = PersistLocked(); !saved.ok()) spdlog::error("{}", saved.message());
 }
 
 absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
@@ -261,13 +297,21 @@ absl::StatusOr<TrainingStartPoint> CheckpointManager::SetRestorePoint(const std:
   if (!record.ok()) return record.status();
   start_ = TrainingStartPoint{record->id(), record->dir(), record->step()};
   restore_requested_ = true;
+  if (absl::Status saved = PersistLocked(); !saved.ok()) return saved;
   spdlog::info("training restarts from checkpoint {} (step {})", record->id(), record->step());
   return start_;
 }
 
 void CheckpointManager::NoteTrainingStarted() {
   absl::MutexLock lock(&mu_);
+  if (training_started_) return;
   training_started_ = true;
+  if (absl::Status saved = PersistLocked(); !saved.ok()) spdlog::error("{}", saved.message());
+}
+
+bool CheckpointManager::training_started() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return training_started_;
 }
 
 void CheckpointManager::RestartFromLatest() {
@@ -302,6 +346,7 @@ void CheckpointManager::OnGeneration(int64_t /*generation*/) {
     restore_requested_ = false;  // this is the re-formation the restore asked for
   } else if (training_started_) {
     RestartFromLatestLocked();
+    if (absl::Status saved = PersistLocked(); !saved.ok()) spdlog::error("{}", saved.message());
   }
 }
 

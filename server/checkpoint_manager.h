@@ -29,6 +29,9 @@ struct CheckpointOptions {
   int zero_stage = 1;
   OptimizerConfig optimizer;
   std::vector<std::string> state_names;
+  // Take back where training stood (started, and from which checkpoint) from the state
+  // directory: a coordinator restarted on a live job. Otherwise training starts afresh.
+  bool recover = false;
 };
 
 struct ShardReport {
@@ -67,10 +70,15 @@ class CheckpointManager {
   static absl::StatusOr<std::unique_ptr<CheckpointManager>> Create(CheckpointOptions options,
                                                                    StateStore* store);
 
-  // A new save request, numbered from 1; workers save at their next step boundary.
-  absl::StatusOr<int64_t> RequestSave();
+  // A new save request, numbered from 1; workers save at their next step boundary, and with
+  // `pause` stop training after it (the world is about to re-form).
+  absl::StatusOr<int64_t> RequestSave(bool pause = false);
   // The newest request not yet answered by a commit or a failure; 0 when there is none.
   int64_t pending_request() const;
+  // The pausing request not yet answered; 0 when there is none.
+  int64_t pause_request() const;
+  // The re-formation that wanted `request` is over (done or dropped): nothing pauses for it.
+  void CancelPause(int64_t request);
 
   // Records a rank's shard; once every rank of `plan`'s world has reported, writes the
   // manifest and records the checkpoint (true). Reports must match the current plan.
@@ -95,6 +103,7 @@ class CheckpointManager {
   void OnGeneration(int64_t generation);
   // Training has started (a worker reported a step).
   void NoteTrainingStarted();
+  bool training_started() const;
 
   const std::string& root() const { return options_.root; }
 
@@ -117,6 +126,8 @@ class CheckpointManager {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void ApplyRetentionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RestartFromLatestLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A request is answered once a checkpoint committed for it (or a later one) or it failed.
+  bool AnsweredLocked(int64_t request) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const CheckpointOptions options_;
   StateStore* const store_;

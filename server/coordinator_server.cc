@@ -1,6 +1,7 @@
 #include "server/coordinator_server.h"
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "common/logging.h"
 #include "grpcpp/server_builder.h"
 #include "proto/job_convert.h"
@@ -10,24 +11,92 @@
 
 namespace shard {
 
+namespace {
+
+constexpr char kJobRecord[] = "job";
+
+// The world's options as the job spec sets them.
+void ApplyJob(const JobConfig& job, CoordinatorOptions* options) {
+  options->world.job = job.name;
+  options->world.expected_world_size = job.world_size;
+  options->world.min_world_size = job.min_world_size;
+  const int64_t global_batch = job.global_batch;
+  options->world.check_size = [global_batch](int world_size) {
+    if (global_batch % world_size == 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the job's global batch ", global_batch, " does not divide over ", world_size,
+        " workers"));
+  };
+  options->plan.mode = job.shard_mode;
+  options->plan.bucket_cap_bytes = job.bucket_cap_bytes;
+  options->plan.first_bucket_cap_bytes = job.first_bucket_cap_bytes;
+}
+
+// Decides between taking back a live job kept in the state directory (a restart after a crash)
+// and starting a new world, and settles the job and world options accordingly.
+absl::StatusOr<bool> SettleJob(StateStore* store, CoordinatorOptions* options) {
+  absl::StatusOr<bool> live = WorldManager::HasLiveWorld(store);
+  if (!live.ok()) return live.status();
+  v1::JobSpec stored;
+  absl::StatusOr<bool> has_job = store->Load(kJobRecord, &stored);
+  if (!has_job.ok()) return has_job.status();
+  const bool recover = *live && options->restore.empty() &&
+                       (*has_job || !options->job.has_value());
+  if (recover && *has_job) {
+    if (options->job.has_value() &&
+        !google::protobuf::util::MessageDifferencer::Equals(ToProto(*options->job), stored)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the state directory holds job '", stored.name(), "', still live (its workers may be "
+          "running), with another job spec; start without --job (or with the same file) to take "
+          "it back, pass --restore to start a new run from a checkpoint, or use another "
+          "--state-dir"));
+    }
+    absl::StatusOr<JobConfig> job = JobConfigFromProto(stored, "");
+    if (!job.ok()) return job.status();
+    options->job = std::move(*job);
+  }
+  if (options->job.has_value()) {
+    ApplyJob(*options->job, options);
+    if (!recover) {
+      if (absl::Status saved = store->Save(kJobRecord, ToProto(*options->job)); !saved.ok()) {
+        return saved;
+      }
+    }
+  } else if (options->world.expected_world_size < 1) {
+    return absl::InvalidArgumentError(
+        "no job to run: give --job FILE or --world-size N (the state directory holds no live "
+        "job to take back)");
+  }
+  options->world.recover = recover;
+  return recover;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
-    const CoordinatorOptions& options) {
+    const CoordinatorOptions& given) {
   auto server = std::unique_ptr<CoordinatorServer>(new CoordinatorServer());
   const absl::Time now = absl::Now();
-  if (options.state_dir.empty()) {
+  if (given.state_dir.empty()) {
     server->store_ = std::make_unique<InMemoryStateStore>();
   } else {
-    auto store = DirectoryStateStore::Open(options.state_dir);
+    auto store = DirectoryStateStore::Open(given.state_dir);
     if (!store.ok()) return store.status();
     server->store_ = std::move(*store);
   }
+  CoordinatorOptions options = given;
+  absl::StatusOr<bool> recover = SettleJob(server->store_.get(), &options);
+  if (!recover.ok()) return recover.status();
   auto world = WorldManager::Create(options.world, server->store_.get(), now);
   if (!world.ok()) return world.status();
   server->world_ = std::move(*world);
-  server->kv_ = std::make_unique<KvStoreManager>(options.world.job,
-                                                 server->world_->world().generation);
-  server->plan_ = std::make_unique<PlanManager>(options.plan);
-  server->plan_->OnGeneration(server->world_->world().generation);
+  const int64_t generation = server->world_->world().generation;
+  server->kv_ = std::make_unique<KvStoreManager>(options.world.job, generation);
+  server->plan_ = std::make_unique<PlanManager>(options.plan, server->store_.get());
+  server->plan_->OnGeneration(generation);
+  if (server->world_->recovered()) {
+    if (absl::Status plan = server->plan_->Recover(generation); !plan.ok()) return plan;
+  }
   std::optional<v1::JobSpec> job_spec;
   if (options.job.has_value()) {
     const JobConfig& job = *options.job;
@@ -39,9 +108,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     checkpoint_options.zero_stage = job.zero_stage;
     checkpoint_options.optimizer = job.optimizer;
     checkpoint_options.state_names = OptimizerStateNames(job.optimizer);
+    checkpoint_options.recover = server->world_->recovered();
     auto checkpoints = CheckpointManager::Create(checkpoint_options, server->store_.get());
     if (!checkpoints.ok()) return checkpoints.status();
     server->checkpoints_ = std::move(*checkpoints);
+    if (server->world_->recovered()) {
+      // A world that reconnects at a new generation restarts from the latest checkpoint.
+      server->checkpoints_->OnGeneration(generation);
+    }
     if (!options.restore.empty()) {
       absl::StatusOr<v1::CheckpointRecord> record = server->checkpoints_->Find(options.restore);
       if (!record.ok()) return record.status();
@@ -70,6 +144,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   } else if (!options.restore.empty()) {
     return absl::InvalidArgumentError("--restore needs --job");
   }
+  server->elastic_ =
+      std::make_unique<ElasticManager>(server->world_.get(), server->checkpoints_.get());
   KvStoreManager* kv = server->kv_.get();
   PlanManager* plan = server->plan_.get();
   CheckpointManager* checkpoint_manager = server->checkpoints_.get();
@@ -84,10 +160,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(
       server->world_.get(), plan, checkpoint_manager, job_spec, clock);
   server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(kv, clock);
-  server->admin_service_ = std::make_unique<AdminServiceImpl>(server->world_.get(), plan, checkpoint_manager, clock, now, [self] {
-    absl::MutexLock lock(&self->mu_);
-    self->wake_ = true;
-  });
+  server->admin_service_ = std::make_unique<AdminServiceImpl>(
+      server->world_.get(), plan, checkpoint_manager, server->elastic_.get(), clock, now, [self] {
+        absl::MutexLock lock(&self->mu_);
+        self->wake_ = true;
+      });
 
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
@@ -105,10 +182,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->host_ = options.listen_address.substr(0, colon);
   server->housekeeping_interval_ = options.housekeeping_interval;
   server->housekeeping_ = std::thread([self] { self->Housekeeping(); });
-  spdlog::info("coordinator for job '{}' listening on {} (expecting {} workers, lease {}, "
-               "generation {}, state {})",
-               options.world.job, server->address(), options.world.expected_world_size,
-               absl::FormatDuration(options.world.lease), server->world_->world().generation,
+  const World started = server->world_->world();
+  spdlog::info("coordinator for job '{}' listening on {} ({} {} workers, at least {} to re-form, "
+               "lease {}, re-form grace {}, generation {}, state {})",
+               options.world.job, server->address(),
+               server->world_->recovered() ? "took back a world of" : "expecting",
+               started.expected_world_size, started.min_world_size,
+               absl::FormatDuration(options.world.lease),
+               absl::FormatDuration(options.world.reform_grace), started.generation,
                options.state_dir.empty() ? std::string("in memory") : options.state_dir);
   return server;
 }
@@ -138,6 +219,7 @@ void CoordinatorServer::Housekeeping() {
     }
     const absl::Time now = absl::Now();
     world_->ExpireLeases(now);
+    if (elastic_->Reconcile(now)) world_->WakeWatches();
     world_->ExpireWatches(now);
     plan_->ExpireWaits(now);
     kv_->ExpireWaiters(now);

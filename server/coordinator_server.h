@@ -1,5 +1,6 @@
-// Wires the coordinator together: loads the state directory, creates the managers, serves the
-// gRPC services and runs housekeeping (lease expiry, rendezvous wait timeouts).
+// Wires the coordinator together: loads the state directory (taking back a live job after a
+// restart), creates the managers, serves the gRPC services and runs housekeeping (lease expiry,
+// rendezvous wait timeouts, elastic re-formations).
 #pragma once
 
 #include <memory>
@@ -13,6 +14,7 @@
 #include "grpcpp/server.h"
 #include "server/checkpoint_manager.h"
 #include "server/coordinator_service.h"
+#include "server/elastic_manager.h"
 #include "server/kv_store_manager.h"
 #include "server/plan_manager.h"
 #include "server/store/state_store.h"
@@ -23,9 +25,13 @@ namespace shard {
 struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:7460";
   std::string state_dir;  // empty: keep state in memory only
+  // expected_world_size 0: the job's (or, with neither a job nor a size, the live world's kept in
+  // the state directory).
   WorldOptions world;
   PlanConfig plan;
-  std::optional<JobConfig> job;  // handed to every joining worker
+  // Handed to every joining worker. Unset: the job kept in the state directory if one is still
+  // live there, else a world without training.
+  std::optional<JobConfig> job;
   // With a job: restore the training from this checkpoint ("latest" allowed) when it starts.
   std::string restore;
   // How often leases and rendezvous waits are checked.
@@ -61,6 +67,7 @@ class CoordinatorServer {
   std::unique_ptr<KvStoreManager> kv_;
   std::unique_ptr<PlanManager> plan_;
   std::unique_ptr<CheckpointManager> checkpoints_;  // with a job only
+  std::unique_ptr<ElasticManager> elastic_;
   std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;

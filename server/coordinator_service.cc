@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "proto/grpc_status.h"
 #include "proto/plan_convert.h"
@@ -34,6 +36,8 @@ v1::WorkerState ToProto(WorkerState state) {
     case WorkerState::kFailed: return v1::WORKER_STATE_FAILED;
     case WorkerState::kLeft: return v1::WORKER_STATE_LEFT;
     case WorkerState::kDead: return v1::WORKER_STATE_DEAD;
+    case WorkerState::kStandby: return v1::WORKER_STATE_STANDBY;
+    case WorkerState::kLeaving: return v1::WORKER_STATE_LEAVING;
   }
   return v1::WORKER_STATE_UNSPECIFIED;
 }
@@ -54,6 +58,17 @@ void FillWorld(const std::string& job, const World& world, v1::WorldView* view) 
   view->set_expected_world_size(world.expected_world_size);
   view->mutable_scope()->set_job(job);
   view->mutable_scope()->set_generation(world.generation);
+  view->set_ranks(world.ranks);
+  view->set_min_world_size(world.min_world_size);
+  view->set_standby(world.standby);
+  view->set_transition(world.transition);
+}
+
+std::string EventKind(v1::MembershipEventKind kind) {
+  std::string name = v1::MembershipEventKind_Name(kind);
+  constexpr absl::string_view kPrefix = "MEMBERSHIP_EVENT_KIND_";
+  if (absl::StartsWith(name, kPrefix)) name = name.substr(kPrefix.size());
+  return absl::AsciiStrToLower(name);
 }
 
 KvScope FromProto(const v1::RendezvousScope& scope) { return KvScope{scope.job(), scope.generation()}; }
@@ -162,6 +177,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Heartbeat(grpc::CallbackServer
           response->mutable_order()->set_reason(outcome->stop_reason);
           if (checkpoints != nullptr) {
             response->set_checkpoint_request(checkpoints->pending_request());
+            response->set_pause_request(checkpoints->pause_request());
             FillStart(checkpoints->start(), response->mutable_start());
           }
         }
@@ -313,7 +329,10 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
                                                       const v1::GetStatusRequest* /*request*/,
                                                       v1::GetStatusResponse* response) {
   const absl::Time now = clock_();
-  const StatusSnapshot snapshot = world_->Status(now);
+  StatusSnapshot snapshot = world_->Status(now);
+  if (std::string transition = elastic_->transition(); !transition.empty()) {
+    snapshot.world.transition = std::move(transition);
+  }
   response->set_job(snapshot.job);
   FillWorld(snapshot.job, snapshot.world, response->mutable_world());
   response->set_lease_ms(absl::ToInt64Milliseconds(snapshot.lease));
@@ -478,8 +497,57 @@ grpc::ServerUnaryReactor* AdminServiceImpl::Stop(grpc::CallbackServerContext* co
   const World world = world_->RequestStop(
       request->reason().empty() ? "shardctl stop" : request->reason(), clock_());
   FillWorld(world_->options().job, world, response->mutable_world());
-  on_stop_();
+  on_change_();
   return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::Resize(grpc::CallbackServerContext* context,
+                                                   const v1::ResizeRequest* request,
+                                                   v1::ResizeResponse* response) {
+  const absl::Status set = world_->SetTarget(request->world_size(), clock_());
+  if (set.ok()) {
+    on_change_();
+    FillWorld(world_->options().job, world_->Status(clock_()).world, response->mutable_world());
+  }
+  return Reply(context, set);
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::Drain(grpc::CallbackServerContext* context,
+                                                  const v1::DrainRequest* request,
+                                                  v1::DrainResponse* response) {
+  const absl::Status drained = world_->Drain(request->worker_id(), clock_());
+  if (drained.ok()) {
+    on_change_();
+    FillWorld(world_->options().job, world_->Status(clock_()).world, response->mutable_world());
+  }
+  return Reply(context, drained);
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::ListEvents(grpc::CallbackServerContext* context,
+                                                       const v1::ListEventsRequest* request,
+                                                       v1::ListEventsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto answer = [reactor, response](std::vector<v1::MembershipEvent> events) {
+    for (const v1::MembershipEvent& event : events) {
+      v1::Event* out = response->add_events();
+      out->set_sequence(event.sequence());
+      out->set_unix_ms(event.unix_ms());
+      out->set_generation(event.generation());
+      out->set_kind(EventKind(event.kind()));
+      out->set_worker_id(event.worker_id());
+      out->set_rank(event.rank());
+      out->set_detail(event.detail());
+    }
+    reactor->Finish(grpc::Status::OK);
+  };
+  if (request->wait_ms() <= 0) {
+    answer(world_->Events(request->after_sequence()));
+  } else {
+    // Held until an event is recorded; capped so that a client learns of a dead coordinator.
+    const absl::Duration wait = std::min(absl::Milliseconds(request->wait_ms()), absl::Minutes(1));
+    world_->WatchEvents(request->after_sequence(), clock_() + wait, std::move(answer));
+  }
+  return reactor;
 }
 
 }  // namespace shard

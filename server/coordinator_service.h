@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "server/checkpoint_manager.h"
+#include "server/elastic_manager.h"
 #include "server/kv_store_manager.h"
 #include "server/plan_manager.h"
 #include "server/world_manager.h"
@@ -87,15 +88,18 @@ class RendezvousServiceImpl final : public v1::Rendezvous::CallbackService {
 
 class AdminServiceImpl final : public v1::Admin::CallbackService {
  public:
-  // `on_stop` runs after a stop was accepted (the server uses it to wake its housekeeping).
+  // `on_change` runs after a stop, resize or drain was accepted (the server uses it to wake its
+  // housekeeping, which carries the change out).
   AdminServiceImpl(WorldManager* world, PlanManager* plan, CheckpointManager* checkpoints,
-                   Clock clock, absl::Time started, std::function<void()> on_stop)
+                   ElasticManager* elastic, Clock clock, absl::Time started,
+                   std::function<void()> on_change)
       : world_(world),
         plan_(plan),
         checkpoints_(checkpoints),
+        elastic_(elastic),
         clock_(clock),
         started_(started),
-        on_stop_(std::move(on_stop)) {}
+        on_change_(std::move(on_change)) {}
 
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
                                       const v1::GetStatusRequest* request,
@@ -127,6 +131,15 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
   grpc::ServerUnaryReactor* RestoreCheckpoint(grpc::CallbackServerContext* context,
                                               const v1::RestoreCheckpointRequest* request,
                                               v1::RestoreCheckpointResponse* response) override;
+  grpc::ServerUnaryReactor* Resize(grpc::CallbackServerContext* context,
+                                   const v1::ResizeRequest* request,
+                                   v1::ResizeResponse* response) override;
+  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* context,
+                                  const v1::DrainRequest* request,
+                                  v1::DrainResponse* response) override;
+  grpc::ServerUnaryReactor* ListEvents(grpc::CallbackServerContext* context,
+                                       const v1::ListEventsRequest* request,
+                                       v1::ListEventsResponse* response) override;
 
  private:
   // FailedPrecondition when the coordinator runs no job (and so keeps no checkpoints).
@@ -135,9 +148,10 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
   WorldManager* world_;
   PlanManager* plan_;
   CheckpointManager* checkpoints_;
+  ElasticManager* elastic_;
   Clock clock_;
   absl::Time started_;
-  std::function<void()> on_stop_;
+  std::function<void()> on_change_;
 };
 
 }  // namespace shard

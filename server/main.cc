@@ -15,7 +15,9 @@ int main(int argc, char** argv) {
   CLI::App app{
       "shard-coordinator: the control plane of one Shard job. Forms the world from joining "
       "shard-worker processes (ranks, generations), serves their rendezvous store, watches their "
-      "heartbeat leases and answers shardctl.",
+      "heartbeat leases, re-forms the world after failures and resizes, orders checkpoints and "
+      "answers shardctl. Restarted on the same --state-dir after a crash, it takes the live job "
+      "back (with the same --job file, or without --job).",
       "shard-coordinator"};
   shard::CoordinatorOptions options;
   std::string lease = "10s";
@@ -29,8 +31,9 @@ int main(int argc, char** argv) {
   std::string restore;
   app.add_option("--job", job_file,
                  "training job spec (JSON, protobuf mapping of shard.v1.JobSpec); sets the job "
-                 "name, world size and planning, and is handed to every worker. Without it the "
-                 "workers only form a world and self-check their data path")
+                 "name, world size and planning, and is handed to every worker. Without it (and "
+                 "without a live job in --state-dir to take back) the workers only form a world "
+                 "and self-check their data path")
       ->check(CLI::ExistingFile);
   app.add_option("--restore", restore,
                  "with --job: continue training from this committed checkpoint of the job (an id "
@@ -50,9 +53,17 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(shard::DurationValidator());
   app.add_option("--state-dir", options.state_dir,
-                 "directory for the coordinator's durable state (generation, membership "
-                 "history); created if missing, locked while running")
+                 "directory for the coordinator's durable state (job spec, generation, members "
+                 "and history, plan, checkpoint catalog); created if missing, locked while "
+                 "running")
       ->capture_default_str();
+  std::string reform_grace = "30s";
+  app.add_option("--reform-grace", reform_grace,
+                 "after a worker holding a rank is lost: how long to wait for a replacement "
+                 "before re-forming with the survivors (if at least the job's min_world_size "
+                 "remain)")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
   std::string shard_mode = "range";
   double bucket_cap_mb = 25;
   double first_bucket_cap_mb = 1;
@@ -78,6 +89,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.world.lease = shard::ParsedDuration(lease);
+  options.world.reform_grace = shard::ParsedDuration(reform_grace);
+  options.world.expected_world_size = world_size->count() > 0 ? options.world.expected_world_size : 0;
   if (!job_file.empty()) {
     absl::StatusOr<shard::JobConfig> job = shard::LoadJobFile(job_file);
     if (!job.ok()) {
@@ -95,11 +108,6 @@ int main(int argc, char** argv) {
                    options.world.job.c_str(), job->name.c_str());
       return 2;
     }
-    options.world.job = job->name;
-    options.world.expected_world_size = job->world_size;
-    options.plan.mode = job->shard_mode;
-    options.plan.bucket_cap_bytes = job->bucket_cap_bytes;
-    options.plan.first_bucket_cap_bytes = job->first_bucket_cap_bytes;
     options.job = *job;
     options.restore = restore;
     for (const char* flag : {"--shard-mode", "--bucket-cap-mb", "--first-bucket-cap-mb"}) {
@@ -110,10 +118,6 @@ int main(int argc, char** argv) {
       }
     }
   } else {
-    if (world_size->count() == 0) {
-      std::fprintf(stderr, "shard-coordinator: give --job FILE or --world-size N (see --help)\n");
-      return 2;
-    }
     options.plan.mode = *shard::ParseShardMode(shard_mode);
     options.plan.bucket_cap_bytes = shard::MebibytesToBytes(bucket_cap_mb);
     options.plan.first_bucket_cap_bytes = shard::MebibytesToBytes(first_bucket_cap_mb);
@@ -136,7 +140,8 @@ int main(int argc, char** argv) {
   auto started = shard::CoordinatorServer::Start(options);
   if (!started.ok()) {
     spdlog::error("cannot start: {}", started.status().message());
-    return 1;
+    // Options that cannot work are usage errors; anything else is operational.
+    return absl::IsInvalidArgument(started.status()) ? 2 : 1;
   }
   {
     absl::MutexLock lock(&server_mu);

@@ -5,12 +5,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "shard/v1/state.pb.h"
 #include "spdlog/spdlog.h"
 
 namespace shard {
 namespace {
 
 constexpr size_t kMaxDisagreements = 64;
+constexpr char kPlanRecord[] = "plan";
 constexpr absl::Duration kMaxWait = absl::Minutes(10);
 
 }  // namespace
@@ -24,8 +26,66 @@ absl::string_view OverlapStatusName(OverlapStatus status) {
   return "UNKNOWN";
 }
 
-PlanManager::PlanManager(PlanConfig config, size_t stats_window)
-    : config_(config), stats_window_(stats_window) {}
+PlanManager::PlanManager(PlanConfig config, StateStore* store, size_t stats_window)
+    : config_(config), store_(store), stats_window_(stats_window) {}
+
+void PlanManager::PersistLocked() const {
+  if (store_ == nullptr || manifest_ == nullptr) return;
+  v1::PlanRecord record;
+  record.set_manifest_json(ManifestToJson(*manifest_));
+  record.set_manifest_owner(manifest_owner_);
+  record.set_rebuilt(rebuilt_order_.has_value());
+  if (rebuilt_order_.has_value()) {
+    for (int index : *rebuilt_order_) record.add_rebuilt_order(index);
+  }
+  record.set_version(version_);
+  if (plan_ != nullptr) {
+    record.set_generation(generation_);
+    record.set_world_size(plan_->options.world_size);
+    for (int index : plan_->options.gradient_order) record.add_plan_order(index);
+    for (const auto& [rank, version] : acked_) (*record.mutable_acked())[rank] = version;
+  }
+  if (absl::Status saved = store_->Save(kPlanRecord, record); !saved.ok()) {
+    spdlog::error("cannot keep the plan in the state directory: {}", saved.message());
+  }
+}
+
+absl::Status PlanManager::Recover(int64_t generation) {
+  if (store_ == nullptr) return absl::OkStatus();
+  v1::PlanRecord record;
+  absl::StatusOr<bool> loaded = store_->Load(kPlanRecord, &record);
+  if (!loaded.ok()) return loaded.status();
+  if (!*loaded) return absl::OkStatus();
+  absl::StatusOr<Manifest> manifest = ParseManifestJson(record.manifest_json());
+  if (!manifest.ok()) {
+    return absl::DataLossError(absl::StrCat("the state directory's plan record holds a bad "
+                                            "manifest: ", manifest.status().message()));
+  }
+  absl::MutexLock lock(&mu_);
+  generation_ = generation;
+  manifest_ = std::make_shared<const Manifest>(std::move(*manifest));
+  manifest_owner_ = record.manifest_owner();
+  if (record.rebuilt()) {
+    rebuilt_order_ = std::vector<int>(record.rebuilt_order().begin(), record.rebuilt_order().end());
+  }
+  version_ = record.version();
+  if (record.generation() != generation || record.world_size() < 1) return absl::OkStatus();
+  PlanOptions options;
+  options.world_size = record.world_size();
+  options.mode = config_.mode;
+  options.bucket_cap_bytes = config_.bucket_cap_bytes;
+  options.first_bucket_cap_bytes = config_.first_bucket_cap_bytes;
+  options.alignment_bytes = config_.alignment_bytes;
+  options.gradient_order.assign(record.plan_order().begin(), record.plan_order().end());
+  absl::StatusOr<Plan> plan = MakePlan(*manifest_, options);
+  if (!plan.ok()) return plan.status();
+  plan_ = std::make_shared<const Plan>(std::move(*plan));
+  for (const auto& [rank, version] : record.acked()) acked_[rank] = version;
+  spdlog::info("plan v{} of generation {} taken back from the state directory (hash {}, overlap "
+               "status {})",
+               version_, generation_, plan_->hash, OverlapStatusName(StatusLocked()));
+  return absl::OkStatus();
+}
 
 void PlanManager::OnGeneration(int64_t generation) {
   std::vector<Answer> answers;
@@ -74,6 +134,7 @@ absl::Status PlanManager::EnsurePlanLocked(int world_size) {
   plan_ = std::make_shared<const Plan>(std::move(*plan));
   ++version_;
   acked_.clear();
+  PersistLocked();
   spdlog::info("plan v{} for generation {}: {} buckets over {} ranks ({} mode), imbalance {:.3f}, "
                "hash {}",
                version_, generation_, plan_->buckets.size(), world_size,
@@ -138,6 +199,7 @@ absl::StatusOr<PlanView> PlanManager::AckPlan(const MemberRef& member, int64_t v
   }
   acked_[member.rank] = version;
   rank_workers_[member.rank] = member.worker_id;
+  PersistLocked();
   const OverlapStatus status = StatusLocked();
   if (status == OverlapStatus::kInitialized) {
     spdlog::info("overlap status INITIALIZED: every worker applied plan v{}", version_);

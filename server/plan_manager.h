@@ -2,6 +2,8 @@
 // (computed with common/plan.h, versioned), the bucket rebuild from the first iteration's
 // gradient order (rank 0's order wins, as in DDP) and the overlap status machine
 // UNINITIALIZED -> DDP_HAS_REBUILT_BUCKETS -> INITIALIZED, plus aggregated step statistics.
+// With a StateStore, the manifest, the rebuilt order, the current plan and its acknowledgements
+// are kept (record "plan") so that a restarted coordinator serves the same plan.
 // No gRPC. Thread-safe; callbacks run outside the manager's lock.
 #pragma once
 
@@ -19,6 +21,7 @@
 #include "absl/time/time.h"
 #include "common/manifest.h"
 #include "common/plan.h"
+#include "server/store/state_store.h"
 #include "server/world_manager.h"
 
 namespace shard {
@@ -84,7 +87,11 @@ class PlanManager {
  public:
   using PlanCallback = std::function<void(absl::StatusOr<PlanView>)>;
 
-  explicit PlanManager(PlanConfig config, size_t stats_window = 50);
+  explicit PlanManager(PlanConfig config, StateStore* store = nullptr, size_t stats_window = 50);
+
+  // Takes back the saved plan state (a restarted coordinator, at `generation`): the manifest and
+  // rebuilt order always, the plan and its acknowledgements if they are of that generation.
+  absl::Status Recover(int64_t generation);
 
   // A new world generation: its plan is made at the first registration, with the rebuilt
   // order if there is one. Pending rebuild waits are answered Aborted.
@@ -131,8 +138,12 @@ class PlanManager {
   PlanView ViewLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   std::vector<Answer> TakeWaitersLocked(const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Saves the plan state (no-op without a store); a failure is logged: the plan is recomputed
+  // from the workers' manifests after a restart anyway.
+  void PersistLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const PlanConfig config_;
+  StateStore* const store_;
   const size_t stats_window_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const Manifest> manifest_ ABSL_GUARDED_BY(mu_);

@@ -62,11 +62,15 @@ void WorkerAgent::UpdateWorld(const v1::WorldView& world, int rank) {
   world_.running = world.state() == v1::JOB_STATE_RUNNING;
   world_.scope = world.scope();
   if (!changed) return;
-  SetLogContext(absl::StrCat("worker=", options_.worker_id, " rank=", rank,
+  SetLogContext(absl::StrCat("worker=", options_.worker_id,
+                             rank >= 0 ? absl::StrCat(" rank=", rank) : std::string(" standby"),
                              " gen=", world.generation()));
-  spdlog::info("world is {} at generation {} with {}/{} workers",
+  spdlog::info("world is {} at generation {} with {}/{} ranks held (target {}){}",
                absl::AsciiStrToLower(v1::JobState_Name(world.state()).substr(10)),
-               world.generation(), world.world_size(), world.expected_world_size());
+               world.generation(), world.world_size(), world.ranks(),
+               world.expected_world_size(),
+               rank < 0 ? "; this worker is a standby, folded in at the next checkpoint boundary"
+                        : "");
   if (communicator_ != nullptr && communicator_generation_ < world.generation()) {
     communicator_->Abort(absl::StrCat("generation ", communicator_generation_,
                                       " ended; the world moved to generation ",
@@ -127,6 +131,7 @@ void WorkerAgent::HeartbeatLoop() {
   request.set_incarnation(incarnation_);
   absl::Time last_contact = absl::Now();
   absl::Duration pause = absl::ZeroDuration();
+  absl::Duration backoff = absl::ZeroDuration();  // grows while the coordinator is unreachable
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -136,15 +141,17 @@ void WorkerAgent::HeartbeatLoop() {
       request.set_known_generation(world_.generation);
       request.set_known_state(world_.state);
       request.set_wait_ms(absl::ToInt64Milliseconds(heartbeat_interval_));
-      pause = heartbeat_interval_;
+      pause = std::max(heartbeat_interval_, backoff);
     }
     absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(request);
     if (beat.ok()) {
       pause = absl::ZeroDuration();
+      backoff = absl::ZeroDuration();
       last_contact = absl::Now();
       absl::MutexLock lock(&mu_);
       UpdateWorld(beat->world(), beat->rank());
       save_request_ = beat->checkpoint_request();
+      pause_request_ = beat->pause_request();
       start_ = beat->start();
       if (beat->order().kind() == v1::ORDER_KIND_STOP && !stop_) {
         spdlog::info("coordinator ordered a stop: {}", beat->order().reason());
@@ -173,8 +180,10 @@ void WorkerAgent::HeartbeatLoop() {
             absl::FormatDuration(absl::Trunc(silent, absl::Seconds(1))), ": ", status.message())));
         return;
       }
-      spdlog::warn("{} (coordinator silent for {})", status.message(),
-                   absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))));
+      backoff = std::min(std::max(2 * backoff, absl::Milliseconds(200)), absl::Seconds(5));
+      spdlog::warn("{} (coordinator silent for {}; retrying in {}, giving up after {})",
+                   status.message(), absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))),
+                   absl::FormatDuration(backoff), absl::FormatDuration(options_.coordinator_timeout));
       continue;
     }
     absl::MutexLock lock(&mu_);
@@ -263,6 +272,7 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
   TrainerOptions trainer;
   trainer.stop = &stop_requested_;
   trainer.save_request = &save_request_;
+  trainer.pause_request = &pause_request_;
   {
     absl::MutexLock lock(&mu_);
     trainer.checkpoint_tag = absl::StrCat("g", world_.generation);
@@ -343,6 +353,13 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
     return absl::Status(result.status().code(),
                         absl::StrCat("training failed: ", result.status().message()));
   }
+  if (result->paused_at > 0) {
+    // The world re-forms from the checkpoint just saved; the next generation continues.
+    spdlog::info("training paused after step {} for a re-formation of the world; waiting for "
+                 "the next generation",
+                 result->paused_at);
+    return absl::OkStatus();
+  }
   trained_ = true;
   spdlog::info("training finished: {} steps{}, loss {:.6f} -> {:.6f}, {:.2f} steps/s over steps "
                "{}-{}, {:.0f}% of gradient reduction hidden behind backward, optimizer state {} "
@@ -422,7 +439,7 @@ absl::Status WorkerAgent::Run() {
       absl::MutexLock lock(&mu_);
       auto next = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stop_ || !fatal_.ok() ||
-               (world_.running && world_.generation > attempted_generation);
+               (world_.running && world_.rank >= 0 && world_.generation > attempted_generation);
       };
       mu_.Await(absl::Condition(&next));
       if (stop_ || !fatal_.ok()) break;
@@ -432,12 +449,18 @@ absl::Status WorkerAgent::Run() {
     absl::Status connected = ConnectGeneration(target);
     if (connected.ok()) continue;
     absl::MutexLock lock(&mu_);
+    auto moved_on = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stop_ || !fatal_.ok() || world_.generation != target.generation;
+    };
     if (absl::IsAborted(connected)) {
       // The coordinator says the generation ended; our heartbeat may not have seen it yet.
-      auto moved_on = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || world_.generation != target.generation;
-      };
       mu_.AwaitWithTimeout(absl::Condition(&moved_on), 2 * heartbeat_interval_);
+    } else if (IsTransient(connected)) {
+      // The coordinator was unreachable while this generation connected (e.g. it restarted):
+      // a restarted coordinator re-forms a world that had not connected, so wait for that.
+      spdlog::warn("connecting generation {} failed ({}); waiting for the next generation",
+                   target.generation, connected.message());
+      mu_.AwaitWithTimeout(absl::Condition(&moved_on), options_.coordinator_timeout);
     }
     if (stop_) break;
     if (world_.generation != target.generation) {

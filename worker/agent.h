@@ -84,6 +84,7 @@ class WorkerAgent {
   bool trained_ = false;                                // the job's training has finished
   std::atomic<bool> stop_requested_{false};             // stop_, for the training loop
   std::atomic<int64_t> save_request_{0};                // the newest checkpoint request seen
+  std::atomic<int64_t> pause_request_{0};               // a request after which training pauses
   v1::TrainingStart start_ ABSL_GUARDED_BY(mu_);         // where this generation's training starts
   int64_t communicator_generation_ ABSL_GUARDED_BY(mu_) = 0;
 };

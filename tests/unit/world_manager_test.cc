@@ -28,11 +28,17 @@ class FlakyStateStore : public InMemoryStateStore {
 
 class WorldManagerTest : public ::testing::Test {
  protected:
-  std::unique_ptr<WorldManager> Make(int world_size, absl::Duration lease = absl::Seconds(2)) {
+  static WorldOptions Options(int world_size, absl::Duration lease = absl::Seconds(2)) {
     WorldOptions options;
     options.job = "job1";
     options.expected_world_size = world_size;
     options.lease = lease;
+    return options;
+  }
+  std::unique_ptr<WorldManager> Make(int world_size, absl::Duration lease = absl::Seconds(2)) {
+    return Make(Options(world_size, lease));
+  }
+  std::unique_ptr<WorldManager> Make(const WorldOptions& options) {
     auto manager = WorldManager::Create(options, &store_, now_);
     EXPECT_TRUE(manager.ok()) << manager.status();
     (*manager)->set_generation_listener([this](int64_t g) { generations_seen_.push_back(g); });
@@ -222,16 +228,20 @@ TEST_F(WorldManagerTest, SelfCheckDecidesReadinessOnlyForTheCurrentGeneration) {
   EXPECT_EQ(Find(status, "a")->self_check.state, SelfCheckState::kPending);
 }
 
-TEST_F(WorldManagerTest, GenerationsContinueAcrossACoordinatorRestart) {
+TEST_F(WorldManagerTest, ANewWorldContinuesTheGenerationsOfTheStateDirectory) {
   int64_t before = 0;
   {
     auto world = Make(2);
     ASSERT_TRUE(world->Join(Params("a"), now_).ok());
     before = world->world().generation;
   }
-  auto again = Make(2);
+  WorldOptions fresh = Options(2);
+  fresh.recover = false;
+  auto again = Make(fresh);
+  EXPECT_FALSE(again->recovered());
   EXPECT_GT(again->world().generation, before);
   EXPECT_EQ(again->world().world_size, 0) << "workers must join the new coordinator";
+  EXPECT_EQ(again->Heartbeat("a", 1, now_).status().code(), absl::StatusCode::kNotFound);
 
   WorldOptions other;
   other.job = "another-job";
@@ -347,6 +357,246 @@ TEST_F(WorldManagerTest, AThousandWorkersFormAWorldWithDistinctRanks) {
   EXPECT_EQ(ranks.size(), 1000u);
   EXPECT_EQ(*ranks.rbegin(), 999);
   EXPECT_EQ(world->world().state, JobState::kRunning);
+}
+
+// --- Elasticity -----------------------------------------------------------------------------
+
+class ElasticWorldTest : public WorldManagerTest {
+ protected:
+  // Four workers w0..w3 on ranks 0..3, formed at now_; re-forms down to `min` after `grace`.
+  std::unique_ptr<WorldManager> Formed(int min, absl::Duration grace = absl::Seconds(5),
+                                       std::function<absl::Status(int)> check_size = {}) {
+    WorldOptions options = Options(4, absl::Seconds(2));
+    options.min_world_size = min;
+    options.reform_grace = grace;
+    options.check_size = std::move(check_size);
+    auto world = Make(options);
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(world->Join(Params(absl::StrCat("w", i)), now_)->rank, i);
+    }
+    EXPECT_EQ(world->world().state, JobState::kRunning);
+    return world;
+  }
+  // Everyone but `silent` heartbeats at `t`, then leases are checked.
+  void Beat(WorldManager& world, absl::Time t, const std::set<std::string>& silent) {
+    for (const WorkerSnapshot& w : world.Status(t).workers) {
+      const bool live = w.rank >= 0 || w.state == WorkerState::kStandby;
+      if (live && !silent.count(w.id)) {
+        ASSERT_TRUE(world.Heartbeat(w.id, 1, t).ok()) << w.id;
+      }
+    }
+    world.ExpireLeases(t);
+  }
+  static int RankOf(const StatusSnapshot& status, const std::string& id) {
+    for (const WorkerSnapshot& w : status.workers) {
+      if (w.id == id) return w.rank;
+    }
+    return -2;
+  }
+};
+
+TEST_F(ElasticWorldTest, SurvivorsReFormWithRenumberedRanksOnlyAfterTheGracePeriod) {
+  auto world = Formed(/*min=*/2, absl::Seconds(5));
+  const int64_t formed = world->world().generation;
+  // w1 dies at ~2s; the others wait for a replacement until 2s + 5s.
+  for (int ms = 500; ms <= 6500; ms += 500) Beat(*world, now_ + absl::Milliseconds(ms), {"w1"});
+  World waiting = world->world();
+  EXPECT_EQ(waiting.state, JobState::kForming);
+  EXPECT_EQ(waiting.generation, formed + 1) << "the death alone bumps the generation";
+  EXPECT_NE(world->Status(now_ + absl::Milliseconds(6500)).world.transition.find("replacement"),
+            std::string::npos);
+  for (int ms = 7000; ms <= 7600; ms += 300) Beat(*world, now_ + absl::Milliseconds(ms), {"w1"});
+  const World reformed = world->world();
+  EXPECT_EQ(reformed.state, JobState::kRunning);
+  EXPECT_EQ(reformed.ranks, 3);
+  EXPECT_EQ(reformed.generation, formed + 2);
+  const StatusSnapshot status = world->Status(now_ + absl::Seconds(8));
+  EXPECT_EQ(RankOf(status, "w0"), 0);
+  EXPECT_EQ(RankOf(status, "w2"), 2);
+  EXPECT_EQ(RankOf(status, "w3"), 1) << "the highest rank moves into the hole";
+  EXPECT_NE(status.world.transition.find("waiting for workers to join"), std::string::npos)
+      << "below its target, the world grows again once workers join: " << status.world.transition;
+  // A survivor's heartbeat carries its new rank.
+  EXPECT_EQ(world->Heartbeat("w3", 1, now_ + absl::Seconds(8))->rank, 1);
+}
+
+TEST_F(ElasticWorldTest, AReplacementWithinTheGracePeriodKeepsTheWorldSize) {
+  auto world = Formed(/*min=*/2, absl::Seconds(5));
+  for (int ms = 500; ms <= 3000; ms += 500) Beat(*world, now_ + absl::Milliseconds(ms), {"w1"});
+  ASSERT_EQ(world->world().state, JobState::kForming);
+  auto joined = world->Join(Params("spare"), now_ + absl::Seconds(3));
+  ASSERT_TRUE(joined.ok());
+  EXPECT_EQ(joined->rank, 1);
+  EXPECT_EQ(world->world().state, JobState::kRunning);
+  EXPECT_EQ(world->world().ranks, 4);
+}
+
+TEST_F(ElasticWorldTest, BelowTheMinimumTheJobWaitsForWorkers) {
+  auto world = Formed(/*min=*/3, absl::Seconds(1));
+  for (int ms = 500; ms <= 6000; ms += 500) {
+    Beat(*world, now_ + absl::Milliseconds(ms), {"w1", "w2"});
+  }
+  EXPECT_EQ(world->world().state, JobState::kForming);
+  EXPECT_EQ(world->world().ranks, 4);
+  EXPECT_NE(world->Status(now_ + absl::Seconds(6)).world.transition.find("at least 3"),
+            std::string::npos);
+}
+
+TEST_F(ElasticWorldTest, SurvivorsBeyondAnAllowedSizeWaitAsStandbys) {
+  auto even = [](int n) {
+    return n % 2 == 0 ? absl::OkStatus() : absl::InvalidArgumentError("odd");
+  };
+  auto world = Formed(/*min=*/2, absl::Seconds(1), even);
+  for (int ms = 500; ms <= 4000; ms += 500) Beat(*world, now_ + absl::Milliseconds(ms), {"w1"});
+  const World reformed = world->world();
+  EXPECT_EQ(reformed.state, JobState::kRunning);
+  EXPECT_EQ(reformed.ranks, 2);
+  EXPECT_EQ(reformed.standby, 1);
+  EXPECT_EQ(Find(world->Status(now_ + absl::Seconds(4)), "w3")->state, WorkerState::kStandby);
+}
+
+TEST_F(ElasticWorldTest, ANewWorkerWaitsAsAStandbyAndIsFoldedInByAReshape) {
+  auto world = Formed(/*min=*/2, absl::Seconds(1));
+  for (int ms = 500; ms <= 4000; ms += 500) Beat(*world, now_ + absl::Milliseconds(ms), {"w3"});
+  ASSERT_EQ(world->world().ranks, 3);
+  const int64_t shrunk = world->world().generation;
+  EXPECT_FALSE(world->PendingReshape().has_value()) << "nothing to fold in yet";
+
+  const absl::Time t = now_ + absl::Seconds(4);
+  auto joined = world->Join(Params("new"), t);
+  ASSERT_TRUE(joined.ok());
+  EXPECT_EQ(joined->rank, -1);
+  EXPECT_EQ(world->world().generation, shrunk) << "a standby does not disturb the world";
+  EXPECT_EQ(world->world().standby, 1);
+  EXPECT_EQ(world->Heartbeat("new", 1, t)->rank, -1);
+
+  std::optional<Reshape> reshape = world->PendingReshape();
+  ASSERT_TRUE(reshape.has_value());
+  EXPECT_EQ(reshape->from_size, 3);
+  EXPECT_EQ(reshape->to_size, 4);
+  EXPECT_EQ(reshape->promoted, std::vector<std::string>{"new"});
+  EXPECT_TRUE(reshape->leavers.empty());
+  ASSERT_TRUE(world->ApplyReshape(*reshape, t).ok());
+  EXPECT_EQ(world->world().generation, shrunk + 1);
+  EXPECT_EQ(world->world().ranks, 4);
+  EXPECT_EQ(world->world().state, JobState::kRunning);
+  EXPECT_EQ(RankOf(world->Status(t), "new"), 3);
+  // A reshape planned for a world that has moved on is refused.
+  EXPECT_EQ(world->ApplyReshape(*reshape, t).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ElasticWorldTest, AStandbyTakesTheRankOfAWorkerThatDiesAtOnce) {
+  WorldOptions options = Options(2, absl::Seconds(2));
+  options.min_world_size = 1;
+  options.reform_grace = absl::Seconds(1);
+  auto world = Make(options);
+  ASSERT_TRUE(world->Join(Params("a"), now_).ok());
+  ASSERT_TRUE(world->Join(Params("b"), now_).ok());
+  for (int ms = 500; ms <= 4000; ms += 500) Beat(*world, now_ + absl::Milliseconds(ms), {"b"});
+  ASSERT_EQ(world->world().ranks, 1);
+  ASSERT_EQ(world->Join(Params("spare"), now_ + absl::Seconds(4))->rank, -1);
+  // a dies now: the standby takes its rank without waiting for the grace period.
+  const int64_t before = world->world().generation;
+  for (int ms = 4500; ms <= 6500; ms += 500) Beat(*world, now_ + absl::Milliseconds(ms), {"a"});
+  EXPECT_EQ(world->world().state, JobState::kRunning);
+  EXPECT_EQ(world->world().generation, before + 1);
+  EXPECT_EQ(RankOf(world->Status(now_ + absl::Seconds(7)), "spare"), 0);
+}
+
+TEST_F(ElasticWorldTest, ResizeAndDrainTellTheWorkersThatLeave) {
+  auto world = Formed(/*min=*/1);
+  EXPECT_EQ(world->SetTarget(5, now_).code(), absl::StatusCode::kInvalidArgument)
+      << "above the job's world size";
+  EXPECT_EQ(world->SetTarget(0, now_).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(world->SetTarget(2, now_).ok());
+  ASSERT_TRUE(world->Drain("w0", now_).ok());
+  EXPECT_EQ(world->Drain("nobody", now_).code(), absl::StatusCode::kNotFound);
+  std::optional<Reshape> reshape = world->PendingReshape();
+  ASSERT_TRUE(reshape.has_value());
+  EXPECT_EQ(reshape->to_size, 2);
+  EXPECT_EQ(std::set<std::string>(reshape->leavers.begin(), reshape->leavers.end()),
+            (std::set<std::string>{"w0", "w3"}))
+      << "the drained worker, then the highest rank";
+  const int64_t before = world->world().generation;
+  ASSERT_TRUE(world->ApplyReshape(*reshape, now_).ok());
+  EXPECT_EQ(world->world().generation, before + 1);
+  EXPECT_EQ(world->world().ranks, 2);
+  auto told = world->Heartbeat("w0", 1, now_);
+  ASSERT_TRUE(told.ok());
+  EXPECT_TRUE(told->stop);
+  EXPECT_NE(told->stop_reason.find("drained"), std::string::npos);
+  EXPECT_NE(world->Heartbeat("w3", 1, now_)->stop_reason.find("resized out"), std::string::npos);
+  EXPECT_FALSE(world->Heartbeat("w1", 1, now_)->stop);
+  const StatusSnapshot status = world->Status(now_);
+  EXPECT_EQ(std::set<int>({RankOf(status, "w1"), RankOf(status, "w2")}), (std::set<int>{0, 1}));
+  // Leaving after being told does not disturb the world.
+  ASSERT_TRUE(world->Leave("w0", 1, "drained", now_).ok());
+  ASSERT_TRUE(world->Leave("w3", 1, "resized out", now_).ok());
+  EXPECT_EQ(world->world().generation, before + 1);
+  EXPECT_EQ(world->world().state, JobState::kRunning);
+}
+
+TEST_F(ElasticWorldTest, ARestartedCoordinatorTakesBackAConnectedWorldAtTheSameGeneration) {
+  int64_t generation = 0;
+  {
+    auto world = Formed(/*min=*/2);
+    generation = world->world().generation;
+    for (int i = 0; i < 4; ++i) {
+      ASSERT_TRUE(world->ReportSelfCheck(absl::StrCat("w", i), 1, generation, true, "ok", now_).ok());
+    }
+  }  // SIGKILL: nothing more is written.
+  const absl::Time later = now_ + absl::Seconds(30);
+  now_ = later;
+  auto again = Make(Options(4, absl::Seconds(2)));
+  EXPECT_TRUE(again->recovered());
+  EXPECT_EQ(again->world().generation, generation) << "training goes on undisturbed";
+  EXPECT_EQ(again->world().state, JobState::kRunning);
+  auto beat = again->Heartbeat("w2", 1, later);
+  ASSERT_TRUE(beat.ok()) << beat.status();
+  EXPECT_EQ(beat->rank, 2);
+  // Every worker has a fresh lease; one that never comes back is declared dead as usual.
+  for (const char* id : {"w0", "w1", "w2"}) ASSERT_TRUE(again->Heartbeat(id, 1, later + absl::Seconds(1)).ok());
+  EXPECT_EQ(again->ExpireLeases(later + absl::Milliseconds(2500)), std::vector<std::string>{"w3"});
+  std::vector<v1::MembershipEvent> events = again->Events(0);
+  bool recovered_event = false;
+  for (const v1::MembershipEvent& e : events) {
+    recovered_event |= e.kind() == v1::MEMBERSHIP_EVENT_KIND_COORDINATOR_RECOVERED;
+  }
+  EXPECT_TRUE(recovered_event);
+  for (size_t i = 1; i < events.size(); ++i) {
+    EXPECT_EQ(events[i].sequence(), events[i - 1].sequence() + 1);
+  }
+}
+
+TEST_F(ElasticWorldTest, AWorldThatHadNotConnectedReconnectsAtANewGenerationAfterARestart) {
+  int64_t generation = 0;
+  {
+    auto world = Formed(/*min=*/2);
+    generation = world->world().generation;
+    ASSERT_TRUE(world->ReportSelfCheck("w0", 1, generation, true, "ok", now_).ok());
+  }
+  auto again = Make(Options(4, absl::Seconds(2)));
+  EXPECT_TRUE(again->recovered());
+  EXPECT_EQ(again->world().generation, generation + 1);
+  EXPECT_EQ(again->world().state, JobState::kRunning);
+}
+
+TEST_F(ElasticWorldTest, EventWatchersHearOfTheNextEvent) {
+  auto world = Formed(/*min=*/2);
+  const int64_t last = world->Events(0).back().sequence();
+  std::vector<v1::MembershipEvent> heard;
+  bool answered = false;
+  world->WatchEvents(last, now_ + absl::Seconds(10), [&](std::vector<v1::MembershipEvent> e) {
+    heard = std::move(e);
+    answered = true;
+  });
+  EXPECT_FALSE(answered);
+  ASSERT_TRUE(world->SetTarget(3, now_).ok());
+  ASSERT_TRUE(answered);
+  ASSERT_EQ(heard.size(), 1u);
+  EXPECT_EQ(heard[0].kind(), v1::MEMBERSHIP_EVENT_KIND_RESIZE_REQUESTED);
+  EXPECT_EQ(heard[0].sequence(), last + 1);
 }
 
 }  // namespace

@@ -198,15 +198,19 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     result.last_loss = loss;
     result.steps = step + 1;
 
-    // Checkpoint at this step boundary if it is due or requested anywhere.
-    int64_t request = options.save_request != nullptr ? options.save_request->load() : 0;
+    // Checkpoint at this step boundary if it is due or requested anywhere; the ranks agree on
+    // the newest save and pause requests any of them knows.
+    int64_t requests[2] = {options.save_request != nullptr ? options.save_request->load() : 0,
+                           options.pause_request != nullptr ? options.pause_request->load() : 0};
     if (options.save_request != nullptr) {
-      if (absl::Status s = communicator.AllReduce(&request, &request, 1, DataType::kInt64,
+      if (absl::Status s = communicator.AllReduce(requests, requests, 2, DataType::kInt64,
                                                   ReduceOp::kMax);
           !s.ok()) {
         return s;
       }
     }
+    const int64_t request = requests[0];
+    const int64_t pause = requests[1];
     const bool periodic = job.checkpoint_every > 0 && (step + 1) % job.checkpoint_every == 0;
     if (periodic || request > satisfied_request) {
       const absl::Time pause_start = absl::Now();
@@ -228,6 +232,11 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
       saver.Start(std::move(saved), world, std::move(bytes));
     }
     if (options.on_step) options.on_step(record);
+    if (pause > 0 && satisfied_request >= pause && step + 1 < job.steps) {
+      saver.WaitIdle();  // the shard must be reported before the world re-forms from it
+      result.paused_at = step + 1;
+      return result;
+    }
   }
   saver.WaitIdle();
   if (job.steps - start_step > 1) {

@@ -36,6 +36,7 @@ struct TrainResult {
   int64_t optimizer_state_bytes = 0;  // on this rank
   std::string output_path;            // rank 0 only
   int checkpoints_saved = 0;
+  int64_t paused_at = 0;  // the step after which training paused for a re-formation; 0: it did not
   double max_checkpoint_pause_ms = 0;  // the longest training stall of a save
 };
 
@@ -52,6 +53,10 @@ struct TrainerOptions {
   // the first step boundary at which any of them knows a request newer than the last one saved
   // (they agree through one small all-reduce per step). Periodic saves need no request.
   const std::atomic<int64_t>* save_request = nullptr;
+  // A save request after which training pauses (0: none): the ranks agree on it as on
+  // save_request, save for it, and return with TrainResult::paused_at (the world is about to
+  // re-form and restore that checkpoint). Not at the last step: the job is done then anyway.
+  const std::atomic<int64_t>* pause_request = nullptr;
   // Appended to checkpoint ids (e.g. "g7"), so that a restored run never reuses an id.
   std::string checkpoint_tag;
   // Called from the writer thread when this rank's shard is on disk (or failed).
