@@ -112,7 +112,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     auto checkpoints = CheckpointManager::Create(checkpoint_options, server->store_.get());
     if (!checkpoints.ok()) return checkpoints.status();
     server->checkpoints_ = std::move(*checkpoints);
-    if (server->world_->recovered()) {
+    if (server->world_->recovered() && !server->world_->kept_generation()) {
       // A world that reconnects at a new generation restarts from the latest checkpoint.
       server->checkpoints_->OnGeneration(generation);
     }

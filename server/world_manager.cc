@@ -94,8 +94,10 @@ absl::StatusOr<std::unique_ptr<WorldManager>> WorldManager::Create(WorldOptions 
   auto manager =
       std::unique_ptr<WorldManager>(new WorldManager(std::move(options), store, std::move(state)));
   absl::MutexLock lock(&manager->mu_);
+  const int64_t saved_generation = manager->state_.generation();
   if (manager->options_.recover && manager->RecoverLocked(now)) {
     manager->recovered_ = true;
+    manager->kept_generation_ = manager->state_.generation() == saved_generation;
   } else {
     // A new world: whatever existed before is gone, and its generation numbers stay used.
     const Membership before = manager->m_;
@@ -148,7 +150,8 @@ bool WorldManager::RecoverLocked(absl::Time now) {
     worker.joined_generation = record.joined_generation();
     worker.draining = record.draining();
     worker.detail = record.leave_reason();
-    worker.last_heartbeat = now;  // every worker gets a full lease to reach the new process
+    // Every worker gets two leases to reach the new process: it may be backing off.
+    worker.last_heartbeat = now + options_.lease;
     worker.standby_since = now;
     const int rank = record.rank();
     if (record.role() == v1::MEMBER_ROLE_ACTIVE && rank >= 0 &&
@@ -456,11 +459,14 @@ absl::StatusOr<JoinOutcome> WorldManager::JoinLocked(const JoinParams& params, a
   if (!rank.ok()) return rank.status();
   const bool restart = live && existing->role == Role::kActive;
   const int ranks = static_cast<int>(m_.rank_holders.size());
+  // Below the job's largest size, a worker that finds no free rank waits as a standby.
   if (*rank < 0 && !(live && existing->role == Role::kStandby) &&
-      !(m_.formed && ranks < m_.target)) {
+      !(m_.formed && ranks + CountRole(Role::kStandby) < options_.expected_world_size)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the world is full: all ", ranks, " ranks are held by live workers (", LiveHolders(),
-        "); wait for one to leave or die, or resize the job (shardctl resize)"));
+        ")", CountRole(Role::kStandby) > 0 ? " and standbys wait for the rest" : "",
+        " up to the job's world size ", options_.expected_world_size,
+        "; wait for one to leave or die"));
   }
 
   const Membership before = m_;
@@ -489,7 +495,7 @@ absl::StatusOr<JoinOutcome> WorldManager::JoinLocked(const JoinParams& params, a
         params.worker_id, *rank, where, now));
     MarkFormedIfComplete(now, &events);
   } else {
-    // The world is whole but smaller than the target: wait to be folded in.
+    // The world is whole but smaller than the job's largest: wait to be folded in.
     if (!(live && existing->role == Role::kStandby)) worker.standby_since = now;
     worker.role = Role::kStandby;
     worker.rank = -1;
@@ -508,8 +514,7 @@ absl::StatusOr<JoinOutcome> WorldManager::JoinLocked(const JoinParams& params, a
                  restart ? "restarted with" : "joined as", *rank, where, next_generation,
                  world.world_size, world.ranks);
   } else {
-    spdlog::info("worker {} joined as a standby ({}); the world of {} grows to {} at the next "
-                 "checkpoint boundary",
+    spdlog::info("worker {} joined as a standby ({}); the world has {} ranks, target {}",
                  params.worker_id, where, world.ranks, m_.target);
   }
   return JoinOutcome{*rank, world};
@@ -1240,7 +1245,7 @@ StatusSnapshot WorldManager::Status(absl::Time now) const {
     w.host = worker->host;
     w.device = worker->device;
     w.capabilities = worker->capabilities;
-    w.since_heartbeat = now - worker->last_heartbeat;
+    w.since_heartbeat = std::max(absl::ZeroDuration(), now - worker->last_heartbeat);
     // A member's check from an earlier generation says nothing about this world.
     w.self_check = worker->role == Role::kDeparted ||
                            worker->self_check.generation == state_.generation()

@@ -6,8 +6,9 @@
 //   size and the job waits for that many workers. A new worker takes the rank it asks for, else
 //   the rank it held before if free, else the lowest free rank. A retried join (same id and
 //   incarnation) is idempotent; a restarted worker (same id, new incarnation) keeps its rank.
-// - Once formed, a worker that joins a full world smaller than the target becomes a standby:
-//   live, without a rank, folded in at the next checkpoint boundary (see PendingReshape).
+// - Once formed, a worker that joins a full world smaller than the job's largest size becomes a
+//   standby: live, without a rank, folded in at the next checkpoint boundary when the target
+//   has room (see PendingReshape), or at once into the rank of a worker that dies.
 // - The generation is bumped on every change of who holds which rank: a join into a free rank,
 //   a restart, a leave, a death, a re-formation (several deaths found at once bump it once).
 //   Standbys coming and going, stop and the departures after it do not bump it.
@@ -167,8 +168,10 @@ class WorldManager {
   // is kept so that training goes on undisturbed.
   static absl::StatusOr<std::unique_ptr<WorldManager>> Create(WorldOptions options,
                                                               StateStore* store, absl::Time now);
-  // Whether Create took back a saved world.
+  // Whether Create took back a saved world, and whether it kept its generation (an intact,
+  // connected world that goes on training).
   bool recovered() const { return recovered_; }
+  bool kept_generation() const { return kept_generation_; }
   // Whether `store` holds a world whose job had not stopped (its coordinator crashed), and so
   // would be taken back.
   static absl::StatusOr<bool> HasLiveWorld(StateStore* store);
@@ -384,6 +387,7 @@ class WorldManager {
   const WorldOptions options_;
   const int min_world_size_;
   bool recovered_ = false;
+  bool kept_generation_ = false;
   StateStore* const store_;
   mutable absl::Mutex mu_;
   v1::CoordinatorState state_ ABSL_GUARDED_BY(mu_);  // generation and history, as persisted

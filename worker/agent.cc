@@ -180,7 +180,12 @@ void WorkerAgent::HeartbeatLoop() {
             absl::FormatDuration(absl::Trunc(silent, absl::Seconds(1))), ": ", status.message())));
         return;
       }
-      backoff = std::min(std::max(2 * backoff, absl::Milliseconds(200)), absl::Seconds(5));
+      // Capped at the heartbeat interval: a restarted coordinator must hear from us within
+      // the lease.
+      {
+        absl::MutexLock lock(&mu_);
+        backoff = std::min(std::max(2 * backoff, absl::Milliseconds(50)), heartbeat_interval_);
+      }
       spdlog::warn("{} (coordinator silent for {}; retrying in {}, giving up after {})",
                    status.message(), absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))),
                    absl::FormatDuration(backoff), absl::FormatDuration(options_.coordinator_timeout));
@@ -379,7 +384,17 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
   done.set_steps(result->steps);
   done.set_final_loss(result->last_loss);
   done.set_output_path(result->output_path);
-  return client_->ReportTrainingDone(done);
+  // The coordinator may be restarting: the result is worth waiting for.
+  const absl::Time give_up = absl::Now() + options_.coordinator_timeout;
+  absl::Duration backoff = absl::Milliseconds(200);
+  while (true) {
+    absl::Status reported = client_->ReportTrainingDone(done);
+    if (!IsTransient(reported) || absl::Now() + backoff > give_up) return reported;
+    spdlog::warn("could not report the end of training ({}); retrying in {}", reported.message(),
+                 absl::FormatDuration(backoff));
+    absl::SleepFor(backoff);
+    backoff = std::min(2 * backoff, absl::Seconds(2));
+  }
 }
 
 absl::Status WorkerAgent::ApplyPlan() {

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/security/credentials.h"
 #include "proto/grpc_status.h"
 
@@ -85,10 +86,25 @@ void RendezvousClient::Cancel() {
   if (in_flight_ != nullptr) in_flight_->TryCancel();
 }
 
+namespace {
+
+// gRPC backs off reconnecting for up to two minutes; a restarted coordinator must hear from
+// its workers within their lease, so keep retrying the connection every few hundred ms.
+grpc::ChannelArguments ReconnectQuickly() {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+  return args;
+}
+
+}  // namespace
+
 CoordinatorClient::CoordinatorClient(std::string address, absl::Duration rpc_timeout)
     : address_(std::move(address)),
       rpc_timeout_(rpc_timeout),
-      channel_(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials())),
+      channel_(grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(),
+                                         ReconnectQuickly())),
       coordinator_(v1::Coordinator::NewStub(channel_)),
       rendezvous_(v1::Rendezvous::NewStub(channel_)) {}
 

@@ -41,8 +41,16 @@ void StatsReporter::Loop() {
       report = std::move(queue_.front());
       queue_.pop_front();
     }
+    // Statistics are best effort: one warning per outage, not one per step.
     if (absl::Status sent = client_->ReportStepStats(report); !sent.ok()) {
-      spdlog::warn("could not report step {}: {}", report.stats().step(), sent.message());
+      if (failed_in_a_row_++ == 0) {
+        spdlog::warn("could not report step {}: {} (further failures are not logged until a "
+                     "report gets through)",
+                     report.stats().step(), sent.message());
+      }
+    } else if (failed_in_a_row_ > 0) {
+      spdlog::info("step reports get through again after {} failed", failed_in_a_row_);
+      failed_in_a_row_ = 0;
     }
   }
 }

@@ -28,6 +28,7 @@ class StatsReporter {
   std::deque<v1::ReportStepStatsRequest> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t failed_in_a_row_ = 0;  // reporting thread only
   std::thread thread_;
 };
 

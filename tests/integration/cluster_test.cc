@@ -17,6 +17,7 @@
 #include "nlohmann/json.hpp"
 #include "common/checkpoint.h"
 #include "common/safetensors.h"
+#include "tests/support/cluster.h"
 #include "tests/support/process.h"
 
 namespace shard::testing {
@@ -26,48 +27,30 @@ constexpr absl::Duration kLease = absl::Seconds(1);
 
 class ClusterTest : public ::testing::Test {
  protected:
-  void SetUp() override { dir_ = MakeTempDir("cluster"); }
-
-  // Starts the coordinator on a free port and returns its address.
-  std::string StartCoordinator(int world_size, const std::string& state_dir = "") {
-    const std::string port_file = absl::StrCat(dir_, "/port");
-    auto process = Process::Start(
-        {BinaryPath("shard-coordinator"), "--listen", "127.0.0.1:0", "--port-file", port_file,
-         "--world-size", absl::StrCat(world_size), "--lease",
-         absl::FormatDuration(kLease), "--state-dir",
-         state_dir.empty() ? absl::StrCat(dir_, "/state") : state_dir},
-        absl::StrCat(dir_, "/coordinator.log"));
-    EXPECT_TRUE(process.ok()) << process.status();
-    coordinator_.emplace(std::move(*process));
-    int port = 0;
-    EXPECT_TRUE(Eventually(
-        [&] {
-          std::ifstream in(port_file);
-          std::string text;
-          return std::getline(in, text) && absl::SimpleAtoi(text, &port) && port > 0;
-        },
-        absl::Seconds(10)))
-        << coordinator_->Log();
-    address_ = absl::StrCat("127.0.0.1:", port);
-    return address_;
+  void SetUp() override {
+    dir_ = MakeTempDir("cluster");
+    cluster_.emplace(dir_);
   }
 
-  Process StartWorker(const std::string& id, std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {BinaryPath("shard-worker"), "--coordinator", address_,
-                                     "--id", id, "--collective-timeout", "10s"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    auto process = Process::Start(argv, absl::StrCat(dir_, "/", id, ".log"));
-    EXPECT_TRUE(process.ok()) << process.status();
-    return std::move(*process);
+  // Starts the coordinator (with `args`) on a free port; address_ and coordinator_ follow it.
+  void StartCoordinatorWith(const std::vector<std::string>& args,
+                            const std::string& log_name = "coordinator.log",
+                            const std::vector<std::string>& env = {}) {
+    const absl::Status started = cluster_->StartCoordinator(args, 0, log_name, env);
+    ASSERT_TRUE(started.ok()) << started;
+    address_ = cluster_->address();
+    coordinator_ = &cluster_->coordinator();
+  }
+  void StartCoordinator(int world_size, const std::string& state_dir = "") {
+    StartCoordinatorWith({"--world-size", absl::StrCat(world_size), "--lease",
+                          absl::FormatDuration(kLease), "--state-dir",
+                          state_dir.empty() ? absl::StrCat(dir_, "/state") : state_dir});
   }
 
-  // `shardctl status --json`, parsed; null on failure.
-  nlohmann::json Status() {
-    CommandResult result = RunCommand(
-        {BinaryPath("shardctl"), "--coordinator", address_, "status", "--json"}, absl::Seconds(10));
-    if (result.exit_code != 0) return nullptr;
-    return nlohmann::json::parse(result.output, nullptr, /*allow_exceptions=*/false);
+  Process StartWorker(const std::string& id, const std::vector<std::string>& extra = {}) {
+    return cluster_->StartWorker(id, extra);
   }
+  nlohmann::json Status() { return cluster_->Status(); }
 
   static const nlohmann::json* Worker(const nlohmann::json& status, const std::string& id) {
     for (const nlohmann::json& worker : status["workers"]) {
@@ -77,8 +60,9 @@ class ClusterTest : public ::testing::Test {
   }
 
   std::string dir_;
+  std::optional<LocalCluster> cluster_;
   std::string address_;
-  std::optional<Process> coordinator_;
+  Process* coordinator_ = nullptr;
 };
 
 TEST_F(ClusterTest, ThreeWorkersFormAWorldAndAKilledOneIsDeclaredDeadWithinTheLease) {
@@ -132,8 +116,7 @@ TEST_F(ClusterTest, ThreeWorkersFormAWorldAndAKilledOneIsDeclaredDeadWithinTheLe
   EXPECT_EQ(status["world_size"], 2);
   EXPECT_EQ((*Worker(status, "w1"))["rank"], -1);
 
-  CommandResult stop = RunCommand({BinaryPath("shardctl"), "--coordinator", address_, "stop"},
-                                  absl::Seconds(30));
+  CommandResult stop = cluster_->Shardctl({"stop"}, absl::Seconds(30));
   EXPECT_EQ(stop.exit_code, 0) << stop.output;
   EXPECT_NE(stop.output.find("stopped"), std::string::npos) << stop.output;
   EXPECT_EQ(coordinator_->Wait(absl::Seconds(15)), 0) << coordinator_->Log();
@@ -156,9 +139,7 @@ TEST_F(ClusterTest, WorkersRegisterAManifestAndReachInitializedWithPlanVersionTw
   nlohmann::json stats;
   ASSERT_TRUE(Eventually(
       [&] {
-        CommandResult result = RunCommand(
-            {BinaryPath("shardctl"), "--coordinator", address_, "stats", "--json"},
-            absl::Seconds(10));
+        CommandResult result = cluster_->Shardctl({"stats", "--json"}, absl::Seconds(10));
         if (result.exit_code != 0) return false;
         stats = nlohmann::json::parse(result.output, nullptr, false);
         return !stats.is_discarded() && stats["status"] == "initialized";
@@ -176,8 +157,7 @@ TEST_F(ClusterTest, WorkersRegisterAManifestAndReachInitializedWithPlanVersionTw
     EXPECT_NE(worker.Log().find(absl::StrCat(" plan v2 (hash ", hash)), std::string::npos)
         << worker.Log();
   }
-  CommandResult plan = RunCommand(
-      {BinaryPath("shardctl"), "--coordinator", address_, "plan", "--json"}, absl::Seconds(10));
+  CommandResult plan = cluster_->Shardctl({"plan", "--json"}, absl::Seconds(10));
   ASSERT_EQ(plan.exit_code, 0) << plan.output;
   nlohmann::json summary = nlohmann::json::parse(plan.output);
   EXPECT_EQ(summary["hash"], hash);
@@ -185,8 +165,7 @@ TEST_F(ClusterTest, WorkersRegisterAManifestAndReachInitializedWithPlanVersionTw
   int64_t owned = 0;
   for (const nlohmann::json& rank : summary["ranks"]) owned += rank["owned_numel"].get<int64_t>();
   EXPECT_EQ(owned, 512 * 256 + 512 + 64 * 512 + 64);
-  CommandResult stop = RunCommand({BinaryPath("shardctl"), "--coordinator", address_, "stop"},
-                                  absl::Seconds(30));
+  CommandResult stop = cluster_->Shardctl({"stop"}, absl::Seconds(30));
   EXPECT_EQ(stop.exit_code, 0) << stop.output;
 }
 
@@ -232,18 +211,7 @@ std::string WriteTrainingJob(const std::string& dir, int world, int64_t global_b
 
 TEST_F(ClusterTest, ThreeWorkersTrainTheJobAndTheCoordinatorFinishesOnItsOwn) {
   const std::string job = WriteTrainingJob(dir_, 3, 48);
-  const std::string port_file = absl::StrCat(dir_, "/port");
-  auto coordinator = Process::Start({BinaryPath("shard-coordinator"), "--listen", "127.0.0.1:0",
-                                     "--port-file", port_file, "--job", job, "--lease", "2s",
-                                     "--state-dir", absl::StrCat(dir_, "/state")},
-                                    absl::StrCat(dir_, "/coordinator.log"));
-  ASSERT_TRUE(coordinator.ok());
-  coordinator_.emplace(std::move(*coordinator));
-  ASSERT_TRUE(Eventually([&] { return std::filesystem::exists(port_file); }, absl::Seconds(10)));
-  std::ifstream in(port_file);
-  std::string port;
-  std::getline(in, port);
-  address_ = absl::StrCat("127.0.0.1:", port);
+  StartCoordinatorWith({"--job", job, "--lease", "2s", "--state-dir", absl::StrCat(dir_, "/state")});
   std::vector<Process> workers;
   for (int i = 0; i < 3; ++i) workers.push_back(StartWorker(absl::StrCat("t", i)));
 
@@ -301,18 +269,6 @@ TEST_F(ClusterTest, ABadJobIsRefusedBeforeAnyWorkerStarts) {
   EXPECT_NE(bad_field.output.find("learningRate"), std::string::npos) << bad_field.output;
 }
 
-// The committed checkpoints in the coordinator's catalog (its state directory), oldest first.
-std::vector<std::pair<std::string, std::string>> Catalog(const std::string& state_dir) {
-  std::ifstream in(state_dir + "/checkpoints.json");
-  if (!in) return {};
-  nlohmann::json catalog = nlohmann::json::parse(in, nullptr, false);
-  std::vector<std::pair<std::string, std::string>> ids;
-  for (const nlohmann::json& record : catalog["checkpoints"]) {
-    ids.push_back({record["id"], record["dir"]});
-  }
-  return ids;
-}
-
 TEST_F(ClusterTest, ACrashAtAnyPointOfASaveLeavesThePreviousCheckpointIntact) {
   const std::string job = WriteTrainingJob(
       dir_, 2, 24, R"(, "checkpoint": {"everySteps": 10, "keepLast": 10})");
@@ -331,25 +287,14 @@ TEST_F(ClusterTest, ACrashAtAnyPointOfASaveLeavesThePreviousCheckpointIntact) {
   auto start = [&](const std::vector<std::string>& coordinator_env,
                    const std::vector<std::string>& worker_env) {
     ++phase;
-    const std::string port_file = absl::StrCat(dir_, "/port", phase);
-    std::vector<std::string> argv = {BinaryPath("shard-coordinator"), "--listen", "127.0.0.1:0",
-                                     "--port-file", port_file, "--job", job, "--state-dir",
-                                     state, "--lease", "2s"};
+    std::vector<std::string> args = {"--job", job, "--state-dir", state, "--lease", "2s"};
     if (!Catalog(state).empty()) {
-      argv.push_back("--restore");
-      argv.push_back("latest");
+      args.push_back("--restore");
+      args.push_back("latest");
     }
-    auto coordinator =
-        Process::Start(argv, absl::StrCat(dir_, "/coordinator", phase, ".log"), coordinator_env);
-    EXPECT_TRUE(coordinator.ok());
-    EXPECT_TRUE(Eventually([&] { return std::filesystem::exists(port_file); }, absl::Seconds(10)))
-        << coordinator->Log();
-    std::ifstream in(port_file);
-    std::string port;
-    std::getline(in, port);
-    address_ = absl::StrCat("127.0.0.1:", port);
+    StartCoordinatorWith(args, absl::StrCat("coordinator", phase, ".log"), coordinator_env);
     std::vector<Process> processes;
-    processes.push_back(std::move(*coordinator));
+    processes.push_back(std::move(*coordinator_));
     for (int i = 0; i < 2; ++i) {
       auto worker = Process::Start(
           {BinaryPath("shard-worker"), "--coordinator", address_, "--id", absl::StrCat("c", i),

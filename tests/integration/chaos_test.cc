@@ -1,0 +1,358 @@
+// Chaos: real coordinator and worker processes on 127.0.0.1 lose a worker (SIGKILL, SIGSTOP),
+// gain a replacement, are resized by an operator, and lose their coordinator (SIGKILL and
+// restart). Every job must finish, survivors must abort promptly instead of hanging, and the
+// final parameters must equal those of a run without failures that restored at the same
+// checkpoint. Each test is bounded in time; every process is killed by pid when its Process
+// goes away; the logs in the test's directory show the sequence of generations.
+#include <signal.h>
+
+#include <algorithm>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "common/files.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/cluster.h"
+#include "tests/support/process.h"
+
+namespace shard::testing {
+namespace {
+
+constexpr absl::Duration kLease = absl::Seconds(1);
+constexpr char kGrace[] = "1500ms";
+
+// When a log line ("2026-11-22T16:27:14.750 I ...") was written.
+std::optional<absl::Time> LineTime(absl::string_view line) {
+  absl::Time time;
+  std::string error;
+  if (line.size() < 23 || !absl::ParseTime("%Y-%m-%dT%H:%M:%E3S", line.substr(0, 23),
+                                           absl::LocalTimeZone(), &time, &error)) {
+    return std::nullopt;
+  }
+  return time;
+}
+
+// The first line of `log` written at or after `after` that contains `text`.
+std::optional<absl::Time> FirstLineAfter(const std::string& log, absl::Time after,
+                                         absl::string_view text) {
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    std::optional<absl::Time> time = LineTime(line);
+    // Log times have millisecond resolution.
+    if (time.has_value() && *time >= after - absl::Milliseconds(1) &&
+        line.find(text) != absl::string_view::npos) {
+      return time;
+    }
+  }
+  return std::nullopt;
+}
+
+// Every checkpoint id a worker restored from, in order ("restoring from checkpoint ID (...").
+std::vector<std::string> Restores(const std::string& log) {
+  std::vector<std::string> ids;
+  constexpr absl::string_view kMarker = "restoring from checkpoint ";
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    const size_t at = line.find(kMarker);
+    if (at == absl::string_view::npos) continue;
+    absl::string_view rest = line.substr(at + kMarker.size());
+    ids.emplace_back(rest.substr(0, rest.find(' ')));
+  }
+  return ids;
+}
+
+std::string FileBytes(const std::string& path) {
+  absl::StatusOr<std::string> bytes = ReadFile(path);
+  EXPECT_TRUE(bytes.ok()) << bytes.status();
+  return bytes.ok() ? *bytes : std::string();
+}
+
+class ChaosTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = MakeTempDir("chaos");
+    cluster_.emplace(dir_);
+    CommandResult data = RunCommand({BinaryPath("shardctl"), "data", "generate", "--widths",
+                                     "32,64,10", "--samples", "4096", "--seed", "9", "--out",
+                                     dir_ + "/data.safetensors"},
+                                    absl::Seconds(30));
+    ASSERT_EQ(data.exit_code, 0) << data.output;
+  }
+
+  // A job for up to `world` workers (re-forming with at least `min`), checkpointing every
+  // `every` steps into DIR/checkpoints, writing its parameters to DIR/`out`. The global batch
+  // 96 divides over 1, 2, 3 and 4 workers.
+  std::string WriteJob(const std::string& name, int world, int min, int steps, int every,
+                       const std::string& out) {
+    const std::string path = absl::StrCat(dir_, "/", name, ".json");
+    std::ofstream(path) << absl::StrCat(
+        R"({"name": "chaos", "worldSize": )", world, R"(, "minWorldSize": )", min, R"(,
+        "model": {"mlp": {"widths": [32, 64, 10]}}, "data": {"path": "data.safetensors"},
+        "seed": 11, "optimizer": {"name": "adam", "lr": 0.002}, "globalBatch": 96,
+        "steps": )", steps, R"(, "zeroStage": 2, "bucketCapMb": 0.004,
+        "checkpoint": {"dir": "checkpoints", "everySteps": )", every, R"(, "keepLast": 100},
+        "outputDir": ")", out, R"("})");
+    return path;
+  }
+
+  void StartCoordinator(const std::string& job, std::vector<std::string> extra = {},
+                        int port = 0, const std::string& log_name = "coordinator.log") {
+    std::vector<std::string> args = {"--job", job, "--state-dir", state(), "--lease",
+                                     absl::FormatDuration(kLease), "--reform-grace", kGrace};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const absl::Status started = cluster_->StartCoordinator(args, port, log_name);
+    ASSERT_TRUE(started.ok()) << started;
+  }
+
+  std::vector<Process> StartWorkers(const std::vector<std::string>& ids,
+                                    const std::vector<std::string>& extra = {}) {
+    std::vector<Process> workers;
+    for (const std::string& id : ids) workers.push_back(cluster_->StartWorker(id, extra));
+    return workers;
+  }
+
+  void WaitForCheckpoints(size_t count) {
+    ASSERT_TRUE(Eventually([&] { return Catalog(state()).size() >= count; }, absl::Seconds(60)))
+        << cluster_->coordinator().Log();
+  }
+
+  // Waits for the world to run with `ranks` ranks and nothing left to change.
+  void WaitForWorld(int ranks) {
+    nlohmann::json status;
+    ASSERT_TRUE(Eventually(
+        [&] {
+          status = cluster_->Status();
+          return !status.is_null() && status["state"] == "running" && status["ranks"] == ranks &&
+                 status["world_size"] == ranks;
+        },
+        absl::Seconds(60)))
+        << status.dump(2) << cluster_->coordinator().Log();
+  }
+
+  // The job ends on its own: the coordinator and every worker in `workers` exit 0.
+  void ExpectJobFinishes(std::vector<Process*> workers) {
+    EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(90)), 0) << cluster_->coordinator().Log();
+    for (Process* worker : workers) {
+      EXPECT_EQ(worker->Wait(absl::Seconds(20)), 0) << worker->Log();
+    }
+    EXPECT_NE(cluster_->coordinator().Log().find("training finished ("), std::string::npos);
+  }
+
+  // The reference: a new run of the job that restores `checkpoint` on `world` workers and
+  // trains to the end with nothing going wrong; its final parameters.
+  std::string ReferenceRun(const std::string& checkpoint, int world, int steps) {
+    const std::string job = WriteJob("reference", world, world, steps, 0, "reference");
+    StartCoordinator(job, {"--restore", checkpoint}, 0, "reference-coordinator.log");
+    std::vector<std::string> ids;
+    for (int i = 0; i < world; ++i) ids.push_back(absl::StrCat("ref", i));
+    std::vector<Process> workers = StartWorkers(ids);
+    EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(90)), 0) << cluster_->coordinator().Log();
+    return FileBytes(dir_ + "/reference/final.safetensors");
+  }
+
+  // How long after `since` every survivor had given up its collective ("waiting for the next
+  // generation") and so was not hanging.
+  absl::Duration AbortedAfter(absl::Time since, const std::vector<Process*>& survivors) {
+    absl::Duration slowest;
+    for (Process* survivor : survivors) {
+      std::optional<absl::Time> aborted =
+          FirstLineAfter(survivor->Log(), since, "waiting for the next");
+      EXPECT_TRUE(aborted.has_value()) << survivor->Log();
+      if (aborted.has_value()) slowest = std::max(slowest, *aborted - since);
+    }
+    return slowest;
+  }
+
+  std::vector<std::string> EventKinds() {
+    std::vector<std::string> kinds;
+    std::ifstream in(state() + "/membership.json");
+    nlohmann::json record = nlohmann::json::parse(in, nullptr, false);
+    for (const nlohmann::json& event : record["events"]) {
+      kinds.push_back(absl::StrCat(event.value("kind", ""), ": ", event.value("detail", "")));
+    }
+    return kinds;
+  }
+
+  bool HasEvent(absl::string_view text) {
+    for (const std::string& event : EventKinds()) {
+      if (absl::StrContains(event, text)) return true;
+    }
+    return false;
+  }
+
+  std::string state() const { return dir_ + "/state"; }
+
+  std::string dir_;
+  std::optional<LocalCluster> cluster_;
+};
+
+// (a) and (b): a worker lost mid-training, by crash or by hang; the survivors re-form at 3 after
+// the grace period and restore the latest checkpoint.
+TEST_F(ChaosTest, AKilledWorkerAbortsTheSurvivorsPromptlyAndTheJobFinishesOnThree) {
+  constexpr int kSteps = 300;
+  StartCoordinator(WriteJob("job", 4, 3, kSteps, 10, "out"));
+  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"});
+  WaitForCheckpoints(2);
+  const absl::Time killed = absl::Now();
+  workers[2].Signal(SIGKILL);
+  ASSERT_EQ(workers[2].Wait(absl::Seconds(5)), 128 + SIGKILL);
+  ExpectJobFinishes({&workers[0], &workers[1], &workers[3]});
+
+  // A crash closes the peers' connections: the survivors give up their collective at once.
+  const absl::Duration aborted = AbortedAfter(killed, {&workers[0], &workers[1], &workers[3]});
+  EXPECT_LT(aborted, 3 * kLease);
+  std::cout << "SIGKILL: survivors aborted " << absl::FormatDuration(aborted) << " after the kill\n";
+  EXPECT_TRUE(HasEvent("KIND_DEAD: no heartbeat"));
+  EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
+
+  const std::vector<std::string> restores = Restores(workers[0].Log());
+  ASSERT_EQ(restores.size(), 1u) << workers[0].Log();
+  EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ReferenceRun(restores[0], 3, kSteps))
+      << "the re-formed run must equal a 4->3 restore of the same checkpoint";
+}
+
+TEST_F(ChaosTest, AHangingWorkerIsDeclaredDeadAndTheSurvivorsDoNotHang) {
+  constexpr int kSteps = 300;
+  StartCoordinator(WriteJob("job", 4, 3, kSteps, 10, "out"));
+  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"});
+  WaitForCheckpoints(2);
+  // SIGSTOP: its connections stay open, so only its missing heartbeats tell; the survivors sit
+  // in a collective until the coordinator ends the generation.
+  const absl::Time stopped = absl::Now();
+  workers[1].Signal(SIGSTOP);
+  ExpectJobFinishes({&workers[0], &workers[2], &workers[3]});
+
+  const absl::Duration aborted = AbortedAfter(stopped, {&workers[0], &workers[2], &workers[3]});
+  EXPECT_LT(aborted, 3 * kLease) << "declared dead after one lease, then the abort is immediate";
+  std::cout << "SIGSTOP: survivors aborted " << absl::FormatDuration(aborted)
+            << " after the hang began\n";
+  EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
+
+  const std::vector<std::string> restores = Restores(workers[0].Log());
+  ASSERT_EQ(restores.size(), 1u) << workers[0].Log();
+  EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ReferenceRun(restores[0], 3, kSteps));
+}
+
+TEST_F(ChaosTest, AReplacementIsFoldedInAtTheNextCheckpointAndTheWorldGrowsBackToFour) {
+  StartCoordinator(WriteJob("job", 4, 3, 600, 10, "out"));
+  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"});
+  WaitForCheckpoints(2);
+  workers[3].Signal(SIGKILL);
+  ASSERT_EQ(workers[3].Wait(absl::Seconds(5)), 128 + SIGKILL);
+  WaitForWorld(3);
+  Process replacement = cluster_->StartWorker("w9");
+  WaitForWorld(4);
+  ExpectJobFinishes({&workers[0], &workers[1], &workers[2], &replacement});
+  EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
+  EXPECT_TRUE(HasEvent("KIND_STANDBY: "));
+  EXPECT_TRUE(HasEvent("re-formed from 3 to 4 workers: 1 standby folded in"));
+  // Growing loses no step: training paused right after the checkpoint it then restored.
+  EXPECT_NE(workers[0].Log().find("training paused after step"), std::string::npos);
+  EXPECT_NE(replacement.Log().find("restoring from checkpoint"), std::string::npos)
+      << replacement.Log();
+}
+
+TEST_F(ChaosTest, ResizingFourToTwoToThreeLosesNoStep) {
+  constexpr int kSteps = 600;
+  StartCoordinator(WriteJob("job", 4, 2, kSteps, 100, "out"));
+  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"});
+  // Whichever worker holds rank 0 logs the steps.
+  ASSERT_TRUE(Eventually(
+      [&] {
+        return std::any_of(workers.begin(), workers.end(), [](Process& worker) {
+          return worker.Log().find(" step 24/") != std::string::npos;
+        });
+      },
+      absl::Seconds(60)));
+
+  CommandResult shrink = cluster_->Shardctl({"resize", "--world-size", "2"}, absl::Seconds(60));
+  ASSERT_EQ(shrink.exit_code, 0) << shrink.output << cluster_->coordinator().Log();
+  EXPECT_NE(shrink.output.find("2/2 ranks held (target 2"), std::string::npos) << shrink.output;
+  Process joiner = cluster_->StartWorker("w9");
+  ASSERT_TRUE(Eventually(
+      [&] {
+        nlohmann::json status = cluster_->Status();
+        return !status.is_null() && status["standby"] == 1;
+      },
+      absl::Seconds(30)));
+  CommandResult grow = cluster_->Shardctl({"resize", "--world-size", "3"}, absl::Seconds(60));
+  ASSERT_EQ(grow.exit_code, 0) << grow.output << cluster_->coordinator().Log();
+
+  std::vector<Process*> all = {&joiner};
+  for (Process& worker : workers) all.push_back(&worker);
+  ExpectJobFinishes(all);  // the two resized out left cleanly too
+  EXPECT_TRUE(HasEvent("re-formed from 4 to 2 workers: resize to 2"));
+  EXPECT_TRUE(HasEvent("re-formed from 2 to 3 workers: 1 standby folded in"));
+
+  // No lost step: each pause was at a checkpoint that the next generation restored, and those
+  // are the only restores.
+  std::set<std::string> paused_at;
+  std::string stayer_log;
+  for (Process& worker : workers) {
+    if (worker.Log().find("training finished") != std::string::npos) stayer_log = worker.Log();
+  }
+  ASSERT_FALSE(stayer_log.empty());
+  for (absl::string_view line : absl::StrSplit(stayer_log, '\n')) {
+    int step = 0;
+    const size_t at = line.find("training paused after step ");
+    if (at != absl::string_view::npos &&
+        std::sscanf(std::string(line.substr(at)).c_str(), "training paused after step %d", &step) == 1) {
+      paused_at.insert(absl::StrFormat("step-%08d", step));
+    }
+  }
+  const std::vector<std::string> restores = Restores(stayer_log);
+  ASSERT_EQ(restores.size(), 2u) << stayer_log;
+  ASSERT_EQ(paused_at.size(), 2u) << stayer_log;
+  for (const std::string& restored : restores) {
+    EXPECT_TRUE(paused_at.count(restored.substr(0, 13))) << restored << "\n" << stayer_log;
+  }
+  EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ReferenceRun(restores[1], 3, kSteps));
+}
+
+TEST_F(ChaosTest, AKilledAndRestartedCoordinatorKeepsItsCatalogAndTheJobContinues) {
+  constexpr int kSteps = 400;
+  const std::string job = WriteJob("job", 3, 3, kSteps, 10, "out");
+  const int port = FreePort();
+  StartCoordinator(job, {}, port);
+  std::vector<Process> workers =
+      StartWorkers({"w0", "w1", "w2"}, {"--coordinator-timeout", "60s"});
+  WaitForCheckpoints(2);
+  const auto before = Catalog(state());
+  cluster_->coordinator().Signal(SIGKILL);
+  ASSERT_EQ(cluster_->coordinator().Wait(absl::Seconds(5)), 128 + SIGKILL);
+  absl::SleepFor(absl::Milliseconds(500));  // the workers notice and retry with backoff
+
+  // Started again with the same command line, on the same port and state directory.
+  StartCoordinator(job, {}, port, "coordinator-restarted.log");
+  EXPECT_NE(cluster_->coordinator().Log().find("(kept)"), std::string::npos)
+      << "an intact, connected world keeps its generation: " << cluster_->coordinator().Log();
+  CommandResult list = cluster_->Shardctl({"checkpoint", "list", "--json"});
+  ASSERT_EQ(list.exit_code, 0) << list.output;
+  std::set<std::string> listed;
+  for (const nlohmann::json& checkpoint : nlohmann::json::parse(list.output)) {
+    listed.insert(checkpoint["id"].get<std::string>());
+  }
+  for (const auto& [id, path] : before) EXPECT_TRUE(listed.count(id)) << id << "\n" << list.output;
+
+  ExpectJobFinishes({&workers[0], &workers[1], &workers[2]});
+  // The workers never stopped training: no restore, and the result equals an undisturbed run.
+  EXPECT_TRUE(Restores(workers[0].Log()).empty()) << workers[0].Log();
+  const std::string chaos = FileBytes(dir_ + "/out/final.safetensors");
+  const std::string reference_job = WriteJob("reference", 3, 3, kSteps, 0, "reference");
+  // The finished job's state directory starts a new world for it.
+  StartCoordinator(reference_job, {}, 0, "reference-coordinator.log");
+  std::vector<Process> reference = StartWorkers({"r0", "r1", "r2"});
+  EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(90)), 0) << cluster_->coordinator().Log();
+  EXPECT_EQ(chaos, FileBytes(dir_ + "/reference/final.safetensors"));
+}
+
+}  // namespace
+}  // namespace shard::testing

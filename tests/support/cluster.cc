@@ -1,0 +1,94 @@
+#include "tests/support/cluster.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace shard::testing {
+
+absl::Status LocalCluster::StartCoordinator(const std::vector<std::string>& args, int port,
+                                            const std::string& log_name,
+                                            const std::vector<std::string>& env) {
+  const std::string port_file = absl::StrCat(dir_, "/", log_name, ".port");
+  std::filesystem::remove(port_file);
+  std::vector<std::string> argv = {BinaryPath("shard-coordinator"), "--listen",
+                                   absl::StrCat("127.0.0.1:", port), "--port-file", port_file};
+  argv.insert(argv.end(), args.begin(), args.end());
+  absl::StatusOr<Process> process = Process::Start(argv, absl::StrCat(dir_, "/", log_name), env);
+  if (!process.ok()) return process.status();
+  coordinator_.emplace(std::move(*process));
+  int bound = 0;
+  const bool serving = Eventually(
+      [&] {
+        std::ifstream in(port_file);
+        std::string text;
+        return std::getline(in, text) && absl::SimpleAtoi(text, &bound) && bound > 0;
+      },
+      absl::Seconds(15));
+  if (!serving) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("the coordinator did not start serving:\n", coordinator_->Log()));
+  }
+  port_ = bound;
+  address_ = absl::StrCat("127.0.0.1:", bound);
+  return absl::OkStatus();
+}
+
+Process LocalCluster::StartWorker(const std::string& id, const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {BinaryPath("shard-worker"), "--coordinator", address_, "--id",
+                                   id, "--collective-timeout", "10s"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  absl::StatusOr<Process> process = Process::Start(argv, absl::StrCat(dir_, "/", id, ".log"));
+  EXPECT_TRUE(process.ok()) << process.status();
+  return std::move(*process);
+}
+
+CommandResult LocalCluster::Shardctl(const std::vector<std::string>& args,
+                                     absl::Duration timeout) {
+  std::vector<std::string> argv = {BinaryPath("shardctl"), "--coordinator", address_};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunCommand(argv, timeout);
+}
+
+nlohmann::json LocalCluster::Status() {
+  CommandResult result = Shardctl({"status", "--json"}, absl::Seconds(10));
+  if (result.exit_code != 0) return nullptr;
+  return nlohmann::json::parse(result.output, nullptr, /*allow_exceptions=*/false);
+}
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  socklen_t length = sizeof(address);
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0) {
+    port = ntohs(address.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+std::vector<std::pair<std::string, std::string>> Catalog(const std::string& state_dir) {
+  std::ifstream in(state_dir + "/checkpoints.json");
+  if (!in) return {};
+  nlohmann::json catalog = nlohmann::json::parse(in, nullptr, false);
+  std::vector<std::pair<std::string, std::string>> ids;
+  if (catalog.is_discarded()) return ids;
+  for (const nlohmann::json& record : catalog["checkpoints"]) {
+    ids.push_back({record["id"], record["dir"]});
+  }
+  return ids;
+}
+
+}  // namespace shard::testing

@@ -1,0 +1,55 @@
+// A coordinator and workers of our binaries on 127.0.0.1 for integration tests: the coordinator
+// on a free (or given) port with its logs in the test's directory, workers pointed at it,
+// shardctl calls against it. Processes are killed by pid when their Process goes away.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/process.h"
+
+namespace shard::testing {
+
+class LocalCluster {
+ public:
+  explicit LocalCluster(std::string dir) : dir_(std::move(dir)) {}
+
+  // Starts shard-coordinator with `args` after --listen 127.0.0.1:`port` (0: a free one) and
+  // --port-file, logging to DIR/`log_name`, and waits until it serves. A coordinator started
+  // earlier stays where it is (e.g. killed, to be restarted on the same port).
+  absl::Status StartCoordinator(const std::vector<std::string>& args, int port = 0,
+                                const std::string& log_name = "coordinator.log",
+                                const std::vector<std::string>& env = {});
+  Process& coordinator() { return *coordinator_; }
+  const std::string& address() const { return address_; }
+  int port() const { return port_; }
+
+  // shard-worker --coordinator ADDRESS --id `id` `extra`, logging to DIR/`id`.log.
+  Process StartWorker(const std::string& id, const std::vector<std::string>& extra = {});
+
+  // shardctl --coordinator ADDRESS `args`.
+  CommandResult Shardctl(const std::vector<std::string>& args,
+                         absl::Duration timeout = absl::Seconds(30));
+  // `shardctl status --json`, parsed; null on failure.
+  nlohmann::json Status();
+
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+  std::optional<Process> coordinator_;
+  std::string address_;
+  int port_ = 0;
+};
+
+// A port nothing listens on right now (for a coordinator that must come back on the same one).
+int FreePort();
+
+// The committed checkpoints in a coordinator's catalog (its state directory): (id, directory),
+// oldest first.
+std::vector<std::pair<std::string, std::string>> Catalog(const std::string& state_dir);
+
+}  // namespace shard::testing
