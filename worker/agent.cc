@@ -318,8 +318,15 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
       spdlog::warn("could not report checkpoint {}: {}", saved.id, sent.message());
     }
   };
+  bool first_step = true;
   trainer.on_step = [&](const StepRecord& record) {
     const StepTimings& t = record.timings;
+    // Marks the end of a (re)start, restore included, in the logs (scripts/bench-recovery.sh).
+    if (first_step && rank == 0) {
+      spdlog::info("first step of this run done: step {} ({:.1f} ms)", record.step,
+                   record.step_ms);
+    }
+    first_step = false;
     if (rank == 0 && (record.step % log_every == 0 || record.step == 1 || record.step == job.steps)) {
       spdlog::info("step {}/{} loss {:.6f} ({:.1f} ms: backward {:.1f} ms, reduction {:.1f} ms of "
                    "which {:.0f}% hidden, update {:.2f} ms, gather {:.1f} ms; plan v{}{})",

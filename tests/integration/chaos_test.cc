@@ -31,44 +31,6 @@ namespace {
 constexpr absl::Duration kLease = absl::Seconds(1);
 constexpr char kGrace[] = "1500ms";
 
-// When a log line ("2026-11-22T16:27:14.750 I ...") was written.
-std::optional<absl::Time> LineTime(absl::string_view line) {
-  absl::Time time;
-  std::string error;
-  if (line.size() < 23 || !absl::ParseTime("%Y-%m-%dT%H:%M:%E3S", line.substr(0, 23),
-                                           absl::LocalTimeZone(), &time, &error)) {
-    return std::nullopt;
-  }
-  return time;
-}
-
-// The first line of `log` written at or after `after` that contains `text`.
-std::optional<absl::Time> FirstLineAfter(const std::string& log, absl::Time after,
-                                         absl::string_view text) {
-  for (absl::string_view line : absl::StrSplit(log, '\n')) {
-    std::optional<absl::Time> time = LineTime(line);
-    // Log times have millisecond resolution.
-    if (time.has_value() && *time >= after - absl::Milliseconds(1) &&
-        line.find(text) != absl::string_view::npos) {
-      return time;
-    }
-  }
-  return std::nullopt;
-}
-
-// Every checkpoint id a worker restored from, in order ("restoring from checkpoint ID (...").
-std::vector<std::string> Restores(const std::string& log) {
-  std::vector<std::string> ids;
-  constexpr absl::string_view kMarker = "restoring from checkpoint ";
-  for (absl::string_view line : absl::StrSplit(log, '\n')) {
-    const size_t at = line.find(kMarker);
-    if (at == absl::string_view::npos) continue;
-    absl::string_view rest = line.substr(at + kMarker.size());
-    ids.emplace_back(rest.substr(0, rest.find(' ')));
-  }
-  return ids;
-}
-
 std::string FileBytes(const std::string& path) {
   absl::StatusOr<std::string> bytes = ReadFile(path);
   EXPECT_TRUE(bytes.ok()) << bytes.status();

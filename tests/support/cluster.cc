@@ -9,6 +9,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 
 namespace shard::testing {
@@ -87,6 +88,41 @@ std::vector<std::pair<std::string, std::string>> Catalog(const std::string& stat
   if (catalog.is_discarded()) return ids;
   for (const nlohmann::json& record : catalog["checkpoints"]) {
     ids.push_back({record["id"], record["dir"]});
+  }
+  return ids;
+}
+
+std::optional<absl::Time> LineTime(absl::string_view line) {
+  absl::Time time;
+  std::string error;
+  if (line.size() < 23 || !absl::ParseTime("%Y-%m-%dT%H:%M:%E3S", line.substr(0, 23),
+                                           absl::LocalTimeZone(), &time, &error)) {
+    return std::nullopt;
+  }
+  return time;
+}
+
+std::optional<absl::Time> FirstLineAfter(const std::string& log, absl::Time after,
+                                         absl::string_view text) {
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    std::optional<absl::Time> time = LineTime(line);
+    // Log times have millisecond resolution.
+    if (time.has_value() && *time >= after - absl::Milliseconds(1) &&
+        line.find(text) != absl::string_view::npos) {
+      return time;
+    }
+  }
+  return std::nullopt;
+}
+
+std::vector<std::string> Restores(const std::string& log) {
+  std::vector<std::string> ids;
+  constexpr absl::string_view kMarker = "restoring from checkpoint ";
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    const size_t at = line.find(kMarker);
+    if (at == absl::string_view::npos) continue;
+    absl::string_view rest = line.substr(at + kMarker.size());
+    ids.emplace_back(rest.substr(0, rest.find(' ')));
   }
   return ids;
 }

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/process.h"
 
@@ -51,5 +53,15 @@ int FreePort();
 // The committed checkpoints in a coordinator's catalog (its state directory): (id, directory),
 // oldest first.
 std::vector<std::pair<std::string, std::string>> Catalog(const std::string& state_dir);
+
+// When a log line of our binaries ("2026-11-22T16:27:14.750 I ...") was written.
+std::optional<absl::Time> LineTime(absl::string_view line);
+
+// The time of the first line of `log` written at or after `after` that contains `text`.
+std::optional<absl::Time> FirstLineAfter(const std::string& log, absl::Time after,
+                                         absl::string_view text);
+
+// Every checkpoint id a worker's log says it restored from, in order.
+std::vector<std::string> Restores(const std::string& log);
 
 }  // namespace shard::testing
