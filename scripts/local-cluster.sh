@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: a coordinator and N CPU workers on 127.0.0.1 (free
 # ports) train the demo MLP (widths 512,1024,1024,64) on generated data with sharded Adam
-# (ZeRO stage 2), saving a sharded checkpoint every few steps. Halfway through, the operator
-# saves a checkpoint with `shardctl checkpoint save` and stops the job; a new coordinator on
-# the same state directory restores that checkpoint on a different number of workers
-# (--restore latest, --world-size M) and training finishes exactly where it left off. The last
-# checkpoint is verified and exported to one safetensors file. Everything it starts is stopped
-# on exit, Ctrl-C included. Exits 0 only if every stage succeeded and every process exited
-# cleanly.
+# (ZeRO stage 2), saving a sharded checkpoint every few steps. Then, while it trains:
+#   1. one worker is killed (SIGKILL): the survivors abort their collectives at once, the
+#      coordinator declares it dead after the lease, waits --grace for a replacement, re-forms
+#      the world with N-1 workers and they restore the latest checkpoint and go on;
+#   2. a replacement worker joins as a standby and is folded in at the next checkpoint (N);
+#   3. the operator shrinks the live job with `shardctl resize --world-size N/2`: a checkpoint
+#      at the next step boundary, the workers resized out leave, the rest restore it;
+#   4. the operator saves a checkpoint with `shardctl checkpoint save` and stops the job; a new
+#      coordinator on the same state directory restores it on M workers (--restore latest).
+# Training finishes exactly where it left off; the last checkpoint is verified and exported to
+# one safetensors file. Everything it starts is stopped on exit, Ctrl-C included. Exits 0 only
+# if every stage succeeded and every process it did not kill exited cleanly.
 #
 #   scripts/local-cluster.sh [--workers N] [--restore-workers M] [--steps N] [--lease DURATION]
-#                            [--keep-logs]
+#                            [--grace DURATION] [--keep-logs]
 #
-# --restore-workers defaults to N/2 (2 when N is 1).
+# --workers is at least 3 (default 4); --restore-workers defaults to N-1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WORKERS=4
 RESTORE_WORKERS=
-STEPS=100
-LEASE=5s
+STEPS=600
+LEASE=2s
+GRACE=2s
 KEEP_LOGS=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -27,17 +33,20 @@ while [ $# -gt 0 ]; do
     --restore-workers) RESTORE_WORKERS="$2"; shift 2 ;;
     --steps) STEPS="$2"; shift 2 ;;
     --lease) LEASE="$2"; shift 2 ;;
+    --grace) GRACE="$2"; shift 2 ;;
     --keep-logs) KEEP_LOGS=1; shift ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "local-cluster: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 positive() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || { echo "local-cluster: $1 must be a positive integer" >&2; exit 2; }; }
 positive --workers "$WORKERS"
 positive --steps "$STEPS"
-[ -n "$RESTORE_WORKERS" ] || RESTORE_WORKERS=$(( WORKERS > 1 ? WORKERS / 2 : 2 ))
+[ "$WORKERS" -ge 3 ] || { echo "local-cluster: --workers must be at least 3 (it kills one and halves the job)" >&2; exit 2; }
+[ -n "$RESTORE_WORKERS" ] || RESTORE_WORKERS=$(( WORKERS - 1 ))
 positive --restore-workers "$RESTORE_WORKERS"
-[ "$STEPS" -ge 10 ] || { echo "local-cluster: --steps must be at least 10 (it stops and restores halfway)" >&2; exit 2; }
+[ "$STEPS" -ge 200 ] || { echo "local-cluster: --steps must be at least 200 (the stages run while it trains)" >&2; exit 2; }
+RESIZED=$(( WORKERS / 2 ))
 
 scripts/setup.sh
 scripts/build.sh --target shard-coordinator shard-worker shardctl
@@ -62,18 +71,21 @@ trap 'echo; echo "interrupted: stopping everything"; exit 130' INT TERM
 
 say() { printf '\n== %s\n' "$*"; }
 gcd() { local a=$1 b=$2; while [ "$b" -ne 0 ]; do set -- "$b" $((a % b)); a=$1; b=$2; done; echo "$a"; }
+lcm() { local l=1 n; for n in "$@"; do l=$(( l * n / $(gcd "$l" "$n") )); done; echo "$l"; }
 
 say "generating training data from a random teacher MLP"
 "$BIN/shardctl" data generate --widths 512,1024,1024,64 --samples 16384 --seed 1 \
   --out "$RUN_DIR/data.safetensors"
-# The global batch divides both world sizes, so the restored job reads the same samples per
-# step as the first one would have.
-GLOBAL_BATCH=$(( 64 * WORKERS * RESTORE_WORKERS / $(gcd "$WORKERS" "$RESTORE_WORKERS") ))
-EVERY=$(( STEPS / 5 ))
+# The global batch divides every world size the job goes through, so each step reads the same
+# samples whoever trains it.
+GLOBAL_BATCH=$(( 32 * $(lcm "$WORKERS" $((WORKERS - 1)) "$RESIZED" "$RESTORE_WORKERS") ))
+EVERY=$(( STEPS / 20 ))
+MIN_WORKERS=$RESIZED
 cat >"$RUN_DIR/job-first.json" <<JSON
 {
   "name": "demo",
   "worldSize": $WORKERS,
+  "minWorldSize": $MIN_WORKERS,
   "model": {"mlp": {"widths": [512, 1024, 1024, 64]}},
   "data": {"path": "data.safetensors"},
   "seed": 42,
@@ -92,17 +104,34 @@ sed 's/^/  /' "$RUN_DIR/job-first.json"
 
 COORDINATOR_PID=
 WORKER_PIDS=()
+WORKER_NAMES=()
 SHARDCTL=()
+# start_worker NAME STAGE: one shard-worker; its loss, checkpoint and restore lines are shown.
+start_worker() {
+  local name=$1 stage=$2
+  : >"$RUN_DIR/$name-$stage.log"
+  "$BIN/shard-worker" --coordinator "127.0.0.1:$(cat "$RUN_DIR/port")" --id "$name" \
+    --compute-threads 1 >"$RUN_DIR/$name-$stage.log" 2>&1 &
+  WORKER_PIDS+=("$!")
+  WORKER_NAMES+=("$name")
+  PIDS+=("$!")
+  # Rank 0 logs the loss per step; show it, and every worker's checkpoint and restore lines.
+  tail -n +1 -f --pid="$COORDINATOR_PID" "$RUN_DIR/$name-$stage.log" \
+    | grep --line-buffered -E " step [0-9]+/|training job|training finished:|training paused|restor|checkpoint|ended|told to| E " \
+    | sed -u "s/^/  [$name] /" &
+  PIDS+=("$!")
+}
+
 # start_job STAGE WORKERS [coordinator flags...]: a coordinator on a free port and WORKERS
 # workers, their logs streamed with a prefix; returns once the world formed and self-checked.
 start_job() {
   local stage=$1 workers=$2; shift 2
   rm -f "$RUN_DIR/port"
   : >"$RUN_DIR/coordinator-$stage.log"
-  say "$stage: starting shard-coordinator $* (lease $LEASE)"
+  say "$stage: starting shard-coordinator $* (lease $LEASE, reform grace $GRACE)"
   "$BIN/shard-coordinator" --listen 127.0.0.1:0 --port-file "$RUN_DIR/port" \
-    --job "$RUN_DIR/job-$stage.json" --lease "$LEASE" --state-dir "$RUN_DIR/state" "$@" \
-    >"$RUN_DIR/coordinator-$stage.log" 2>&1 &
+    --job "$RUN_DIR/job-$stage.json" --lease "$LEASE" --reform-grace "$GRACE" \
+    --state-dir "$RUN_DIR/state" "$@" >"$RUN_DIR/coordinator-$stage.log" 2>&1 &
   COORDINATOR_PID=$!
   PIDS+=("$COORDINATOR_PID")
   for _ in $(seq 100); do [ -s "$RUN_DIR/port" ] && break; sleep 0.1; done
@@ -114,33 +143,24 @@ start_job() {
 
   say "$stage: starting $workers shard-worker processes"
   WORKER_PIDS=()
-  for i in $(seq 0 $((workers - 1))); do
-    : >"$RUN_DIR/worker-$i-$stage.log"
-    "$BIN/shard-worker" --coordinator "127.0.0.1:$(cat "$RUN_DIR/port")" --id "worker-$i" \
-      --compute-threads 1 >"$RUN_DIR/worker-$i-$stage.log" 2>&1 &
-    WORKER_PIDS+=("$!")
-    PIDS+=("$!")
-    # Rank 0 logs the loss per step; show it, and every worker's checkpoint and restore lines.
-    tail -n +1 -f --pid="$COORDINATOR_PID" "$RUN_DIR/worker-$i-$stage.log" \
-      | grep --line-buffered -E " step [0-9]+/|training job|training finished:|restor|checkpoint| E " \
-      | sed -u "s/^/  [worker-$i] /" &
-    PIDS+=("$!")
-  done
+  WORKER_NAMES=()
+  for i in $(seq 0 $((workers - 1))); do start_worker "worker-$i" "$stage"; done
   if ! "${SHARDCTL[@]}" wait --wait-timeout 60s >/dev/null; then
     say "$stage: the world did not form with every self-check passed"
     "${SHARDCTL[@]}" status || true
-    for i in $(seq 0 $((workers - 1))); do echo "--- worker-$i"; tail -5 "$RUN_DIR/worker-$i-$stage.log"; done
+    for name in "${WORKER_NAMES[@]}"; do echo "--- $name"; tail -5 "$RUN_DIR/$name-$stage.log"; done
     exit 1
   fi
   say "$stage: world of $workers formed, every worker passed its data-path self-check"
   "${SHARDCTL[@]}" status || true
 }
 
-# wait_job STAGE: waits for every process of the stage; exits 1 unless all exited 0.
+# wait_job STAGE: waits for every worker still listed and the coordinator; exits 1 unless all
+# exited 0.
 wait_job() {
   local failed=0
   for i in "${!WORKER_PIDS[@]}"; do
-    if wait "${WORKER_PIDS[$i]}"; then :; else echo "worker-$i exited with status $?"; failed=1; fi
+    if wait "${WORKER_PIDS[$i]}"; then :; else echo "${WORKER_NAMES[$i]} exited with status $?"; failed=1; fi
   done
   if wait "$COORDINATOR_PID"; then :; else echo "coordinator exited with status $?"; failed=1; fi
   sleep 0.2
@@ -149,11 +169,82 @@ wait_job() {
 
 checkpoint_ids() { "${SHARDCTL[@]}" checkpoint list --json | grep -o '"id": "[^"]*"' | cut -d'"' -f4 || true; }
 checkpoints_committed() { checkpoint_ids | grep -c . || true; }
+# status_field NAME: a top-level field of `shardctl status --json`.
+status_field() {
+  "${SHARDCTL[@]}" status --json 2>/dev/null | grep -o "\"$1\": *\"\{0,1\}[^,\"}]*" | head -1 \
+    | sed 's/^.*: *"\{0,1\}//'
+}
+# wait_world RANKS: until the world runs with RANKS ranks (a transition towards the job's
+# world size may still be pending).
+wait_world() {
+  for _ in $(seq 600); do
+    if [ "$(status_field ranks)" = "$1" ] && [ "$(status_field world_size)" = "$1" ] \
+       && [ "$(status_field state)" = running ]; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  echo "the world did not settle at $1 ranks within 60s"; "${SHARDCTL[@]}" status || true
+  for i in "${!WORKER_PIDS[@]}"; do
+    kill -0 "${WORKER_PIDS[$i]}" 2>/dev/null || { wait "${WORKER_PIDS[$i]}"; echo "${WORKER_NAMES[$i]} exited with status $?"; }
+  done
+  exit 1
+}
+# log_time TEXT FILE...: when the latest line containing TEXT in the FILEs was written (ms since
+# the epoch; empty if none).
+log_time() {
+  local text=$1 stamp; shift
+  stamp=$(grep -h -- "$text" "$@" | cut -c1-23 | sort | tail -1)
+  [ -z "$stamp" ] || date -d "${stamp/T/ }" +%s%3N
+}
+now_ms() { date +%s%3N; }
+# train_a_while: until the job commits one more checkpoint (the current world trained).
+train_a_while() {
+  local before; before=$(checkpoint_ids | tail -1)
+  for _ in $(seq 600); do [ "$(checkpoint_ids | tail -1)" != "$before" ] && return 0; sleep 0.1; done
+  echo "no new checkpoint within 60s"; exit 1
+}
 
 start_job first "$WORKERS"
 say "first: training with a checkpoint every $EVERY steps; waiting for two of them"
 for _ in $(seq 600); do [ "$(checkpoints_committed)" -ge 2 ] && break; sleep 0.1; done
 [ "$(checkpoints_committed)" -ge 2 ] || { echo "no two checkpoints committed within 60s"; exit 1; }
+
+VICTIM=$(( WORKERS - 1 ))
+say "chaos: SIGKILL ${WORKER_NAMES[$VICTIM]} in the middle of training (job minWorldSize $MIN_WORKERS)"
+GENERATION_BEFORE=$(status_field generation)
+KILLED_AT=$(now_ms)
+kill -KILL "${WORKER_PIDS[$VICTIM]}"
+wait "${WORKER_PIDS[$VICTIM]}" 2>/dev/null || true
+unset "WORKER_PIDS[$VICTIM]" "WORKER_NAMES[$VICTIM]"
+wait_world $(( WORKERS - 1 ))
+for _ in $(seq 300); do
+  RESUMED_AT=$(log_time "first step of this run done" "$RUN_DIR"/worker-*-first.log)
+  [ -n "$RESUMED_AT" ] && [ "$RESUMED_AT" -ge "$KILLED_AT" ] && break
+  sleep 0.1
+done
+[ "$RESUMED_AT" -ge "$KILLED_AT" ] || { echo "training did not resume within 30s"; exit 1; }
+DEAD_AT=$(log_time "declared dead" "$RUN_DIR/coordinator-first.log")
+REFORMED_AT=$(log_time "re-forming with" "$RUN_DIR/coordinator-first.log")
+say "chaos: recovered from generation $GENERATION_BEFORE to $(status_field generation) on $(( WORKERS - 1 )) workers:" \
+  "declared dead after $(( DEAD_AT - KILLED_AT )) ms (lease $LEASE), re-formed after" \
+  "$(( REFORMED_AT - KILLED_AT )) ms (grace $GRACE), training again after $(( RESUMED_AT - KILLED_AT )) ms"
+"${SHARDCTL[@]}" status || true
+
+say "grow: a replacement worker joins; it waits as a standby and is folded in at the next checkpoint"
+start_worker "worker-$WORKERS" first
+wait_world "$WORKERS"
+"${SHARDCTL[@]}" status || true
+train_a_while
+
+say "resize: the operator shrinks the live job to $RESIZED workers (no step is lost)"
+"${SHARDCTL[@]}" resize --world-size "$RESIZED" --wait-timeout 60s
+"${SHARDCTL[@]}" status || true
+train_a_while
+
+say "history: shardctl events"
+"${SHARDCTL[@]}" events
+
 say "first: the operator saves a checkpoint now and stops the job"
 "${SHARDCTL[@]}" checkpoint save --wait-timeout 60s
 "${SHARDCTL[@]}" checkpoint list
@@ -180,8 +271,9 @@ say "verifying and exporting the last checkpoint (no coordinator needed)"
   --out "$RUN_DIR/out/exported.safetensors"
 
 say "summary"
-echo "first run on $WORKERS workers, last step logged before the stop:" \
-  "$(grep -h " step [0-9]*/$STEPS loss" "$RUN_DIR"/worker-*-first.log | tail -1 | sed -E 's/^.* (step [0-9]+\/[0-9]+ loss [0-9.]+).*$/\1/')"
+echo "first run on $WORKERS, $(( WORKERS - 1 )), $WORKERS and $RESIZED workers, last step logged before the stop:" \
+  "$(grep -h " step [0-9]*/$STEPS loss" "$RUN_DIR"/worker-*-first.log | sort | tail -1 | sed -E 's/^.* (step [0-9]+\/[0-9]+ loss [0-9.]+).*$/\1/')"
+echo "a killed worker cost $(( RESUMED_AT - KILLED_AT )) ms of training plus the steps since the last checkpoint"
 grep -h "training finished" "$RUN_DIR"/worker-*-restored.log | grep "parameters written" \
   | sed 's/^.* training finished: /restored run: /' || { echo "no training summary"; exit 1; }
 echo "checkpoint saved on $WORKERS workers and restored on $RESTORE_WORKERS: $RESUME_ID"

@@ -2,7 +2,14 @@
 // in-process store; results checked against closed forms.
 #include "worker/dataplane/gloo_communicator.h"
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -246,6 +253,85 @@ TEST(GlooCommunicatorTest, APeerThatAbortsReleasesTheOtherRankPromptly) {
   EXPECT_FALSE(status.ok());
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
   EXPECT_LT(waited, absl::Seconds(5)) << status;
+}
+
+// A store in a directory, so that ranks in different processes can rendezvous.
+class DirectoryKeyValueStore : public KeyValueStore {
+ public:
+  explicit DirectoryKeyValueStore(std::string dir) : dir_(std::move(dir)) {}
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    const std::string path = Path(key);
+    std::ofstream(path + ".tmp") << value;
+    std::filesystem::rename(path + ".tmp", path);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> Get(const std::string& key) override {
+    std::ifstream in(Path(key));
+    if (!in) return absl::NotFoundError(key);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  absl::Status Wait(const std::vector<std::string>& keys, absl::Duration timeout) override {
+    const absl::Time deadline = absl::Now() + timeout;
+    for (const std::string& key : keys) {
+      while (!std::filesystem::exists(Path(key))) {
+        if (absl::Now() > deadline) return absl::DeadlineExceededError(key);
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string Path(const std::string& key) const {
+    std::string name = key;
+    std::replace(name.begin(), name.end(), '/', '_');
+    return dir_ + "/" + name;
+  }
+  std::string dir_;
+};
+
+// A peer process killed while three ranks stream a large all-reduce: rank 0 keeps receiving
+// from rank 2 while its writes to rank 1 hit a reset connection. By default that raises
+// SIGPIPE, which would end rank 0 silently instead of failing its collective.
+TEST(GlooCommunicatorTest, APeerKilledInTheMiddleOfASendFailsTheCollectiveNotTheProcess) {
+  const std::string dir = ::testing::TempDir() + "/gloo-sigpipe-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  std::vector<float> data(size_t{32} << 20, 1.0f);
+  std::vector<pid_t> peers;
+  for (int rank = 1; rank <= 2; ++rank) {
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      DirectoryKeyValueStore store(dir);
+      auto peer = CreateGlooCommunicator(&store, Options(rank, 3, 1 << 20));
+      absl::Status status = peer.status();
+      for (int i = 0; status.ok() && i < 1000; ++i) {
+        status = (*peer)->AllReduce(data.data(), data.data(), data.size(), DataType::kFloat32,
+                                    ReduceOp::kSum);
+      }
+      ::_exit(0);
+    }
+    peers.push_back(child);
+  }
+  DirectoryKeyValueStore store(dir);
+  auto survivor = CreateGlooCommunicator(&store, Options(0, 3, 1 << 20));
+  ASSERT_TRUE(survivor.ok()) << survivor.status();
+  std::thread killer([&peers] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ::kill(peers[0], SIGKILL);
+  });
+  absl::Status status;
+  for (int i = 0; status.ok() && i < 1000; ++i) {
+    status = (*survivor)->AllReduce(data.data(), data.data(), data.size(), DataType::kFloat32,
+                                    ReduceOp::kSum);
+  }
+  killer.join();
+  for (pid_t peer : peers) {
+    ::kill(peer, SIGKILL);
+    ::waitpid(peer, nullptr, 0);
+  }
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
 }
 
 TEST(GlooCommunicatorTest, ACollectiveWithAMissingPeerTimesOut) {
