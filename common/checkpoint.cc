@@ -8,7 +8,10 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
+#include <stdexcept>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -30,6 +33,48 @@ absl::Status Corrupt(const std::string& path, absl::string_view what) {
 }
 
 uint64_t ArrayBytes(int64_t numel) { return static_cast<uint64_t>(numel) * sizeof(float); }
+
+// A manifest field that is present but out of range or not an integer; caught with nlohmann's
+// own errors. (nlohmann's get<int>() of 1e300 or of 2^40 does not fail: it converts, and a
+// float out of the integer's range is undefined behaviour.)
+class FieldError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// `value` as T if it is a JSON integer within T's range.
+template <typename T>
+T AsInteger(const nlohmann::json& value, absl::string_view what) {
+  if (value.is_number_unsigned()) {
+    const uint64_t u = value.get<uint64_t>();
+    if (u <= static_cast<uint64_t>(std::numeric_limits<T>::max())) return static_cast<T>(u);
+  } else if (value.is_number_integer()) {
+    const int64_t i = value.get<int64_t>();
+    if (std::is_signed_v<T> ? i >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+                                  i <= static_cast<int64_t>(std::numeric_limits<T>::max())
+                            : i >= 0) {
+      return static_cast<T>(i);
+    }
+  }
+  throw FieldError(absl::StrCat("\"", what, "\" must be an integer in [",
+                                std::numeric_limits<T>::min(), ", ",
+                                std::numeric_limits<T>::max(), "], got ",
+                                value.is_number() ? "a number out of range" : value.type_name()));
+}
+
+// object[key] if it is an array: iterating another value would yield its members or itself.
+const nlohmann::json& Array(const nlohmann::json& object, const char* key) {
+  const nlohmann::json& value = object.at(key);
+  if (!value.is_array()) {
+    throw FieldError(absl::StrCat("\"", key, "\" must be an array, got ", value.type_name()));
+  }
+  return value;
+}
+
+template <typename T>
+T Integer(const nlohmann::json& object, const char* key) {
+  return AsInteger<T>(object.at(key), key);
+}
 
 }  // namespace
 
@@ -185,7 +230,7 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
   if (doc.is_discarded() || !doc.is_object()) return Corrupt(path, "the manifest is not JSON");
   CheckpointManifest m;
   try {
-    m.format_version = doc.at("format_version").get<int>();
+    m.format_version = Integer<int>(doc, "format_version");
     if (m.format_version > kCheckpointFormatVersion) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint '", path, "' has format version ", m.format_version,
@@ -194,26 +239,34 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
     if (m.format_version < 1) return Corrupt(path, "format_version must be at least 1");
     m.job = doc.at("job").get<std::string>();
     m.id = doc.at("id").get<std::string>();
-    m.step = doc.at("step").get<int64_t>();
-    m.world_size = doc.at("world_size").get<int>();
-    m.zero_stage = doc.at("zero_stage").get<int>();
-    m.created_unix_ms = doc.at("created_unix_ms").get<int64_t>();
+    m.step = Integer<int64_t>(doc, "step");
+    m.world_size = Integer<int>(doc, "world_size");
+    m.zero_stage = Integer<int>(doc, "zero_stage");
+    m.created_unix_ms = Integer<int64_t>(doc, "created_unix_ms");
     const nlohmann::json& plan = doc.at("plan");
     absl::StatusOr<ShardMode> mode = ParseShardMode(plan.at("mode").get<std::string>());
     if (!mode.ok()) return Corrupt(path, mode.status().message());
     m.plan.mode = *mode;
-    m.plan.world_size = plan.at("world_size").get<int>();
-    m.plan.bucket_cap_bytes = plan.at("bucket_cap_bytes").get<int64_t>();
-    m.plan.first_bucket_cap_bytes = plan.at("first_bucket_cap_bytes").get<int64_t>();
-    m.plan.alignment_bytes = plan.at("alignment_bytes").get<int64_t>();
-    m.plan.gradient_order = plan.at("gradient_order").get<std::vector<int>>();
+    m.plan.world_size = Integer<int>(plan, "world_size");
+    m.plan.bucket_cap_bytes = Integer<int64_t>(plan, "bucket_cap_bytes");
+    m.plan.first_bucket_cap_bytes = Integer<int64_t>(plan, "first_bucket_cap_bytes");
+    m.plan.alignment_bytes = Integer<int64_t>(plan, "alignment_bytes");
+    for (const nlohmann::json& p : Array(plan, "gradient_order")) {
+      m.plan.gradient_order.push_back(AsInteger<int>(p, "gradient_order"));
+    }
     m.plan_hash = plan.at("hash").get<std::string>();
     m.manifest_hash = doc.at("manifest_hash").get<std::string>();
     const nlohmann::json& o = doc.at("optimizer");
     const std::string name = o.at("name").get<std::string>();
-    m.optimizer.kind = name == "adam"    ? OptimizerKind::kAdam
-                       : name == "adamw" ? OptimizerKind::kAdamW
-                                         : OptimizerKind::kSgd;
+    if (name == "adam") {
+      m.optimizer.kind = OptimizerKind::kAdam;
+    } else if (name == "adamw") {
+      m.optimizer.kind = OptimizerKind::kAdamW;
+    } else if (name == "sgd") {
+      m.optimizer.kind = OptimizerKind::kSgd;
+    } else {
+      return Corrupt(path, absl::StrCat("optimizer '", name, "' is unknown"));
+    }
     m.optimizer.lr = o.at("lr").get<double>();
     m.optimizer.beta1 = o.at("betas").at(0).get<double>();
     m.optimizer.beta2 = o.at("betas").at(1).get<double>();
@@ -222,59 +275,66 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
     m.optimizer.momentum = o.at("momentum").get<double>();
     m.optimizer.nesterov = o.at("nesterov").get<bool>();
     m.state_names = o.at("state").get<std::vector<std::string>>();
-    for (const nlohmann::json& s : doc.at("shards")) {
+    for (const nlohmann::json& s : Array(doc, "shards")) {
       ShardRecord record;
       record.file = s.at("file").get<std::string>();
-      record.rank = s.at("rank").get<int>();
-      record.bytes = s.at("bytes").get<uint64_t>();
+      record.rank = Integer<int>(s, "rank");
+      record.bytes = Integer<uint64_t>(s, "bytes");
       record.xxh3 = s.at("xxh3").get<std::string>();
       record.block_xxh3 = s.at("block_xxh3").get<std::vector<std::string>>();
-      if (s.at("block_bytes").get<uint64_t>() != kCheckpointBlockBytes) {
+      if (Integer<uint64_t>(s, "block_bytes") != kCheckpointBlockBytes) {
         return Corrupt(path, "shards use a block size this Shard does not read");
       }
       if (absl::Status name = ValidateName("shard file name", record.file); !name.ok()) {
         return Corrupt(path, name.message());
       }
-      if (record.block_xxh3.size() !=
-          (record.bytes + kCheckpointBlockBytes - 1) / kCheckpointBlockBytes) {
+      // (Rounded up without overflowing: bytes near 2^64 must not wrap to zero blocks.)
+      if (record.block_xxh3.size() != record.bytes / kCheckpointBlockBytes +
+                                          (record.bytes % kCheckpointBlockBytes != 0 ? 1 : 0)) {
         return Corrupt(path, absl::StrCat("shard '", record.file, "' lists ",
                                           record.block_xxh3.size(), " block checksums for ",
                                           record.bytes, " bytes"));
       }
       m.shards.push_back(std::move(record));
     }
-    for (const nlohmann::json& t : doc.at("tensors")) {
+    for (const nlohmann::json& t : Array(doc, "tensors")) {
       CheckpointTensor tensor;
       tensor.param.name = t.at("name").get<std::string>();
-      tensor.param.shape = t.at("shape").get<std::vector<int64_t>>();
+      for (const nlohmann::json& d : Array(t, "shape")) {
+        tensor.param.shape.push_back(AsInteger<int64_t>(d, "shape"));
+      }
       absl::StatusOr<DataType> dtype = ParseDataType(t.at("dtype").get<std::string>());
       if (!dtype.ok()) return Corrupt(path, dtype.status().message());
       tensor.param.dtype = *dtype;
       tensor.param.requires_grad = t.at("requires_grad").get<bool>();
-      for (const nlohmann::json& p : t.at("pieces")) {
-        tensor.pieces.push_back(TensorPiece{p.at("begin").get<int64_t>(),
-                                            p.at("end").get<int64_t>(), p.at("shard").get<int>(),
-                                            p.at("offset").get<uint64_t>()});
+      for (const nlohmann::json& p : Array(t, "pieces")) {
+        tensor.pieces.push_back(TensorPiece{Integer<int64_t>(p, "begin"),
+                                            Integer<int64_t>(p, "end"), Integer<int>(p, "shard"),
+                                            Integer<uint64_t>(p, "offset")});
       }
       m.tensors.push_back(std::move(tensor));
     }
   } catch (const nlohmann::json::exception& e) {
     return Corrupt(path, absl::StrCat("the manifest is missing or mistypes a field: ", e.what()));
+  } catch (const FieldError& e) {
+    return Corrupt(path, e.what());
   }
   if (absl::Status id = ValidateCheckpointId(m.id); !id.ok()) return Corrupt(path, id.message());
   if (absl::Status job = ValidateName("job name", m.job); !job.ok()) return Corrupt(path, job.message());
   if (absl::Status model = ValidateManifest(m.model()); !model.ok()) {
     return Corrupt(path, model.message());
   }
-  // Every tensor is covered exactly, by pieces inside their shards.
+  // Every tensor is covered exactly, by pieces inside their shards. (Compared so that nothing
+  // overflows: a forged offset near 2^64 must not wrap around to "inside".)
   const uint64_t arrays = 1 + m.state_names.size();
   for (const CheckpointTensor& t : m.tensors) {
     int64_t next = 0;
     for (const TensorPiece& piece : t.pieces) {
-      if (piece.begin != next || piece.end <= piece.begin || piece.shard < 0 ||
-          piece.shard >= static_cast<int>(m.shards.size()) ||
-          piece.offset + ArrayBytes(piece.end - piece.begin) * arrays >
-              m.shards[piece.shard].bytes) {
+      if (piece.begin != next || piece.end <= piece.begin || piece.end > t.param.numel() ||
+          piece.shard < 0 || piece.shard >= static_cast<int>(m.shards.size()) ||
+          piece.offset > m.shards[piece.shard].bytes ||
+          ArrayBytes(piece.end - piece.begin) >
+              (m.shards[piece.shard].bytes - piece.offset) / arrays) {
         return Corrupt(path, absl::StrCat("the pieces of tensor '", t.param.name,
                                           "' do not cover it exactly inside their shards"));
       }

@@ -51,6 +51,12 @@ absl::Status ValidateJobConfig(const JobConfig& job) {
   if (job.widths.back() < 2) {
     return Invalid("model.mlp.widths", "needs at least 2 output classes");
   }
+  // Each width is bounded, but a layer's weight is the product of two: the model must be a
+  // manifest the data path accepts (at most 2^40 elements a parameter).
+  if (absl::Status model = ValidateManifest(MlpManifest(job.widths)); !model.ok()) {
+    return Invalid("model.mlp.widths", absl::StrCat("describe a model too large to train: ",
+                                                    model.message()));
+  }
   if (job.data_path.empty()) return Invalid("data.path", "is required");
   if (job.output_dir.empty()) return Invalid("output_dir", "is required");
   const OptimizerConfig& o = job.optimizer;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -102,6 +103,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsReader>> SafetensorsReader::Open(
       continue;
     }
     const std::string where = absl::StrCat("tensor '", name, "'");
+    // Shard's writer refuses empty names, and no parameter has one.
+    if (name.empty()) return Corrupt(path, "a tensor has an empty name");
     if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
         !entry.contains("data_offsets") || !entry["dtype"].is_string() ||
         !entry["shape"].is_array() || !entry["data_offsets"].is_array() ||
@@ -122,6 +125,11 @@ absl::StatusOr<std::unique_ptr<SafetensorsReader>> SafetensorsReader::Open(
         return Corrupt(path, absl::StrCat(where, " has a negative or non-integer dimension"));
       }
       const uint64_t d = dim.get<uint64_t>();
+      // After a zero dimension the product no longer bounds the others; a size beyond int64
+      // would become a negative dimension.
+      if (d > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return Corrupt(path, absl::StrCat(where, " has a dimension beyond 2^63"));
+      }
       if (d != 0 && numel > data_bytes / d) {
         return Corrupt(path, absl::StrCat(where, " is larger than the file"));
       }

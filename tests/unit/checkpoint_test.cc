@@ -143,6 +143,41 @@ TEST(CheckpointTest, ManifestsFromTheFutureOrWithTraversalAreRefused) {
             absl::StatusCode::kNotFound);
 }
 
+// Found by fuzzing (docs/fuzzing.md): numbers that used to be converted or wrapped around.
+TEST(CheckpointTest, ForgedNumbersInTheManifestAreRefused) {
+  const std::string dir = WriteCheckpoint("step-00000005", 1);
+  const std::string path = dir + "/manifest.json";
+  std::ifstream in(path);
+  const std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto rewrite = [&](const std::string& from, const std::string& to) {
+    std::string changed = json;
+    const size_t at = changed.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    changed.replace(at, from.size(), to);
+    return CheckpointManifestFromJson(changed, path).status();
+  };
+  // A float where an int goes (was undefined behaviour in the conversion).
+  EXPECT_EQ(rewrite("\"world_size\": 1", "\"world_size\": 1e300").code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(rewrite("\"step\": 7", "\"step\": 7.5").code(), absl::StatusCode::kDataLoss);
+  // An offset near 2^64 whose end wrapped around to "inside the shard".
+  const absl::Status wrapped = rewrite("\"offset\": 0", "\"offset\": 18446744073709551612");
+  EXPECT_EQ(wrapped.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(wrapped.message().find("inside their shards"), absl::string_view::npos) << wrapped;
+  // A shard size near 2^64 whose block count wrapped around to zero.
+  std::string no_blocks = json;
+  const size_t list = no_blocks.find("\"block_xxh3\": [");
+  ASSERT_NE(list, std::string::npos);
+  no_blocks.replace(list, no_blocks.find(']', list) + 1 - list, "\"block_xxh3\": []");
+  const size_t bytes = no_blocks.find("\"bytes\": ");
+  no_blocks.replace(bytes, no_blocks.find(',', bytes) - bytes, "\"bytes\": 18446744073709551615");
+  EXPECT_EQ(CheckpointManifestFromJson(no_blocks, path).status().code(),
+            absl::StatusCode::kDataLoss);
+  // An optimizer this Shard does not know is not read as SGD.
+  EXPECT_EQ(rewrite("\"name\": \"adam\"", "\"name\": \"lion\"").code(),
+            absl::StatusCode::kDataLoss);
+}
+
 TEST(CheckpointTest, ACommittedCheckpointIsNeverWrittenAgain) {
   const std::string dir = WriteCheckpoint("step-00000005", 1);
   EXPECT_EQ(ShardWriter::Create(dir, 0, 1).status().code(), absl::StatusCode::kAlreadyExists);

@@ -69,6 +69,8 @@ TEST(JobSpecTest, BadSpecsAreClearErrors) {
       {"\"steps\": 10", "\"steps\": 10, \"zeroStage\": 3", "zero_stage"},
       {"\"steps\": 10", "\"steps\": 10, \"precision\": \"bf16\"", "precision"},
       {"[8, 16, 4]", "[8]", "model.mlp.widths"},
+      // Found by fuzzing (docs/fuzzing.md): each width in range, the layer 2^48 elements.
+      {"[8, 16, 4]", "[16777216, 16777216, 4]", "too large"},
       {"\"steps\": 10", "\"steps\": \"many\"", "steps"},
   };
   for (const Case& c : cases) {

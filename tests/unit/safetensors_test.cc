@@ -102,6 +102,10 @@ TEST(SafetensorsTest, HostileFilesAreRejectedWithTheReason) {
       {R"({"a": {"dtype": "F32", "shape": [1099511627776, 1099511627776], "data_offsets": [0, 4]}})",
        4, "larger than the file"},
       {R"({"__metadata__": {"k": 1}})", 0, "not a string"},
+      // Found by fuzzing (docs/fuzzing.md): accepted, then refused by the writer.
+      {R"({"": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", 4, "empty name"},
+      {R"({"a": {"dtype": "F32", "shape": [0, 18446744073709551615], "data_offsets": [0, 0]}})",
+       0, "beyond 2^63"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string path = RawFile("hostile" + std::to_string(i), cases[i].header, cases[i].data);
