@@ -1,16 +1,15 @@
 #include "client/admin_client.h"
 
 #include "absl/strings/str_cat.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "proto/grpc_status.h"
 
 namespace shard {
 
-AdminClient::AdminClient(std::string address, absl::Duration rpc_timeout)
+AdminClient::AdminClient(std::string address, absl::Duration rpc_timeout,
+                         const ClientSecurity& security)
     : address_(std::move(address)),
       rpc_timeout_(rpc_timeout),
-      stub_(v1::Admin::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()))) {}
+      stub_(v1::Admin::NewStub(CreateSecureChannel(address_, security))) {}
 
 template <typename Response, typename Rpc>
 absl::StatusOr<Response> AdminClient::Call(Rpc rpc, absl::string_view what, absl::Duration extra) {

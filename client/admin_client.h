@@ -6,13 +6,16 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "proto/channel_security.h"
 #include "shard/v1/coordinator.grpc.pb.h"
 
 namespace shard {
 
 class AdminClient {
  public:
-  AdminClient(std::string address, absl::Duration rpc_timeout);
+  // `security`: TLS and the admin token, if the coordinator requires them.
+  AdminClient(std::string address, absl::Duration rpc_timeout,
+              const ClientSecurity& security = {});
 
   absl::StatusOr<v1::GetStatusResponse> GetStatus();
   absl::StatusOr<v1::StopResponse> Stop(const std::string& reason);

@@ -207,11 +207,22 @@ int main(int argc, char** argv) {
   shard::ElasticCommands elastic_commands;
   shard::AddElasticCommands(app, &elastic_commands);
 
+  shard::ClientSecurityFiles security_files;
+  shard::AddClientSecurityFlags(app, &security_files, "--admin-token-file",
+                                "file holding the admin token, if the coordinator requires one "
+                                "(one line); needed to save, restore, delete, stop, resize, "
+                                "drain");
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  absl::StatusOr<shard::ClientSecurity> security = shard::LoadClientSecurity(security_files);
+  if (!security.ok()) {
+    std::fprintf(stderr, "shardctl: %s\n", std::string(security.status().message()).c_str());
+    return 2;
+  }
   std::unique_ptr<shard::AdminClient> admin_client;
   auto admin_on_demand = [&]() -> shard::AdminClient& {
     if (admin_client == nullptr) {
-      admin_client = std::make_unique<shard::AdminClient>(coordinator, shard::ParsedDuration(timeout));
+      admin_client = std::make_unique<shard::AdminClient>(coordinator, shard::ParsedDuration(timeout),
+                                                         *security);
     }
     return *admin_client;
   };

@@ -1,6 +1,7 @@
 // Command-line helpers shared by the binaries (CLI11).
 #pragma once
 
+#include <cctype>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -37,7 +38,49 @@ inline int64_t MebibytesToBytes(double mebibytes) {
 
 // Parses argv; returns the process exit code when the program must stop here (--help: 0,
 // a usage error: 2, after CLI11 printed why), nullopt to go on.
+// A client's transport security files (proto/channel_security.h reads them). Empty fields are
+// not used; no CA means plaintext.
+struct ClientSecurityFiles {
+  std::string ca;
+  std::string cert;
+  std::string key;
+  std::string server_name;  // the name to check in the coordinator's certificate
+  std::string token;        // file holding the token
+};
+
+// --tls-ca, --tls-cert, --tls-key, --tls-server-name and the token file flag of a client of the
+// coordinator (shard-worker: --job-token-file; shardctl: --admin-token-file).
+inline void AddClientSecurityFlags(CLI::App& app, ClientSecurityFiles* files,
+                                   const std::string& token_flag, const std::string& token_help) {
+  app.add_option("--tls-ca", files->ca,
+                 "PEM CA that signed the coordinator's certificate: connect with TLS")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-cert", files->cert,
+                 "PEM client certificate, for a coordinator that requires mutual TLS")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", files->key, "PEM private key of --tls-cert")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-server-name", files->server_name,
+                 "name to verify in the coordinator's certificate (default: the host of "
+                 "--coordinator)");
+  app.add_option(token_flag, files->token, token_help)->check(CLI::ExistingFile);
+}
+
+// Lets every top-level flag of `app` also come from the environment, as containers configure
+// programs: --state-dir from SHARD_STATE_DIR. The command line wins. Subcommand flags are left
+// alone so that one variable cannot change every subcommand (shardctl's --json).
+inline void BindEnvironment(CLI::App& app) {
+  for (CLI::Option* option : app.get_options()) {
+    const std::string& name = option->get_single_name();
+    if (option->get_lnames().empty() || name == "help" || !option->get_envname().empty()) continue;
+    std::string variable = "SHARD_";
+    for (char c : name) variable += c == '-' ? '_' : static_cast<char>(std::toupper(c));
+    option->envname(variable);
+  }
+}
+
 inline std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv) {
+  BindEnvironment(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,6 +1,7 @@
 #include "proto/job_convert.h"
 
 #include <filesystem>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
@@ -87,11 +88,19 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
     if (!mode.ok()) return absl::InvalidArgumentError(absl::StrCat("job spec: ", mode.status().message()));
     job.shard_mode = *mode;
   }
-  if (spec.has_bucket_cap_mb()) {
-    job.bucket_cap_bytes = MebibytesToBytes(spec.bucket_cap_mb());
-  }
-  if (spec.has_first_bucket_cap_mb()) {
-    job.first_bucket_cap_bytes = MebibytesToBytes(spec.first_bucket_cap_mb());
+  // Checked before converting: a double out of int64's range has no defined conversion.
+  for (auto [field, set, mebibytes, bytes] :
+       {std::tuple{"bucket_cap_mb", spec.has_bucket_cap_mb(), spec.bucket_cap_mb(),
+                   &job.bucket_cap_bytes},
+        std::tuple{"first_bucket_cap_mb", spec.has_first_bucket_cap_mb(),
+                   spec.first_bucket_cap_mb(), &job.first_bucket_cap_bytes}}) {
+    if (!set) continue;
+    if (!(mebibytes > 0 && mebibytes <= (1 << 20))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job spec: ", field, " must be more than 0 and at most 1048576 (1 TiB), got ",
+          mebibytes));
+    }
+    *bytes = MebibytesToBytes(mebibytes);
   }
   if (!spec.precision().empty()) job.precision = spec.precision();
   job.grad_clip_norm = spec.grad_clip_norm();

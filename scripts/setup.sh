@@ -7,7 +7,7 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config clang
   protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev
   libabsl-dev libspdlog-dev libgtest-dev libgmock-dev libgloo-dev
-  libcli11-dev nlohmann-json3-dev libxxhash-dev libopenblas-dev
+  libcli11-dev nlohmann-json3-dev libxxhash-dev libopenblas-dev libcpp-httplib-dev
 )
 
 missing=()

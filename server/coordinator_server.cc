@@ -1,12 +1,13 @@
 #include "server/coordinator_server.h"
 
 #include "absl/strings/str_cat.h"
-#include "google/protobuf/util/message_differencer.h"
 #include "common/logging.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "proto/job_convert.h"
-#include "grpcpp/security/server_credentials.h"
-#include "common/logging.h"
 #include "spdlog/spdlog.h"
 
 namespace shard {
@@ -157,18 +158,36 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   const Clock clock = [] { return absl::Now(); };
   CoordinatorServer* self = server.get();
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      LoadServerCredentials(options.tls);
+  if (!credentials.ok()) return credentials.status();
+  server->guard_ = std::make_unique<AccessGuard>(options.job_token, options.admin_token);
+  server->join_limiter_ = std::make_unique<RateLimiter>(
+      options.max_joins_per_second, 2.0 * server->world_->options().expected_world_size + 64);
   server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(
-      server->world_.get(), plan, checkpoint_manager, job_spec, clock);
-  server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(kv, clock);
+      server->world_.get(), plan, checkpoint_manager, job_spec, clock, server->guard_.get(),
+      server->join_limiter_.get());
+  server->rendezvous_service_ =
+      std::make_unique<RendezvousServiceImpl>(kv, clock, server->guard_.get());
   server->admin_service_ = std::make_unique<AdminServiceImpl>(
-      server->world_.get(), plan, checkpoint_manager, server->elastic_.get(), clock, now, [self] {
+      server->world_.get(), plan, checkpoint_manager, server->elastic_.get(), clock, now,
+      [self] {
         absl::MutexLock lock(&self->mu_);
         self->wake_ = true;
-      });
+      },
+      server->guard_.get());
 
+  // Health (grpc.health.v1, SERVING once the state is loaded, which it is by now) and
+  // reflection on the main port; health alone on the plaintext --health-listen port.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
-                           &server->port_);
+  builder.AddListeningPort(options.listen_address, *credentials, &server->port_);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  server->rpc_metrics_ = std::make_unique<RpcMetrics>();
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(MakeRpcMetricsInterceptorFactory(server->rpc_metrics_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(server->coordinator_service_.get());
   builder.RegisterService(server->rendezvous_service_.get());
   builder.RegisterService(server->admin_service_.get());
@@ -178,8 +197,37 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         "cannot listen on '", options.listen_address,
         "': the address is malformed or the port is in use; pass another --listen"));
   }
+  if (!options.health_listen.empty()) {
+    grpc::ServerBuilder health;
+    health.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
+                            &server->health_port_);
+    health.SetMaxReceiveMessageSize(4096);
+    server->health_server_ = health.BuildAndStart();
+    if (server->health_server_ == nullptr || server->health_port_ == 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot listen on '", options.health_listen,
+          "': the address is malformed or the port is in use; pass another --health-listen"));
+    }
+  }
+  if (!options.metrics_listen.empty()) {
+    const CoordinatorMetricsSources sources{server->world_.get(), plan, checkpoint_manager,
+                                            server->rpc_metrics_.get(), now};
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http = MetricsHttpServer::Start(
+        options.metrics_listen, [sources] { return RenderCoordinatorMetrics(sources, absl::Now()); });
+    if (!http.ok()) return http.status();
+    server->metrics_http_ = std::move(*http);
+  }
+  server->SetServing(true);
   const size_t colon = options.listen_address.rfind(':');
-  server->host_ = options.listen_address.substr(0, colon);
+  const std::string host = options.listen_address.substr(0, colon);
+  if (options.tls.cert.empty() && host != "127.0.0.1" && host != "localhost" && host != "[::1]") {
+    spdlog::warn("*** listening on {} WITHOUT TLS: anyone who can reach this address can read "
+                 "the job's traffic{}. Give --tls-cert/--tls-key (and --tls-client-ca) on a "
+                 "shared network ***",
+                 options.listen_address,
+                 options.job_token.empty() ? ", join the job and change it" : " and its tokens");
+  }
+  server->host_ = host;
   server->housekeeping_interval_ = options.housekeeping_interval;
   server->housekeeping_ = std::thread([self] { self->Housekeeping(); });
   const World started = server->world_->world();
@@ -191,6 +239,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                absl::FormatDuration(options.world.lease),
                absl::FormatDuration(options.world.reform_grace), started.generation,
                options.state_dir.empty() ? std::string("in memory") : options.state_dir);
+  if (server->health_server_ != nullptr) {
+    spdlog::info("health (grpc.health.v1, plaintext) on port {}", server->health_port_);
+  }
   return server;
 }
 
@@ -237,13 +288,24 @@ void CoordinatorServer::Shutdown() {
     shutting_down_ = true;
   }
   if (housekeeping_.joinable()) housekeeping_.join();
+  metrics_http_.reset();
   if (server_ == nullptr) return;  // Start() failed before serving
+  SetServing(false);
   // Pending long-polls must be answered before the server can drain.
   const absl::Status closing = absl::UnavailableError("the coordinator is shutting down");
   kv_->Close(closing);
   world_->CloseWatches(closing);
   plan_->CloseWaits(closing);
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (health_server_ != nullptr) health_server_->Shutdown();
+}
+
+void CoordinatorServer::SetServing(bool serving) {
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server != nullptr && server->GetHealthCheckService() != nullptr) {
+      server->GetHealthCheckService()->SetServingStatus(serving);
+    }
+  }
 }
 
 }  // namespace shard

@@ -12,10 +12,14 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/server.h"
+#include "common/rate_limiter.h"
+#include "proto/channel_security.h"
+#include "server/access_guard.h"
 #include "server/checkpoint_manager.h"
 #include "server/coordinator_service.h"
 #include "server/elastic_manager.h"
 #include "server/kv_store_manager.h"
+#include "server/metrics.h"
 #include "server/plan_manager.h"
 #include "server/store/state_store.h"
 #include "server/world_manager.h"
@@ -36,6 +40,18 @@ struct CoordinatorOptions {
   std::string restore;
   // How often leases and rendezvous waits are checked.
   absl::Duration housekeeping_interval = absl::Milliseconds(50);
+  // TLS on the gRPC port (mutual with a client CA); none: plaintext.
+  ServerSecurityFiles tls;
+  // Tokens workers and admin clients must present (see AccessGuard); empty: not required.
+  std::string job_token;
+  std::string admin_token;
+  // A plaintext port serving only grpc.health.v1.Health (for kubelet probes); empty: none.
+  std::string health_listen;
+  // HTTP host:port serving Prometheus text at /metrics (docs/metrics.md); empty: none.
+  std::string metrics_listen;
+  // Largest request accepted, and how fast workers may join (burst: twice the world, plus 64).
+  int max_message_bytes = 4 << 20;
+  double max_joins_per_second = 100;
 };
 
 class CoordinatorServer {
@@ -43,8 +59,10 @@ class CoordinatorServer {
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorOptions& options);
   ~CoordinatorServer();
 
-  // The port actually bound (useful with port 0).
+  // The port actually bound (useful with port 0), and the health port's (0: none).
   int port() const { return port_; }
+  int health_port() const { return health_port_; }
+  int metrics_port() const { return metrics_http_ == nullptr ? 0 : metrics_http_->port(); }
   std::string address() const;
 
   // Starts a graceful stop, as `shardctl stop` does (e.g. on SIGTERM).
@@ -59,6 +77,8 @@ class CoordinatorServer {
  private:
   CoordinatorServer() = default;
   void Housekeeping();
+  // What grpc.health.v1 answers on both ports.
+  void SetServing(bool serving);
 
   std::string host_;
   int port_ = 0;
@@ -71,7 +91,13 @@ class CoordinatorServer {
   std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;
+  std::unique_ptr<AccessGuard> guard_;
+  std::unique_ptr<RpcMetrics> rpc_metrics_;  // outlives server_
+  std::unique_ptr<RateLimiter> join_limiter_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;  // --health-listen
+  int health_port_ = 0;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;  // reads the managers: stopped first
   absl::Duration housekeeping_interval_;
   absl::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;

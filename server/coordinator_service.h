@@ -5,6 +5,8 @@
 #include <functional>
 #include <optional>
 
+#include "common/rate_limiter.h"
+#include "server/access_guard.h"
 #include "server/checkpoint_manager.h"
 #include "server/elastic_manager.h"
 #include "server/kv_store_manager.h"
@@ -21,8 +23,11 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
   // `job`: the training job handed to every joining worker, if any; `checkpoints` exists with
   // a job only.
   CoordinatorServiceImpl(WorldManager* world, PlanManager* plan, CheckpointManager* checkpoints,
-                         std::optional<v1::JobSpec> job, Clock clock)
-      : world_(world),
+                         std::optional<v1::JobSpec> job, Clock clock, const AccessGuard* guard,
+                         RateLimiter* join_limiter)
+      : guard_(guard),
+        join_limiter_(join_limiter),
+        world_(world),
         plan_(plan),
         checkpoints_(checkpoints),
         job_(std::move(job)),
@@ -60,6 +65,8 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
       v1::ReportCheckpointShardResponse* response) override;
 
  private:
+  const AccessGuard* guard_;
+  RateLimiter* join_limiter_;  // joins persist state: bounded
   WorldManager* world_;
   PlanManager* plan_;
   CheckpointManager* checkpoints_;
@@ -69,7 +76,8 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
 
 class RendezvousServiceImpl final : public v1::Rendezvous::CallbackService {
  public:
-  RendezvousServiceImpl(KvStoreManager* kv, Clock clock) : kv_(kv), clock_(clock) {}
+  RendezvousServiceImpl(KvStoreManager* kv, Clock clock, const AccessGuard* guard)
+      : guard_(guard), kv_(kv), clock_(clock) {}
 
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KvSetRequest* request,
@@ -82,6 +90,7 @@ class RendezvousServiceImpl final : public v1::Rendezvous::CallbackService {
                                  v1::KvWaitResponse* response) override;
 
  private:
+  const AccessGuard* guard_;
   KvStoreManager* kv_;
   Clock clock_;
 };
@@ -92,8 +101,9 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
   // housekeeping, which carries the change out).
   AdminServiceImpl(WorldManager* world, PlanManager* plan, CheckpointManager* checkpoints,
                    ElasticManager* elastic, Clock clock, absl::Time started,
-                   std::function<void()> on_change)
-      : world_(world),
+                   std::function<void()> on_change, const AccessGuard* guard)
+      : guard_(guard),
+        world_(world),
         plan_(plan),
         checkpoints_(checkpoints),
         elastic_(elastic),
@@ -142,6 +152,7 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
                                        v1::ListEventsResponse* response) override;
 
  private:
+  const AccessGuard* guard_;
   // FailedPrecondition when the coordinator runs no job (and so keeps no checkpoints).
   absl::Status NeedCheckpoints() const;
 

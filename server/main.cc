@@ -6,9 +6,10 @@
 #include "common/cli.h"
 #include "common/files.h"
 #include "common/logging.h"
-#include "server/coordinator_server.h"
 #include "common/signal_watcher.h"
+#include "proto/channel_security.h"
 #include "proto/job_convert.h"
+#include "server/coordinator_server.h"
 #include "spdlog/spdlog.h"
 
 int main(int argc, char** argv) {
@@ -81,9 +82,52 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--port-file", port_file,
                  "write the bound port to this file once serving (for --listen host:0)");
+  app.add_option("--health-listen", options.health_listen,
+                 "host:port of a plaintext gRPC port serving only grpc.health.v1.Health "
+                 "(SERVING once the state directory is loaded), for probes that cannot do TLS "
+                 "such as kubelet's; the main port serves health and reflection too");
+  app.add_option("--metrics-listen", options.metrics_listen,
+                 "host:port to serve Prometheus metrics on, at /metrics (see docs/metrics.md)");
+  app.add_option("--tls-cert", options.tls.cert, "PEM certificate of the coordinator: serve TLS")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", options.tls.key, "PEM private key of --tls-cert")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-client-ca", options.tls.client_ca,
+                 "PEM CA: mutual TLS, every worker and shardctl must present a certificate it "
+                 "signed")
+      ->check(CLI::ExistingFile);
+  std::string job_token_file;
+  std::string admin_token_file;
+  app.add_option("--job-token-file", job_token_file,
+                 "file holding the token workers must present to join and report (one line)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--admin-token-file", admin_token_file,
+                 "file holding the token shardctl must present for calls that change the job "
+                 "(save, restore, delete, stop, resize, drain); read-only calls take either token")
+      ->check(CLI::ExistingFile);
+  app.add_option("--max-joins-per-second", options.max_joins_per_second,
+                 "joins accepted per second beyond a burst of twice the world size (a join "
+                 "persists state); more are told to retry")
+      ->capture_default_str()
+      ->check(CLI::Range(1.0, 1e6));
   app.add_option("--log-level", log_level, "trace, debug, info, warn or error")
       ->capture_default_str();
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  for (auto [file, token] : {std::pair{&job_token_file, &options.job_token},
+                             std::pair{&admin_token_file, &options.admin_token}}) {
+    if (file->empty()) continue;
+    absl::StatusOr<std::string> read = shard::ReadTokenFile(*file);
+    if (!read.ok()) {
+      std::fprintf(stderr, "shard-coordinator: %s\n", std::string(read.status().message()).c_str());
+      return 2;
+    }
+    *token = std::move(*read);
+  }
+  if (!options.job_token.empty() && options.job_token == options.admin_token) {
+    std::fprintf(stderr, "shard-coordinator: the job and admin tokens must differ (a worker "
+                         "must not be able to change the job)\n");
+    return 2;
+  }
   if (absl::Status logging = shard::ConfigureLogging(log_level, "coordinator"); !logging.ok()) {
     std::fprintf(stderr, "shard-coordinator: %s\n", std::string(logging.message()).c_str());
     return 2;

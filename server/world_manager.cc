@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
@@ -49,6 +50,30 @@ constexpr char kMembershipRecord[] = "membership";
 
 std::string Seconds(absl::Duration d) {
   return absl::FormatDuration(absl::Trunc(d, absl::Milliseconds(100)));
+}
+
+// What a worker says about itself ends up in logs, status and other workers' connections:
+// bounded, and a host that is a host name or an address.
+absl::Status ValidateJoinDescription(const JoinParams& params) {
+  const auto host_char = [](char c) {
+    return absl::ascii_isalnum(c) || c == '.' || c == '-' || c == ':' || c == '[' || c == ']';
+  };
+  if (params.host.empty() || params.host.size() > 253 ||
+      !std::all_of(params.host.begin(), params.host.end(), host_char)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker '", params.worker_id,
+        "' gave no valid host for its data path (a host name or address of at most 253 "
+        "characters of [A-Za-z0-9.:-] or brackets)"));
+  }
+  if (params.device.size() > 64 || params.capabilities.size() > 16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker '", params.worker_id, "' describes itself with a device of more than 64 "
+        "characters or more than 16 capabilities"));
+  }
+  for (const std::string& capability : params.capabilities) {
+    if (absl::Status valid = ValidateName("capability", capability); !valid.ok()) return valid;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -433,10 +458,7 @@ absl::StatusOr<int> WorldManager::ChooseRank(const JoinParams& params,
 
 absl::StatusOr<JoinOutcome> WorldManager::JoinLocked(const JoinParams& params, absl::Time now) {
   if (absl::Status valid = ValidateName("worker id", params.worker_id); !valid.ok()) return valid;
-  if (params.host.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("worker '", params.worker_id, "' gave no host for its data path"));
-  }
+  if (absl::Status valid = ValidateJoinDescription(params); !valid.ok()) return valid;
   if (m_.stop_requested) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job '", options_.job, "' is stopping (", m_.stop_reason, "); it accepts no workers"));

@@ -100,11 +100,11 @@ grpc::ChannelArguments ReconnectQuickly() {
 
 }  // namespace
 
-CoordinatorClient::CoordinatorClient(std::string address, absl::Duration rpc_timeout)
+CoordinatorClient::CoordinatorClient(std::string address, absl::Duration rpc_timeout,
+                                     const ClientSecurity& security)
     : address_(std::move(address)),
       rpc_timeout_(rpc_timeout),
-      channel_(grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(),
-                                         ReconnectQuickly())),
+      channel_(CreateSecureChannel(address_, security, ReconnectQuickly())),
       coordinator_(v1::Coordinator::NewStub(channel_)),
       rendezvous_(v1::Rendezvous::NewStub(channel_)) {}
 

@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
+#include "proto/channel_security.h"
 #include "shard/v1/coordinator.grpc.pb.h"
 #include "worker/dataplane/key_value_store.h"
 
@@ -43,7 +44,9 @@ class RendezvousClient : public KeyValueStore {
 
 class CoordinatorClient {
  public:
-  CoordinatorClient(std::string address, absl::Duration rpc_timeout);
+  // `security`: TLS and the job token, if the coordinator requires them.
+  CoordinatorClient(std::string address, absl::Duration rpc_timeout,
+                    const ClientSecurity& security = {});
 
   const std::string& address() const { return address_; }
 

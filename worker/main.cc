@@ -78,7 +78,16 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--log-level", log_level, "trace, debug, info, warn or error")
       ->capture_default_str();
+  shard::ClientSecurityFiles security_files;
+  shard::AddClientSecurityFlags(app, &security_files, "--job-token-file",
+                                "file holding the job's token, if the coordinator requires one "
+                                "(one line)");
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  absl::StatusOr<shard::ClientSecurity> security = shard::LoadClientSecurity(security_files);
+  if (!security.ok()) {
+    std::fprintf(stderr, "shard-worker: %s\n", std::string(security.status().message()).c_str());
+    return 2;
+  }
   if (absl::Status valid = shard::ValidateName("worker id (--id)", options.worker_id); !valid.ok()) {
     std::fprintf(stderr, "shard-worker: %s\n", std::string(valid.message()).c_str());
     return 2;
@@ -129,7 +138,8 @@ int main(int argc, char** argv) {
     running_agent->RequestStop(reason);
   });
   shard::WorkerAgent agent(
-      options, std::make_unique<shard::CoordinatorClient>(coordinator, absl::Seconds(10)));
+      options,
+      std::make_unique<shard::CoordinatorClient>(coordinator, absl::Seconds(10), *security));
   {
     absl::MutexLock lock(&agent_mu);
     running_agent = &agent;

@@ -16,11 +16,12 @@ namespace shard::testing {
 
 absl::Status LocalCluster::StartCoordinator(const std::vector<std::string>& args, int port,
                                             const std::string& log_name,
-                                            const std::vector<std::string>& env) {
+                                            const std::vector<std::string>& env,
+                                            const std::string& host) {
   const std::string port_file = absl::StrCat(dir_, "/", log_name, ".port");
   std::filesystem::remove(port_file);
   std::vector<std::string> argv = {BinaryPath("shard-coordinator"), "--listen",
-                                   absl::StrCat("127.0.0.1:", port), "--port-file", port_file};
+                                   absl::StrCat(host, ":", port), "--port-file", port_file};
   argv.insert(argv.end(), args.begin(), args.end());
   absl::StatusOr<Process> process = Process::Start(argv, absl::StrCat(dir_, "/", log_name), env);
   if (!process.ok()) return process.status();

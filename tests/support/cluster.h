@@ -19,12 +19,14 @@ class LocalCluster {
  public:
   explicit LocalCluster(std::string dir) : dir_(std::move(dir)) {}
 
-  // Starts shard-coordinator with `args` after --listen 127.0.0.1:`port` (0: a free one) and
-  // --port-file, logging to DIR/`log_name`, and waits until it serves. A coordinator started
-  // earlier stays where it is (e.g. killed, to be restarted on the same port).
+  // Starts shard-coordinator with `args` after --listen `host`:`port` (0: a free one) and
+  // --port-file, logging to DIR/`log_name`, and waits until it serves (clients connect through
+  // 127.0.0.1). A coordinator started earlier stays where it is (e.g. killed, to be restarted
+  // on the same port).
   absl::Status StartCoordinator(const std::vector<std::string>& args, int port = 0,
                                 const std::string& log_name = "coordinator.log",
-                                const std::vector<std::string>& env = {});
+                                const std::vector<std::string>& env = {},
+                                const std::string& host = "127.0.0.1");
   Process& coordinator() { return *coordinator_; }
   const std::string& address() const { return address_; }
   int port() const { return port_; }

@@ -290,9 +290,11 @@ class DirectoryKeyValueStore : public KeyValueStore {
   std::string dir_;
 };
 
-// A peer process killed while three ranks stream a large all-reduce: rank 0 keeps receiving
-// from rank 2 while its writes to rank 1 hit a reset connection. By default that raises
-// SIGPIPE, which would end rank 0 silently instead of failing its collective.
+// A peer process killed while three ranks stream a large all-reduce: rank 0's writes to it may
+// hit a reset connection, which by default raises SIGPIPE and would end rank 0 silently. Rank 0
+// must get an error instead: Unavailable when the reset is seen, DeadlineExceeded when a send
+// that the kernel had buffered simply never completes (the coordinator's abort ends that sooner
+// in a real job).
 TEST(GlooCommunicatorTest, APeerKilledInTheMiddleOfASendFailsTheCollectiveNotTheProcess) {
   const std::string dir = ::testing::TempDir() + "/gloo-sigpipe-" + std::to_string(::getpid());
   std::filesystem::create_directories(dir);
@@ -303,7 +305,9 @@ TEST(GlooCommunicatorTest, APeerKilledInTheMiddleOfASendFailsTheCollectiveNotThe
     ASSERT_GE(child, 0);
     if (child == 0) {
       DirectoryKeyValueStore store(dir);
-      auto peer = CreateGlooCommunicator(&store, Options(rank, 3, 1 << 20));
+      GlooOptions options = Options(rank, 3, 1 << 20);
+      options.timeout = absl::Seconds(5);
+      auto peer = CreateGlooCommunicator(&store, options);
       absl::Status status = peer.status();
       for (int i = 0; status.ok() && i < 1000; ++i) {
         status = (*peer)->AllReduce(data.data(), data.data(), data.size(), DataType::kFloat32,
@@ -314,7 +318,9 @@ TEST(GlooCommunicatorTest, APeerKilledInTheMiddleOfASendFailsTheCollectiveNotThe
     peers.push_back(child);
   }
   DirectoryKeyValueStore store(dir);
-  auto survivor = CreateGlooCommunicator(&store, Options(0, 3, 1 << 20));
+  GlooOptions options = Options(0, 3, 1 << 20);
+  options.timeout = absl::Seconds(5);
+  auto survivor = CreateGlooCommunicator(&store, options);
   ASSERT_TRUE(survivor.ok()) << survivor.status();
   std::thread killer([&peers] {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -331,7 +337,9 @@ TEST(GlooCommunicatorTest, APeerKilledInTheMiddleOfASendFailsTheCollectiveNotThe
     ::waitpid(peer, nullptr, 0);
   }
   std::filesystem::remove_all(dir);
-  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_TRUE(status.code() == absl::StatusCode::kUnavailable ||
+              status.code() == absl::StatusCode::kDeadlineExceeded)
+      << status;
 }
 
 TEST(GlooCommunicatorTest, ACollectiveWithAMissingPeerTimesOut) {

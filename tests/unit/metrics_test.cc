@@ -1,0 +1,516 @@
+// The coordinator's Prometheus metrics: the exact exposition text, the RPC interceptor against a
+// real in-process callback server, the scrape-time gauges from real managers, and the HTTP
+// endpoint through a real HTTP client.
+#include "server/metrics.h"
+
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "server/checkpoint_manager.h"
+#include "server/plan_manager.h"
+#include "server/store/state_store.h"
+#include "server/world_manager.h"
+#include "shard/v1/coordinator.grpc.pb.h"
+
+namespace shard {
+namespace {
+
+TEST(MetricsFormatTest, ValuesAreExactAndSpecialValuesNamed) {
+  EXPECT_EQ(FormatMetricValue(0), "0");
+  EXPECT_EQ(FormatMetricValue(-0.0), "0");
+  EXPECT_EQ(FormatMetricValue(3), "3");
+  EXPECT_EQ(FormatMetricValue(-42), "-42");
+  EXPECT_EQ(FormatMetricValue(1234567890123.0), "1234567890123");
+  EXPECT_EQ(FormatMetricValue(0.25), "0.25");
+  EXPECT_EQ(FormatMetricValue(0.1), "0.1");
+  EXPECT_EQ(FormatMetricValue(1e-5), "1e-05");
+  EXPECT_EQ(FormatMetricValue(1e300), "1e+300");
+  EXPECT_EQ(FormatMetricValue(std::numeric_limits<double>::infinity()), "+Inf");
+  EXPECT_EQ(FormatMetricValue(-std::numeric_limits<double>::infinity()), "-Inf");
+  EXPECT_EQ(FormatMetricValue(std::nan("")), "NaN");
+}
+
+TEST(MetricsFormatTest, LabelValuesAndHelpAreEscaped) {
+  EXPECT_EQ(EscapeLabelValue(R"(a\b"c)" "\n" "d"), R"(a\\b\"c\nd)");
+  EXPECT_EQ(EscapeLabelValue("plain/ünïcode"), "plain/ünïcode");
+  // HELP escapes backslash and newline, not quotes.
+  EXPECT_EQ(EscapeHelp("say \"hi\"\\\nbye"), R"(say "hi"\\\nbye)");
+}
+
+TEST(MetricsRegistryTest, RendersTheTextFormatExactly) {
+  MetricsRegistry registry;
+  CounterFamily& requests =
+      registry.AddCounter("test_requests_total", "Requests.\nBy path \\ code.", {"path", "code"});
+  GaugeFamily& temperature = registry.AddGauge("test_temperature_celsius", "Temperature.");
+  registry.AddGauge("test_empty", "A labelled family without series.", {"x"});
+  requests.Increment({"/b", "200"});
+  requests.Increment({"/a", "500"}, 2);
+  requests.Increment({"/a\"\\\n", "200"});
+  requests.Increment({"/b", "200"}, 0.5);
+  requests.Increment({"/b", "200"}, -7);  // ignored: counters only go up
+  temperature.Set(-1.5);
+
+  EXPECT_EQ(registry.Render(),
+            "# HELP test_requests_total Requests.\\nBy path \\\\ code.\n"
+            "# TYPE test_requests_total counter\n"
+            "test_requests_total{path=\"/a\",code=\"500\"} 2\n"
+            "test_requests_total{path=\"/a\\\"\\\\\\n\",code=\"200\"} 1\n"
+            "test_requests_total{path=\"/b\",code=\"200\"} 1.5\n"
+            "# HELP test_temperature_celsius Temperature.\n"
+            "# TYPE test_temperature_celsius gauge\n"
+            "test_temperature_celsius -1.5\n"
+            "# HELP test_empty A labelled family without series.\n"
+            "# TYPE test_empty gauge\n");
+  EXPECT_EQ(requests.Value({"/b", "200"}), 1.5);
+}
+
+TEST(MetricsRegistryTest, UnlabelledMetricsStartAtZero) {
+  MetricsRegistry registry;
+  registry.AddCounter("test_events_total", "Events.");
+  registry.AddHistogram("test_latency_seconds", "Latency.", {}, {0.5});
+  EXPECT_EQ(registry.Render(),
+            "# HELP test_events_total Events.\n"
+            "# TYPE test_events_total counter\n"
+            "test_events_total 0\n"
+            "# HELP test_latency_seconds Latency.\n"
+            "# TYPE test_latency_seconds histogram\n"
+            "test_latency_seconds_bucket{le=\"0.5\"} 0\n"
+            "test_latency_seconds_bucket{le=\"+Inf\"} 0\n"
+            "test_latency_seconds_sum 0\n"
+            "test_latency_seconds_count 0\n");
+}
+
+TEST(MetricsRegistryTest, HistogramBucketsAreCumulativeWithInfSumAndCount) {
+  MetricsRegistry registry;
+  HistogramFamily& latency =
+      registry.AddHistogram("test_duration_seconds", "Duration.", {"op"}, {0.1, 0.5, 1});
+  for (double value : {0.05, 0.1, 0.3, 0.7, 0.7, 4.0}) latency.Observe({"read"}, value);
+  latency.Observe({"write"}, 2);
+  latency.Observe({"write"}, std::nan(""));  // ignored
+
+  EXPECT_EQ(registry.Render(),
+            "# HELP test_duration_seconds Duration.\n"
+            "# TYPE test_duration_seconds histogram\n"
+            "test_duration_seconds_bucket{op=\"read\",le=\"0.1\"} 2\n"  // le is inclusive
+            "test_duration_seconds_bucket{op=\"read\",le=\"0.5\"} 3\n"
+            "test_duration_seconds_bucket{op=\"read\",le=\"1\"} 5\n"
+            "test_duration_seconds_bucket{op=\"read\",le=\"+Inf\"} 6\n"
+            "test_duration_seconds_sum{op=\"read\"} 5.85\n"
+            "test_duration_seconds_count{op=\"read\"} 6\n"
+            "test_duration_seconds_bucket{op=\"write\",le=\"0.1\"} 0\n"
+            "test_duration_seconds_bucket{op=\"write\",le=\"0.5\"} 0\n"
+            "test_duration_seconds_bucket{op=\"write\",le=\"1\"} 0\n"
+            "test_duration_seconds_bucket{op=\"write\",le=\"+Inf\"} 1\n"
+            "test_duration_seconds_sum{op=\"write\"} 2\n"
+            "test_duration_seconds_count{op=\"write\"} 1\n");
+  EXPECT_EQ(latency.Count({"read"}), 6u);
+}
+
+TEST(MetricsRegistryTest, ConcurrentUpdatesAreAllCounted) {
+  MetricsRegistry registry;
+  CounterFamily& counter = registry.AddCounter("test_hits_total", "Hits.", {"t"});
+  HistogramFamily& histogram = registry.AddHistogram("test_h_seconds", "H.", {}, {1});
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 1000; ++i) {
+        counter.Increment({absl::StrCat(t % 2)});
+        histogram.Observe(0.5);
+        if (i % 100 == 0) registry.Render();
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(counter.Value({"0"}) + counter.Value({"1"}), 4000);
+  EXPECT_EQ(histogram.Count(), 4000u);
+}
+
+TEST(MetricsRegistryDeathTest, MisuseIsAProgrammingError) {
+  EXPECT_DEATH(
+      {
+        MetricsRegistry registry;
+        registry.AddGauge("bad-name", "x");
+      },
+      "invalid metric name");
+  EXPECT_DEATH(
+      {
+        MetricsRegistry registry;
+        registry.AddCounter("test_requests", "no _total");
+      },
+      "must be named");
+  EXPECT_DEATH(
+      {
+        MetricsRegistry registry;
+        registry.AddGauge("test_g", "x", {"__reserved"});
+      },
+      "invalid label name");
+  EXPECT_DEATH(
+      {
+        MetricsRegistry registry;
+        registry.AddGauge("test_g", "x");
+        registry.AddGauge("test_g", "y");
+      },
+      "registered twice");
+  EXPECT_DEATH(
+      {
+        MetricsRegistry registry;
+        registry.AddGauge("test_g", "x", {"a", "b"}).Set({"only-one"}, 1);
+      },
+      "has 2 labels");
+}
+
+// --- RPC metrics through a real callback server --------------------------------------------------
+
+// Answers GetStatus: OK, or NOT_FOUND when asked with the metadata "fail".
+class StubAdmin final : public v1::Admin::CallbackService {
+ public:
+  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
+                                      const v1::GetStatusRequest*,
+                                      v1::GetStatusResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (context->client_metadata().count("fail") > 0) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND, "asked to fail"));
+    } else {
+      response->set_job("stub");
+      reactor->Finish(grpc::Status::OK);
+    }
+    return reactor;
+  }
+};
+
+TEST(RpcMetricsTest, TheInterceptorCountsCallsOfACallbackService) {
+  RpcMetrics metrics;
+  StubAdmin service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(MakeRpcMetricsInterceptorFactory(&metrics));
+  builder.experimental().SetInterceptorCreators(std::move(creators));
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  ASSERT_GT(port, 0);
+
+  auto channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+  auto stub = v1::Admin::NewStub(channel);
+  for (int i = 0; i < 3; ++i) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::GetStatusResponse response;
+    grpc::Status status = stub->GetStatus(&context, v1::GetStatusRequest(), &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(response.job(), "stub");
+  }
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    context.AddMetadata("fail", "1");
+    v1::GetStatusResponse response;
+    EXPECT_EQ(stub->GetStatus(&context, v1::GetStatusRequest(), &response).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  // A method the server does not have.
+  {
+    grpc::GenericStub generic(channel);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::Slice empty("");
+    grpc::ByteBuffer request(&empty, 1);
+    grpc::ByteBuffer response;
+    grpc::Status status;
+    absl::Notification done;
+    generic.UnaryCall(&context, "/shard.v1.Admin/NoSuchMethod", grpc::StubOptions(), &request,
+                      &response, [&](grpc::Status s) {
+                        status = std::move(s);
+                        done.Notify();
+                      });
+    done.WaitForNotification();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  server->Wait();
+
+  const std::string method = "/shard.v1.Admin/GetStatus";
+  EXPECT_EQ(metrics.Requests(method, grpc::StatusCode::OK), 3);
+  EXPECT_EQ(metrics.Requests(method, grpc::StatusCode::NOT_FOUND), 1);
+  EXPECT_EQ(metrics.Observations(method), 4u);
+  // A method the server lacks goes through the interceptors too: counted under the name the
+  // client gave (hence the bound on method names).
+  EXPECT_EQ(metrics.Requests("/shard.v1.Admin/NoSuchMethod", grpc::StatusCode::UNIMPLEMENTED), 1);
+
+  std::string text;
+  metrics.RenderTo(&text);
+  EXPECT_TRUE(absl::StrContains(
+      text, "shard_rpc_requests_total{method=\"shard.v1.Admin/GetStatus\",code=\"OK\"} 3\n"))
+      << text;
+  EXPECT_TRUE(absl::StrContains(
+      text,
+      "shard_rpc_requests_total{method=\"shard.v1.Admin/GetStatus\",code=\"NOT_FOUND\"} 1\n"))
+      << text;
+  EXPECT_TRUE(absl::StrContains(
+      text, "shard_rpc_duration_seconds_bucket{method=\"shard.v1.Admin/GetStatus\",le=\"+Inf\"} 4\n"))
+      << text;
+  EXPECT_TRUE(absl::StrContains(
+      text, "shard_rpc_duration_seconds_count{method=\"shard.v1.Admin/GetStatus\"} 4\n"))
+      << text;
+  EXPECT_TRUE(
+      absl::StrContains(text, "shard_rpc_in_flight{method=\"shard.v1.Admin/GetStatus\"} 0\n"))
+      << text;
+}
+
+TEST(RpcMetricsTest, MethodNamesAreBounded) {
+  RpcMetrics metrics;
+  for (int i = 0; i < RpcMetrics::kMaxMethods + 10; ++i) {
+    const std::string method = absl::StrCat("/x.Y/M", i);
+    metrics.Begin(method);
+    metrics.End(method, grpc::StatusCode::UNIMPLEMENTED, absl::Milliseconds(1));
+  }
+  EXPECT_EQ(metrics.Requests("/x.Y/M0", grpc::StatusCode::UNIMPLEMENTED), 1);
+  EXPECT_EQ(metrics.Requests("/x.Y/Unseen", grpc::StatusCode::UNIMPLEMENTED), 10);  // "other"
+  std::string text;
+  metrics.RenderTo(&text);
+  EXPECT_TRUE(absl::StrContains(
+      text, "shard_rpc_requests_total{method=\"other\",code=\"UNIMPLEMENTED\"} 10\n"));
+}
+
+// --- The coordinator's gauges from real managers -------------------------------------------------
+
+JoinParams Worker(const std::string& id) {
+  JoinParams params;
+  params.worker_id = id;
+  params.host = "127.0.0.1";
+  params.device = "cpu";
+  params.incarnation = 1;
+  return params;
+}
+
+bool HasLine(const std::string& text, const std::string& line) {
+  return absl::StrContains(absl::StrCat("\n", text), absl::StrCat("\n", line, "\n"));
+}
+
+TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
+  const absl::Time started = absl::FromUnixSeconds(1700000000);
+  absl::Time now = started + absl::Seconds(90);
+  InMemoryStateStore store;
+  WorldOptions options;
+  options.job = "metrics";
+  options.expected_world_size = 2;
+  options.lease = absl::Seconds(10);
+  auto world = WorldManager::Create(options, &store, now);
+  ASSERT_TRUE(world.ok()) << world.status();
+  ASSERT_TRUE((*world)->Join(Worker("w0"), now).ok());
+  ASSERT_TRUE((*world)->Join(Worker("w1"), now).ok());
+  const int64_t generation = (*world)->world().generation;
+  for (const char* id : {"w0", "w1"}) {
+    ASSERT_TRUE((*world)->ReportSelfCheck(id, 1, generation, true, "", now).ok());
+  }
+  now += absl::Seconds(3);
+  ASSERT_TRUE((*world)->Heartbeat("w0", 1, now).ok());
+
+  PlanManager plans{PlanConfig{}};
+  plans.OnGeneration(generation);
+  for (int rank = 0; rank < 2; ++rank) {
+    for (int step = 1; step <= 5; ++step) {
+      StepReport report;
+      report.step = step;
+      report.step_ms = rank == 0 ? 20 : 30;
+      report.communication_ms = 4;
+      report.hidden_ms = 3;
+      report.bucket_bytes = {1000, 24};
+      report.loss = 0.5;
+      auto reported = plans.ReportStepStats(
+          MemberRef{absl::StrCat("w", rank), rank, generation, 2}, report);
+      ASSERT_TRUE(reported.ok()) << reported;
+    }
+  }
+
+  // A catalog with two committed checkpoints (their manifests on disk).
+  const std::string root = ::testing::TempDir() + "/shard-metrics-test";
+  std::filesystem::remove_all(root);
+  v1::CheckpointCatalog catalog;
+  for (int i = 1; i <= 2; ++i) {
+    v1::CheckpointRecord* record = catalog.add_checkpoints();
+    record->set_id(absl::StrCat("step-", i * 100));
+    record->set_step(i * 100);
+    record->set_world_size(2);
+    record->set_dir(absl::StrCat(root, "/metrics/", record->id()));
+    record->set_bytes(4096 * i);
+    record->set_committed_unix_ms(1700000000000 + i * 1500);
+    record->set_request(i);
+    record->set_max_pause_ms(12.5 * i);
+    record->set_max_write_ms(250 * i);
+    std::filesystem::create_directories(record->dir());
+    std::ofstream(record->dir() + "/manifest.json") << "{}";
+  }
+  ASSERT_TRUE(store.Save("checkpoints", catalog).ok());
+  CheckpointOptions checkpoint_options;
+  checkpoint_options.job = "metrics";
+  checkpoint_options.root = root;
+  auto checkpoints = CheckpointManager::Create(checkpoint_options, &store);
+  ASSERT_TRUE(checkpoints.ok()) << checkpoints.status();
+  ASSERT_EQ((*checkpoints)->List().size(), 2u);
+
+  RpcMetrics rpc;
+  rpc.Begin("/shard.v1.Coordinator/Join");
+  rpc.End("/shard.v1.Coordinator/Join", grpc::StatusCode::OK, absl::Milliseconds(2));
+
+  CoordinatorMetricsSources sources;
+  sources.world = world->get();
+  sources.plan = &plans;
+  sources.checkpoints = checkpoints->get();
+  sources.rpc = &rpc;
+  sources.started = started;
+  const std::string text = RenderCoordinatorMetrics(sources, now);
+
+  for (const std::string& line : std::vector<std::string>{
+           "shard_coordinator_start_time_seconds 1700000000",
+           "shard_coordinator_uptime_seconds 93",
+           "shard_job_state{state=\"running\"} 1",
+           "shard_job_state{state=\"forming\"} 0",
+           absl::StrCat("shard_generation ", generation),
+           "shard_world_size 2",
+           "shard_world_ranks 2",
+           "shard_world_target_size 2",
+           "shard_worker_lease_seconds 10",
+           "shard_workers{state=\"ready\"} 2",
+           "shard_workers{state=\"joining\"} 0",
+           "shard_workers{state=\"dead\"} 0",
+           "shard_worker_up{worker=\"w0\",rank=\"0\"} 1",
+           "shard_worker_up{worker=\"w1\",rank=\"1\"} 1",
+           "shard_worker_last_heartbeat_seconds{worker=\"w0\"} 0",
+           "shard_worker_last_heartbeat_seconds{worker=\"w1\"} 3",
+           "shard_training_step 5",
+           "shard_step_duration_seconds 0.02",
+           "shard_step_duration_mean_seconds 0.025",
+           "shard_training_loss 0.5",
+           "shard_step_reduced_bytes 1024",
+           "shard_overlap_hidden_ratio 0.75",
+           "shard_checkpoints_committed 2",
+           "shard_checkpoint_last_step 200",
+           "shard_checkpoint_last_commit_timestamp_seconds 1700000003",
+           "shard_checkpoint_save_duration_seconds 0.5",
+           "shard_checkpoint_pause_seconds 0.025",
+           "shard_checkpoint_bytes 8192",
+           "shard_checkpoint_save_pending 0",
+           "# TYPE shard_rpc_requests_total counter",
+           "shard_rpc_requests_total{method=\"shard.v1.Coordinator/Join\",code=\"OK\"} 1",
+       }) {
+    EXPECT_TRUE(HasLine(text, line)) << "missing: " << line << "\n" << text;
+  }
+
+  // A worker past its lease is dead: counted so, and down.
+  now += absl::Seconds(30);
+  (*world)->ExpireLeases(now);
+  const std::string later = RenderCoordinatorMetrics(sources, now);
+  EXPECT_TRUE(HasLine(later, "shard_workers{state=\"dead\"} 2")) << later;
+  EXPECT_TRUE(HasLine(later, "shard_worker_up{worker=\"w0\",rank=\"\"} 0")) << later;
+  EXPECT_TRUE(HasLine(later, "shard_world_size 0")) << later;
+  std::filesystem::remove_all(root);
+}
+
+TEST(CoordinatorMetricsTest, WithoutAJobOrStepsThereAreNoTrainingValues) {
+  InMemoryStateStore store;
+  WorldOptions options;
+  options.expected_world_size = 3;
+  const absl::Time now = absl::FromUnixSeconds(1700000000);
+  auto world = WorldManager::Create(options, &store, now);
+  ASSERT_TRUE(world.ok()) << world.status();
+  PlanManager plans{PlanConfig{}};
+  CoordinatorMetricsSources sources;
+  sources.world = world->get();
+  sources.plan = &plans;
+  sources.started = now;
+  const std::string text = RenderCoordinatorMetrics(sources, now);
+  EXPECT_TRUE(HasLine(text, "shard_world_size 0")) << text;
+  EXPECT_TRUE(HasLine(text, "shard_world_target_size 3")) << text;
+  EXPECT_TRUE(HasLine(text, "shard_job_state{state=\"forming\"} 1")) << text;
+  EXPECT_TRUE(HasLine(text, "shard_training_step 0")) << text;
+  EXPECT_TRUE(HasLine(text, "shard_overlap_status{status=\"UNINITIALIZED\"} 1")) << text;
+  EXPECT_FALSE(absl::StrContains(text, "shard_training_loss")) << text;
+  EXPECT_FALSE(absl::StrContains(text, "shard_checkpoint")) << text;
+  EXPECT_FALSE(absl::StrContains(text, "shard_rpc_")) << text;
+}
+
+// --- The HTTP endpoint ---------------------------------------------------------------------------
+
+TEST(MetricsHttpServerTest, ServesMetricsAndNothingElse) {
+  std::atomic<int> scrapes{0};
+  auto server = MetricsHttpServer::Start("127.0.0.1:0", [&scrapes] {
+    ++scrapes;
+    return std::string("# HELP test_up Up.\n# TYPE test_up gauge\ntest_up 1\n");
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_GT((*server)->port(), 0);
+  EXPECT_EQ((*server)->address(), absl::StrCat("127.0.0.1:", (*server)->port()));
+
+  httplib::Client client("127.0.0.1", (*server)->port());
+  client.set_connection_timeout(5);
+  client.set_read_timeout(5);
+  httplib::Result metrics = client.Get("/metrics");
+  ASSERT_TRUE(metrics) << httplib::to_string(metrics.error());
+  EXPECT_EQ(metrics->status, 200);
+  EXPECT_EQ(metrics->get_header_value("Content-Type"), "text/plain; version=0.0.4; charset=utf-8");
+  EXPECT_EQ(metrics->body, "# HELP test_up Up.\n# TYPE test_up gauge\ntest_up 1\n");
+  EXPECT_EQ(scrapes.load(), 1);
+  httplib::Result head = client.Head("/metrics");
+  ASSERT_TRUE(head);
+  EXPECT_EQ(head->status, 200);
+  EXPECT_EQ(head->body, "");
+
+  for (const char* path : {"/", "/metrics/x", "/favicon.ico"}) {
+    httplib::Result other = client.Get(path);
+    ASSERT_TRUE(other) << path;
+    EXPECT_EQ(other->status, 404) << path;
+  }
+  httplib::Result post = client.Post("/metrics", "x", "text/plain");
+  ASSERT_TRUE(post);
+  EXPECT_EQ(post->status, 404);
+  EXPECT_EQ(scrapes.load(), 2);  // the HEAD rendered too
+
+  // Stopping joins the threads, with a client still connected (keep-alive).
+  server->reset();
+  httplib::Result after = client.Get("/metrics");
+  EXPECT_FALSE(after);
+}
+
+TEST(MetricsHttpServerTest, APortInUseAndBadAddressesAreClearErrors) {
+  auto first = MetricsHttpServer::Start("127.0.0.1:0", [] { return std::string(); });
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = MetricsHttpServer::Start(absl::StrCat("127.0.0.1:", (*first)->port()),
+                                         [] { return std::string(); });
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+  EXPECT_TRUE(absl::StrContains(second.status().message(), "in use")) << second.status();
+
+  for (const char* bad : {"", "127.0.0.1", ":9460", "127.0.0.1:", "127.0.0.1:x",
+                          "127.0.0.1:65536", "::1:9460", "[::1:9460"}) {
+    auto server = MetricsHttpServer::Start(bad, [] { return std::string(); });
+    ASSERT_FALSE(server.ok()) << bad;
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  auto unresolvable = MetricsHttpServer::Start("no-such-host.invalid:0", [] { return ""; });
+  ASSERT_FALSE(unresolvable.ok());
+  EXPECT_EQ(unresolvable.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(unresolvable.status().message(), "cannot resolve"))
+      << unresolvable.status();
+}
+
+}  // namespace
+}  // namespace shard
