@@ -2,11 +2,14 @@
 // mutual TLS with certificates made by openssl for the test, the plaintext health port, the
 // metrics endpoint, flags from the environment, and the warning for a plaintext non-loopback
 // listener.
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -56,9 +59,26 @@ class SecurityTest : public ::testing::Test {
 
   std::string File(const std::string& name) const { return dir_ + "/" + name; }
 
+  // A 2-worker job of `steps` steps on the small MLP, with its data.
+  std::string WriteJob(int steps) {
+    CommandResult data = RunCommand({BinaryPath("shardctl"), "data", "generate", "--widths",
+                                     "32,64,10", "--samples", "2048", "--seed", "5", "--out",
+                                     File("data.safetensors")},
+                                    absl::Seconds(30));
+    EXPECT_EQ(data.exit_code, 0) << data.output;
+    std::ofstream(File("job.json")) << absl::StrCat(
+        R"({"name": "secure", "worldSize": 2, "model": {"mlp": {"widths": [32, 64, 10]}},
+        "data": {"path": "data.safetensors"}, "optimizer": {"name": "adam", "lr": 0.003},
+        "globalBatch": 32, "steps": )", steps, R"(, "zeroStage": 2, "outputDir": "out"})");
+    return File("job.json");
+  }
+
+  // Without --job in `extra`, a world of 2 without training.
   void StartCoordinator(std::vector<std::string> extra, const std::vector<std::string>& env = {}) {
-    std::vector<std::string> args = {"--world-size", "2", "--state-dir", File("state"),
-                                     "--lease", "2s"};
+    std::vector<std::string> args = {"--state-dir", File("state"), "--lease", "2s"};
+    if (std::find(extra.begin(), extra.end(), "--job") == extra.end()) {
+      args.insert(args.end(), {"--world-size", "2"});
+    }
     args.insert(args.end(), extra.begin(), extra.end());
     const absl::Status started = cluster_->StartCoordinator(args, 0, "coordinator.log", env);
     ASSERT_TRUE(started.ok()) << started;
@@ -73,6 +93,48 @@ class SecurityTest : public ::testing::Test {
   std::string dir_;
   std::optional<LocalCluster> cluster_;
 };
+
+// A plaintext unary call of `method` with `request` as its raw bytes, and `token` as its bearer
+// token if not empty: the status and the raw response.
+std::pair<grpc::Status, std::string> RawCall(const std::string& address,
+                                             const std::string& method,
+                                             const std::string& request,
+                                             const std::string& token = "") {
+  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Slice slice(request);
+  grpc::ByteBuffer buffer(&slice, 1);
+  grpc::ByteBuffer response;
+  std::mutex mu;
+  std::condition_variable done_cv;
+  std::optional<grpc::Status> result;
+  stub.UnaryCall(&context, method, grpc::StubOptions(), &buffer, &response,
+                 [&](grpc::Status status) {
+                   std::lock_guard<std::mutex> lock(mu);
+                   result = status;
+                   done_cv.notify_all();
+                 });
+  std::unique_lock<std::mutex> lock(mu);
+  done_cv.wait(lock, [&] { return result.has_value(); });
+  std::string bytes;
+  std::vector<grpc::Slice> slices;
+  if (result->ok() && response.Dump(&slices).ok()) {
+    for (const grpc::Slice& part : slices) {
+      bytes.append(reinterpret_cast<const char*>(part.begin()), part.size());
+    }
+  }
+  return {*result, bytes};
+}
+
+// grpc.health.v1.Health/Check for the whole server (an empty request): the response's status
+// (1: SERVING, 2: NOT_SERVING), or -1 when the call fails.
+int HealthStatus(const std::string& address) {
+  auto [status, bytes] = RawCall(address, "/grpc.health.v1.Health/Check", "");
+  // One varint field: tag 0x08, then the enum value.
+  return status.ok() && bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -1;
+}
 
 TEST_F(SecurityTest, TokensKeepOutWorkersAndAdminsWithoutTheRightOne) {
   StartCoordinator({"--job-token-file", File("job.token"), "--admin-token-file",
@@ -98,10 +160,30 @@ TEST_F(SecurityTest, TokensKeepOutWorkersAndAdminsWithoutTheRightOne) {
   EXPECT_NE(status.exit_code, 0);
   EXPECT_NE(status.output.find("--admin-token-file"), std::string::npos) << status.output;
   EXPECT_EQ(Shardctl({"--admin-token-file", File("job.token")}, {"status"}).exit_code, 0);
+  const nlohmann::json before = nlohmann::json::parse(
+      Shardctl(admin, {"status", "--json"}).output, nullptr, false);
   CommandResult stop_as_worker =
       Shardctl({"--admin-token-file", File("job.token")}, {"stop", "--no-wait"});
   EXPECT_NE(stop_as_worker.exit_code, 0);
+  EXPECT_NE(stop_as_worker.output.find("not valid"), std::string::npos) << stop_as_worker.output;
   EXPECT_NE(stop_as_worker.output.find("admin token"), std::string::npos) << stop_as_worker.output;
+  CommandResult resize_anonymous = Shardctl({}, {"resize", "--world-size", "1", "--no-wait"});
+  EXPECT_NE(resize_anonymous.exit_code, 0);
+  // The codes on the wire: no token, a wrong token, the right one (an empty StopRequest).
+  const std::string address = cluster_->address();
+  EXPECT_EQ(RawCall(address, "/shard.v1.Admin/Stop", "").first.error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(RawCall(address, "/shard.v1.Admin/Stop", "", "job-4f7d2c").first.error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(RawCall(address, "/shard.v1.Coordinator/Join", "").first.error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  // The refused calls changed nothing.
+  const nlohmann::json after = nlohmann::json::parse(
+      Shardctl(admin, {"status", "--json"}).output, nullptr, false);
+  ASSERT_FALSE(before.is_discarded() || after.is_discarded());
+  EXPECT_EQ(after["state"], "running");
+  EXPECT_EQ(after["generation"], before["generation"]);
+  EXPECT_EQ(after["expected_world_size"], before["expected_world_size"]);
   EXPECT_EQ(Shardctl(admin, {"stop"}).exit_code, 0);
   EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(30)), 0);
   for (Process& worker : workers) EXPECT_EQ(worker.Wait(absl::Seconds(10)), 0) << worker.Log();
@@ -114,8 +196,8 @@ TEST_F(SecurityTest, TokensKeepOutWorkersAndAdminsWithoutTheRightOne) {
 
 TEST_F(SecurityTest, MutualTlsAdmitsOnlyClientsWithACertificateFromTheClientCa) {
   MakeCertificates();
-  StartCoordinator({"--tls-cert", File("server.crt"), "--tls-key", File("server.key"),
-                    "--tls-client-ca", File("ca.crt")});
+  StartCoordinator({"--job", WriteJob(60), "--tls-cert", File("server.crt"), "--tls-key",
+                    File("server.key"), "--tls-client-ca", File("ca.crt")});
   const std::vector<std::string> tls = {"--tls-ca", File("ca.crt"), "--tls-cert",
                                         File("client.crt"), "--tls-key", File("client.key")};
   EXPECT_NE(Shardctl({"--timeout", "3s"}, {"status"}).exit_code, 0) << "plaintext";
@@ -134,48 +216,14 @@ TEST_F(SecurityTest, MutualTlsAdmitsOnlyClientsWithACertificateFromTheClientCa) 
             0)
       << "a server certificate the client cannot verify";
 
+  // Workers over mutual TLS train the job to the end; the coordinator finishes on its own.
   std::vector<Process> workers;
   for (const char* id : {"w0", "w1"}) workers.push_back(cluster_->StartWorker(id, tls));
-  CommandResult ready = Shardctl(tls, {"wait", "--wait-timeout", "30s"});
-  ASSERT_EQ(ready.exit_code, 0) << ready.output << cluster_->coordinator().Log()
-                                << workers[0].Log();
-  EXPECT_EQ(Shardctl(tls, {"stop"}).exit_code, 0);
-  EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(30)), 0);
+  EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(60)), 0) << cluster_->coordinator().Log();
   for (Process& worker : workers) EXPECT_EQ(worker.Wait(absl::Seconds(10)), 0) << worker.Log();
-}
-
-// grpc.health.v1.Health/Check with an empty request (service ""): the response's status
-// field (1: SERVING, 2: NOT_SERVING), or -1 when the call fails.
-int HealthStatus(const std::string& address) {
-  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  grpc::ByteBuffer request;
-  grpc::ByteBuffer response;
-  grpc::Status result;
-  std::mutex mu;
-  std::condition_variable done_cv;
-  bool done = false;
-  grpc::Slice empty;
-  request = grpc::ByteBuffer(&empty, 1);
-  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                 &response, [&](grpc::Status status) {
-                   std::lock_guard<std::mutex> lock(mu);
-                   result = status;
-                   done = true;
-                   done_cv.notify_all();
-                 });
-  std::unique_lock<std::mutex> lock(mu);
-  done_cv.wait(lock, [&] { return done; });
-  if (!result.ok()) return -1;
-  std::vector<grpc::Slice> slices;
-  if (!response.Dump(&slices).ok()) return -1;
-  std::string bytes;
-  for (const grpc::Slice& slice : slices) {
-    bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
-  }
-  // One varint field: tag 0x08, then the enum value.
-  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -1;
+  EXPECT_NE(cluster_->coordinator().Log().find("training finished (60 steps"), std::string::npos)
+      << cluster_->coordinator().Log();
+  EXPECT_TRUE(std::filesystem::exists(File("out/final.safetensors")));
 }
 
 TEST_F(SecurityTest, TheHealthPortAnswersInPlaintextWhileTheMainPortRequiresTls) {
@@ -189,21 +237,66 @@ TEST_F(SecurityTest, TheHealthPortAnswersInPlaintextWhileTheMainPortRequiresTls)
 
 TEST_F(SecurityTest, MetricsShowTheWorldItsWorkersAndTheirCalls) {
   const int metrics_port = FreePort();
-  StartCoordinator({"--metrics-listen", absl::StrCat("127.0.0.1:", metrics_port)});
+  StartCoordinator({"--job", WriteJob(1000000), "--metrics-listen",
+                    absl::StrCat("127.0.0.1:", metrics_port)});
   std::vector<Process> workers;
   for (const char* id : {"w0", "w1"}) workers.push_back(cluster_->StartWorker(id));
-  ASSERT_EQ(cluster_->Shardctl({"wait", "--wait-timeout", "30s"}).exit_code, 0);
   httplib::Client client("127.0.0.1", metrics_port);
-  httplib::Result page = client.Get("/metrics");
-  ASSERT_TRUE(page) << httplib::to_string(page.error());
-  EXPECT_EQ(page->status, 200);
+  // Scrape while it trains, until the step counter has moved on.
+  std::string body;
+  int64_t scraped_step = 0;
+  ASSERT_TRUE(Eventually(
+      [&] {
+        httplib::Result page = client.Get("/metrics");
+        if (!page || page->status != 200) return false;
+        body = page->body;
+        const size_t at = body.find("\nshard_training_step ");
+        if (at == std::string::npos) return false;
+        scraped_step = std::stoll(body.substr(at + 21));
+        return scraped_step >= 20;
+      },
+      absl::Seconds(60)))
+      << body;
+  // The step reported by the workers a moment later is at least the scraped one.
+  CommandResult stats = cluster_->Shardctl({"stats", "--json"});
+  const nlohmann::json parsed = nlohmann::json::parse(stats.output, nullptr, false);
+  ASSERT_FALSE(parsed.is_discarded()) << stats.output;
+  const std::string text = parsed.dump();
+  const size_t step_at = text.find("\"step\":");
+  ASSERT_NE(step_at, std::string::npos) << text;
+  EXPECT_GE(std::stoll(text.substr(step_at + 7)), scraped_step) << text;
   for (const char* line :
-       {"shard_world_size 2\n", "shard_worker_up{worker=\"w0\",rank=", "shard_generation ",
-        "shard_rpc_requests_total{method=\"shard.v1.Coordinator/Join\",code=\"OK\"} 2\n"}) {
-    EXPECT_NE(page->body.find(line), std::string::npos) << line << "\n" << page->body;
+       {"\nshard_world_size 2\n", "\nshard_worker_up{worker=\"w0\",rank=",
+        "\nshard_generation ", "\nshard_training_loss ",
+        "\nshard_rpc_requests_total{method=\"shard.v1.Coordinator/Join\",code=\"OK\"} 2\n"}) {
+    EXPECT_NE(body.find(line), std::string::npos) << line << "\n" << body;
   }
   EXPECT_EQ(cluster_->Shardctl({"stop"}).exit_code, 0);
   for (Process& worker : workers) EXPECT_EQ(worker.Wait(absl::Seconds(10)), 0);
+}
+
+TEST_F(SecurityTest, OversizedAndMalformedCallsAreRefusedAndTheCoordinatorServesOn) {
+  StartCoordinator({});
+  const std::string address = cluster_->address();
+  // 5 MiB: over the 4 MiB cap on any request.
+  grpc::Status oversized =
+      RawCall(address, "/shard.v1.Rendezvous/Set", std::string(5 << 20, 'x')).first;
+  EXPECT_EQ(oversized.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << oversized.error_message();
+  // Bytes that are no JoinRequest.
+  grpc::Status malformed =
+      RawCall(address, "/shard.v1.Coordinator/Join", "\xff\xff\xff\x0f").first;
+  EXPECT_FALSE(malformed.ok());
+  // A join whose worker id is a path.
+  CommandResult bad_id = RunCommand(
+      {BinaryPath("shard-worker"), "--coordinator", address, "--id", "../etc"},
+      absl::Seconds(10));
+  EXPECT_EQ(bad_id.exit_code, 2) << bad_id.output;
+  // Still serving, and nobody joined.
+  nlohmann::json status = cluster_->Status();
+  ASSERT_FALSE(status.is_null());
+  EXPECT_TRUE(status["workers"].empty()) << status.dump();
+  EXPECT_EQ(HealthStatus(address), 1);
 }
 
 TEST_F(SecurityTest, FlagsComeFromTheEnvironmentAndTheCommandLineWins) {
