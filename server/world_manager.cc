@@ -612,7 +612,7 @@ void WorldManager::WatchHeartbeat(const HeartbeatParams& params, absl::Time now,
     outcome = HeartbeatLocked(params.worker_id, params.incarnation, now);
     const absl::Duration wait = std::min(params.wait, options_.lease / 4);
     if (outcome.ok() && wait > absl::ZeroDuration() &&
-        !WatchFires(params.known_generation, params.known_state,
+        !WatchFires(WorldLocked(), params.known_generation, params.known_state,
                     &m_.workers.at(params.worker_id))) {
       watches_.push_back(Watch{params.worker_id, params.known_generation, params.known_state,
                                now + wait, std::move(done)});
@@ -622,13 +622,12 @@ void WorldManager::WatchHeartbeat(const HeartbeatParams& params, absl::Time now,
   done(std::move(outcome));
 }
 
-bool WorldManager::WatchFires(int64_t known_generation, JobState known_state,
+bool WorldManager::WatchFires(const World& world, int64_t known_generation, JobState known_state,
                               const Worker* worker) const {
   if (worker == nullptr || worker->role == Role::kDeparted || worker->role == Role::kLeaving ||
       m_.stop_requested) {
     return true;
   }
-  const World world = WorldLocked();
   // While the world is forming, joins bump the generation without concerning anyone: waking
   // every waiting worker on each join would cost O(W^2) replies to form a world of W.
   return world.state != known_state ||
@@ -637,11 +636,13 @@ bool WorldManager::WatchFires(int64_t known_generation, JobState known_state,
 
 std::vector<WorldManager::Answer> WorldManager::TakeChangedWatchesLocked() {
   std::vector<Answer> answers;
+  // Once for all watches: recomputing it per watch made every join O(W^2) while a world forms.
+  const World world = WorldLocked();
   for (size_t i = 0; i < watches_.size();) {
     Watch& watch = watches_[i];
     auto it = m_.workers.find(watch.worker_id);
     const Worker* worker = it == m_.workers.end() ? nullptr : &it->second;
-    if (!WatchFires(watch.known_generation, watch.known_state, worker)) {
+    if (!WatchFires(world, watch.known_generation, watch.known_state, worker)) {
       ++i;
       continue;
     }

@@ -318,8 +318,9 @@ class WorldManager {
   absl::StatusOr<HeartbeatOutcome> OutcomeLocked(const std::string& worker_id) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Whether a watch taken at (known_generation, known_state) by `worker` must be answered now.
-  bool WatchFires(int64_t known_generation, JobState known_state, const Worker* worker) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // `world` is WorldLocked(), computed once by the caller for all the watches it checks.
+  bool WatchFires(const World& world, int64_t known_generation, JobState known_state,
+                  const Worker* worker) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Moves the watches whose world changed, and the event watches with news, into answers.
   std::vector<Answer> TakeChangedWatchesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void Deliver(std::vector<Answer> answers);
