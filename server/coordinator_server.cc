@@ -14,6 +14,12 @@ namespace shard {
 
 namespace {
 
+absl::Status CannotListen(const std::string& address, absl::string_view flag) {
+  return absl::UnavailableError(absl::StrCat("cannot listen on '", address,
+                                             "': the address is malformed or the port is in use; "
+                                             "pass another ", flag));
+}
+
 constexpr char kJobRecord[] = "job";
 
 // The world's options as the job spec sets them.
@@ -193,9 +199,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   builder.RegisterService(server->admin_service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on '", options.listen_address,
-        "': the address is malformed or the port is in use; pass another --listen"));
+    return CannotListen(options.listen_address, "--listen");
   }
   if (!options.health_listen.empty()) {
     grpc::ServerBuilder health;
@@ -204,9 +208,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     health.SetMaxReceiveMessageSize(4096);
     server->health_server_ = health.BuildAndStart();
     if (server->health_server_ == nullptr || server->health_port_ == 0) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot listen on '", options.health_listen,
-          "': the address is malformed or the port is in use; pass another --health-listen"));
+      return CannotListen(options.health_listen, "--health-listen");
     }
   }
   if (!options.metrics_listen.empty()) {

@@ -19,6 +19,13 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl
   return reactor;
 }
 
+// The reply refusing a call `guard` does not let through, or nullptr.
+grpc::ServerUnaryReactor* Refuse(const AccessGuard& guard, grpc::CallbackServerContext* context,
+                                 Access access) {
+  absl::Status allowed = guard.Check(*context, access);
+  return allowed.ok() ? nullptr : Reply(context, allowed);
+}
+
 v1::JobState ToProto(JobState state) {
   switch (state) {
     case JobState::kForming: return v1::JOB_STATE_FORMING;
@@ -130,9 +137,7 @@ void FillCheckpoint(const v1::CheckpointRecord& record, v1::CheckpointInfo* out)
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::Join(grpc::CallbackServerContext* context,
                                                        const v1::JoinRequest* request,
                                                        v1::JoinResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   if (!join_limiter_->Allow(clock_())) {
     return Reply(context, absl::UnavailableError(
                               "too many joins at once; the coordinator bounds their rate "
@@ -164,9 +169,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Join(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::Heartbeat(grpc::CallbackServerContext* context,
                                                             const v1::HeartbeatRequest* request,
                                                             v1::HeartbeatResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   // Answered when the world changes or the wait runs out; the manager calls back once.
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   HeartbeatParams params;
@@ -200,9 +203,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Heartbeat(grpc::CallbackServer
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportSelfCheck(
     grpc::CallbackServerContext* context, const v1::ReportSelfCheckRequest* request,
     v1::ReportSelfCheckResponse* /*response*/) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   return Reply(context, world_->ReportSelfCheck(request->worker_id(), request->incarnation(),
                                                 request->generation(), request->passed(),
                                                 request->detail(), clock_()));
@@ -211,9 +212,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportSelfCheck(
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::Leave(grpc::CallbackServerContext* context,
                                                         const v1::LeaveRequest* request,
                                                         v1::LeaveResponse* /*response*/) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   return Reply(context, world_->Leave(request->worker_id(), request->incarnation(),
                                       request->reason(), clock_()));
 }
@@ -221,9 +220,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Leave(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::RegisterManifest(
     grpc::CallbackServerContext* context, const v1::RegisterManifestRequest* request,
     v1::PlanResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   absl::StatusOr<MemberRef> member = world_->Member(request->worker_id(), request->incarnation());
   if (!member.ok()) return Reply(context, member.status());
   absl::StatusOr<Manifest> manifest = FromProto(request->manifest());
@@ -236,9 +233,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::RegisterManifest(
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::AckPlan(grpc::CallbackServerContext* context,
                                                           const v1::AckPlanRequest* request,
                                                           v1::PlanResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   absl::StatusOr<MemberRef> member = world_->Member(request->worker_id(), request->incarnation());
   if (!member.ok()) return Reply(context, member.status());
   absl::StatusOr<PlanView> view = plan_->AckPlan(*member, request->version(), request->hash());
@@ -249,9 +244,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::AckPlan(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportGradientOrder(
     grpc::CallbackServerContext* context, const v1::ReportGradientOrderRequest* request,
     v1::PlanResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   absl::StatusOr<MemberRef> member = world_->Member(request->worker_id(), request->incarnation());
   if (!member.ok()) return Reply(context, member.status());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -268,9 +261,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportGradientOrder(
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportStepStats(
     grpc::CallbackServerContext* context, const v1::ReportStepStatsRequest* request,
     v1::ReportStepStatsResponse* /*response*/) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   absl::StatusOr<MemberRef> member = world_->Member(request->worker_id(), request->incarnation());
   if (!member.ok()) return Reply(context, member.status());
   const v1::StepStats& stats = request->stats();
@@ -289,9 +280,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportStepStats(
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportCheckpointShard(
     grpc::CallbackServerContext* context, const v1::ReportCheckpointShardRequest* request,
     v1::ReportCheckpointShardResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   if (checkpoints_ == nullptr) {
     return Reply(context, absl::FailedPreconditionError("this coordinator runs no job"));
   }
@@ -324,9 +313,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportCheckpointShard(
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportTrainingDone(
     grpc::CallbackServerContext* context, const v1::ReportTrainingDoneRequest* request,
     v1::ReportTrainingDoneResponse* /*response*/) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   std::string summary = absl::StrCat(request->steps(), " steps, final loss ", request->final_loss());
   if (!request->output_path().empty()) absl::StrAppend(&summary, ", parameters in ", request->output_path());
   return Reply(context, world_->ReportTrainingDone(request->worker_id(), request->incarnation(),
@@ -336,18 +323,14 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportTrainingDone(
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Set(grpc::CallbackServerContext* context,
                                                      const v1::KvSetRequest* request,
                                                      v1::KvSetResponse* /*response*/) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   return Reply(context, kv_->Set(FromProto(request->scope()), request->key(), request->value()));
 }
 
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Get(grpc::CallbackServerContext* context,
                                                      const v1::KvGetRequest* request,
                                                      v1::KvGetResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   absl::StatusOr<std::string> value = kv_->Get(FromProto(request->scope()), request->key());
   if (value.ok()) response->set_value(std::move(*value));
   return Reply(context, value.status());
@@ -356,9 +339,7 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Get(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Wait(grpc::CallbackServerContext* context,
                                                       const v1::KvWaitRequest* request,
                                                       v1::KvWaitResponse* /*response*/) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kWorker); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   // The reply is sent when the keys arrive, the wait times out or the generation ends; the
   // manager calls back exactly once.
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -372,9 +353,7 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Wait(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContext* context,
                                                       const v1::GetStatusRequest* /*request*/,
                                                       v1::GetStatusResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kRead); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   const absl::Time now = clock_();
   StatusSnapshot snapshot = world_->Status(now);
   if (std::string transition = elastic_->transition(); !transition.empty()) {
@@ -404,9 +383,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* AdminServiceImpl::GetPlan(grpc::CallbackServerContext* context,
                                                     const v1::GetPlanRequest* /*request*/,
                                                     v1::PlanSummary* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kRead); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   std::optional<PlanView> view = plan_->Current();
   if (!view.has_value()) {
     return Reply(context, absl::NotFoundError("no plan yet: no worker has registered a manifest "
@@ -419,9 +396,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetPlan(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* AdminServiceImpl::GetStats(grpc::CallbackServerContext* context,
                                                      const v1::GetStatsRequest* /*request*/,
                                                      v1::GetStatsResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kRead); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   const PlanStats stats = plan_->Stats();
   response->set_status(ToProto(stats.status));
   response->set_plan_version(stats.plan_version);
@@ -460,9 +435,7 @@ absl::Status AdminServiceImpl::NeedCheckpoints() const {
 grpc::ServerUnaryReactor* AdminServiceImpl::SaveCheckpoint(
     grpc::CallbackServerContext* context, const v1::SaveCheckpointRequest* /*request*/,
     v1::SaveCheckpointResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kAdmin); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
   if (world_->world().state != JobState::kRunning) {
     return Reply(context, absl::FailedPreconditionError(
@@ -479,9 +452,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::SaveCheckpoint(
 grpc::ServerUnaryReactor* AdminServiceImpl::GetSaveProgress(
     grpc::CallbackServerContext* context, const v1::GetSaveProgressRequest* request,
     v1::GetSaveProgressResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kRead); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
   const SaveProgress progress = checkpoints_->Progress(request->request());
   response->set_shards_done(progress.shards_done);
@@ -495,9 +466,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetSaveProgress(
 grpc::ServerUnaryReactor* AdminServiceImpl::ListCheckpoints(
     grpc::CallbackServerContext* context, const v1::ListCheckpointsRequest* /*request*/,
     v1::ListCheckpointsResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kRead); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
   for (const v1::CheckpointRecord& record : checkpoints_->List()) {
     FillCheckpoint(record, response->add_checkpoints());
@@ -509,9 +478,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListCheckpoints(
 grpc::ServerUnaryReactor* AdminServiceImpl::GetCheckpoint(grpc::CallbackServerContext* context,
                                                           const v1::GetCheckpointRequest* request,
                                                           v1::CheckpointInfo* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kRead); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
   absl::StatusOr<v1::CheckpointRecord> record = checkpoints_->Find(request->id());
   if (!record.ok()) return Reply(context, record.status());
@@ -534,9 +501,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetCheckpoint(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* AdminServiceImpl::DeleteCheckpoint(
     grpc::CallbackServerContext* context, const v1::DeleteCheckpointRequest* request,
     v1::DeleteCheckpointResponse* /*response*/) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kAdmin); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
   return Reply(context, checkpoints_->Delete(request->id()));
 }
@@ -544,9 +509,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::DeleteCheckpoint(
 grpc::ServerUnaryReactor* AdminServiceImpl::RestoreCheckpoint(
     grpc::CallbackServerContext* context, const v1::RestoreCheckpointRequest* request,
     v1::RestoreCheckpointResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kAdmin); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   if (absl::Status need = NeedCheckpoints(); !need.ok()) return Reply(context, need);
   absl::StatusOr<v1::CheckpointRecord> record = checkpoints_->Find(request->id());
   if (!record.ok()) return Reply(context, record.status());
@@ -565,9 +528,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::RestoreCheckpoint(
 grpc::ServerUnaryReactor* AdminServiceImpl::Stop(grpc::CallbackServerContext* context,
                                                  const v1::StopRequest* request,
                                                  v1::StopResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kAdmin); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   const World world = world_->RequestStop(
       request->reason().empty() ? "shardctl stop" : request->reason(), clock_());
   FillWorld(world_->options().job, world, response->mutable_world());
@@ -578,9 +539,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::Stop(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* AdminServiceImpl::Resize(grpc::CallbackServerContext* context,
                                                    const v1::ResizeRequest* request,
                                                    v1::ResizeResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kAdmin); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   const absl::Status set = world_->SetTarget(request->world_size(), clock_());
   if (set.ok()) {
     on_change_();
@@ -592,9 +551,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::Resize(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* AdminServiceImpl::Drain(grpc::CallbackServerContext* context,
                                                   const v1::DrainRequest* request,
                                                   v1::DrainResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kAdmin); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   const absl::Status drained = world_->Drain(request->worker_id(), clock_());
   if (drained.ok()) {
     on_change_();
@@ -606,9 +563,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::Drain(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* AdminServiceImpl::ListEvents(grpc::CallbackServerContext* context,
                                                        const v1::ListEventsRequest* request,
                                                        v1::ListEventsResponse* response) {
-  if (absl::Status allowed = guard_->Check(*context, Access::kRead); !allowed.ok()) {
-    return Reply(context, allowed);
-  }
+  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto answer = [reactor, response](std::vector<v1::MembershipEvent> events) {
     for (const v1::MembershipEvent& event : events) {

@@ -152,55 +152,56 @@ class ChaosTest : public ::testing::Test {
 
   std::string state() const { return dir_ + "/state"; }
 
+  // (a) and (b): worker `victim` of 4 is lost to `signal` mid-training (a crash or a hang). The
+  // survivors must leave their collective within a few leases, re-form at 3 after the grace
+  // period, restore the latest checkpoint, and end with exactly the parameters of a 4->3 restore
+  // of that checkpoint. Returns how long the slowest survivor took to abort.
+  absl::Duration LoseAWorkerAndExpectTheSameParametersOnThree(int victim, int signal) {
+    constexpr int kSteps = 300;
+    StartCoordinator(WriteJob("job", 4, 3, kSteps, 10, "out"));
+    std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"});
+    WaitForCheckpoints(2);
+    const absl::Time lost = absl::Now();
+    workers[victim].Signal(signal);
+    if (signal == SIGKILL) {
+      EXPECT_EQ(workers[victim].Wait(absl::Seconds(5)), 128 + SIGKILL);
+    }
+    std::vector<Process*> survivors;
+    for (int i = 0; i < 4; ++i) {
+      if (i != victim) survivors.push_back(&workers[i]);
+    }
+    ExpectJobFinishes(survivors);
+
+    const absl::Duration aborted = AbortedAfter(lost, survivors);
+    EXPECT_LT(aborted, 3 * kLease) << "declared dead within a lease, then the abort is immediate";
+    EXPECT_TRUE(HasEvent("KIND_DEAD: no heartbeat"));
+    EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
+
+    const std::vector<std::string> restores = Restores(survivors[0]->Log());
+    EXPECT_EQ(restores.size(), 1u) << survivors[0]->Log();
+    if (restores.size() == 1) {
+      EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ReferenceRun(restores[0], 3, kSteps))
+          << "the re-formed run must equal a 4->3 restore of the same checkpoint";
+    }
+    return aborted;
+  }
+
   std::string dir_;
   std::optional<LocalCluster> cluster_;
 };
 
-// (a) and (b): a worker lost mid-training, by crash or by hang; the survivors re-form at 3 after
-// the grace period and restore the latest checkpoint.
 TEST_F(ChaosTest, AKilledWorkerAbortsTheSurvivorsPromptlyAndTheJobFinishesOnThree) {
-  constexpr int kSteps = 300;
-  StartCoordinator(WriteJob("job", 4, 3, kSteps, 10, "out"));
-  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"});
-  WaitForCheckpoints(2);
-  const absl::Time killed = absl::Now();
-  workers[2].Signal(SIGKILL);
-  ASSERT_EQ(workers[2].Wait(absl::Seconds(5)), 128 + SIGKILL);
-  ExpectJobFinishes({&workers[0], &workers[1], &workers[3]});
-
   // A crash closes the peers' connections: the survivors give up their collective at once.
-  const absl::Duration aborted = AbortedAfter(killed, {&workers[0], &workers[1], &workers[3]});
-  EXPECT_LT(aborted, 3 * kLease);
+  const absl::Duration aborted = LoseAWorkerAndExpectTheSameParametersOnThree(2, SIGKILL);
   std::cout << "SIGKILL: survivors aborted " << absl::FormatDuration(aborted) << " after the kill\n";
-  EXPECT_TRUE(HasEvent("KIND_DEAD: no heartbeat"));
-  EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
-
-  const std::vector<std::string> restores = Restores(workers[0].Log());
-  ASSERT_EQ(restores.size(), 1u) << workers[0].Log();
-  EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ReferenceRun(restores[0], 3, kSteps))
-      << "the re-formed run must equal a 4->3 restore of the same checkpoint";
 }
 
 TEST_F(ChaosTest, AHangingWorkerIsDeclaredDeadAndTheSurvivorsDoNotHang) {
-  constexpr int kSteps = 300;
-  StartCoordinator(WriteJob("job", 4, 3, kSteps, 10, "out"));
-  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"});
-  WaitForCheckpoints(2);
   // SIGSTOP: its connections stay open, so only its missing heartbeats tell; the survivors sit
   // in a collective until the coordinator ends the generation.
-  const absl::Time stopped = absl::Now();
-  workers[1].Signal(SIGSTOP);
-  ExpectJobFinishes({&workers[0], &workers[2], &workers[3]});
-
-  const absl::Duration aborted = AbortedAfter(stopped, {&workers[0], &workers[2], &workers[3]});
-  EXPECT_LT(aborted, 3 * kLease) << "declared dead after one lease, then the abort is immediate";
+  const absl::Duration aborted = LoseAWorkerAndExpectTheSameParametersOnThree(1, SIGSTOP);
   std::cout << "SIGSTOP: survivors aborted " << absl::FormatDuration(aborted)
             << " after the hang began\n";
-  EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
-
-  const std::vector<std::string> restores = Restores(workers[0].Log());
-  ASSERT_EQ(restores.size(), 1u) << workers[0].Log();
-  EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ReferenceRun(restores[0], 3, kSteps));
 }
 
 TEST_F(ChaosTest, AReplacementIsFoldedInAtTheNextCheckpointAndTheWorldGrowsBackToFour) {
