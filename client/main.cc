@@ -1,4 +1,5 @@
 // shardctl: the admin client of a Shard job.
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <thread>
@@ -13,6 +14,8 @@
 #include "common/files.h"
 #include "common/manifest.h"
 #include "common/plan.h"
+#include "common/tensor_compare.h"
+#include "nlohmann/json.hpp"
 #include "proto/plan_convert.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -23,6 +26,43 @@ namespace {
 int Fail(const absl::Status& status) {
   std::cerr << "shardctl: " << status.message() << "\n";
   return 1;
+}
+
+// `shardctl compare`: 0 when every tensor is within `max_abs_diff`, 1 when one is not, 2 when
+// the files cannot be compared.
+int RunCompare(const std::string& a, const std::string& b, double max_abs_diff, bool json) {
+  absl::StatusOr<std::vector<shard::TensorDifference>> differences =
+      shard::CompareSafetensorsFiles(a, b);
+  if (!differences.ok()) {
+    std::cerr << "shardctl: " << differences.status().message() << "\n";
+    return 2;
+  }
+  bool within = true;
+  double worst = 0;
+  nlohmann::json out = nlohmann::json::array();
+  for (const shard::TensorDifference& d : *differences) {
+    within &= d.max_abs_diff <= max_abs_diff;
+    worst = std::max(worst, d.max_abs_diff);
+    out.push_back({{"name", d.name}, {"numel", d.numel}, {"differing", d.differing},
+                   {"max_abs_diff", d.max_abs_diff}, {"worst_element", d.worst_element},
+                   {"max_magnitude", d.max_magnitude}});
+  }
+  if (json) {
+    std::cout << nlohmann::json{{"tensors", out}, {"max_abs_diff", worst}, {"within", within}}
+                     .dump(2)
+              << "\n";
+  } else {
+    std::printf("%-28s %12s %12s %14s %12s %12s\n", "tensor", "elements", "differing",
+                "max |a-b|", "at element", "max |a|");
+    for (const shard::TensorDifference& d : *differences) {
+      std::printf("%-28s %12lld %12lld %14.6g %12lld %12.6g\n", d.name.c_str(),
+                  static_cast<long long>(d.numel), static_cast<long long>(d.differing),
+                  d.max_abs_diff, static_cast<long long>(d.worst_element), d.max_magnitude);
+    }
+    std::printf("largest difference %.6g: %s the accepted %.6g\n", worst,
+                within ? "within" : "EXCEEDS", max_abs_diff);
+  }
+  return within ? 0 : 1;
 }
 
 // Waits for the stop to finish: the job reaches "stopped" or the coordinator exits.
@@ -202,6 +242,22 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--seed", data_seed, "generator seed")->capture_default_str();
   generate_cmd->add_option("--out", data_out, "output file")->required();
 
+  CLI::App* compare_cmd = app.add_subcommand(
+      "compare",
+      "compare two safetensors files with the same tensors element by element (e.g. a GPU "
+      "run's final.safetensors with a CPU run's): per tensor the largest absolute difference, "
+      "where it is, and the tensor's largest magnitude. Exits 0 when every difference is within "
+      "--max-abs-diff, 1 when one is not, 2 when the files cannot be compared");
+  std::string compare_a, compare_b;
+  double max_abs_diff = 0;
+  compare_cmd->add_option("a", compare_a, "first file")->required()->check(CLI::ExistingFile);
+  compare_cmd->add_option("b", compare_b, "second file")->required()->check(CLI::ExistingFile);
+  compare_cmd->add_option("--max-abs-diff", max_abs_diff,
+                          "largest absolute difference accepted (0: bitwise equal values)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  compare_cmd->add_flag("--json", json, "print JSON for scripts");
+
   shard::CheckpointCommands checkpoint_commands;
   shard::AddCheckpointCommands(app, &checkpoint_commands);
   shard::ElasticCommands elastic_commands;
@@ -252,6 +308,7 @@ int main(int argc, char** argv) {
               << widths.back() << " classes) to " << data_out << "\n";
     return 0;
   }
+  if (compare_cmd->parsed()) return RunCompare(compare_a, compare_b, max_abs_diff, json);
   if (plan_cmd->parsed() && !manifest_file.empty()) {
     if (plan_world_size < 1) {
       std::cerr << "shardctl: plan --manifest needs --world-size\n";

@@ -32,6 +32,14 @@ std::vector<std::string> OptimizerStateNames(const OptimizerConfig& optimizer) {
   return {"exp_avg", "exp_avg_sq"};
 }
 
+absl::StatusOr<DataType> ParsePrecision(const std::string& precision) {
+  if (precision == "fp32") return DataType::kFloat32;
+  if (precision == "bf16") return DataType::kBFloat16;
+  if (precision == "fp16") return DataType::kFloat16;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "'", precision, "' is not a precision; use fp32, bf16 or fp16 (16-bit needs GPU workers)"));
+}
+
 absl::Status ValidateJobConfig(const JobConfig& job) {
   if (absl::Status name = ValidateName("job spec: name", job.name); !name.ok()) return name;
   if (job.world_size < 1) return Invalid("world_size", "must be at least 1");
@@ -88,9 +96,8 @@ absl::Status ValidateJobConfig(const JobConfig& job) {
   if (job.bucket_cap_bytes < 1 || job.first_bucket_cap_bytes < 1) {
     return Invalid("bucket_cap_mb", "must be positive");
   }
-  if (job.precision != "fp32") {
-    return Invalid("precision", absl::StrCat("'", job.precision,
-                                             "' is not available on CPU workers; use fp32"));
+  if (absl::Status precision = ParsePrecision(job.precision).status(); !precision.ok()) {
+    return Invalid("precision", precision.message());
   }
   if (!(job.grad_clip_norm >= 0)) return Invalid("grad_clip_norm", "must be >= 0 (0 = off)");
   if (job.checkpoint_dir.empty()) return Invalid("checkpoint.dir", "is required");

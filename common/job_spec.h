@@ -60,6 +60,10 @@ struct JobConfig {
 // that the global batch splits evenly over the world size. InvalidArgument naming the field.
 absl::Status ValidateJobConfig(const JobConfig& job);
 
+// The element type the model computes in for a job's `precision`: fp32, bf16 or fp16
+// (InvalidArgument naming the accepted values otherwise).
+absl::StatusOr<DataType> ParsePrecision(const std::string& precision);
+
 // The built-in MLP's parameters: layers.{i}.weight [out, in] and layers.{i}.bias [out].
 Manifest MlpManifest(const std::vector<int64_t>& widths);
 

@@ -2,7 +2,11 @@
 # Builds the GPU test and benchmark binaries into build-gpu/ (CUDA required, -DSHARD_WITH_CUDA=ON)
 # and puts stripped copies in build-gpu/device/ for a GPU machine that has none of our Debian
 # packages: they need only the NVIDIA driver, cuBLAS and NCCL there (checked below with ldd).
-# Then, on the GPU machine, from the repository root: scripts/gpu-test.sh build-gpu/device
+# It also packs the three programs with every shared library they need beyond the C/C++
+# runtime, CUDA and NCCL into build-gpu/device/cluster.tar.xz (bin/ and lib/), for
+# scripts/gpu-cluster-test.sh. Then, on the GPU machine, from the repository root:
+#   scripts/gpu-test.sh build-gpu/device
+#   scripts/gpu-cluster-test.sh build-gpu/device/cluster.tar.xz
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR="${SHARD_GPU_BUILD_DIR:-build-gpu}"
@@ -10,7 +14,8 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DSHARD_WARNINGS_AS_ERRORS=ON -DSHARD_WITH_CUDA=ON
 fi
-cmake --build "$BUILD_DIR" -j "$(nproc)" --target gpu_test shard-bench-gpu
+cmake --build "$BUILD_DIR" -j "$(nproc)" --target gpu_test shard-bench-gpu \
+  shard-coordinator shard-worker shardctl
 mkdir -p "$BUILD_DIR/device"
 for binary in gpu_test shard-bench-gpu; do
   objcopy --strip-debug "$BUILD_DIR/bin/$binary" "$BUILD_DIR/device/$binary"
@@ -23,4 +28,19 @@ for binary in gpu_test shard-bench-gpu; do
   fi
 done
 cp bench/gpu_torch_adam.py "$BUILD_DIR/device/"
+
+# The cluster bundle: the programs and the Debian libraries they load (Gloo, gRPC, protobuf,
+# Abseil, spdlog, OpenBLAS, ...), found by ldd here. The GPU machine's C library must be at
+# least as new as this machine's (Debian 12: glibc 2.36).
+bundle="$BUILD_DIR/device/cluster"
+rm -rf "$bundle"
+mkdir -p "$bundle/bin" "$bundle/lib"
+for program in shard-coordinator shard-worker shardctl; do
+  objcopy --strip-debug "$BUILD_DIR/bin/$program" "$bundle/bin/$program"
+done
+ldd "$bundle"/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
+  grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+)\.so|/ld-linux|libcuda\.so|libcublas|libnccl' |
+  while read -r library; do cp -L "$library" "$bundle/lib/"; done
+tar -C "$BUILD_DIR/device" -cJf "$BUILD_DIR/device/cluster.tar.xz" cluster
+rm -rf "$bundle"
 du -sh "$BUILD_DIR/device"

@@ -10,7 +10,6 @@
 #include "proto/job_convert.h"
 #include "common/logging.h"
 #include "spdlog/spdlog.h"
-#include "worker/dataplane/gloo_communicator.h"
 #include "worker/dataplane/self_check.h"
 #include "worker/dataplane/trainer.h"
 #include "worker/plan_session.h"
@@ -30,8 +29,12 @@ bool IsTransient(const absl::Status& status) {
 
 }  // namespace
 
-WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClient> client)
-    : options_(std::move(options)), client_(std::move(client)), incarnation_(RandomIncarnation()) {}
+WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClient> client,
+                         std::unique_ptr<DataPath> data_path)
+    : options_(std::move(options)),
+      client_(std::move(client)),
+      data_path_(std::move(data_path)),
+      incarnation_(RandomIncarnation()) {}
 
 void WorkerAgent::RequestStop(const std::string& reason) {
   absl::MutexLock lock(&mu_);
@@ -83,7 +86,9 @@ absl::Status WorkerAgent::JoinWithRetry() {
   request.set_worker_id(options_.worker_id);
   request.set_host(options_.host);
   request.set_device(options_.device);
-  request.add_capabilities("gloo");
+  for (const std::string& capability : data_path_->capabilities()) {
+    request.add_capabilities(capability);
+  }
   request.set_incarnation(incarnation_);
   if (options_.rank.has_value()) request.set_requested_rank(*options_.rank);
 
@@ -204,15 +209,11 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
     if (stop_) return absl::CancelledError("stopping");
     rendezvous_ = rendezvous;
   }
-  GlooOptions gloo;
-  gloo.rank = world.rank;
-  gloo.size = world.world_size;
-  gloo.hostname = options_.host;
-  gloo.timeout = options_.collective_timeout;
-  spdlog::info("connecting the data path: rank {} of {} over Gloo TCP on {}", world.rank,
-               world.world_size, options_.host);
-  absl::StatusOr<std::unique_ptr<GlooCommunicator>> created =
-      CreateGlooCommunicator(rendezvous.get(), gloo);
+  spdlog::info("connecting the data path: rank {} of {} on {} over {} (peers reach {})",
+               world.rank, world.world_size, data_path_->device().name(), data_path_->backend(),
+               options_.host);
+  absl::StatusOr<std::unique_ptr<Communicator>> created =
+      data_path_->Connect(rendezvous.get(), world.rank, world.world_size);
   {
     absl::MutexLock lock(&mu_);
     rendezvous_ = nullptr;
@@ -227,7 +228,7 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
     absl::MutexLock lock(&mu_);
     communicator = communicator_;
   }
-  absl::StatusOr<SelfCheckResult> checked = RunSelfCheck(*communicator, options_.self_check_elements);
+  absl::StatusOr<SelfCheckResult> checked = RunSelfCheck(*communicator, options_.self_check_elements, data_path_->device());
   if (!checked.ok() && (absl::IsAborted(checked.status()) || absl::IsCancelled(checked.status()))) {
     return checked.status();
   }
@@ -336,6 +337,10 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
                    t.optimizer_ms, t.gather_ms, record.plan_version,
                    t.rebuilt ? ", buckets rebuilt" : "");
     }
+    if (rank == 0 && t.skipped) {
+      spdlog::warn("step {}: inf/NaN gradients at loss scale {}; update skipped, scale lowered",
+                   record.step, t.loss_scale);
+    }
     v1::ReportStepStatsRequest report;
     report.set_worker_id(options_.worker_id);
     report.set_incarnation(incarnation_);
@@ -349,11 +354,13 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
     stats->set_loss(record.loss);
     reporter.Submit(std::move(report));
   };
-  spdlog::info("training job '{}': MLP {}, {} steps, global batch {}, {} with lr {}, ZeRO stage "
-               "{}, {} shards, overlap {}",
-               job.name, absl::StrJoin(job.widths, "x"), job.steps, job.global_batch,
-               OptimizerKindName(job.optimizer.kind), job.optimizer.lr, job.zero_stage,
-               ShardModeName(job.shard_mode), job.overlap ? "on" : "off");
+  trainer.device = &data_path_->device();
+  spdlog::info("training job '{}': MLP {} in {} on {}, {} steps, global batch {}, {} with lr {}, "
+               "ZeRO stage {}, {} shards, overlap {}",
+               job.name, absl::StrJoin(job.widths, "x"), job.precision, trainer.device->name(),
+               job.steps, job.global_batch, OptimizerKindName(job.optimizer.kind),
+               job.optimizer.lr, job.zero_stage, ShardModeName(job.shard_mode),
+               job.overlap ? "on" : "off");
   absl::StatusOr<TrainResult> result = TrainMlp(job, *communicator, plans, trainer);
   if (!result.ok()) {
     if (stop_requested_) return absl::CancelledError(result.status().message());

@@ -14,6 +14,7 @@
 #include "common/job_spec.h"
 #include "common/manifest.h"
 #include "worker/coordinator_client.h"
+#include "worker/data_path.h"
 #include "worker/dataplane/communicator.h"
 
 namespace shard {
@@ -21,7 +22,7 @@ namespace shard {
 struct WorkerOptions {
   std::string worker_id;
   std::string host = "127.0.0.1";  // where peers reach this worker's data path
-  std::string device = "cpu";
+  std::string device = "cpu";  // as announced to the coordinator; the data path runs it
   std::optional<int> rank;          // unset: the coordinator picks
   // How long to keep trying while the coordinator cannot be reached (at start and later).
   absl::Duration coordinator_timeout = absl::Seconds(60);
@@ -35,7 +36,8 @@ struct WorkerOptions {
 
 class WorkerAgent {
  public:
-  WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClient> client);
+  WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClient> client,
+              std::unique_ptr<DataPath> data_path);
 
   // Runs until the coordinator orders a stop or RequestStop() is called (then OK, after
   // leaving), or until an unrecoverable error (returned).
@@ -70,6 +72,7 @@ class WorkerAgent {
 
   const WorkerOptions options_;
   const std::unique_ptr<CoordinatorClient> client_;
+  const std::unique_ptr<DataPath> data_path_;
   const uint64_t incarnation_;
 
   absl::Mutex mu_;

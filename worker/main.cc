@@ -13,9 +13,14 @@
 #include "common/manifest.h"
 #include "common/names.h"
 #include "common/signal_watcher.h"
+#include "shard/config.h"
 #include "spdlog/spdlog.h"
 #include "worker/agent.h"
+#include "worker/data_path.h"
 #include "worker/dataplane/mlp.h"
+#if SHARD_HAVE_CUDA
+#include "worker/gpu/gpu_data_path.h"
+#endif
 
 namespace {
 
@@ -30,7 +35,8 @@ std::string DefaultWorkerId() {
 int main(int argc, char** argv) {
   CLI::App app{
       "shard-worker: one data-parallel rank of a Shard job. Joins the coordinator, receives its "
-      "rank, connects the data path to its peers (Gloo over TCP on CPU), self-checks it with "
+      "rank, connects the data path to its peers (Gloo over TCP on CPU, NCCL on a GPU), "
+      "self-checks it with "
       "collectives of known result, trains the coordinator's job, and keeps its lease alive "
       "until the job stops.",
       "shard-worker"};
@@ -50,7 +56,15 @@ int main(int argc, char** argv) {
   app.add_option("--host", options.host,
                  "address this worker's peers reach its data path at (it listens there)")
       ->capture_default_str();
-  app.add_option("--device", options.device, "cpu or cpu:N")->capture_default_str();
+  app.add_option("--device", options.device,
+                 "cpu (or cpu:N), or cuda:N: the GPU this rank trains on (one rank per GPU "
+                 "with NCCL)")
+      ->capture_default_str();
+  std::string backend = "auto";
+  app.add_option("--backend", backend,
+                 "collectives: auto (NCCL on a GPU, Gloo on CPU), nccl, or gloo (on a GPU: "
+                 "staged through pinned host memory, so several ranks may share one GPU)")
+      ->capture_default_str();
   app.add_option("--rank", rank, "ask for this rank (default: the coordinator assigns one)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--coordinator-timeout", coordinator_timeout,
@@ -92,12 +106,21 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "shard-worker: %s\n", std::string(valid.message()).c_str());
     return 2;
   }
-  if (options.device != "cpu" && options.device.rfind("cpu:", 0) != 0) {
+  int gpu = -1;
+  absl::StatusOr<std::string> resolved = shard::ResolveBackend(options.device, backend, &gpu);
+  if (!resolved.ok()) {
+    std::fprintf(stderr, "shard-worker: %s\n", std::string(resolved.status().message()).c_str());
+    return 2;
+  }
+#if !SHARD_HAVE_CUDA
+  if (gpu >= 0) {
     std::fprintf(stderr,
-                 "shard-worker: --device '%s' is not supported by this build; use cpu or cpu:N\n",
+                 "shard-worker: --device %s needs a build with CUDA and NCCL; this one was built "
+                 "without (SHARD_WITH_CUDA=OFF or no CUDA toolkit found). Use --device cpu.\n",
                  options.device.c_str());
     return 2;
   }
+#endif
   if (absl::Status logging =
           shard::ConfigureLogging(log_level, absl::StrCat("worker=", options.worker_id));
       !logging.ok()) {
@@ -119,6 +142,17 @@ int main(int argc, char** argv) {
   }
   options.coordinator_timeout = shard::ParsedDuration(coordinator_timeout);
   options.collective_timeout = shard::ParsedDuration(collective_timeout);
+  absl::StatusOr<std::unique_ptr<shard::DataPath>> data_path =
+      shard::CpuDataPath(options.host, options.collective_timeout);
+#if SHARD_HAVE_CUDA
+  if (gpu >= 0) {
+    data_path = shard::GpuDataPath(gpu, *resolved, options.host, options.collective_timeout);
+  }
+#endif
+  if (!data_path.ok()) {
+    spdlog::error("{}", data_path.status().message());
+    return 1;
+  }
 
   // Signals stop the agent, once it exists (a signal before that is remembered).
   absl::Mutex agent_mu;
@@ -139,7 +173,8 @@ int main(int argc, char** argv) {
   });
   shard::WorkerAgent agent(
       options,
-      std::make_unique<shard::CoordinatorClient>(coordinator, absl::Seconds(10), *security));
+      std::make_unique<shard::CoordinatorClient>(coordinator, absl::Seconds(10), *security),
+      std::move(*data_path));
   {
     absl::MutexLock lock(&agent_mu);
     running_agent = &agent;

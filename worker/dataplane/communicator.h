@@ -42,6 +42,11 @@ class Communicator {
   virtual absl::Status Broadcast(void* buffer, size_t count, DataType dtype, int root) = 0;
   virtual absl::Status Barrier() = 0;
 
+  // Makes the compute that follows see every collective issued so far. Host backends finish a
+  // collective before returning, so for them there is nothing to do; a GPU backend's
+  // collectives run on a stream of their own (worker/gpu/device_communicator.h).
+  virtual absl::Status OrderComputeAfterCollectives() { return absl::OkStatus(); }
+
   // Thread-safe and idempotent; `reason` is carried in the errors that follow.
   virtual void Abort(absl::string_view reason) = 0;
   virtual bool aborted() const = 0;

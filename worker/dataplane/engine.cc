@@ -6,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/safetensors.h"
+#include "common/status_macros.h"
+#include "worker/dataplane/cpu_device.h"
 
 namespace shard {
 namespace {
@@ -22,7 +24,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(Manifest manifest,
     if (param.dtype != DataType::kFloat32) {
       return absl::InvalidArgumentError(absl::StrCat(
           "parameter '", param.name, "' is ", DataTypeName(param.dtype),
-          "; the CPU engine trains f32 parameters (16-bit weights need the GPU data path)"));
+          "; the engine keeps f32 parameters (master weights; a 16-bit model computes with "
+          "copies of them)"));
     }
   }
   if (options.zero_stage < 0 || options.zero_stage > 2) {
@@ -36,9 +39,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(Manifest manifest,
         "the plan is for ", initial->plan->options.world_size, " ranks but the communicator has ",
         communicator->size()));
   }
+  std::optional<LossScaler> scaler;
+  if (options.loss_scaling.has_value()) {
+    SHARD_ASSIGN_OR_RETURN(scaler, LossScaler::Create(*options.loss_scaling));
+  }
   std::unique_ptr<Engine> engine(
       new Engine(std::move(manifest), communicator, plans, std::move(options)));
-  engine->Apply(std::move(*initial), /*carry_gradients=*/false);
+  engine->scaler_ = std::move(scaler);
+  SHARD_RETURN_IF_ERROR(engine->device_->BindThread());
+  SHARD_RETURN_IF_ERROR(engine->Allocate());
+  SHARD_RETURN_IF_ERROR(engine->Apply(std::move(*initial), /*carry_gradients=*/false));
   if (engine->options_.overlap) {
     engine->communication_thread_ = std::thread([e = engine.get()] { e->CommunicationLoop(); });
   }
@@ -51,11 +61,16 @@ Engine::Engine(Manifest manifest, Communicator* communicator, PlanProvider* plan
       communicator_(communicator),
       plans_(plans),
       options_(std::move(options)),
+      device_(options_.device != nullptr ? options_.device : &HostDevice()),
       optimizer_(options_.optimizer),
-      frozen_(manifest_.params.size()) {
+      frozen_(manifest_.params.size()) {}
+
+absl::Status Engine::Allocate() {
   for (size_t i = 0; i < manifest_.params.size(); ++i) {
-    if (!manifest_.params[i].requires_grad) frozen_[i].resize(manifest_.params[i].numel());
+    if (manifest_.params[i].requires_grad) continue;
+    SHARD_ASSIGN_OR_RETURN(frozen_[i], device_->Allocate(manifest_.params[i].numel()));
   }
+  return absl::OkStatus();
 }
 
 Engine::~Engine() {
@@ -66,16 +81,17 @@ Engine::~Engine() {
   if (communication_thread_.joinable()) communication_thread_.join();
 }
 
-void Engine::Apply(AppliedPlan applied, bool carry_gradients) {
+absl::Status Engine::Apply(AppliedPlan applied, bool carry_gradients) {
   const Plan& plan = *applied.plan;
   const int rank = communicator_->rank();
   const int world = communicator_->size();
   std::vector<BucketState> buckets(plan.buckets.size());
+  std::vector<OwnedSpan> spans;
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     const Bucket& bucket = plan.buckets[b];
     BucketState& state = buckets[b];
-    state.params.assign(bucket.padded_numel, 0.0f);
-    state.grads.assign(bucket.padded_numel, 0.0f);
+    SHARD_ASSIGN_OR_RETURN(state.params, device_->Allocate(bucket.padded_numel));
+    SHARD_ASSIGN_OR_RETURN(state.grads, device_->Allocate(bucket.padded_numel));
     if (options_.zero_stage == 0) {
       state.own_end = bucket.padded_numel;
     } else if (plan.options.mode == ShardMode::kRange) {
@@ -85,21 +101,29 @@ void Engine::Apply(AppliedPlan applied, bool carry_gradients) {
     } else if (bucket.owner == rank) {
       state.own_end = bucket.padded_numel;
     }
-    state.state.assign(optimizer_.state_names().size(),
-                       std::vector<float>(state.own_end - state.own_begin, 0.0f));
+    const int64_t owned = state.own_end - state.own_begin;
+    OwnedSpan span{state.params.data() + state.own_begin, state.grads.data() + state.own_begin,
+                   {}, owned};
+    for (size_t k = 0; k < optimizer_.state_names().size(); ++k) {
+      SHARD_ASSIGN_OR_RETURN(DeviceArray array, device_->Allocate(owned));
+      span.state.push_back(array.data());
+      state.state.push_back(std::move(array));
+    }
+    if (owned > 0) spans.push_back(std::move(span));
     state.pending = static_cast<int>(bucket.entries.size());
   }
+  SHARD_ASSIGN_OR_RETURN(kernels_, device_->PrepareSpans(optimizer_.config(), std::move(spans)));
   if (plan_ != nullptr) {
     for (size_t p = 0; p < manifest_.params.size(); ++p) {
       const ParamLocation from = plan_->locations[p];
       const ParamLocation to = plan.locations[p];
       if (from.bucket < 0) continue;
       const int64_t n = manifest_.params[p].numel();
-      std::memcpy(buckets[to.bucket].params.data() + to.offset,
-                  buckets_[from.bucket].params.data() + from.offset, n * sizeof(float));
+      SHARD_RETURN_IF_ERROR(device_->Copy(buckets_[from.bucket].params.data() + from.offset,
+                                          buckets[to.bucket].params.data() + to.offset, n));
       if (carry_gradients) {
-        std::memcpy(buckets[to.bucket].grads.data() + to.offset,
-                    buckets_[from.bucket].grads.data() + from.offset, n * sizeof(float));
+        SHARD_RETURN_IF_ERROR(device_->Copy(buckets_[from.bucket].grads.data() + from.offset,
+                                            buckets[to.bucket].grads.data() + to.offset, n));
       }
     }
   }
@@ -115,15 +139,27 @@ void Engine::Apply(AppliedPlan applied, bool carry_gradients) {
   reduced_ = 0;
   reduce_spans_.clear();
   first_step_all_reduce_ = !rebuilt_;
+  return absl::OkStatus();
 }
 
-const float* Engine::param_pointer(int index) const {
+const float* Engine::ParamData(int index) const {
   const ParamLocation location = plan_->locations[index];
   if (location.bucket < 0) return frozen_[index].data();
   return buckets_[location.bucket].params.data() + location.offset;
 }
 
-float* Engine::param(int index) { return const_cast<float*>(param_pointer(index)); }
+float* Engine::param(int index) { return const_cast<float*>(ParamData(index)); }
+
+absl::StatusOr<std::vector<float>> Engine::ParamValues(int index) const {
+  std::vector<float> values(manifest_.params[index].numel());
+  SHARD_RETURN_IF_ERROR(
+      device_->Download(ParamData(index), values.data(), static_cast<int64_t>(values.size())));
+  return values;
+}
+
+absl::Status Engine::SetParamValues(int index, const float* values) {
+  return device_->Upload(values, param(index), manifest_.params[index].numel());
+}
 
 float* Engine::grad(int index) {
   const ParamLocation location = plan_->locations[index];
@@ -139,15 +175,15 @@ absl::Status Engine::BroadcastParameters() {
       return s;
     }
   }
-  for (std::vector<float>& frozen : frozen_) {
-    if (frozen.empty()) continue;
+  for (DeviceArray& frozen : frozen_) {
+    if (frozen.size() == 0) continue;
     if (absl::Status s =
             communicator_->Broadcast(frozen.data(), frozen.size(), DataType::kFloat32, 0);
         !s.ok()) {
       return s;
     }
   }
-  return absl::OkStatus();
+  return communicator_->OrderComputeAfterCollectives();
 }
 
 void Engine::StartBackward() { backward_start_ = absl::Now(); }
@@ -173,7 +209,7 @@ absl::Status Engine::ReduceBucket(int b) {
   BucketState& state = buckets_[b];
   const Bucket& bucket = plan_->buckets[b];
   float* grads = state.grads.data();
-  const size_t n = state.grads.size();
+  const size_t n = static_cast<size_t>(state.grads.size());
   if (all_reduce || options_.zero_stage < 2) {
     return communicator_->AllReduce(grads, grads, n, DataType::kFloat32, ReduceOp::kSum);
   }
@@ -188,6 +224,11 @@ absl::Status Engine::ReduceBucket(int b) {
 }
 
 void Engine::CommunicationLoop() {
+  if (absl::Status bound = device_->BindThread(); !bound.ok()) {
+    absl::MutexLock lock(&mu_);
+    communication_error_ = bound;
+    return;
+  }
   while (true) {
     int bucket = 0;
     {
@@ -211,31 +252,33 @@ void Engine::CommunicationLoop() {
 }
 
 absl::Status Engine::ClipGradients(StepTimings* timings) {
-  double sum_squares = 0;
-  for (const BucketState& bucket : buckets_) {
-    for (int64_t i = bucket.own_begin; i < bucket.own_end; ++i) {
-      sum_squares += static_cast<double>(bucket.grads[i]) * bucket.grads[i];
-    }
-  }
+  SHARD_ASSIGN_OR_RETURN(double sum_squares, kernels_->GradSquaredSum());
   // At stage 0 every rank owns (and holds) all gradients; otherwise the shards add up.
   if (options_.zero_stage > 0) {
-    if (absl::Status s = communicator_->AllReduce(&sum_squares, &sum_squares, 1,
-                                                  DataType::kFloat64, ReduceOp::kSum);
-        !s.ok()) {
-      return s;
-    }
+    SHARD_RETURN_IF_ERROR(device_->AllReduceHostValues(*communicator_, &sum_squares, 1,
+                                                       DataType::kFloat64, ReduceOp::kSum));
   }
   const double norm = std::sqrt(sum_squares);
   timings->grad_norm = norm;
   // torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), clamped to 1.
   const double coefficient = std::min(1.0, options_.grad_clip_norm / (norm + 1e-6));
   if (coefficient < 1.0) {
-    const float scale = static_cast<float>(coefficient);
-    for (BucketState& bucket : buckets_) {
-      for (int64_t i = bucket.own_begin; i < bucket.own_end; ++i) bucket.grads[i] *= scale;
-    }
+    SHARD_RETURN_IF_ERROR(
+        kernels_->ScaleGradients(static_cast<float>(coefficient), /*check_finite=*/false)
+            .status());
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Engine::UnscaleGradients(StepTimings* timings) {
+  timings->loss_scale = scaler_->scale();
+  SHARD_ASSIGN_OR_RETURN(bool found_inf,
+                         kernels_->ScaleGradients(scaler_->inv_scale(), /*check_finite=*/true));
+  // Every rank must skip together: at stage 2 each one has only checked its own shard.
+  float found = found_inf ? 1.0f : 0.0f;
+  SHARD_RETURN_IF_ERROR(device_->AllReduceHostValues(*communicator_, &found, 1,
+                                                     DataType::kFloat32, ReduceOp::kMax));
+  return scaler_->Update(found > 0);
 }
 
 absl::Status Engine::GatherParameters() {
@@ -254,7 +297,8 @@ absl::Status Engine::GatherParameters() {
     }
     if (!s.ok()) return s;
   }
-  return absl::OkStatus();
+  // The next forward pass reads the gathered parameters.
+  return communicator_->OrderComputeAfterCollectives();
 }
 
 absl::Status Engine::Step(StepTimings* timings) {
@@ -293,6 +337,8 @@ absl::Status Engine::Step(StepTimings* timings) {
   for (const BucketState& bucket : buckets_) {
     timings->bucket_bytes.push_back(static_cast<int64_t>(bucket.grads.size() * sizeof(float)));
   }
+  // The update below reads the reduced gradients.
+  SHARD_RETURN_IF_ERROR(communicator_->OrderComputeAfterCollectives());
 
   if (!rebuilt_) {
     // Every rank holds the full reduced gradients (the first step all-reduces), so the rebuilt
@@ -302,7 +348,7 @@ absl::Status Engine::Step(StepTimings* timings) {
     if (rebuilt->plan->options.world_size != communicator_->size()) {
       return absl::FailedPreconditionError("the rebuilt plan is for another world size");
     }
-    Apply(std::move(*rebuilt), /*carry_gradients=*/true);
+    SHARD_RETURN_IF_ERROR(Apply(std::move(*rebuilt), /*carry_gradients=*/true));
     timings->rebuilt = true;
     if (pending_state_ != nullptr) {
       // Imported optimizer state, now into the final layout (still before any update).
@@ -314,22 +360,22 @@ absl::Status Engine::Step(StepTimings* timings) {
     }
   }
 
-  if (options_.grad_clip_norm > 0) {
+  bool update = true;
+  if (scaler_.has_value()) {
+    SHARD_ASSIGN_OR_RETURN(update, UnscaleGradients(timings));
+    timings->skipped = !update;
+  }
+  if (update && options_.grad_clip_norm > 0) {
     if (absl::Status s = ClipGradients(timings); !s.ok()) return s;
   }
   const absl::Time update_start = absl::Now();
-  const int64_t step = steps_done_ + 1;
-  for (BucketState& bucket : buckets_) {
-    const int64_t n = bucket.own_end - bucket.own_begin;
-    if (n == 0) continue;
-    std::vector<float*> state;
-    for (std::vector<float>& s : bucket.state) state.push_back(s.data());
-    optimizer_.Update(step, bucket.params.data() + bucket.own_begin,
-                      bucket.grads.data() + bucket.own_begin, state.data(),
-                      static_cast<size_t>(n));
+  if (update) {
+    SHARD_RETURN_IF_ERROR(kernels_->OptimizerStep(optimizer_steps_ + 1));
+    ++optimizer_steps_;
   }
   timings->optimizer_ms = Milliseconds(absl::Now() - update_start);
-  if (options_.zero_stage > 0) {
+  // A skipped update changed no parameter: every rank still holds the gathered ones.
+  if (update && options_.zero_stage > 0) {
     const absl::Time gather_start = absl::Now();
     if (absl::Status s = GatherParameters(); !s.ok()) return s;
     timings->gather_ms = Milliseconds(absl::Now() - gather_start);
@@ -360,7 +406,8 @@ absl::Status Engine::CopyOwnedState(std::vector<char>* out) const {
     const size_t bytes = piece.numel * sizeof(float);
     const ParamLocation location = plan_->locations[piece.param];
     if (location.bucket < 0) {  // no gradient: values only, zero state
-      std::memcpy(dst, frozen_[piece.param].data() + piece.param_offset, bytes);
+      SHARD_RETURN_IF_ERROR(device_->Download(frozen_[piece.param].data() + piece.param_offset,
+                                              reinterpret_cast<float*>(dst), piece.numel));
       std::memset(dst + bytes, 0, bytes * states);
       continue;
     }
@@ -371,10 +418,12 @@ absl::Status Engine::CopyOwnedState(std::vector<char>* out) const {
                                               " does not hold the state of its plan range of '",
                                               manifest_.params[piece.param].name, "'"));
     }
-    std::memcpy(dst, bucket.params.data() + offset, bytes);
+    SHARD_RETURN_IF_ERROR(device_->Download(bucket.params.data() + offset,
+                                            reinterpret_cast<float*>(dst), piece.numel));
     for (int k = 0; k < states; ++k) {
-      std::memcpy(dst + (k + 1) * bytes, bucket.state[k].data() + (offset - bucket.own_begin),
-                  bytes);
+      SHARD_RETURN_IF_ERROR(
+          device_->Download(bucket.state[k].data() + (offset - bucket.own_begin),
+                            reinterpret_cast<float*>(dst + (k + 1) * bytes), piece.numel));
     }
   }
   return absl::OkStatus();
@@ -404,6 +453,7 @@ absl::Status Engine::Restore(CheckpointReader& checkpoint) {
     if (absl::Status gathered = GatherParameters(); !gathered.ok()) return gathered;
   }
   steps_done_ = saved.step;
+  optimizer_steps_ = saved.step;
   return absl::OkStatus();
 }
 
@@ -418,33 +468,30 @@ absl::Status Engine::ReadOwned(StateSource& source, bool params, bool states) {
       if (begin >= end) continue;
       const int64_t param_offset = begin - entry.offset;
       if (params) {
-        if (absl::Status read = source.ReadElements(entry.param, -1, param_offset, end - begin,
-                                                    bucket.params.data() + begin);
-            !read.ok()) {
-          return read;
-        }
+        SHARD_RETURN_IF_ERROR(ReadInto(source, entry.param, -1, param_offset, end - begin,
+                                       bucket.params.data() + begin));
       }
       for (int k = 0; k < state_count; ++k) {
-        if (absl::Status read =
-                source.ReadElements(entry.param, k, param_offset, end - begin,
-                                    bucket.state[k].data() + (begin - bucket.own_begin));
-            !read.ok()) {
-          return read;
-        }
+        SHARD_RETURN_IF_ERROR(ReadInto(source, entry.param, k, param_offset, end - begin,
+                                       bucket.state[k].data() + (begin - bucket.own_begin)));
       }
     }
   }
   if (!params) return absl::OkStatus();
   for (size_t p = 0; p < frozen_.size(); ++p) {
-    if (frozen_[p].empty()) continue;
-    if (absl::Status read = source.ReadElements(static_cast<int>(p), -1, 0,
-                                                static_cast<int64_t>(frozen_[p].size()),
-                                                frozen_[p].data());
-        !read.ok()) {
-      return read;
-    }
+    if (frozen_[p].size() == 0) continue;
+    SHARD_RETURN_IF_ERROR(
+        ReadInto(source, static_cast<int>(p), -1, 0, frozen_[p].size(), frozen_[p].data()));
   }
   return absl::OkStatus();
+}
+
+absl::Status Engine::ReadInto(StateSource& source, int param, int array, int64_t begin,
+                              int64_t count, float* out) {
+  if (device_->host_memory()) return source.ReadElements(param, array, begin, count, out);
+  host_scratch_.resize(count);
+  SHARD_RETURN_IF_ERROR(source.ReadElements(param, array, begin, count, host_scratch_.data()));
+  return device_->Upload(host_scratch_.data(), out, count);
 }
 
 absl::Status Engine::LoadState(std::unique_ptr<StateSource> source, bool with_state,
@@ -456,6 +503,7 @@ absl::Status Engine::LoadState(std::unique_ptr<StateSource> source, bool with_st
     if (absl::Status gathered = GatherParameters(); !gathered.ok()) return gathered;
   }
   steps_done_ = steps_done;
+  optimizer_steps_ = steps_done;
   // Before the rebuild the owned spans are not final: the state waits for the new layout.
   if (with_state && !rebuilt_) pending_state_ = std::move(source);
   return absl::OkStatus();
@@ -470,26 +518,30 @@ absl::Status Engine::ConsolidateStateDict(int to_rank, const std::string& path) 
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const BucketState& bucket = buckets_[b];
     for (int k = 0; k < states; ++k) {
-      std::vector<float> values(bucket.params.size(), 0.0f);
-      std::copy(bucket.state[k].begin(), bucket.state[k].end(),
-                values.begin() + bucket.own_begin);
+      SHARD_ASSIGN_OR_RETURN(DeviceArray values, device_->Allocate(bucket.params.size()));
+      SHARD_RETURN_IF_ERROR(device_->Copy(bucket.state[k].data(),
+                                          values.data() + bucket.own_begin,
+                                          bucket.state[k].size()));
       if (options_.zero_stage > 0) {
-        if (absl::Status s = communicator_->Reduce(values.data(), values.data(), values.size(),
-                                                   DataType::kFloat32, ReduceOp::kSum, to_rank);
-            !s.ok()) {
-          return s;
-        }
+        SHARD_RETURN_IF_ERROR(communicator_->Reduce(values.data(), values.data(), values.size(),
+                                                    DataType::kFloat32, ReduceOp::kSum, to_rank));
+        SHARD_RETURN_IF_ERROR(communicator_->OrderComputeAfterCollectives());
       }
-      if (rank == to_rank) full[b].push_back(std::move(values));
+      if (rank != to_rank) continue;
+      std::vector<float> host(values.size());
+      SHARD_RETURN_IF_ERROR(device_->Download(values.data(), host.data(), values.size()));
+      full[b].push_back(std::move(host));
     }
   }
   if (rank != to_rank) return absl::OkStatus();
   std::vector<TensorDecl> tensors;
   std::vector<const void*> data;
+  std::vector<std::vector<float>> param_values(manifest_.params.size());
   for (size_t p = 0; p < manifest_.params.size(); ++p) {
     const ParamSpec& param = manifest_.params[p];
     tensors.push_back(TensorDecl{param.name, param.dtype, param.shape});
-    data.push_back(param_pointer(static_cast<int>(p)));
+    SHARD_ASSIGN_OR_RETURN(param_values[p], ParamValues(static_cast<int>(p)));
+    data.push_back(param_values[p].data());
     const ParamLocation location = plan_->locations[p];
     if (location.bucket < 0) continue;
     for (int k = 0; k < states; ++k) {
@@ -508,7 +560,7 @@ absl::Status Engine::ConsolidateStateDict(int to_rank, const std::string& path) 
 int64_t Engine::optimizer_state_bytes() const {
   int64_t bytes = 0;
   for (const BucketState& bucket : buckets_) {
-    for (const std::vector<float>& s : bucket.state) bytes += s.size() * sizeof(float);
+    for (const DeviceArray& s : bucket.state) bytes += s.size() * sizeof(float);
   }
   return bytes;
 }

@@ -9,8 +9,10 @@
 //     backward: write grad(i), then MarkGradReady(i), last layers first
 //     engine->Step(&timings);                 // waits for reductions, updates, gathers
 //
-// Parameters and gradients live in per-bucket flat buffers laid out by the plan; param(i) and
-// grad(i) are views into them (valid until the next Step: the first Step rebuilds the buckets).
+// Parameters and gradients live in per-bucket flat buffers laid out by the plan, in the memory
+// of EngineOptions::device (the host by default, or a GPU: device.h); param(i) and grad(i) are
+// views into them (valid until the next Step: the first Step rebuilds the buckets), device
+// pointers on a GPU. ParamValues / SetParamValues move values between them and the host.
 // Backward overwrites each gradient (no accumulation). When a bucket's last gradient is marked
 // ready, a communication thread starts its reduction while backward continues (overlap);
 // buckets are reduced in plan order on every rank, as DDP does.
@@ -25,12 +27,18 @@
 // the rebuilt plan (the same on every rank) takes over before the first update, so no
 // optimizer state ever needs moving between layouts.
 //
+// Dynamic loss scaling (EngineOptions::loss_scaling, for fp16): backward must scale the loss by
+// loss_scale(); Step unscales the reduced gradients, and when any rank found an inf or NaN it
+// skips the update (the optimizer's step count does not advance) and lowers the scale, as
+// torch.cuda.amp.GradScaler does.
+//
 // Thread-compatible: one compute thread calls everything; the engine owns the communication
 // thread.
 #pragma once
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,6 +52,8 @@
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "worker/dataplane/communicator.h"
+#include "worker/dataplane/device.h"
+#include "worker/dataplane/loss_scaler.h"
 #include "worker/dataplane/optimizer.h"
 #include "worker/dataplane/plan_provider.h"
 
@@ -54,6 +64,10 @@ struct EngineOptions {
   bool overlap = true;  // reduce buckets during backward on the communication thread
   OptimizerConfig optimizer;
   double grad_clip_norm = 0;  // global L2 norm; 0 = off
+  // Where the buffers live and the update runs (not owned; null: the host). The communicator's
+  // buffers must be this device's memory.
+  Device* device = nullptr;
+  std::optional<LossScalerOptions> loss_scaling;  // off unless set
 };
 
 struct StepTimings {
@@ -63,6 +77,8 @@ struct StepTimings {
   double optimizer_ms = 0;
   double gather_ms = 0;         // parameter all-gather (stages 1 and 2)
   double grad_norm = 0;         // before clipping (0 when clipping is off)
+  bool skipped = false;         // loss scaling found an inf/NaN gradient: no update this step
+  float loss_scale = 1;         // the scale this step's backward used
   std::vector<int64_t> bucket_bytes;
   bool rebuilt = false;         // this step switched to the rebuilt plan
 };
@@ -84,8 +100,15 @@ class Engine {
   int64_t steps_done() const { return steps_done_; }
 
   float* param(int index);
-  float* grad(int index);
-  const float* param_pointer(int index) const;
+  float* grad(int index);  // null for a parameter without gradient
+  // Parameter `index`'s values on the host, and from the host (numel floats).
+  absl::StatusOr<std::vector<float>> ParamValues(int index) const;
+  absl::Status SetParamValues(int index, const float* values);
+  // The factor backward scales the loss by (1 without loss scaling).
+  float loss_scale() const { return scaler_.has_value() ? scaler_->scale() : 1.0f; }
+  // Updates applied so far (steps_done() less the steps loss scaling skipped in this run).
+  int64_t optimizer_steps() const { return optimizer_steps_; }
+  Device& device() const { return *device_; }
 
   // Makes every rank's parameters rank 0's (as DDP does at construction).
   absl::Status BroadcastParameters();
@@ -121,9 +144,9 @@ class Engine {
 
  private:
   struct BucketState {
-    std::vector<float> params;
-    std::vector<float> grads;
-    std::vector<std::vector<float>> state;  // per optimizer state tensor, over the owned span
+    DeviceArray params;
+    DeviceArray grads;
+    std::vector<DeviceArray> state;  // per optimizer state tensor, over the owned span
     int64_t own_begin = 0;                  // owned span within the bucket
     int64_t own_end = 0;
     int pending = 0;                        // gradients not yet marked ready this step
@@ -132,9 +155,17 @@ class Engine {
   Engine(Manifest manifest, Communicator* communicator, PlanProvider* plans,
          EngineOptions options);
 
+  // Allocates the frozen parameters' arrays.
+  absl::Status Allocate();
   // Lays out buckets for `plan`, copying parameters (and, if asked, gradients) from the
   // current layout when there is one.
-  void Apply(AppliedPlan applied, bool carry_gradients);
+  absl::Status Apply(AppliedPlan applied, bool carry_gradients);
+  const float* ParamData(int index) const;
+  // Unscales the reduced gradients; false when the step must be skipped (an inf or NaN).
+  absl::StatusOr<bool> UnscaleGradients(StepTimings* timings);
+  // source.ReadElements into device memory at `out`.
+  absl::Status ReadInto(StateSource& source, int param, int array, int64_t begin, int64_t count,
+                        float* out);
   absl::Status ReduceBucket(int bucket);
   void CommunicationLoop();
   absl::Status ClipGradients(StepTimings* timings);
@@ -146,14 +177,19 @@ class Engine {
   Communicator* const communicator_;
   PlanProvider* const plans_;
   const EngineOptions options_;
+  Device* const device_;
   const OptimizerKernel optimizer_;
+  std::optional<LossScaler> scaler_;
+  std::unique_ptr<SpanKernels> kernels_;  // over the owned spans of the current layout
+  std::vector<float> host_scratch_;       // restores on a device without host memory
 
   std::shared_ptr<const Plan> plan_;
   int64_t plan_version_ = 0;
   bool rebuilt_ = false;
   std::vector<BucketState> buckets_;
-  std::vector<std::vector<float>> frozen_;  // parameters without gradients, by index
+  std::vector<DeviceArray> frozen_;  // parameters without gradients, by index
   int64_t steps_done_ = 0;
+  int64_t optimizer_steps_ = 0;
   std::vector<int> ready_order_;      // this step's MarkGradReady order
   std::vector<bool> marked_;          // by parameter, this step
   std::unique_ptr<StateSource> pending_state_;  // optimizer state to load after the rebuild

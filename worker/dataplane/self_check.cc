@@ -1,9 +1,11 @@
 #include "worker/dataplane/self_check.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 
 namespace shard {
 namespace {
@@ -17,20 +19,24 @@ float GatherValue(int rank, size_t i) {
 
 }  // namespace
 
-absl::StatusOr<SelfCheckResult> RunSelfCheck(Communicator& communicator, size_t elements) {
+absl::StatusOr<SelfCheckResult> RunSelfCheck(Communicator& communicator, size_t elements,
+                                             Device& device) {
   const int world = communicator.size();
   const int rank = communicator.rank();
   const absl::Time start = absl::Now();
+  const size_t per_rank = std::max<size_t>(1, elements / world);
+  SHARD_RETURN_IF_ERROR(device.BindThread());
+  SHARD_ASSIGN_OR_RETURN(DeviceArray on_device, device.Allocate(std::max(elements, per_rank * world)));
 
   std::vector<float> reduced(elements);
   for (size_t i = 0; i < elements; ++i) {
     reduced[i] = static_cast<float>(RankFactor(rank) * static_cast<int64_t>(i % 64 + 1));
   }
-  if (absl::Status s = communicator.AllReduce(reduced.data(), reduced.data(), elements,
-                                              DataType::kFloat32, ReduceOp::kSum);
-      !s.ok()) {
-    return s;
-  }
+  SHARD_RETURN_IF_ERROR(device.Upload(reduced.data(), on_device.data(), elements));
+  SHARD_RETURN_IF_ERROR(communicator.AllReduce(on_device.data(), on_device.data(), elements,
+                                               DataType::kFloat32, ReduceOp::kSum));
+  SHARD_RETURN_IF_ERROR(communicator.OrderComputeAfterCollectives());
+  SHARD_RETURN_IF_ERROR(device.Download(on_device.data(), reduced.data(), elements));
   int64_t factor_sum = 0;
   for (int r = 0; r < world; ++r) factor_sum += RankFactor(r);
   for (size_t i = 0; i < elements; ++i) {
@@ -42,15 +48,16 @@ absl::StatusOr<SelfCheckResult> RunSelfCheck(Communicator& communicator, size_t 
     }
   }
 
-  const size_t per_rank = std::max<size_t>(1, elements / world);
+  // Rank r's block of the gathered array is its own input, as an in-place all-gather.
   std::vector<float> mine(per_rank);
   for (size_t i = 0; i < per_rank; ++i) mine[i] = GatherValue(rank, i);
+  float* gather_area = on_device.data();
+  SHARD_RETURN_IF_ERROR(device.Upload(mine.data(), gather_area + rank * per_rank, per_rank));
+  SHARD_RETURN_IF_ERROR(communicator.AllGather(gather_area + rank * per_rank, gather_area,
+                                               per_rank, DataType::kFloat32));
+  SHARD_RETURN_IF_ERROR(communicator.OrderComputeAfterCollectives());
   std::vector<float> gathered(per_rank * world);
-  if (absl::Status s = communicator.AllGather(mine.data(), gathered.data(), per_rank,
-                                              DataType::kFloat32);
-      !s.ok()) {
-    return s;
-  }
+  SHARD_RETURN_IF_ERROR(device.Download(gather_area, gathered.data(), per_rank * world));
   for (int r = 0; r < world; ++r) {
     for (size_t i = 0; i < per_rank; ++i) {
       const float expected = GatherValue(r, i);

@@ -7,6 +7,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "worker/dataplane/communicator.h"
+#include "worker/dataplane/cpu_device.h"
+#include "worker/dataplane/device.h"
 
 namespace shard {
 
@@ -17,7 +19,10 @@ struct SelfCheckResult {
 
 // An f32 all-reduce where rank r contributes (r%128+1)*(i%64+1) at index i, checked against
 // the closed-form sum, then an f32 all-gather checked block by block. Every value is an exact
-// integer in f32, so the comparison is exact. The error names the first wrong element.
-absl::StatusOr<SelfCheckResult> RunSelfCheck(Communicator& communicator, size_t elements);
+// integer in f32, so the comparison is exact. The error names the first wrong element. The
+// buffers are `device`'s memory (the communicator's), so a GPU data path checks itself on the
+// GPU, through the same collectives and streams training uses.
+absl::StatusOr<SelfCheckResult> RunSelfCheck(Communicator& communicator, size_t elements,
+                                             Device& device = HostDevice());
 
 }  // namespace shard

@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
 #include "common/safetensors.h"
+#include "common/status_macros.h"
+#include "worker/dataplane/cpu_device.h"
 #include "worker/dataplane/mlp.h"
 #include "worker/dataplane/mlp_data.h"
 
@@ -58,8 +60,7 @@ absl::StatusOr<int64_t> InitializeParameters(const JobConfig& job, Engine& engin
   if (job.init_path.empty()) {
     const std::vector<std::vector<float>> values = InitMlpParameters(job.widths, job.seed);
     for (size_t i = 0; i < values.size(); ++i) {
-      std::memcpy(engine.param(static_cast<int>(i)), values[i].data(),
-                  values[i].size() * sizeof(float));
+      SHARD_RETURN_IF_ERROR(engine.SetParamValues(static_cast<int>(i), values[i].data()));
     }
     if (absl::Status synced = engine.BroadcastParameters(); !synced.ok()) return synced;
     return 0;
@@ -95,10 +96,12 @@ absl::Status WriteParameters(Engine& engine, const std::string& path) {
   const Manifest& manifest = engine.manifest();
   std::vector<TensorDecl> tensors;
   std::vector<const void*> data;
+  std::vector<std::vector<float>> values(manifest.params.size());
   for (size_t i = 0; i < manifest.params.size(); ++i) {
     const ParamSpec& param = manifest.params[i];
     tensors.push_back(TensorDecl{param.name, param.dtype, param.shape});
-    data.push_back(engine.param(static_cast<int>(i)));
+    SHARD_ASSIGN_OR_RETURN(values[i], engine.ParamValues(static_cast<int>(i)));
+    data.push_back(values[i].data());
   }
   return WriteSafetensors(path, tensors, data, {{"format", "pt"}, {"producer", "shard"}});
 }
@@ -114,12 +117,20 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
   absl::StatusOr<std::unique_ptr<MlpBatchReader>> data =
       MlpBatchReader::Open(job.data_path, job.widths.front());
   if (!data.ok()) return data.status();
+  Device& device = options.device != nullptr ? *options.device : HostDevice();
+  SHARD_ASSIGN_OR_RETURN(const DataType precision, ParsePrecision(job.precision));
+  const int64_t rows = job.global_batch / world;
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<MlpRunner> model,
+                         device.CreateMlp(job.widths, rows, precision));
 
   EngineOptions engine_options;
   engine_options.zero_stage = job.zero_stage;
   engine_options.overlap = job.overlap;
   engine_options.optimizer = job.optimizer;
   engine_options.grad_clip_norm = job.grad_clip_norm;
+  engine_options.device = &device;
+  // fp16's range needs the loss scaled (bf16 has fp32's exponent and needs no scaling).
+  if (precision == DataType::kFloat16) engine_options.loss_scaling = LossScalerOptions{};
   absl::StatusOr<std::unique_ptr<Engine>> engine =
       Engine::Create(MlpManifest(job.widths), &communicator, &plans, engine_options);
   if (!engine.ok()) return engine.status();
@@ -140,7 +151,6 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
   });
   int64_t satisfied_request = 0;
 
-  Mlp model(job.widths);
   const int parameters = static_cast<int>((*engine)->manifest().params.size());
   std::vector<float> x;
   std::vector<int64_t> y;
@@ -165,25 +175,26 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
       params[i] = (*engine)->param(i);
       grads[i] = (*engine)->grad(i);
     }
-    absl::StatusOr<double> loss_sum =
-        model.Forward(params, x.data(), y.data(), job.global_batch / world);
-    if (!loss_sum.ok()) {
-      return absl::Status(loss_sum.status().code(),
-                          absl::StrCat("data file '", job.data_path, "', step ", step + 1, ": ",
-                                       loss_sum.status().message()));
+    // A bad label surfaces at Forward on the host, at LossSum on a GPU.
+    auto in_data = [&](const absl::Status& status) {
+      return absl::Status(status.code(), absl::StrCat("data file '", job.data_path, "', step ",
+                                                      step + 1, ": ", status.message()));
+    };
+    if (absl::Status forward = model->Forward(params, x.data(), y.data(), rows); !forward.ok()) {
+      return in_data(forward);
     }
     (*engine)->StartBackward();
     Engine* e = engine->get();
-    model.Backward(params, grads, scale, [e](int index) { e->MarkGradReady(index); });
+    SHARD_RETURN_IF_ERROR(model->Backward(params, grads, scale * (*engine)->loss_scale(),
+                                          [e](int index) { e->MarkGradReady(index); }));
     StepRecord record;
     if (absl::Status stepped = (*engine)->Step(&record.timings); !stepped.ok()) return stepped;
+    absl::StatusOr<double> loss_sum = model->LossSum();
+    if (!loss_sum.ok()) return in_data(loss_sum.status());
     // The global mean loss: every rank's share of the sum over the global batch.
     double loss = *loss_sum / static_cast<double>(job.global_batch);
-    if (absl::Status s =
-            communicator.AllReduce(&loss, &loss, 1, DataType::kFloat64, ReduceOp::kSum);
-        !s.ok()) {
-      return s;
-    }
+    SHARD_RETURN_IF_ERROR(
+        device.AllReduceHostValues(communicator, &loss, 1, DataType::kFloat64, ReduceOp::kSum));
     record.step = step + 1;
     record.loss = loss;
     record.step_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
@@ -203,11 +214,8 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     int64_t requests[2] = {options.save_request != nullptr ? options.save_request->load() : 0,
                            options.pause_request != nullptr ? options.pause_request->load() : 0};
     if (options.save_request != nullptr) {
-      if (absl::Status s = communicator.AllReduce(requests, requests, 2, DataType::kInt64,
-                                                  ReduceOp::kMax);
-          !s.ok()) {
-        return s;
-      }
+      SHARD_RETURN_IF_ERROR(device.AllReduceHostValues(communicator, requests, 2,
+                                                       DataType::kInt64, ReduceOp::kMax));
     }
     const int64_t request = requests[0];
     const int64_t pause = requests[1];

@@ -11,6 +11,7 @@
 #include "common/job_spec.h"
 #include "worker/dataplane/checkpoint_saver.h"
 #include "worker/dataplane/communicator.h"
+#include "worker/dataplane/device.h"
 #include "worker/dataplane/engine.h"
 #include "worker/dataplane/plan_provider.h"
 
@@ -41,6 +42,9 @@ struct TrainResult {
 };
 
 struct TrainerOptions {
+  // Where the model, its buffers and the update run (not owned; null: the host); the
+  // communicator's buffers must be its memory. The job's precision must be one it runs.
+  Device* device = nullptr;
   // Called after every step (e.g. to log and report to the coordinator).
   std::function<void(const StepRecord&)> on_step;
   // Polled between steps; training stops with Cancelled once it is set.

@@ -36,7 +36,7 @@ class DeviceCommunicator : public Communicator {
 
   // Makes work enqueued on the compute stream from now on wait for every collective issued so
   // far. Cheap and non-blocking; call it before the optimizer reads reduced gradients.
-  virtual absl::Status OrderComputeAfterCollectives() = 0;
+  absl::Status OrderComputeAfterCollectives() override = 0;
 
   // Blocks the calling thread until every collective issued so far has finished. Aborted at
   // once when Abort() is called from another thread, DeadlineExceeded after the wait timeout,

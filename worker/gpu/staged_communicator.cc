@@ -20,6 +20,14 @@ absl::StatusOr<std::unique_ptr<StagedCommunicator>> StagedCommunicator::Create(
       new StagedCommunicator(inner, options, std::move(stream), std::move(staged)));
 }
 
+absl::StatusOr<std::unique_ptr<StagedCommunicator>> StagedCommunicator::Create(
+    std::unique_ptr<Communicator> inner, DeviceCommunicatorOptions options) {
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<StagedCommunicator> staged,
+                         Create(inner.get(), options));
+  staged->owned_inner_ = std::move(inner);
+  return staged;
+}
+
 StagedCommunicator::StagedCommunicator(Communicator* inner, DeviceCommunicatorOptions options,
                                        CollectiveStream stream, CudaEvent staged)
     : inner_(inner),

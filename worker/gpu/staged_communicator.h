@@ -30,6 +30,9 @@ class StagedCommunicator final : public DeviceCommunicator {
   // `inner` (not owned) must outlive this communicator and works on host memory.
   static absl::StatusOr<std::unique_ptr<StagedCommunicator>> Create(
       Communicator* inner, DeviceCommunicatorOptions options);
+  // The same, owning `inner` (e.g. the worker's Gloo communicator of the generation).
+  static absl::StatusOr<std::unique_ptr<StagedCommunicator>> Create(
+      std::unique_ptr<Communicator> inner, DeviceCommunicatorOptions options);
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
@@ -75,6 +78,7 @@ class StagedCommunicator final : public DeviceCommunicator {
                      absl::FunctionRef<absl::Status(void* host_send, void* host_recv)> collective);
   absl::Status AbortedStatus() const;
 
+  std::unique_ptr<Communicator> owned_inner_;  // set when created owning it
   Communicator* const inner_;
   const DeviceCommunicatorOptions options_;
   const std::string backend_;

@@ -1,4 +1,4 @@
-#include "worker/gpu/loss_scaler.h"
+#include "worker/dataplane/loss_scaler.h"
 
 #include <cmath>
 

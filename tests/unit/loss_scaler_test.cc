@@ -1,12 +1,12 @@
 // The dynamic loss scaler's rules, step by step against torch.cuda.amp.GradScaler's (host-only:
 // these run everywhere, GPU or not).
-#include "worker/gpu/loss_scaler.h"
+#include "worker/dataplane/loss_scaler.h"
 
 #include <cmath>
 #include <limits>
 
 #include "gtest/gtest.h"
-#include "tests/gpu/gpu_test_util.h"
+#include "tests/support/status_assertions.h"
 
 namespace shard {
 namespace {

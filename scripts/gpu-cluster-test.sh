@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# The GPU worker end to end, through the real binaries (shard-coordinator, shard-worker,
+# shardctl on 127.0.0.1), each GPU run checked against the same job on CPU workers:
+#   nccl-1       one worker on cuda:0, backend auto = NCCL (unique id through the coordinator's
+#                store), against one CPU worker: parameters within --max-abs-diff
+#   staged-2     two workers sharing cuda:0 with --backend gloo (staged through pinned memory),
+#                ZeRO-2, against two CPU workers: parameters within --max-abs-diff
+#   bf16, fp16   one GPU worker in each 16-bit precision (fp16 with dynamic loss scaling): the
+#                final loss within 10% of the GPU fp32 run's
+#   kill-1-of-3  three staged GPU workers, one SIGKILLed mid-run: the survivors abort, re-form
+#                at two, restore the latest checkpoint onto the GPU and finish
+#   speed        steps/s of the medium MLP on one GPU worker (fp32 and bf16) and one CPU worker
+# Without a GPU, the GPU runs are reported skipped and only the CPU references run (so the
+# script itself is exercised anywhere). Ends with a summary table; logs go to $OUT (a temporary
+# folder when unset; KEEP_RUN=1 keeps the run folder with the jobs' outputs).
+#
+#   scripts/gpu-cluster-test.sh [BUNDLE] [--max-abs-diff X]
+#
+# BUNDLE holds bin/ (the three programs) and lib/ (their shared libraries beyond the C/C++
+# runtime, CUDA and NCCL): a folder, or the cluster.tar.xz that scripts/gpu-build.sh packs for a
+# GPU machine that has none of our Debian packages. Default build-gpu/device/cluster.tar.xz,
+# else build/ (a local build).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BUNDLE=""
+MAX_ABS_DIFF=1e-4
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --max-abs-diff) MAX_ABS_DIFF="$2"; shift 2 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) BUNDLE="$1"; shift ;;
+  esac
+done
+if [ -z "$BUNDLE" ]; then
+  BUNDLE=build-gpu/device/cluster.tar.xz
+  [ -f "$BUNDLE" ] || BUNDLE=build
+fi
+RUN="$(mktemp -d -t shard-gpu-cluster.XXXXXX)"
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  [ -n "${KEEP_RUN:-}" ] || rm -rf "$RUN"
+}
+trap cleanup EXIT
+if [ -f "$BUNDLE" ]; then
+  tar -C "$RUN" -xJf "$BUNDLE" || exit 2
+  BUNDLE="$RUN/cluster"
+fi
+BUNDLE="$(cd "$BUNDLE" && pwd)"
+BIN="$BUNDLE/bin"
+[ -x "$BIN/shard-worker" ] || { echo "gpu-cluster-test: no shard-worker in $BIN" >&2; exit 2; }
+[ -d "$BUNDLE/lib" ] && export LD_LIBRARY_PATH="$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# cuBLAS and NCCL: the toolkit's, else the wheels next to PyTorch (as scripts/gpu-test.sh).
+for dir in /usr/local/cuda/lib64 $(python3 -c 'import glob, nvidia, os
+for p in nvidia.__path__:
+    print(" ".join(glob.glob(os.path.join(p, "*", "lib"))))' 2>/dev/null); do
+  [ -d "$dir" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$dir"
+done
+export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}"
+if ldd "$BIN/shard-worker" | grep "not found"; then
+  echo "gpu-cluster-test: shard-worker misses shared libraries (LD_LIBRARY_PATH=$LD_LIBRARY_PATH)" >&2
+  exit 2
+fi
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+
+GPU=0
+nvidia-smi -L >/dev/null 2>&1 && GPU=1
+declare -a names results
+FAILED=0
+record() { names+=("$1"); results+=("$2"); case "$2" in FAIL*) FAILED=1 ;; esac; }
+
+"$BIN/shardctl" data generate --widths 64,256,256,10 --samples 4096 --seed 3 \
+  --out "$RUN/small.safetensors" >/dev/null || exit 1
+"$BIN/shardctl" data generate --widths 512,1024,1024,64 --samples 16384 --seed 1 \
+  --out "$RUN/medium.safetensors" >/dev/null || exit 1
+
+# job NAME WORLD DATA WIDTHS STEPS PRECISION [EXTRA_JSON]: writes $RUN/NAME/job.json.
+job() {
+  mkdir -p "$RUN/$1"
+  cat >"$RUN/$1/job.json" <<JSON
+{
+  "name": "$1", "worldSize": $2, "minWorldSize": $(( $2 > 1 ? $2 - 1 : 1 )),
+  "model": {"mlp": {"widths": [$4]}}, "data": {"path": "$RUN/$3.safetensors"},
+  "seed": 7, "optimizer": {"name": "adam", "lr": 0.001}, "globalBatch": 96, "steps": $5,
+  "zeroStage": 2, "shardMode": "range", "bucketCapMb": 1, "precision": "$6",
+  "outputDir": "$RUN/$1/out"${7:+, $7}
+}
+JSON
+}
+
+# run NAME WORKERS [WORKER_FLAGS...]: a coordinator and WORKERS workers on job NAME; waits up to
+# 300 s for all of them to exit; 0 when every one exited 0.
+run() {
+  local name=$1 workers=$2; shift 2
+  local dir="$RUN/$name"
+  "$BIN/shard-coordinator" --listen 127.0.0.1:0 --port-file "$dir/port" --job "$dir/job.json" \
+    --state-dir "$dir/state" --lease 2s --reform-grace 1s >"$dir/coordinator.log" 2>&1 &
+  local coordinator=$!
+  PIDS+=("$coordinator")
+  for _ in $(seq 100); do [ -s "$dir/port" ] && break; sleep 0.1; done
+  WORKER_PIDS=()
+  for i in $(seq 0 $((workers - 1))); do
+    "$BIN/shard-worker" --coordinator "127.0.0.1:$(cat "$dir/port")" --id "w$i" \
+      --compute-threads 4 --collective-timeout 60s "$@" >"$dir/worker-$i.log" 2>&1 &
+    WORKER_PIDS+=("$!")
+    PIDS+=("$!")
+  done
+  [ -n "${ON_START:-}" ] && "$ON_START" "$dir"
+  local status=0 deadline=$((SECONDS + 300))
+  for pid in "${WORKER_PIDS[@]}" "$coordinator"; do
+    while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    kill -0 "$pid" 2>/dev/null && { kill -KILL "$pid"; status=1; }
+    wait "$pid" || { [ "$pid" = "${KILLED:-}" ] || status=1; }
+  done
+  for log in "$dir"/*.log; do cp "$log" "$OUT/$name-$(basename "$log")"; done
+  return $status
+}
+
+# The end of rank 0's "training finished" line: loss and steps/s.
+final_loss() { grep -h "training finished" "$RUN/$1"/worker-*.log | grep -oE -- '-> [0-9.e+-]+' | head -1 | cut -c4-; }
+steps_per_second() { grep -h "training finished" "$RUN/$1"/worker-*.log | grep -oE '[0-9.]+ steps/s' | head -1 | cut -d' ' -f1; }
+compare() {
+  "$BIN/shardctl" compare "$RUN/$1/out/final.safetensors" "$RUN/$2/out/final.safetensors" \
+    --max-abs-diff "$MAX_ABS_DIFF" | tee "$OUT/compare-$1-$2.txt" | tail -1
+  return "${PIPESTATUS[0]}"
+}
+# ratio A B: A / B, and whether it is within [1-r, 1+r] for r = $3.
+within() { awk -v a="$1" -v b="$2" -v r="$3" 'BEGIN { q = a / b; printf "%.4f", q; exit !(q >= 1 - r && q <= 1 + r) }'; }
+
+echo "== CPU references"
+job cpu-1 1 small "64, 256, 256, 10" 30 fp32
+run cpu-1 1 --device cpu && record "cpu-1" "ok: loss $(final_loss cpu-1)" || record "cpu-1" "FAIL (logs in $OUT)"
+job cpu-2 2 small "64, 256, 256, 10" 30 fp32
+run cpu-2 2 --device cpu && record "cpu-2" "ok: loss $(final_loss cpu-2)" || record "cpu-2" "FAIL (logs in $OUT)"
+job cpu-speed 1 medium "512, 1024, 1024, 64" 200 fp32
+run cpu-speed 1 --device cpu && record "speed cpu" "$(steps_per_second cpu-speed) steps/s (4 threads)" \
+  || record "speed cpu" "FAIL"
+
+if [ $GPU = 0 ]; then
+  for stage in nccl-1 staged-2 bf16 fp16 kill-1-of-3 "speed gpu"; do record "$stage" "skipped: no GPU"; done
+else
+  echo "== GPU runs"
+  job nccl-1 1 small "64, 256, 256, 10" 30 fp32
+  if run nccl-1 1 --device cuda:0 && grep -q "over nccl" "$RUN/nccl-1/worker-0.log"; then
+    result=$(compare cpu-1 nccl-1) && record "nccl-1" "ok: $result" || record "nccl-1" "FAIL: $result"
+  else
+    record "nccl-1" "FAIL (logs in $OUT)"
+  fi
+  job staged-2 2 small "64, 256, 256, 10" 30 fp32
+  if run staged-2 2 --device cuda:0 --backend gloo && grep -q "gloo+staged" "$RUN/staged-2/worker-0.log"; then
+    result=$(compare cpu-2 staged-2) && record "staged-2" "ok: $result" || record "staged-2" "FAIL: $result"
+  else
+    record "staged-2" "FAIL (logs in $OUT)"
+  fi
+  fp32_loss=$(final_loss nccl-1)
+  for precision in bf16 fp16; do
+    job "$precision" 1 small "64, 256, 256, 10" 30 "$precision"
+    if run "$precision" 1 --device cuda:0; then
+      loss=$(final_loss "$precision")
+      ratio=$(within "$loss" "$fp32_loss" 0.1) && record "$precision" "ok: loss $loss, ${ratio}x fp32's" \
+        || record "$precision" "FAIL: loss $loss, ${ratio}x fp32's $fp32_loss"
+    else
+      record "$precision" "FAIL (logs in $OUT)"
+    fi
+  done
+
+  kill_one() {  # once rank 0 is past step 60 (a checkpoint at 50), SIGKILL worker 2
+    for _ in $(seq 600); do
+      grep -qE " step ([6-9][0-9]|[1-9][0-9]{2,})/" "$1"/worker-*.log 2>/dev/null && break
+      sleep 0.1
+    done
+    KILLED=${WORKER_PIDS[2]}
+    kill -KILL "$KILLED"
+  }
+  job kill-1-of-3 3 medium "512, 1024, 1024, 64" 400 fp32 \
+    "\"checkpoint\": {\"dir\": \"$RUN/kill-1-of-3/ckpt\", \"everySteps\": 50, \"keepLast\": 2}"
+  if ON_START=kill_one run kill-1-of-3 3 --device cuda:0 --backend gloo \
+      && grep -q "restor" "$RUN/kill-1-of-3"/worker-0.log && [ -n "$(final_loss kill-1-of-3)" ]; then
+    record "kill-1-of-3" "ok: re-formed at 2, restored, loss $(final_loss kill-1-of-3)"
+  else
+    record "kill-1-of-3" "FAIL (logs in $OUT)"
+  fi
+  KILLED=""
+
+  for precision in fp32 bf16; do
+    job "gpu-speed-$precision" 1 medium "512, 1024, 1024, 64" 200 "$precision"
+    run "gpu-speed-$precision" 1 --device cuda:0 \
+      && record "speed gpu $precision" "$(steps_per_second "gpu-speed-$precision") steps/s" \
+      || record "speed gpu $precision" "FAIL"
+  done
+fi
+
+echo
+echo "== summary (logs in $OUT)"
+for i in "${!names[@]}"; do printf '%-18s %s\n' "${names[$i]}" "${results[$i]}"; done
+exit $FAILED

@@ -1,0 +1,130 @@
+#include "worker/dataplane/cpu_device.h"
+
+#include <cmath>
+#include <cstring>
+#include <new>
+
+#include "absl/strings/str_cat.h"
+#include "worker/dataplane/mlp.h"
+#include "worker/dataplane/optimizer.h"
+
+namespace shard {
+namespace {
+
+void FreeHost(float* data) { delete[] data; }
+
+class CpuSpanKernels final : public SpanKernels {
+ public:
+  CpuSpanKernels(const OptimizerConfig& config, std::vector<OwnedSpan> spans)
+      : optimizer_(config), spans_(std::move(spans)) {}
+
+  absl::Status OptimizerStep(int64_t step) override {
+    for (const OwnedSpan& span : spans_) {
+      optimizer_.Update(step, span.param, span.grad, span.state.data(),
+                        static_cast<size_t>(span.count));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<double> GradSquaredSum() override {
+    double sum = 0;
+    for (const OwnedSpan& span : spans_) {
+      for (int64_t i = 0; i < span.count; ++i) {
+        sum += static_cast<double>(span.grad[i]) * span.grad[i];
+      }
+    }
+    return sum;
+  }
+
+  absl::StatusOr<bool> ScaleGradients(float factor, bool check_finite) override {
+    bool found = false;
+    for (const OwnedSpan& span : spans_) {
+      for (int64_t i = 0; i < span.count; ++i) {
+        if (check_finite && !std::isfinite(span.grad[i])) found = true;
+        span.grad[i] *= factor;
+      }
+    }
+    return found;
+  }
+
+ private:
+  const OptimizerKernel optimizer_;
+  const std::vector<OwnedSpan> spans_;
+};
+
+class CpuMlpRunner final : public MlpRunner {
+ public:
+  explicit CpuMlpRunner(const std::vector<int64_t>& widths) : model_(widths) {}
+
+  absl::Status Forward(const std::vector<const float*>& params, const float* x, const int64_t* y,
+                       int64_t rows) override {
+    loss_ = model_.Forward(params, x, y, rows);
+    return loss_.status();
+  }
+
+  absl::Status Backward(const std::vector<const float*>& params, const std::vector<float*>& grads,
+                        float scale, const std::function<void(int)>& ready) override {
+    if (!loss_.ok()) return loss_.status();
+    model_.Backward(params, grads, scale, ready);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<double> LossSum() override { return loss_; }
+
+ private:
+  Mlp model_;
+  absl::StatusOr<double> loss_ = absl::FailedPreconditionError("no forward pass yet");
+};
+
+}  // namespace
+
+absl::StatusOr<DeviceArray> CpuDevice::Allocate(int64_t count) {
+  if (count == 0) return DeviceArray();
+  float* data = new (std::nothrow) float[count]();
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", count * sizeof(float), " bytes of host memory"));
+  }
+  return DeviceArray(data, count, &FreeHost);
+}
+
+absl::Status CpuDevice::Upload(const float* host, float* device, int64_t count) {
+  if (count > 0 && host != device) std::memcpy(device, host, count * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::Download(const float* device, float* host, int64_t count) {
+  return Upload(device, host, count);
+}
+
+absl::Status CpuDevice::Copy(const float* from, float* to, int64_t count) {
+  return Upload(from, to, count);
+}
+
+absl::StatusOr<std::unique_ptr<SpanKernels>> CpuDevice::PrepareSpans(
+    const OptimizerConfig& optimizer, std::vector<OwnedSpan> spans) {
+  return std::make_unique<CpuSpanKernels>(optimizer, std::move(spans));
+}
+
+absl::Status CpuDevice::AllReduceHostValues(Communicator& communicator, void* values,
+                                            size_t count, DataType dtype, ReduceOp op) {
+  return communicator.AllReduce(values, values, count, dtype, op);
+}
+
+absl::StatusOr<std::unique_ptr<MlpRunner>> CpuDevice::CreateMlp(const std::vector<int64_t>& widths,
+                                                                int64_t /*max_rows*/,
+                                                                DataType precision) {
+  if (precision != DataType::kFloat32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("precision ", DataTypeName(precision),
+                     " needs a GPU worker (--device cuda:N); the CPU path computes in f32"));
+  }
+  return std::make_unique<CpuMlpRunner>(widths);
+}
+
+Device& HostDevice() {
+  static CpuDevice* device = new CpuDevice();
+  return *device;
+}
+
+}  // namespace shard

@@ -1,0 +1,240 @@
+#include "worker/gpu/gpu_device.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "worker/gpu/cuda_check.h"
+#include "worker/gpu/device_communicator.h"
+#include "worker/gpu/gpu_mlp.h"
+#include "worker/gpu/kernels.h"
+
+namespace shard {
+namespace {
+
+// The largest AllReduceHostValues: a few scalars.
+constexpr size_t kHostValueBytes = 256;
+
+void FreeDevice(float* data) { cudaFree(data); }
+
+absl::Status WaitFor(cudaStream_t stream, absl::string_view what) {
+  return CudaStatus(cudaStreamSynchronize(stream), what);
+}
+
+class GpuSpanKernels final : public SpanKernels {
+ public:
+  GpuSpanKernels(const OptimizerConfig& config, TensorList tensors, DeviceBuffer scalars,
+                 cudaStream_t stream)
+      : optimizer_(config), tensors_(std::move(tensors)), scalars_(std::move(scalars)),
+        stream_(stream) {}
+
+  absl::Status OptimizerStep(int64_t step) override {
+    return optimizer_.Step(step, tensors_, stream_);
+  }
+
+  absl::StatusOr<double> GradSquaredSum() override {
+    double* sum = scalars_.as<double>();
+    SHARD_RETURN_IF_ERROR(GradSquaredNorm(tensors_, sum, stream_));
+    double host = 0;
+    SHARD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(&host, sum, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    SHARD_RETURN_IF_ERROR(WaitFor(stream_, "the gradient norm"));
+    return host;
+  }
+
+  absl::StatusOr<bool> ScaleGradients(float factor, bool check_finite) override {
+    float* found = check_finite ? scalars_.as<float>() : nullptr;
+    if (found != nullptr) SHARD_RETURN_IF_ERROR(Fill(found, 1, 0.0f, stream_));
+    SHARD_RETURN_IF_ERROR(shard::ScaleGradients(tensors_, factor, found, stream_));
+    if (found == nullptr) return false;
+    float host = 0;
+    SHARD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(&host, found, sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    SHARD_RETURN_IF_ERROR(WaitFor(stream_, "the inf/NaN check of the gradients"));
+    return host != 0;
+  }
+
+ private:
+  const FusedOptimizer optimizer_;
+  const TensorList tensors_;
+  DeviceBuffer scalars_;  // the norm (double) or the inf/NaN flag (float)
+  const cudaStream_t stream_;
+};
+
+class GpuMlpRunner final : public MlpRunner {
+ public:
+  static absl::StatusOr<std::unique_ptr<GpuMlpRunner>> Create(const std::vector<int64_t>& widths,
+                                                             int64_t max_rows, DataType precision,
+                                                             cudaStream_t stream) {
+    SHARD_ASSIGN_OR_RETURN(std::unique_ptr<GpuMlp> model,
+                           GpuMlp::Create(widths, max_rows, stream, {.precision = precision}));
+    std::unique_ptr<GpuMlpRunner> runner(new GpuMlpRunner(std::move(model), stream));
+    SHARD_ASSIGN_OR_RETURN(runner->x_,
+                           DeviceBuffer::Allocate(max_rows * widths.front() * sizeof(float)));
+    SHARD_ASSIGN_OR_RETURN(runner->y_, DeviceBuffer::Allocate(max_rows * sizeof(int64_t)));
+    if (precision != DataType::kFloat32) {
+      // Manifest order (Mlp::WeightIndex / BiasIndex): layer l's weight, then its bias.
+      for (size_t l = 0; l + 1 < widths.size(); ++l) {
+        for (int64_t numel : {widths[l + 1] * widths[l], widths[l + 1]}) {
+          SHARD_ASSIGN_OR_RETURN(DeviceBuffer copy,
+                                 DeviceBuffer::Allocate(numel * DataTypeSize(precision)));
+          runner->copies_.push_back(std::move(copy));
+          runner->numels_.push_back(numel);
+        }
+      }
+    }
+    return runner;
+  }
+
+  absl::Status Forward(const std::vector<const float*>& params, const float* x, const int64_t* y,
+                       int64_t rows) override {
+    const int64_t inputs = rows * model_->widths().front();
+    SHARD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_.data(), x, inputs * sizeof(float),
+                                               cudaMemcpyHostToDevice, stream_));
+    SHARD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(y_.data(), y, rows * sizeof(int64_t),
+                                               cudaMemcpyHostToDevice, stream_));
+    SHARD_ASSIGN_OR_RETURN(std::vector<const void*> weights, ModelWeights(params));
+    return model_->Forward(weights, x_.as<float>(), y_.as<int64_t>(), rows);
+  }
+
+  absl::Status Backward(const std::vector<const float*>& params, const std::vector<float*>& grads,
+                        float scale, const std::function<void(int)>& ready) override {
+    return model_->Backward(Views(params), grads, scale, ready);
+  }
+
+  absl::StatusOr<double> LossSum() override { return model_->Loss(); }
+
+ private:
+  GpuMlpRunner(std::unique_ptr<GpuMlp> model, cudaStream_t stream)
+      : model_(std::move(model)), stream_(stream) {}
+
+  // What the model computes with: the fp32 masters, or their 16-bit copies (the copy-back cast
+  // of mixed precision, done once per forward pass for every parameter).
+  absl::StatusOr<std::vector<const void*>> ModelWeights(const std::vector<const float*>& params) {
+    if (copies_.empty()) return std::vector<const void*>(params.begin(), params.end());
+    if (params.size() != copies_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("the MLP has ", copies_.size(),
+                                                     " parameters, got ", params.size()));
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      SHARD_RETURN_IF_ERROR(Cast(params[i], DataType::kFloat32, copies_[i].data(),
+                                 model_->precision(), numels_[i], stream_));
+    }
+    return Views(params);
+  }
+
+  std::vector<const void*> Views(const std::vector<const float*>& params) const {
+    std::vector<const void*> views(params.begin(), params.end());
+    for (size_t i = 0; i < copies_.size() && i < views.size(); ++i) views[i] = copies_[i].data();
+    return views;
+  }
+
+  std::unique_ptr<GpuMlp> model_;
+  const cudaStream_t stream_;
+  DeviceBuffer x_;
+  DeviceBuffer y_;
+  std::vector<DeviceBuffer> copies_;  // 16-bit weights, manifest order (16-bit precisions)
+  std::vector<int64_t> numels_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GpuDevice>> GpuDevice::Create(int index) {
+  std::string why;
+  const int devices = CudaDeviceCount(&why);
+  if (index < 0 || index >= devices) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda:", index, " is not a device of this machine: it has ", devices, " CUDA device(s)",
+        why.empty() ? "" : absl::StrCat(" (", why, ")"),
+        "; use cuda:0..cuda:N-1 or --device cpu"));
+  }
+  SHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(index));
+  SHARD_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+  SHARD_ASSIGN_OR_RETURN(DeviceBuffer values, DeviceBuffer::Allocate(kHostValueBytes));
+  return std::unique_ptr<GpuDevice>(new GpuDevice(index, std::move(stream), std::move(values)));
+}
+
+std::string GpuDevice::name() const { return absl::StrCat("cuda:", index_); }
+
+absl::Status GpuDevice::BindThread() {
+  return CudaStatus(cudaSetDevice(index_), absl::StrCat("cudaSetDevice(", index_, ")"));
+}
+
+absl::StatusOr<DeviceArray> GpuDevice::Allocate(int64_t count) {
+  if (count == 0) return DeviceArray();
+  void* data = nullptr;
+  SHARD_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&data, count * sizeof(float)),
+                                   absl::StrCat("cudaMalloc of ", count * sizeof(float),
+                                                " bytes on ", name())));
+  DeviceArray array(static_cast<float*>(data), count, &FreeDevice);
+  SHARD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(data, 0, count * sizeof(float), stream()));
+  return array;
+}
+
+absl::Status GpuDevice::Upload(const float* host, float* device, int64_t count) {
+  // From pageable memory the copy returns once `host` has been staged, so it may be reused.
+  return CudaStatus(cudaMemcpyAsync(device, host, count * sizeof(float), cudaMemcpyHostToDevice,
+                                    stream()),
+                    "copying to the GPU");
+}
+
+absl::Status GpuDevice::Download(const float* device, float* host, int64_t count) {
+  SHARD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, device, count * sizeof(float),
+                                             cudaMemcpyDeviceToHost, stream()));
+  return WaitFor(stream(), "copying from the GPU");
+}
+
+absl::Status GpuDevice::Copy(const float* from, float* to, int64_t count) {
+  return CudaStatus(cudaMemcpyAsync(to, from, count * sizeof(float), cudaMemcpyDeviceToDevice,
+                                    stream()),
+                    "copying on the GPU");
+}
+
+absl::StatusOr<std::unique_ptr<SpanKernels>> GpuDevice::PrepareSpans(
+    const OptimizerConfig& optimizer, std::vector<OwnedSpan> spans) {
+  std::vector<TensorSlot> slots;
+  for (const OwnedSpan& span : spans) {
+    TensorSlot slot;
+    slot.param = span.param;
+    slot.grad = span.grad;
+    for (size_t k = 0; k < span.state.size() && k < 2; ++k) slot.state[k] = span.state[k];
+    slot.count = span.count;
+    slots.push_back(slot);
+  }
+  SHARD_ASSIGN_OR_RETURN(TensorList tensors,
+                         TensorList::Create(slots, DataType::kFloat32, stream()));
+  SHARD_ASSIGN_OR_RETURN(DeviceBuffer scalars, DeviceBuffer::Allocate(sizeof(double)));
+  return std::make_unique<GpuSpanKernels>(optimizer, std::move(tensors), std::move(scalars),
+                                          stream());
+}
+
+absl::Status GpuDevice::AllReduceHostValues(Communicator& communicator, void* values,
+                                            size_t count, DataType dtype, ReduceOp op) {
+  auto* device_communicator = dynamic_cast<DeviceCommunicator*>(&communicator);
+  if (device_communicator == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the ", communicator.backend(), " communicator works on host memory, not on ", name()));
+  }
+  const size_t bytes = count * DataTypeSize(dtype);
+  if (bytes > values_.bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("AllReduceHostValues takes up to ", values_.bytes(), " bytes, got ", bytes));
+  }
+  SHARD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(values_.data(), values, bytes, cudaMemcpyHostToDevice, stream()));
+  SHARD_RETURN_IF_ERROR(
+      device_communicator->AllReduce(values_.data(), values_.data(), count, dtype, op));
+  SHARD_RETURN_IF_ERROR(device_communicator->OrderComputeAfterCollectives());
+  SHARD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(values, values_.data(), bytes, cudaMemcpyDeviceToHost, stream()));
+  return WaitFor(stream(), "an all-reduce of host values");
+}
+
+absl::StatusOr<std::unique_ptr<MlpRunner>> GpuDevice::CreateMlp(const std::vector<int64_t>& widths,
+                                                                int64_t max_rows,
+                                                                DataType precision) {
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<GpuMlpRunner> runner,
+                         GpuMlpRunner::Create(widths, max_rows, precision, stream()));
+  return runner;
+}
+
+}  // namespace shard
