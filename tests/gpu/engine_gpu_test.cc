@@ -22,6 +22,8 @@
 #include "gtest/gtest.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/gpu/in_process_communicator.h"
+#include "tests/support/checkpoint_commit.h"
+#include "tests/support/test_directory.h"
 #include "worker/dataplane/key_value_store.h"
 #include "worker/dataplane/mlp.h"
 #include "worker/dataplane/mlp_data.h"
@@ -64,10 +66,7 @@ constexpr double kLossBound = 1e-4;
 using Params = std::vector<std::vector<float>>;
 
 std::string Root(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/shard-engine-gpu-test/" + name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
+  return FreshTestDirectory("shard-engine-gpu-test", name);
 }
 
 // 256 samples: each of the 12 steps reads a different batch of 32 (a restore that read the
@@ -138,7 +137,7 @@ struct RankRun {
 
 struct Training {
   std::vector<RankRun> ranks;
-  std::map<std::string, std::vector<SavedShard>> saved;  // checkpoint shards by id
+  SavedShards saved;
 };
 
 // TrainMlp on one thread per rank of `job`, from `restore_dir` when set. A rank that fails
@@ -205,27 +204,6 @@ void AssertTrained(const Training& run, const JobConfig& job, int64_t first_step
     SHARD_ASSERT_OK(run.ranks[rank].status);
     ASSERT_EQ(static_cast<int64_t>(run.ranks[rank].steps.size()), job.steps - first_step + 1)
         << "rank " << rank;
-  }
-}
-
-// Plays the coordinator's part: commits each checkpoint whose every shard is on disk.
-void CommitCheckpoints(const JobConfig& job, Training& run) {
-  ASSERT_FALSE(run.saved.empty());
-  for (auto& [id, shards] : run.saved) {
-    ASSERT_EQ(static_cast<int>(shards.size()), job.world_size) << id;
-    std::sort(shards.begin(), shards.end(),
-              [](const SavedShard& a, const SavedShard& b) { return a.rank < b.rank; });
-    std::vector<ShardRecord> records;
-    for (const SavedShard& shard : shards) {
-      SHARD_ASSERT_OK(shard.record.status());
-      records.push_back(*shard.record);
-    }
-    SHARD_ASSERT_OK_AND_ASSIGN(
-        const CheckpointManifest manifest,
-        MakeCheckpointManifest(job.name, id, shards[0].step, job.zero_stage,
-                               MlpManifest(job.widths), *shards[0].plan, job.optimizer,
-                               {"exp_avg", "exp_avg_sq"}, records));
-    SHARD_ASSERT_OK(CommitCheckpoint(shards[0].dir, manifest));
   }
 }
 
@@ -497,7 +475,7 @@ TEST(GpuEngineTest, CheckpointFromTheGpuRestoresOnTheCpu) {
   gpu_job.checkpoint_every = kAt;
   Training gpu = Train(gpu_job, Backend::kStagedGpu);
   ASSERT_NO_FATAL_FAILURE(AssertTrained(gpu, gpu_job));
-  ASSERT_NO_FATAL_FAILURE(CommitCheckpoints(gpu_job, gpu));
+  ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(gpu_job, gpu.saved));
   const std::string checkpoint = CheckpointDirectory(gpu_job.checkpoint_dir, gpu_job.name,
                                                      CheckpointIdForStep(kAt));
   SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest manifest,

@@ -3,8 +3,6 @@
 // powers of two changes no bit of training; an inf gradient on one rank skips the update on
 // every rank; the host refuses 16-bit precision. Ranks are threads over real loopback TCP, as in
 // training_test.cc and resume_test.cc.
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -23,7 +21,9 @@
 #include "common/checkpoint.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
+#include "tests/support/checkpoint_commit.h"
 #include "tests/support/status_assertions.h"
+#include "tests/support/test_directory.h"
 #include "worker/dataplane/cpu_device.h"
 #include "worker/dataplane/engine.h"
 #include "worker/dataplane/gloo_communicator.h"
@@ -85,13 +85,8 @@ class StagingDevice final : public Device {
   std::atomic<int64_t> downloads_{0};
 };
 
-// Per process: ctest runs this binary's tests in parallel processes.
 std::string Root(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/shard-engine-device-test-" +
-                          std::to_string(getpid()) + "/" + name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
+  return FreshTestDirectory("shard-engine-device-test", name);
 }
 
 const std::string& DataFile() {
@@ -161,7 +156,7 @@ JobConfig Job(const std::string& root) {
 // the coordinator's part for checkpoints: commits each once every rank's shard is on disk.
 void Train(const JobConfig& job, Device* device, const std::string& restore_dir) {
   absl::Mutex mu;
-  std::map<std::string, std::vector<SavedShard>> saved;
+  SavedShards saved;
   const std::vector<absl::Status> results =
       RunRanks(job.world_size, [&](int /*rank*/, Communicator& communicator) -> absl::Status {
         PlanOptions plan = Planning(job.world_size);
@@ -183,22 +178,7 @@ void Train(const JobConfig& job, Device* device, const std::string& restore_dir)
         return TrainMlp(job, communicator, plans, options).status();
       });
   for (const absl::Status& status : results) SHARD_ASSERT_OK(status);
-  for (auto& [id, shards] : saved) {
-    ASSERT_EQ(static_cast<int>(shards.size()), job.world_size) << id;
-    std::sort(shards.begin(), shards.end(),
-              [](const SavedShard& a, const SavedShard& b) { return a.rank < b.rank; });
-    std::vector<ShardRecord> records;
-    for (const SavedShard& shard : shards) {
-      SHARD_ASSERT_OK(shard.record.status());
-      records.push_back(*shard.record);
-    }
-    SHARD_ASSERT_OK_AND_ASSIGN(
-        const CheckpointManifest manifest,
-        MakeCheckpointManifest(job.name, id, shards[0].step, job.zero_stage,
-                               MlpManifest(job.widths), *shards[0].plan, job.optimizer,
-                               {"exp_avg", "exp_avg_sq"}, records));
-    SHARD_ASSERT_OK(CommitCheckpoint(shards[0].dir, manifest));
-  }
+  ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, saved));
 }
 
 // Every tensor of a safetensors file.

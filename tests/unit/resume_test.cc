@@ -10,6 +10,7 @@
 #include "common/checkpoint.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
+#include "tests/support/checkpoint_commit.h"
 #include "worker/dataplane/gloo_communicator.h"
 #include "worker/dataplane/mlp_data.h"
 #include "worker/dataplane/trainer.h"
@@ -53,7 +54,7 @@ JobConfig Job(const std::string& root, int world, int stage, ShardMode mode) {
 void Train(const JobConfig& job, const std::string& restore_dir,
            const std::string& consolidate_path = "") {
   absl::Mutex mu;
-  std::map<std::string, std::vector<SavedShard>> saved;
+  SavedShards saved;
   InProcessKeyValueStore store;
   std::vector<std::thread> threads;
   std::vector<absl::Status> results(job.world_size);
@@ -92,21 +93,7 @@ void Train(const JobConfig& job, const std::string& restore_dir,
   }
   for (std::thread& t : threads) t.join();
   for (const absl::Status& status : results) ASSERT_TRUE(status.ok()) << status;
-  for (auto& [id, shards] : saved) {
-    ASSERT_EQ(static_cast<int>(shards.size()), job.world_size) << id;
-    std::sort(shards.begin(), shards.end(),
-              [](const SavedShard& a, const SavedShard& b) { return a.rank < b.rank; });
-    std::vector<ShardRecord> records;
-    for (const SavedShard& shard : shards) {
-      ASSERT_TRUE(shard.record.ok()) << shard.record.status();
-      records.push_back(*shard.record);
-    }
-    auto manifest = MakeCheckpointManifest(job.name, id, shards[0].step, job.zero_stage,
-                                           MlpManifest(job.widths), *shards[0].plan,
-                                           job.optimizer, {"exp_avg", "exp_avg_sq"}, records);
-    ASSERT_TRUE(manifest.ok()) << manifest.status();
-    ASSERT_TRUE(CommitCheckpoint(shards[0].dir, *manifest).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, saved));
 }
 
 // Every parameter and optimizer state element of a checkpoint, by tensor.
