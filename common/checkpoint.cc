@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -13,12 +14,14 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/fault.h"
 #include "common/names.h"
 #include "common/safetensors.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace shard {
@@ -74,6 +77,25 @@ const nlohmann::json& Array(const nlohmann::json& object, const char* key) {
 template <typename T>
 T Integer(const nlohmann::json& object, const char* key) {
   return AsInteger<T>(object.at(key), key);
+}
+
+// metadata[key] parsed into *out; *out is left alone when the key is absent.
+template <typename T>
+absl::Status MetadataNumber(const std::map<std::string, std::string>& metadata, const char* key,
+                            T* out) {
+  auto it = metadata.find(key);
+  if (it == metadata.end()) return absl::OkStatus();
+  bool parsed = false;
+  if constexpr (std::is_integral_v<T>) {
+    parsed = absl::SimpleAtoi(it->second, out);
+  } else {
+    parsed = absl::SimpleAtof(it->second, out);
+  }
+  if (!parsed) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metadata \"", key, "\" is not a number: '", it->second, "'"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -221,7 +243,44 @@ std::string CheckpointManifestToJson(const CheckpointManifest& m) {
         {"state", m.state_names}}},
       {"tensors", tensors},
       {"shards", shards}};
+  if (m.counters.has_value()) {
+    doc["counters"] = {{"optimizer_step", m.counters->optimizer_step},
+                       {"loss_scale", m.counters->loss_scale},
+                       {"loss_scale_growth_tracker", m.counters->loss_scale_growth_tracker}};
+  }
   return doc.dump(1);
+}
+
+std::map<std::string, std::string> TrainingCountersMetadata(const TrainingCounters& counters) {
+  std::map<std::string, std::string> metadata = {
+      {"optimizer_step", absl::StrCat(counters.optimizer_step)}};
+  if (counters.loss_scale > 0) {
+    // Nine significant digits: the float round-trips exactly.
+    metadata["loss_scale"] = absl::StrFormat("%.9g", counters.loss_scale);
+    metadata["loss_scale_growth_tracker"] = absl::StrCat(counters.loss_scale_growth_tracker);
+  }
+  return metadata;
+}
+
+absl::StatusOr<TrainingCounters> TrainingCountersFromMetadata(
+    const std::map<std::string, std::string>& metadata, int64_t step) {
+  TrainingCounters counters{.optimizer_step = step};
+  SHARD_RETURN_IF_ERROR(MetadataNumber(metadata, "optimizer_step", &counters.optimizer_step));
+  SHARD_RETURN_IF_ERROR(MetadataNumber(metadata, "loss_scale", &counters.loss_scale));
+  SHARD_RETURN_IF_ERROR(MetadataNumber(metadata, "loss_scale_growth_tracker",
+                                       &counters.loss_scale_growth_tracker));
+  if (counters.optimizer_step < 0 || counters.optimizer_step > step) {
+    return absl::InvalidArgumentError(absl::StrCat("metadata \"optimizer_step\" ",
+                                                   counters.optimizer_step,
+                                                   " is outside [0, step = ", step, "]"));
+  }
+  if (!(counters.loss_scale >= 0) || !std::isfinite(counters.loss_scale) ||
+      counters.loss_scale_growth_tracker < 0) {
+    return absl::InvalidArgumentError(
+        "metadata \"loss_scale\" must be finite and not negative, and "
+        "\"loss_scale_growth_tracker\" not negative");
+  }
+  return counters;
 }
 
 absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view json,
@@ -243,6 +302,26 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
     m.world_size = Integer<int>(doc, "world_size");
     m.zero_stage = Integer<int>(doc, "zero_stage");
     m.created_unix_ms = Integer<int64_t>(doc, "created_unix_ms");
+    if (doc.contains("counters")) {
+      const nlohmann::json& c = doc.at("counters");
+      TrainingCounters counters;
+      counters.optimizer_step = Integer<int64_t>(c, "optimizer_step");
+      counters.loss_scale = c.at("loss_scale").get<float>();
+      counters.loss_scale_growth_tracker = Integer<int64_t>(c, "loss_scale_growth_tracker");
+      if (counters.optimizer_step < 0 || counters.optimizer_step > m.step) {
+        return Corrupt(path, absl::StrCat("counters: optimizer_step ", counters.optimizer_step,
+                                          " is outside [0, step = ", m.step, "]"));
+      }
+      if (!(counters.loss_scale >= 0) || !std::isfinite(counters.loss_scale)) {
+        return Corrupt(path, absl::StrCat("counters: loss_scale ", counters.loss_scale,
+                                          " is not a finite number >= 0"));
+      }
+      if (counters.loss_scale_growth_tracker < 0) {
+        return Corrupt(path, absl::StrCat("counters: loss_scale_growth_tracker ",
+                                          counters.loss_scale_growth_tracker, " is negative"));
+      }
+      m.counters = counters;
+    }
     const nlohmann::json& plan = doc.at("plan");
     absl::StatusOr<ShardMode> mode = ParseShardMode(plan.at("mode").get<std::string>());
     if (!mode.ok()) return Corrupt(path, mode.status().message());
@@ -575,12 +654,13 @@ absl::Status ExportCheckpoint(const std::string& dir, const std::string& out_pat
       total += ArrayBytes(param.numel());
     }
   }
-  std::map<std::string, std::string> metadata = {
-      {"format", "pt"},
-      {"producer", "shard"},
-      {"checkpoint", m.id},
-      {"step", absl::StrCat(m.step)},
-      {"optimizer", std::string(OptimizerKindName(m.optimizer.kind))}};
+  std::map<std::string, std::string> metadata = TrainingCountersMetadata(
+      m.counters.value_or(TrainingCounters{.optimizer_step = m.step}));
+  metadata.insert({{"format", "pt"},
+                   {"producer", "shard"},
+                   {"checkpoint", m.id},
+                   {"step", absl::StrCat(m.step)},
+                   {"optimizer", std::string(OptimizerKindName(m.optimizer.kind))}});
   absl::StatusOr<std::unique_ptr<SafetensorsWriter>> writer =
       SafetensorsWriter::Create(out_path, decls, metadata);
   if (!writer.ok()) return writer.status();

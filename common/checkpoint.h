@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -78,6 +80,25 @@ struct CheckpointTensor {
   std::vector<TensorPiece> pieces;  // sorted by begin, covering [0, numel) exactly
 };
 
+// Where the optimizer and the dynamic loss scaler stood at a checkpoint: loss scaling skips
+// updates on overflow, so the optimizer's step count (Adam's bias correction) can lag the
+// training step, and the scale itself must continue where it was.
+struct TrainingCounters {
+  int64_t optimizer_step = 0;
+  float loss_scale = 0;  // 0: no loss scaling
+  int64_t loss_scale_growth_tracker = 0;
+
+  bool operator==(const TrainingCounters&) const = default;
+};
+
+// The counters as safetensors metadata (optimizer_step, and loss_scale with
+// loss_scale_growth_tracker when scaling), for exports and consolidated files.
+std::map<std::string, std::string> TrainingCountersMetadata(const TrainingCounters& counters);
+// Back from `metadata`; a file without them (older, or from elsewhere) gives optimizer_step =
+// `step` and no loss scale. InvalidArgument naming the key for a malformed or impossible value.
+absl::StatusOr<TrainingCounters> TrainingCountersFromMetadata(
+    const std::map<std::string, std::string>& metadata, int64_t step);
+
 struct CheckpointManifest {
   int format_version = kCheckpointFormatVersion;
   std::string job;
@@ -93,6 +114,8 @@ struct CheckpointManifest {
   std::vector<CheckpointTensor> tensors;
   std::vector<ShardRecord> shards;
   int64_t created_unix_ms = 0;
+  // Absent in checkpoints written before the counters were: optimizer step = step, no scale.
+  std::optional<TrainingCounters> counters;
 
   Manifest model() const;
   uint64_t total_bytes() const;

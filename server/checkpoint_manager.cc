@@ -153,12 +153,26 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
     pending.shards.resize(world);
     pending.step = report.step;
     pending.plan_hash = report.plan_hash;
+    pending.counters = report.counters;
   }
   pending.request = std::max(pending.request, report.request);
   pending.max_pause_ms = std::max(pending.max_pause_ms, report.pause_ms);
   pending.max_write_ms = std::max(pending.max_write_ms, report.write_ms);
-  if (!report.error.empty()) {
-    pending.error = absl::StrCat("rank ", report.rank, " could not write its shard: ", report.error);
+  std::string report_error =
+      report.error.empty()
+          ? ""
+          : absl::StrCat("rank ", report.rank, " could not write its shard: ", report.error);
+  if (report_error.empty() && report.counters != pending.counters) {
+    // The ranks' updates diverged: the checkpoint would restore inconsistent state.
+    report_error = absl::StrCat(
+        "rank ", report.rank, " reports optimizer step ", report.counters.optimizer_step,
+        ", loss scale ", report.counters.loss_scale, " after ",
+        report.counters.loss_scale_growth_tracker, " clean steps for ", report.id,
+        ", other ranks ", pending.counters.optimizer_step, ", ", pending.counters.loss_scale,
+        " after ", pending.counters.loss_scale_growth_tracker, "; the ranks' updates diverged");
+  }
+  if (!report_error.empty()) {
+    pending.error = report_error;
     errors_[pending.request] = pending.error;
     spdlog::error("checkpoint {} failed: {}", report.id, pending.error);
     RemoveDirectory(Directory(report.id), "a failed checkpoint");
@@ -180,6 +194,7 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
   absl::StatusOr<CheckpointManifest> manifest = MakeCheckpointManifest(
       options_.job, report.id, pending.step, options_.zero_stage, *plan.manifest, *plan.plan,
       options_.optimizer, options_.state_names, std::move(shards));
+  if (manifest.ok()) manifest->counters = pending.counters;
   const std::string dir = Directory(report.id);
   absl::Status committed = manifest.ok() ? CommitCheckpoint(dir, *manifest) : manifest.status();
   if (!committed.ok()) {

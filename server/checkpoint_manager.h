@@ -46,6 +46,7 @@ struct ShardReport {
   double pause_ms = 0;
   double write_ms = 0;
   std::string error;  // the rank could not write its shard
+  TrainingCounters counters;
 };
 
 struct SaveProgress {
@@ -112,6 +113,7 @@ class CheckpointManager {
     int64_t step = 0;
     int64_t request = 0;
     std::string plan_hash;
+    TrainingCounters counters;
     std::vector<std::optional<ShardRecord>> shards;
     double max_pause_ms = 0;
     double max_write_ms = 0;

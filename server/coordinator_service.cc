@@ -305,6 +305,8 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportCheckpointShard(
   report.pause_ms = request->pause_ms();
   report.write_ms = request->write_ms();
   report.error = request->error();
+  report.counters = TrainingCounters{request->optimizer_step(), request->loss_scale(),
+                                     request->loss_scale_growth_tracker()};
   absl::StatusOr<bool> committed = checkpoints_->ReportShard(report, *plan);
   if (committed.ok()) response->set_committed(*committed);
   return Reply(context, committed.status());

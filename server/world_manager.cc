@@ -456,6 +456,31 @@ absl::StatusOr<int> WorldManager::ChooseRank(const JoinParams& params,
   return -1;
 }
 
+absl::Status WorldManager::CheckBackendLocked(const JoinParams& params) const {
+  if (params.capabilities.empty()) return absl::OkStatus();
+  for (const auto& [id, other] : m_.workers) {
+    if (id == params.worker_id || other.role == Role::kDeparted || other.role == Role::kLeaving ||
+        other.capabilities.empty()) {
+      continue;
+    }
+    const bool shared = std::any_of(
+        params.capabilities.begin(), params.capabilities.end(), [&](const std::string& c) {
+          return std::find(other.capabilities.begin(), other.capabilities.end(), c) !=
+                 other.capabilities.end();
+        });
+    if (!shared) {
+      // NCCL and Gloo ranks cannot form one world: connecting would time out on every attempt.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "worker '", params.worker_id, "' (device ", params.device, ") runs the ",
+          absl::StrJoin(params.capabilities, "/"), " data path, but worker '", id, "' (device ",
+          other.device, ") in this job runs ", absl::StrJoin(other.capabilities, "/"),
+          "; start every worker of a job with the same --backend (auto means nccl on cuda:N, "
+          "gloo on cpu)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<JoinOutcome> WorldManager::JoinLocked(const JoinParams& params, absl::Time now) {
   if (absl::Status valid = ValidateName("worker id", params.worker_id); !valid.ok()) return valid;
   if (absl::Status valid = ValidateJoinDescription(params); !valid.ok()) return valid;
@@ -463,6 +488,7 @@ absl::StatusOr<JoinOutcome> WorldManager::JoinLocked(const JoinParams& params, a
     return absl::FailedPreconditionError(absl::StrCat(
         "job '", options_.job, "' is stopping (", m_.stop_reason, "); it accepts no workers"));
   }
+  if (absl::Status compatible = CheckBackendLocked(params); !compatible.ok()) return compatible;
   auto it = m_.workers.find(params.worker_id);
   Worker* existing = it == m_.workers.end() ? nullptr : &it->second;
   const bool live = existing != nullptr && existing->role != Role::kDeparted &&

@@ -295,6 +295,8 @@ class WorldManager {
 
   WorldManager(WorldOptions options, StateStore* store, v1::CoordinatorState state);
 
+  // FailedPrecondition when the joiner shares no data-path backend with a live worker.
+  absl::Status CheckBackendLocked(const JoinParams& params) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The rules of the public calls of the same names; the public calls add the answering of
   // the watches that the change concerns.
   absl::StatusOr<JoinOutcome> JoinLocked(const JoinParams& params, absl::Time now)

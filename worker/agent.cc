@@ -299,6 +299,9 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
     report.set_plan_hash(saved.plan->hash);
     report.set_pause_ms(saved.pause_ms);
     report.set_write_ms(saved.write_ms);
+    report.set_optimizer_step(saved.counters.optimizer_step);
+    report.set_loss_scale(saved.counters.loss_scale);
+    report.set_loss_scale_growth_tracker(saved.counters.loss_scale_growth_tracker);
     if (saved.record.ok()) {
       v1::ShardRecord* shard = report.mutable_shard();
       shard->set_file(saved.record->file);

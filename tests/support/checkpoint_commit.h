@@ -32,10 +32,11 @@ inline void CommitSavedCheckpoints(const JobConfig& job, SavedShards& saved) {
       records.push_back(*shard.record);
     }
     SHARD_ASSERT_OK_AND_ASSIGN(
-        const CheckpointManifest manifest,
+        CheckpointManifest manifest,
         MakeCheckpointManifest(job.name, id, shards[0].step, job.zero_stage,
                                MlpManifest(job.widths), *shards[0].plan, job.optimizer,
                                OptimizerStateNames(job.optimizer), records));
+    manifest.counters = shards[0].counters;
     SHARD_ASSERT_OK(CommitCheckpoint(shards[0].dir, manifest));
   }
 }

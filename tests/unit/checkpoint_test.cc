@@ -1,11 +1,18 @@
 #include "common/checkpoint.h"
 #include "common/safetensors.h"
 
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <map>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_assertions.h"
 
 namespace shard {
 namespace {
@@ -16,8 +23,10 @@ Manifest Model() {
 }
 
 // Writes a committed checkpoint of Model() over `world` ranks whose values encode their
-// position: parameter p element i holds p * 1e6 + i, state k holds that + (k + 1) * 0.25.
-std::string WriteCheckpoint(const std::string& name, int world) {
+// position: parameter p element i holds p * 1e6 + i, state k holds that + (k + 1) * 0.25. At
+// step 7, with `counters` in its manifest (none: as checkpoints before them were written).
+std::string WriteCheckpoint(const std::string& name, int world,
+                            std::optional<TrainingCounters> counters = std::nullopt) {
   const std::string root = ::testing::TempDir() + "/shard-checkpoint-test";
   const std::string dir = CheckpointDirectory(root, "job", name);
   std::filesystem::remove_all(dir);
@@ -49,6 +58,7 @@ std::string WriteCheckpoint(const std::string& name, int world) {
   auto manifest = MakeCheckpointManifest("job", name, 7, 2, Model(), *plan, adam,
                                          {"exp_avg", "exp_avg_sq"}, records);
   EXPECT_TRUE(manifest.ok()) << manifest.status();
+  manifest->counters = counters;
   EXPECT_TRUE(CommitCheckpoint(dir, *manifest).ok());
   return dir;
 }
@@ -203,6 +213,185 @@ TEST(CheckpointTest, ExportStreamsFullTensorsWithState) {
   std::vector<float> values(300);
   ASSERT_TRUE((*file)->ReadElements(**b_sq, 0, 300, values.data()).ok());
   EXPECT_EQ(values[299], 1e6f + 299 + 0.5f);  // exp_avg_sq is state 1
+}
+
+std::string ReadManifestText(const std::string& dir) {
+  std::ifstream in(dir + "/manifest.json");
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// The same bits (operator== would call 0.0f and -0.0f equal).
+bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+
+// A loss scale that is not a power of two and needs all nine significant digits to round-trip
+// ("%.8g" prints 1000.0001, which reads back as another float).
+const float kOddScale = std::nextafter(1000.0f, 2000.0f);  // 1000.00006
+
+TEST(CheckpointTest, TheManifestKeepsTheTrainingCounters) {
+  const TrainingCounters saved{
+      .optimizer_step = 5, .loss_scale = kOddScale, .loss_scale_growth_tracker = 2};
+  const std::string dir = WriteCheckpoint("step-00000010", 2, saved);
+  SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest manifest, ReadCheckpointManifest(dir));
+  ASSERT_TRUE(manifest.counters.has_value());
+  EXPECT_EQ(*manifest.counters, saved);
+  EXPECT_TRUE(SameBits(manifest.counters->loss_scale, kOddScale))
+      << absl::StrFormat("%.9g", manifest.counters->loss_scale);
+  // And once more through the JSON, with the edges of the optimizer step: no update yet, and
+  // none skipped.
+  for (int64_t optimizer_step : {int64_t{0}, int64_t{7}}) {
+    CheckpointManifest edge = manifest;
+    edge.counters->optimizer_step = optimizer_step;
+    SHARD_ASSERT_OK_AND_ASSIGN(
+        const CheckpointManifest parsed,
+        CheckpointManifestFromJson(CheckpointManifestToJson(edge), dir + "/manifest.json"));
+    ASSERT_TRUE(parsed.counters.has_value());
+    EXPECT_EQ(*parsed.counters, *edge.counters);
+  }
+
+  // A checkpoint written before the counters were: no key, and none read.
+  const std::string old = WriteCheckpoint("step-00000011", 2);
+  EXPECT_EQ(ReadManifestText(old).find("\"counters\""), std::string::npos);
+  SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest old_manifest, ReadCheckpointManifest(old));
+  EXPECT_EQ(old_manifest.counters, std::nullopt);
+  EXPECT_EQ(old_manifest.step, 7);
+}
+
+TEST(CheckpointTest, ImpossibleCountersInTheManifestAreRefusedNamingThem) {
+  const std::string dir = WriteCheckpoint(
+      "step-00000012", 1,
+      TrainingCounters{.optimizer_step = 5, .loss_scale = 512, .loss_scale_growth_tracker = 2});
+  const std::string path = dir + "/manifest.json";
+  const std::string json = ReadManifestText(dir);
+  SHARD_ASSERT_OK(CheckpointManifestFromJson(json, path).status());
+  // The manifest with `key`'s value replaced by `value`.
+  auto with = [&](const std::string& key, const std::string& value) {
+    std::string changed = json;
+    const std::string field = absl::StrCat("\"", key, "\": ");
+    const size_t at = changed.find(field);
+    EXPECT_NE(at, std::string::npos) << key;
+    if (at == std::string::npos) return absl::OkStatus();
+    const size_t begin = at + field.size();
+    const size_t end = changed.find_first_of(",\n}", begin);
+    changed.replace(begin, end - begin, value);
+    return CheckpointManifestFromJson(changed, path).status();
+  };
+  struct Case {
+    std::string key;
+    std::string value;
+    std::string named;  // in the error
+  };
+  for (const Case& c : std::vector<Case>{
+           {"optimizer_step", "8", "optimizer_step 8"},  // past the checkpoint's step 7
+           {"optimizer_step", "-1", "optimizer_step -1"},
+           {"optimizer_step", "2.5", "optimizer_step"},
+           {"loss_scale", "-512.0", "loss_scale -512"},
+           {"loss_scale", "\"512\"", ""},  // (nlohmann's type error, which names no key)
+           {"loss_scale_growth_tracker", "-1", "loss_scale_growth_tracker -1"},
+       }) {
+    SCOPED_TRACE(absl::StrCat(c.key, " = ", c.value));
+    const absl::Status refused = with(c.key, c.value);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kDataLoss) << refused;
+    EXPECT_NE(refused.message().find(c.named), absl::string_view::npos) << refused;
+    EXPECT_NE(refused.message().find(path), absl::string_view::npos) << refused;
+  }
+  // The bounds themselves are fine.
+  SHARD_EXPECT_OK(with("optimizer_step", "7"));
+  SHARD_EXPECT_OK(with("optimizer_step", "0"));
+  SHARD_EXPECT_OK(with("loss_scale", "0"));
+}
+
+TEST(CheckpointTest, TrainingCountersRoundTripThroughSafetensorsMetadata) {
+  for (const float scale : {kOddScale, 1.0f / 3, 65536.0f, std::nextafter(65536.0f, 0.0f),
+                            1e-30f, std::numeric_limits<float>::max()}) {
+    SCOPED_TRACE(absl::StrFormat("scale %a", scale));
+    const TrainingCounters counters{
+        .optimizer_step = 41, .loss_scale = scale, .loss_scale_growth_tracker = 1999};
+    std::map<std::string, std::string> metadata = TrainingCountersMetadata(counters);
+    EXPECT_EQ(metadata.at("optimizer_step"), "41");
+    EXPECT_EQ(metadata.at("loss_scale_growth_tracker"), "1999");
+    // As a file's metadata holds it, among other keys.
+    metadata["step"] = "50";
+    metadata["format"] = "pt";
+    SHARD_ASSERT_OK_AND_ASSIGN(const TrainingCounters back,
+                               TrainingCountersFromMetadata(metadata, 50));
+    EXPECT_EQ(back, counters);
+    EXPECT_TRUE(SameBits(back.loss_scale, scale))
+        << metadata.at("loss_scale") << " read back as " << absl::StrFormat("%a", back.loss_scale);
+  }
+
+  // Without loss scaling only the optimizer step is written, and it reads back so.
+  const TrainingCounters unscaled{.optimizer_step = 6};
+  const std::map<std::string, std::string> plain = TrainingCountersMetadata(unscaled);
+  EXPECT_EQ(plain, (std::map<std::string, std::string>{{"optimizer_step", "6"}}));
+  SHARD_ASSERT_OK_AND_ASSIGN(const TrainingCounters plain_back,
+                             TrainingCountersFromMetadata(plain, 9));
+  EXPECT_EQ(plain_back, unscaled);
+
+  // A file without them (older, or from elsewhere): the optimizer stepped every step, no scale.
+  SHARD_ASSERT_OK_AND_ASSIGN(
+      const TrainingCounters absent,
+      TrainingCountersFromMetadata({{"format", "pt"}, {"step", "9"}}, 9));
+  EXPECT_EQ(absent, (TrainingCounters{.optimizer_step = 9}));
+  EXPECT_EQ(absent.loss_scale, 0.0f);
+}
+
+TEST(CheckpointTest, MalformedTrainingCountersInMetadataAreRefusedNamingTheKey) {
+  const std::map<std::string, std::string> good = TrainingCountersMetadata(
+      TrainingCounters{.optimizer_step = 4, .loss_scale = 512, .loss_scale_growth_tracker = 2});
+  SHARD_ASSERT_OK(TrainingCountersFromMetadata(good, 5).status());
+  struct Case {
+    std::string key;
+    std::string value;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"optimizer_step", "four"},
+           {"optimizer_step", "3.5"},
+           {"optimizer_step", ""},
+           {"optimizer_step", "6"},   // past step 5
+           {"optimizer_step", "-1"},
+           {"loss_scale", "big"},
+           {"loss_scale", "-512"},
+           {"loss_scale", "inf"},
+           {"loss_scale", "nan"},
+           {"loss_scale_growth_tracker", "2.5"},
+           {"loss_scale_growth_tracker", "-1"},
+       }) {
+    SCOPED_TRACE(absl::StrCat(c.key, " = '", c.value, "'"));
+    std::map<std::string, std::string> metadata = good;
+    metadata[c.key] = c.value;
+    const absl::StatusOr<TrainingCounters> refused = TrainingCountersFromMetadata(metadata, 5);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+    EXPECT_NE(refused.status().message().find(absl::StrCat("\"", c.key, "\"")),
+              absl::string_view::npos)
+        << refused.status();
+  }
+}
+
+TEST(CheckpointTest, ExportWritesTheTrainingCountersIntoTheMetadata) {
+  const TrainingCounters saved{
+      .optimizer_step = 5, .loss_scale = kOddScale, .loss_scale_growth_tracker = 2};
+  const std::string dir = WriteCheckpoint("step-00000013", 2, saved);
+  const std::string out = ::testing::TempDir() + "/shard-checkpoint-test-counters.safetensors";
+  SHARD_ASSERT_OK(ExportCheckpoint(dir, out, true, 4096, [](uint64_t, uint64_t) {}));
+  SHARD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SafetensorsReader> file,
+                             SafetensorsReader::Open(out));
+  const std::map<std::string, std::string>& metadata = file->metadata();
+  EXPECT_EQ(metadata.at("step"), "7");
+  EXPECT_EQ(metadata.at("optimizer_step"), "5");
+  EXPECT_EQ(metadata.at("optimizer"), "adam");
+  EXPECT_EQ(metadata.at("format"), "pt");
+  SHARD_ASSERT_OK_AND_ASSIGN(const TrainingCounters back,
+                             TrainingCountersFromMetadata(metadata, 7));
+  EXPECT_EQ(back, saved);
+  EXPECT_TRUE(SameBits(back.loss_scale, kOddScale)) << metadata.at("loss_scale");
+
+  // A checkpoint without counters exports the documented default: every step updated.
+  const std::string old = WriteCheckpoint("step-00000014", 2);
+  SHARD_ASSERT_OK(ExportCheckpoint(old, out, false, 4096, [](uint64_t, uint64_t) {}));
+  SHARD_ASSERT_OK_AND_ASSIGN(const std::unique_ptr<SafetensorsReader> old_file,
+                             SafetensorsReader::Open(out));
+  EXPECT_EQ(old_file->metadata().at("optimizer_step"), "7");
+  EXPECT_EQ(old_file->metadata().count("loss_scale"), 0u);
 }
 
 }  // namespace

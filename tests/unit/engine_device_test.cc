@@ -1,8 +1,9 @@
 // The engine over the Device interface (device.h), on the host: a device whose arrays the
 // caller may not touch trains and restores bit for bit like the host; dynamic loss scaling by
 // powers of two changes no bit of training; an inf gradient on one rank skips the update on
-// every rank; the host refuses 16-bit precision. Ranks are threads over real loopback TCP, as in
-// training_test.cc and resume_test.cc.
+// every rank; a restore continues the loss scale and the optimizer's step count where a skipped
+// update left them; the host refuses 16-bit precision. Ranks are threads over real loopback TCP,
+// as in training_test.cc and resume_test.cc.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -24,6 +25,7 @@
 #include "tests/support/checkpoint_commit.h"
 #include "tests/support/status_assertions.h"
 #include "tests/support/test_directory.h"
+#include "worker/dataplane/checkpoint_saver.h"
 #include "worker/dataplane/cpu_device.h"
 #include "worker/dataplane/engine.h"
 #include "worker/dataplane/gloo_communicator.h"
@@ -275,8 +277,11 @@ struct AfterStep {
 };
 
 struct EngineRun {
-  std::vector<std::vector<float>> initial;  // after BroadcastParameters
-  std::vector<AfterStep> steps;
+  std::vector<std::vector<float>> initial;  // after BroadcastParameters, or after a restore
+  int64_t start_step = 0;                   // the step `initial` is at
+  float initial_loss_scale = 0;
+  int64_t initial_optimizer_steps = 0;
+  std::vector<AfterStep> steps;             // of steps start_step + 1, ...
 };
 
 absl::StatusOr<std::vector<std::vector<float>>> AllParamValues(const Engine& engine) {
@@ -288,16 +293,33 @@ absl::StatusOr<std::vector<std::vector<float>>> AllParamValues(const Engine& eng
   return values;
 }
 
-// `steps` steps of Adam at ZeRO stage 2 on kWorld ranks, each rank running the forward and
-// backward of its half of the global batch. With `inject`, that rank's gradient element is +inf
-// at that step, written as backward completes it (before it is marked ready: with overlap its
-// bucket may be reduced at once).
+// Where a driven run starts and whether it saves a checkpoint on the way, as TrainMlp does.
+struct Checkpointing {
+  std::string restore_dir;  // start from this committed checkpoint (empty: the initial values)
+  int64_t save_after = 0;   // after this step, save into job's checkpoint_dir (0: never)
+  const JobConfig* job = nullptr;  // names the saved checkpoint; the engine's settings match it
+  SavedShards* saved = nullptr;    // the saved shards, for CommitSavedCheckpoints
+};
+
+// Steps up to `steps` of Adam at ZeRO stage 2 on kWorld ranks (Job()'s settings), each rank
+// running the forward and backward of its half of the global batch. With `inject`, that rank's
+// gradient element is +inf at that step, written as backward completes it (before it is marked
+// ready: with overlap its bucket may be reduced at once).
 void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
-                 std::optional<Injection> inject, std::vector<EngineRun>* runs) {
+                 std::optional<Injection> inject, const Checkpointing& checkpointing,
+                 std::vector<EngineRun>* runs) {
   runs->assign(kWorld, EngineRun{});
+  absl::Mutex mu;
   const std::vector<absl::Status> results =
       RunRanks(kWorld, [&](int rank, Communicator& communicator) -> absl::Status {
-        LocalPlanProvider plans(Planning(kWorld));
+        PlanOptions planning = Planning(kWorld);
+        std::unique_ptr<CheckpointReader> checkpoint;
+        if (!checkpointing.restore_dir.empty()) {
+          SHARD_ASSIGN_OR_RETURN(checkpoint, CheckpointReader::Open(checkpointing.restore_dir));
+          // Restore needs the rebuilt plan: the checkpoint's gradient order gives it at once.
+          planning.gradient_order = checkpoint->manifest().plan.gradient_order;
+        }
+        LocalPlanProvider plans(planning);
         EngineOptions options;
         options.zero_stage = 2;
         options.optimizer.kind = OptimizerKind::kAdam;
@@ -307,21 +329,32 @@ void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
             std::unique_ptr<Engine> engine,
             Engine::Create(MlpManifest(kWidths), &communicator, &plans, options));
         const std::vector<std::vector<float>> init = InitMlpParameters(kWidths, kSeed);
-        for (size_t i = 0; i < init.size(); ++i) {
-          SHARD_RETURN_IF_ERROR(engine->SetParamValues(static_cast<int>(i), init[i].data()));
-        }
-        SHARD_RETURN_IF_ERROR(engine->BroadcastParameters());
         EngineRun& run = (*runs)[rank];
+        if (checkpoint != nullptr) {
+          SHARD_RETURN_IF_ERROR(engine->Restore(*checkpoint));
+          run.start_step = checkpoint->manifest().step;
+        } else {
+          for (size_t i = 0; i < init.size(); ++i) {
+            SHARD_RETURN_IF_ERROR(engine->SetParamValues(static_cast<int>(i), init[i].data()));
+          }
+          SHARD_RETURN_IF_ERROR(engine->BroadcastParameters());
+        }
         SHARD_ASSIGN_OR_RETURN(run.initial, AllParamValues(*engine));
+        run.initial_loss_scale = engine->loss_scale();
+        run.initial_optimizer_steps = engine->optimizer_steps();
         SHARD_ASSIGN_OR_RETURN(std::unique_ptr<MlpBatchReader> data,
                                MlpBatchReader::Open(DataFile(), kWidths.front()));
+        CheckpointSaver saver([&](const SavedShard& shard) {
+          absl::MutexLock lock(&mu);
+          (*checkpointing.saved)[shard.id].push_back(shard);
+        });
         Mlp model(kWidths);
         const int n = static_cast<int>(init.size());
         std::vector<const float*> params(n);
         std::vector<float*> grads(n);
         std::vector<float> x;
         std::vector<int64_t> y;
-        for (int64_t step = 1; step <= steps; ++step) {
+        for (int64_t step = run.start_step + 1; step <= steps; ++step) {
           SHARD_RETURN_IF_ERROR(data->Read(step - 1, kGlobalBatch, rank, kWorld, &x, &y));
           for (int i = 0; i < n; ++i) {
             params[i] = engine->param(i);
@@ -345,10 +378,31 @@ void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
           after.optimizer_steps = engine->optimizer_steps();
           after.steps_done = engine->steps_done();
           run.steps.push_back(std::move(after));
+          if (step == checkpointing.save_after) {
+            std::vector<char> bytes = saver.TakeBuffer();
+            SHARD_RETURN_IF_ERROR(engine->CopyOwnedState(&bytes));
+            SavedShard saved;
+            saved.id = CheckpointIdForStep(step);
+            saved.dir =
+                CheckpointDirectory(checkpointing.job->checkpoint_dir, checkpointing.job->name,
+                                    saved.id);
+            saved.step = step;
+            saved.rank = rank;
+            saved.plan = engine->plan_pointer();
+            saved.plan_version = engine->plan_version();
+            saved.counters = engine->counters();
+            saver.Start(std::move(saved), kWorld, std::move(bytes));
+          }
         }
+        saver.WaitIdle();
         return absl::OkStatus();
       });
   for (const absl::Status& status : results) SHARD_ASSERT_OK(status);
+}
+
+void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
+                 std::optional<Injection> inject, std::vector<EngineRun>* runs) {
+  DriveEngine(loss_scaling, steps, inject, Checkpointing{}, runs);
 }
 
 // "" when every parameter holds the same bits in `a` and `b`.
@@ -435,6 +489,106 @@ TEST(EngineDeviceTest, AnInfGradientOnOneRankSkipsTheStepOnEveryRank) {
     }
   }
   EXPECT_EQ(ParamsBitDifference(runs[1].steps.back().params, runs[0].steps.back().params), "");
+}
+
+TEST(EngineDeviceTest, ARestoreContinuesTheLossScaleAndTheOptimizerStep) {
+  constexpr int64_t kSteps = 8;
+  constexpr int64_t kPoisoned = 2;  // skipped: the scale drops 1024 -> 512
+  constexpr int64_t kSaved = 4;     // 3 updates so far, and 2 clean steps toward the next growth
+  const LossScalerOptions scaling{.init_scale = 1024, .growth_interval = 3};
+  const Injection inf{.rank = 1, .step = kPoisoned, .param = Mlp::WeightIndex(0), .element = 0};
+  const std::string root = Root("counters");
+  const JobConfig job = Job(root);
+
+  // The uninterrupted run, saving after step kSaved as TrainMlp does.
+  SavedShards saved;
+  Checkpointing saving;
+  saving.save_after = kSaved;
+  saving.job = &job;
+  saving.saved = &saved;
+  std::vector<EngineRun> uninterrupted;
+  ASSERT_NO_FATAL_FAILURE(DriveEngine(scaling, kSteps, inf, saving, &uninterrupted));
+  ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, saved));
+  const std::string dir =
+      CheckpointDirectory(job.checkpoint_dir, job.name, CheckpointIdForStep(kSaved));
+  SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest manifest, ReadCheckpointManifest(dir));
+  ASSERT_EQ(manifest.step, kSaved);
+  ASSERT_TRUE(manifest.counters.has_value());
+  EXPECT_EQ(manifest.counters->optimizer_step, kSaved - 1);
+  EXPECT_EQ(manifest.counters->loss_scale, 512.0f);
+  EXPECT_EQ(manifest.counters->loss_scale_growth_tracker, 2);
+  for (int rank = 0; rank < kWorld; ++rank) {
+    SCOPED_TRACE(absl::StrCat("rank ", rank));
+    const std::vector<AfterStep>& steps = uninterrupted[rank].steps;
+    ASSERT_EQ(steps.size(), kSteps);
+    ASSERT_TRUE(steps[kPoisoned - 1].timings.skipped);
+    ASSERT_EQ(steps[kSaved - 1].optimizer_steps, kSaved - 1);
+    ASSERT_EQ(steps[kSaved - 1].loss_scale, 512.0f);
+    // The growth tracker matters: 2 + 1 clean steps grow the scale after step 5, not step 7.
+    ASSERT_EQ(steps[kSaved].loss_scale, 1024.0f);
+    ASSERT_EQ(steps[kSteps - 1].loss_scale, 2048.0f);
+  }
+
+  // Fresh engines restore it and go on to step kSteps: the run continues as if never stopped.
+  std::vector<EngineRun> continued;
+  ASSERT_NO_FATAL_FAILURE(DriveEngine(scaling, kSteps, std::nullopt,
+                                      Checkpointing{.restore_dir = dir}, &continued));
+  for (int rank = 0; rank < kWorld; ++rank) {
+    SCOPED_TRACE(absl::StrCat("rank ", rank));
+    const EngineRun& run = continued[rank];
+    const std::vector<AfterStep>& expected = uninterrupted[rank].steps;
+    EXPECT_EQ(run.start_step, kSaved);
+    // Not the step count, not the initial scale: where the saved run stood.
+    EXPECT_EQ(run.initial_optimizer_steps, kSaved - 1);
+    EXPECT_EQ(run.initial_loss_scale, 512.0f);
+    EXPECT_EQ(ParamsBitDifference(run.initial, expected[kSaved - 1].params), "");
+    ASSERT_EQ(run.steps.size(), kSteps - kSaved);
+    for (int64_t s = kSaved + 1; s <= kSteps; ++s) {
+      SCOPED_TRACE(absl::StrCat("step ", s));
+      const AfterStep& actual = run.steps[s - kSaved - 1];
+      EXPECT_FALSE(actual.timings.skipped);
+      EXPECT_EQ(actual.steps_done, s);
+      EXPECT_EQ(actual.timings.loss_scale, expected[s - 1].timings.loss_scale);
+      EXPECT_EQ(actual.loss_scale, expected[s - 1].loss_scale);
+      EXPECT_EQ(actual.optimizer_steps, expected[s - 1].optimizer_steps);
+      EXPECT_EQ(ParamsBitDifference(actual.params, expected[s - 1].params), "");
+    }
+  }
+  EXPECT_EQ(ParamsBitDifference(continued[1].steps.back().params,
+                                continued[0].steps.back().params),
+            "");
+
+  // The same shards under a manifest without counters, as checkpoints were written before
+  // them: the documented fallback (every step updated, the initial scale) restores other
+  // counters, and Adam's bias correction then moves the parameters elsewhere. Proof that the
+  // comparison above sees the counters.
+  const std::string old_dir = CheckpointDirectory(job.checkpoint_dir, job.name, "no-counters");
+  std::filesystem::create_directories(old_dir);
+  for (const ShardRecord& shard : manifest.shards) {
+    std::filesystem::copy_file(std::filesystem::path(dir) / shard.file,
+                               std::filesystem::path(old_dir) / shard.file);
+  }
+  CheckpointManifest without = manifest;
+  without.counters.reset();
+  SHARD_ASSERT_OK(CommitCheckpoint(old_dir, without));
+  std::vector<EngineRun> fallback;
+  ASSERT_NO_FATAL_FAILURE(DriveEngine(scaling, kSteps, std::nullopt,
+                                      Checkpointing{.restore_dir = old_dir}, &fallback));
+  for (int rank = 0; rank < kWorld; ++rank) {
+    SCOPED_TRACE(absl::StrCat("rank ", rank));
+    const EngineRun& run = fallback[rank];
+    const std::vector<AfterStep>& expected = uninterrupted[rank].steps;
+    EXPECT_EQ(run.initial_optimizer_steps, kSaved);
+    EXPECT_EQ(run.initial_loss_scale, scaling.init_scale);
+    // The same parameters and optimizer state to start from...
+    EXPECT_EQ(ParamsBitDifference(run.initial, expected[kSaved - 1].params), "");
+    ASSERT_EQ(run.steps.size(), kSteps - kSaved);
+    EXPECT_EQ(run.steps.front().optimizer_steps, kSaved + 1);
+    EXPECT_EQ(run.steps.back().optimizer_steps, kSteps);
+    // ...but another bias correction from the first update on.
+    EXPECT_NE(ParamsBitDifference(run.steps.front().params, expected[kSaved].params), "");
+    EXPECT_NE(ParamsBitDifference(run.steps.back().params, expected.back().params), "");
+  }
 }
 
 TEST(EngineDeviceTest, TheHostDeviceRefuses16BitPrecisionNamingCuda) {

@@ -142,6 +142,26 @@ TEST_F(WorldManagerTest, InvalidJoinsAreRejected) {
   EXPECT_EQ(world->Join(no_host, now_).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(WorldManagerTest, AWorkerOfAnotherBackendIsRefusedNamingBoth) {
+  auto world = Make(3);
+  ASSERT_TRUE(world->Join(Params("a"), now_).ok());
+  JoinParams nccl = Params("b");
+  nccl.device = "cuda:0";
+  nccl.capabilities = {"nccl"};
+  const int64_t generation = world->world().generation;
+  auto refused = world->Join(nccl, now_);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  for (const char* part : {"'b'", "cuda:0", "nccl", "'a'", "gloo", "--backend"}) {
+    EXPECT_NE(refused.status().message().find(part), absl::string_view::npos)
+        << part << " in " << refused.status();
+  }
+  EXPECT_EQ(world->world().generation, generation);
+  // A GPU worker staging Gloo talks to CPU workers.
+  JoinParams staged = Params("c");
+  staged.device = "cuda:0";
+  EXPECT_TRUE(world->Join(staged, now_).ok());
+}
+
 TEST_F(WorldManagerTest, ExpiredLeaseDeclaresDeadBumpsGenerationAndFreesTheRank) {
   auto world = Make(3, absl::Seconds(2));
   for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(world->Join(Params(id), now_).ok());

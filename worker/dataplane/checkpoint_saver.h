@@ -25,6 +25,7 @@ struct SavedShard {
   int rank = 0;
   std::shared_ptr<const Plan> plan;  // the plan the shard is laid out by
   int64_t plan_version = 0;
+  TrainingCounters counters;
   double pause_ms = 0;               // training was held this long (copy, and a previous save)
   double write_ms = 0;
   absl::StatusOr<ShardRecord> record = absl::UnknownError("not written");

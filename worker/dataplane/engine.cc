@@ -453,7 +453,24 @@ absl::Status Engine::Restore(CheckpointReader& checkpoint) {
     if (absl::Status gathered = GatherParameters(); !gathered.ok()) return gathered;
   }
   steps_done_ = saved.step;
-  optimizer_steps_ = saved.step;
+  return ContinueCounters(saved.counters.value_or(TrainingCounters{.optimizer_step = saved.step}));
+}
+
+TrainingCounters Engine::counters() const {
+  TrainingCounters counters{.optimizer_step = optimizer_steps_};
+  if (scaler_.has_value()) {
+    counters.loss_scale = scaler_->scale();
+    counters.loss_scale_growth_tracker = scaler_->growth_tracker();
+  }
+  return counters;
+}
+
+absl::Status Engine::ContinueCounters(const TrainingCounters& counters) {
+  optimizer_steps_ = counters.optimizer_step;
+  // A run saved without loss scaling (or restored into a job without it) has no scale to keep.
+  if (scaler_.has_value() && counters.loss_scale > 0) {
+    return scaler_->Restore(counters.loss_scale, counters.loss_scale_growth_tracker);
+  }
   return absl::OkStatus();
 }
 
@@ -495,7 +512,7 @@ absl::Status Engine::ReadInto(StateSource& source, int param, int array, int64_t
 }
 
 absl::Status Engine::LoadState(std::unique_ptr<StateSource> source, bool with_state,
-                               int64_t steps_done) {
+                               int64_t steps_done, const TrainingCounters& counters) {
   if (absl::Status read = ReadOwned(*source, /*params=*/true, with_state && rebuilt_); !read.ok()) {
     return read;
   }
@@ -503,7 +520,7 @@ absl::Status Engine::LoadState(std::unique_ptr<StateSource> source, bool with_st
     if (absl::Status gathered = GatherParameters(); !gathered.ok()) return gathered;
   }
   steps_done_ = steps_done;
-  optimizer_steps_ = steps_done;
+  SHARD_RETURN_IF_ERROR(ContinueCounters(counters));
   // Before the rebuild the owned spans are not final: the state waits for the new layout.
   if (with_state && !rebuilt_) pending_state_ = std::move(source);
   return absl::OkStatus();
@@ -550,11 +567,12 @@ absl::Status Engine::ConsolidateStateDict(int to_rank, const std::string& path) 
       data.push_back(full[location.bucket][k].data() + location.offset);
     }
   }
-  return WriteSafetensors(path, tensors, data,
-                          {{"format", "pt"},
-                           {"producer", "shard"},
-                           {"step", absl::StrCat(steps_done_)},
-                           {"optimizer", std::string(OptimizerKindName(optimizer_.config().kind))}});
+  std::map<std::string, std::string> metadata = TrainingCountersMetadata(counters());
+  metadata.insert({{"format", "pt"},
+                   {"producer", "shard"},
+                   {"step", absl::StrCat(steps_done_)},
+                   {"optimizer", std::string(OptimizerKindName(optimizer_.config().kind))}});
+  return WriteSafetensors(path, tensors, data, metadata);
 }
 
 int64_t Engine::optimizer_state_bytes() const {

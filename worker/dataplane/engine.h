@@ -106,8 +106,10 @@ class Engine {
   absl::Status SetParamValues(int index, const float* values);
   // The factor backward scales the loss by (1 without loss scaling).
   float loss_scale() const { return scaler_.has_value() ? scaler_->scale() : 1.0f; }
-  // Updates applied so far (steps_done() less the steps loss scaling skipped in this run).
+  // Updates applied so far (steps_done() less the steps loss scaling skipped).
   int64_t optimizer_steps() const { return optimizer_steps_; }
+  // The optimizer's step count and the loss scaler's state, as checkpoints keep them.
+  TrainingCounters counters() const;
   Device& device() const { return *device_; }
 
   // Makes every rank's parameters rank 0's (as DDP does at construction).
@@ -127,10 +129,10 @@ class Engine {
   absl::Status Restore(CheckpointReader& checkpoint);
   // Loads parameters (now) and, with `with_state`, optimizer state (now if the plan is
   // rebuilt, else right after the first step's rebuild, before any update) from full tensors,
-  // e.g. a consolidated file; the step count continues from `steps_done`. Collective (the
-  // parameters are gathered).
+  // e.g. a consolidated file; the step count continues from `steps_done`, the optimizer's and
+  // the loss scale's from `counters`. Collective (the parameters are gathered).
   absl::Status LoadState(std::unique_ptr<StateSource> source, bool with_state,
-                         int64_t steps_done);
+                         int64_t steps_done, const TrainingCounters& counters);
   // Like ZeroRedundancyOptimizer.consolidate_state_dict(to=rank): every rank sends what it owns
   // and `to_rank` writes `path`, a safetensors file with every parameter and its optimizer state
   // (<name>.<state>) in full, and the step count in its metadata. Collective.
@@ -166,6 +168,8 @@ class Engine {
   // source.ReadElements into device memory at `out`.
   absl::Status ReadInto(StateSource& source, int param, int array, int64_t begin, int64_t count,
                         float* out);
+  // Continues the optimizer's step count and, when this engine scales the loss, the scale.
+  absl::Status ContinueCounters(const TrainingCounters& counters);
   absl::Status ReduceBucket(int bucket);
   void CommunicationLoop();
   absl::Status ClipGradients(StepTimings* timings);

@@ -41,4 +41,16 @@ bool LossScaler::Update(bool found_inf) {
   return true;
 }
 
+absl::Status LossScaler::Restore(float scale, int64_t growth_tracker) {
+  if (!(scale > 0) || !std::isfinite(scale) || growth_tracker < 0 ||
+      growth_tracker >= options_.growth_interval) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "loss scaler: cannot continue from scale ", scale, " with ", growth_tracker,
+        " clean steps (growth interval ", options_.growth_interval, ")"));
+  }
+  scale_ = scale;
+  growth_tracker_ = growth_tracker;
+  return absl::OkStatus();
+}
+
 }  // namespace shard

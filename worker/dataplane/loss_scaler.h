@@ -36,6 +36,10 @@ class LossScaler {
   // (false on overflow). A growth that would overflow fp32 is not applied (torch's rule).
   bool Update(bool found_inf);
 
+  // Continues from a checkpoint's scale and growth tracker. InvalidArgument unless the scale is
+  // positive and finite and the tracker is in [0, growth_interval).
+  absl::Status Restore(float scale, int64_t growth_tracker);
+
  private:
   explicit LossScaler(LossScalerOptions options)
       : options_(options), scale_(options.init_scale) {}

@@ -69,6 +69,7 @@ absl::StatusOr<int64_t> InitializeParameters(const JobConfig& job, Engine& engin
   if (!init.ok()) return init.status();
   std::vector<std::string> state_names;
   int64_t steps_done = 0;
+  TrainingCounters counters;
   if (HoldsOptimizerState(**init, manifest, engine.optimizer_state_names())) {
     state_names = engine.optimizer_state_names();
     auto step = (*init)->metadata().find("step");
@@ -78,12 +79,19 @@ absl::StatusOr<int64_t> InitializeParameters(const JobConfig& job, Engine& engin
           "' holds optimizer state but no \"step\" in its metadata (Adam's bias correction needs "
           "the step count)"));
     }
+    absl::StatusOr<TrainingCounters> saved =
+        TrainingCountersFromMetadata((*init)->metadata(), steps_done);
+    if (!saved.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("init file '", job.init_path, "': ", saved.status().message()));
+    }
+    counters = *saved;
   }
   // Without optimizer state in the file, the optimizer starts fresh (step 0).
   const bool with_state = !state_names.empty();
   if (absl::Status loaded = engine.LoadState(
           std::make_unique<SafetensorsStateSource>(std::move(*init), manifest, state_names),
-          with_state, steps_done);
+          with_state, steps_done, counters);
       !loaded.ok()) {
     return loaded;
   }
@@ -232,6 +240,7 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
       saved.rank = rank;
       saved.plan = (*engine)->plan_pointer();
       saved.plan_version = (*engine)->plan_version();
+      saved.counters = (*engine)->counters();
       saved.pause_ms = absl::ToDoubleMilliseconds(absl::Now() - pause_start);
       result.max_checkpoint_pause_ms = std::max(result.max_checkpoint_pause_ms, saved.pause_ms);
       ++result.checkpoints_saved;

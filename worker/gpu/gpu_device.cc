@@ -226,7 +226,14 @@ absl::Status GpuDevice::AllReduceHostValues(Communicator& communicator, void* va
   SHARD_RETURN_IF_ERROR(device_communicator->OrderComputeAfterCollectives());
   SHARD_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(values, values_.data(), bytes, cudaMemcpyDeviceToHost, stream()));
-  return WaitFor(stream(), "an all-reduce of host values");
+  SHARD_RETURN_IF_ERROR(WaitFor(stream(), "an all-reduce of host values"));
+  // ncclCommAbort ends a collective's kernels early, after which the stream completes as if
+  // nothing happened: values read then are garbage, never a result to agree on.
+  if (communicator.aborted()) {
+    return absl::AbortedError(absl::StrCat("the ", communicator.backend(),
+                                           " communicator was aborted during an all-reduce"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<MlpRunner>> GpuDevice::CreateMlp(const std::vector<int64_t>& widths,

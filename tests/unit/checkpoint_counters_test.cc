@@ -1,0 +1,132 @@
+// CheckpointManager and the training counters the ranks report with their shards: the committed
+// manifest keeps them, and ranks whose counters differ (their updates diverged) are refused.
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/checkpoint.h"
+#include "gtest/gtest.h"
+#include "server/checkpoint_manager.h"
+#include "server/store/state_store.h"
+#include "tests/support/status_assertions.h"
+#include "tests/support/test_directory.h"
+
+namespace shard {
+namespace {
+
+constexpr int kWorld = 2;
+constexpr int64_t kStep = 6;
+
+Manifest Model() {
+  return Manifest{{ParamSpec{"layers.0.weight", {64, 32}, DataType::kFloat32, true},
+                   ParamSpec{"layers.0.bias", {64}, DataType::kFloat32, true}}};
+}
+
+class CheckpointCountersTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    PlanOptions options;
+    options.world_size = kWorld;
+    SHARD_ASSERT_OK_AND_ASSIGN(Plan plan, MakePlan(Model(), options));
+    view_.plan = std::make_shared<const Plan>(std::move(plan));
+    view_.manifest = std::make_shared<const Manifest>(Model());
+    view_.version = 1;
+    CheckpointOptions checkpoint;
+    checkpoint.job = "counters";
+    checkpoint.root = FreshTestDirectory("shard-checkpoint-counters-test",
+                                         ::testing::UnitTest::GetInstance()
+                                             ->current_test_info()
+                                             ->name());
+    checkpoint.zero_stage = 2;
+    checkpoint.optimizer.kind = OptimizerKind::kAdam;
+    checkpoint.state_names = {"exp_avg", "exp_avg_sq"};
+    SHARD_ASSERT_OK_AND_ASSIGN(manager_, CheckpointManager::Create(checkpoint, &store_));
+  }
+
+  // Writes rank `rank`'s shard of checkpoint `id` (zeros of the plan's size) and returns its
+  // report, with `counters`.
+  ShardReport Shard(const std::string& id, int rank, const TrainingCounters& counters) {
+    const ShardLayout layout = MakeShardLayout(Model(), *view_.plan, rank, 2);
+    ShardReport report;
+    report.worker_id = absl::StrCat("w", rank);
+    report.rank = rank;
+    report.id = id;
+    report.step = kStep;
+    report.plan_version = view_.version;
+    report.plan_hash = view_.plan->hash;
+    report.counters = counters;
+    absl::StatusOr<std::unique_ptr<ShardWriter>> writer =
+        ShardWriter::Create(Directory(id), rank, kWorld);
+    EXPECT_TRUE(writer.ok()) << writer.status();
+    if (!writer.ok()) return report;
+    const std::vector<char> zeros(layout.bytes, 0);
+    EXPECT_TRUE((*writer)->Append(zeros.data(), zeros.size()).ok());
+    absl::StatusOr<ShardRecord> record = (*writer)->Finish();
+    EXPECT_TRUE(record.ok()) << record.status();
+    if (record.ok()) report.record = *record;
+    return report;
+  }
+
+  std::string Directory(const std::string& id) const {
+    return CheckpointDirectory(manager_->root(), "counters", id);
+  }
+
+  InMemoryStateStore store_;
+  PlanView view_;
+  std::unique_ptr<CheckpointManager> manager_;
+};
+
+TEST_F(CheckpointCountersTest, TheCommittedManifestKeepsTheRanksCounters) {
+  // A skipped update: the optimizer is a step behind, the scale backed off.
+  const TrainingCounters counters{
+      .optimizer_step = kStep - 1, .loss_scale = 32768, .loss_scale_growth_tracker = 3};
+  const std::string id = CheckpointIdForStep(kStep);
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool first,
+                             manager_->ReportShard(Shard(id, 1, counters), view_));
+  EXPECT_FALSE(first);
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool second,
+                             manager_->ReportShard(Shard(id, 0, counters), view_));
+  EXPECT_TRUE(second);
+  SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest manifest,
+                             ReadCheckpointManifest(Directory(id)));
+  EXPECT_EQ(manifest.step, kStep);
+  ASSERT_TRUE(manifest.counters.has_value());
+  EXPECT_EQ(*manifest.counters, counters);
+}
+
+// The checkpoint fails as one with an unwritable shard does: the save request learns why and
+// the shards are removed.
+TEST_F(CheckpointCountersTest, RanksReportingDifferentCountersFailTheCheckpoint) {
+  const TrainingCounters counters{
+      .optimizer_step = kStep - 1, .loss_scale = 32768, .loss_scale_growth_tracker = 3};
+  TrainingCounters other_step = counters;
+  other_step.optimizer_step = kStep;
+  TrainingCounters other_scale = counters;
+  other_scale.loss_scale = 65536;
+  TrainingCounters other_tracker = counters;
+  other_tracker.loss_scale_growth_tracker = 0;
+  int checkpoint = 0;
+  for (const TrainingCounters& other : {other_step, other_scale, other_tracker}) {
+    const std::string id = absl::StrCat("diverged-", ++checkpoint);
+    SCOPED_TRACE(id);
+    ShardReport first = Shard(id, 0, counters);
+    ShardReport second = Shard(id, 1, other);
+    first.request = second.request = checkpoint;
+    SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_first, manager_->ReportShard(first, view_));
+    EXPECT_FALSE(committed_first);
+    SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_second, manager_->ReportShard(second, view_));
+    EXPECT_FALSE(committed_second);
+    const std::string error = manager_->Progress(checkpoint).error;
+    for (const std::string& part : {std::string("rank 1"), id, std::string("diverged")}) {
+      EXPECT_NE(error.find(part), std::string::npos) << part << " in " << error;
+    }
+    // Nothing committed: no manifest, no catalog entry, the shards removed.
+    EXPECT_FALSE(std::filesystem::exists(Directory(id)));
+    EXPECT_FALSE(manager_->Find(id).ok());
+  }
+  EXPECT_TRUE(manager_->List().empty());
+}
+
+}  // namespace
+}  // namespace shard
