@@ -89,12 +89,15 @@ void RendezvousClient::Cancel() {
 namespace {
 
 // gRPC backs off reconnecting for up to two minutes; a restarted coordinator must hear from
-// its workers within their lease, so keep retrying the connection every few hundred ms.
+// its workers within their lease, so keep retrying the connection every few hundred ms. The
+// channel has its own subchannels, so that a channel made afresh (ReplaceFailedChannel)
+// connects afresh instead of sharing a failed one's state.
 grpc::ChannelArguments ReconnectQuickly() {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return args;
 }
 
@@ -104,121 +107,142 @@ CoordinatorClient::CoordinatorClient(std::string address, absl::Duration rpc_tim
                                      const ClientSecurity& security)
     : address_(std::move(address)),
       rpc_timeout_(rpc_timeout),
-      channel_(CreateSecureChannel(address_, security, ReconnectQuickly())),
-      coordinator_(v1::Coordinator::NewStub(channel_)),
-      rendezvous_(v1::Rendezvous::NewStub(channel_)) {}
+      security_(security),
+      stubs_(MakeStubs()) {}
+
+std::shared_ptr<const CoordinatorClient::Stubs> CoordinatorClient::MakeStubs() const {
+  auto stubs = std::make_shared<Stubs>();
+  stubs->channel = CreateSecureChannel(address_, security_, ReconnectQuickly());
+  stubs->coordinator = v1::Coordinator::NewStub(stubs->channel);
+  stubs->rendezvous = v1::Rendezvous::NewStub(stubs->channel);
+  return stubs;
+}
+
+std::shared_ptr<const CoordinatorClient::Stubs> CoordinatorClient::stubs() const {
+  absl::MutexLock lock(&mu_);
+  return stubs_;
+}
+
+void CoordinatorClient::ReplaceFailedChannel(const std::shared_ptr<const Stubs>& failed) {
+  // gRPC 1.51's pick_first, once its connection failed, can leave a channel failing calls for
+  // seconds after the coordinator is back (a restarted coordinator then declares its workers
+  // dead); a new channel connects at once. At most one replacement per backoff period.
+  if (failed->channel->GetState(/*try_to_connect=*/true) != GRPC_CHANNEL_TRANSIENT_FAILURE) {
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  if (stubs_ != failed || absl::Now() - replaced_at_ < absl::Milliseconds(200)) return;
+  stubs_ = MakeStubs();
+  replaced_at_ = absl::Now();
+}
+
+template <typename Response, typename Rpc>
+absl::StatusOr<Response> CoordinatorClient::Call(Rpc rpc, absl::Duration timeout,
+                                                 absl::string_view what) {
+  const std::shared_ptr<const Stubs> stubs = this->stubs();
+  grpc::ClientContext context;
+  absl::StatusOr<Response> response = UnaryCall<Response>(
+      &context,
+      [&](grpc::ClientContext* context, Response* out) {
+        return rpc(*stubs->coordinator, context, out);
+      },
+      timeout, absl::StrCat(what, " ", address_));
+  if (absl::IsUnavailable(response.status())) ReplaceFailedChannel(stubs);
+  return response;
+}
 
 absl::StatusOr<v1::JoinResponse> CoordinatorClient::Join(const v1::JoinRequest& request) {
-  grpc::ClientContext context;
-  return UnaryCall<v1::JoinResponse>(
-      &context,
-      [&](auto* context, auto* response) { return coordinator_->Join(context, request, response); },
-      rpc_timeout_, absl::StrCat("join at ", address_));
+  return Call<v1::JoinResponse>(
+      [&](auto& stub, auto* context, auto* response) {
+        return stub.Join(context, request, response);
+      },
+      rpc_timeout_, "join at");
 }
 
 absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
     const v1::HeartbeatRequest& request) {
-  grpc::ClientContext context;
-  return UnaryCall<v1::HeartbeatResponse>(
-      &context,
-      [&](auto* context, auto* response) {
-        return coordinator_->Heartbeat(context, request, response);
+  return Call<v1::HeartbeatResponse>(
+      [&](auto& stub, auto* context, auto* response) {
+        return stub.Heartbeat(context, request, response);
       },
-      rpc_timeout_, absl::StrCat("heartbeat to ", address_));
+      rpc_timeout_, "heartbeat to");
 }
 
 absl::Status CoordinatorClient::ReportSelfCheck(const v1::ReportSelfCheckRequest& request) {
-  grpc::ClientContext context;
-  return UnaryCall<v1::ReportSelfCheckResponse>(
-             &context,
-             [&](auto* context, auto* response) {
-               return coordinator_->ReportSelfCheck(context, request, response);
-             },
-             rpc_timeout_, absl::StrCat("self-check report to ", address_))
+  return Call<v1::ReportSelfCheckResponse>(
+      [&](auto& stub, auto* context, auto* response) {
+        return stub.ReportSelfCheck(context, request, response);
+      },
+      rpc_timeout_, "self-check report to")
       .status();
 }
 
 absl::Status CoordinatorClient::Leave(const v1::LeaveRequest& request) {
-  grpc::ClientContext context;
-  return UnaryCall<v1::LeaveResponse>(
-             &context,
-             [&](auto* context, auto* response) {
-               return coordinator_->Leave(context, request, response);
-             },
-             rpc_timeout_, absl::StrCat("leave at ", address_))
+  return Call<v1::LeaveResponse>(
+      [&](auto& stub, auto* context, auto* response) {
+        return stub.Leave(context, request, response);
+      },
+      rpc_timeout_, "leave at")
       .status();
 }
 
 absl::StatusOr<v1::PlanResponse> CoordinatorClient::RegisterManifest(
     const v1::RegisterManifestRequest& request) {
-  grpc::ClientContext context;
-  return UnaryCall<v1::PlanResponse>(
-      &context,
-      [&](auto* context, auto* response) {
-        return coordinator_->RegisterManifest(context, request, response);
+  return Call<v1::PlanResponse>(
+      [&](auto& stub, auto* context, auto* response) {
+        return stub.RegisterManifest(context, request, response);
       },
-      rpc_timeout_, absl::StrCat("manifest registration at ", address_));
+      rpc_timeout_, "manifest registration at");
 }
 
 absl::StatusOr<v1::PlanResponse> CoordinatorClient::AckPlan(const v1::AckPlanRequest& request) {
-  grpc::ClientContext context;
-  return UnaryCall<v1::PlanResponse>(
-      &context,
-      [&](auto* context, auto* response) {
-        return coordinator_->AckPlan(context, request, response);
+  return Call<v1::PlanResponse>(
+      [&](auto& stub, auto* context, auto* response) {
+        return stub.AckPlan(context, request, response);
       },
-      rpc_timeout_, absl::StrCat("plan acknowledgement at ", address_));
+      rpc_timeout_, "plan acknowledgement at");
 }
 
 absl::StatusOr<v1::PlanResponse> CoordinatorClient::ReportGradientOrder(
     const v1::ReportGradientOrderRequest& request) {
-  grpc::ClientContext context;
-  return UnaryCall<v1::PlanResponse>(
-      &context,
-      [&](auto* context, auto* response) {
-        return coordinator_->ReportGradientOrder(context, request, response);
+  return Call<v1::PlanResponse>(
+      [&](auto& stub, auto* context, auto* response) {
+        return stub.ReportGradientOrder(context, request, response);
       },
-      absl::Milliseconds(request.wait_ms()) + rpc_timeout_,
-      absl::StrCat("gradient order report at ", address_));
+      absl::Milliseconds(request.wait_ms()) + rpc_timeout_, "gradient order report at");
 }
 
 absl::Status CoordinatorClient::ReportStepStats(const v1::ReportStepStatsRequest& request) {
-  grpc::ClientContext context;
-  return UnaryCall<v1::ReportStepStatsResponse>(
-             &context,
-             [&](auto* context, auto* response) {
-               return coordinator_->ReportStepStats(context, request, response);
-             },
-             rpc_timeout_, absl::StrCat("step statistics report at ", address_))
+  return Call<v1::ReportStepStatsResponse>(
+      [&](auto& stub, auto* context, auto* response) {
+        return stub.ReportStepStats(context, request, response);
+      },
+      rpc_timeout_, "step statistics report at")
       .status();
 }
 
 absl::Status CoordinatorClient::ReportTrainingDone(const v1::ReportTrainingDoneRequest& request) {
-  grpc::ClientContext context;
-  return UnaryCall<v1::ReportTrainingDoneResponse>(
-             &context,
-             [&](auto* context, auto* response) {
-               return coordinator_->ReportTrainingDone(context, request, response);
-             },
-             rpc_timeout_, absl::StrCat("training report at ", address_))
+  return Call<v1::ReportTrainingDoneResponse>(
+      [&](auto& stub, auto* context, auto* response) {
+        return stub.ReportTrainingDone(context, request, response);
+      },
+      rpc_timeout_, "training report at")
       .status();
 }
 
 absl::Status CoordinatorClient::ReportCheckpointShard(
     const v1::ReportCheckpointShardRequest& request) {
-  grpc::ClientContext context;
-  return UnaryCall<v1::ReportCheckpointShardResponse>(
-             &context,
-             [&](auto* context, auto* response) {
-               return coordinator_->ReportCheckpointShard(context, request, response);
-             },
-             rpc_timeout_, absl::StrCat("checkpoint report at ", address_))
+  return Call<v1::ReportCheckpointShardResponse>(
+      [&](auto& stub, auto* context, auto* response) {
+        return stub.ReportCheckpointShard(context, request, response);
+      },
+      rpc_timeout_, "checkpoint report at")
       .status();
 }
 
 std::unique_ptr<RendezvousClient> CoordinatorClient::RendezvousStore(
     const v1::RendezvousScope& scope) {
-  return std::make_unique<RendezvousClient>(rendezvous_, scope, address_, rpc_timeout_);
+  return std::make_unique<RendezvousClient>(stubs()->rendezvous, scope, address_, rpc_timeout_);
 }
 
 }  // namespace shard

@@ -67,11 +67,26 @@ class CoordinatorClient {
   std::unique_ptr<RendezvousClient> RendezvousStore(const v1::RendezvousScope& scope);
 
  private:
-  std::string address_;
-  absl::Duration rpc_timeout_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Coordinator::Stub> coordinator_;
-  std::shared_ptr<v1::Rendezvous::Stub> rendezvous_;
+  struct Stubs {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::Coordinator::Stub> coordinator;
+    std::shared_ptr<v1::Rendezvous::Stub> rendezvous;
+  };
+
+  std::shared_ptr<const Stubs> MakeStubs() const;
+  std::shared_ptr<const Stubs> stubs() const;
+  // Swaps in a new channel when `failed` (the one a call just failed on) cannot connect.
+  void ReplaceFailedChannel(const std::shared_ptr<const Stubs>& failed);
+  // One unary call on the current channel: `rpc(stub, context, response)`.
+  template <typename Response, typename Rpc>
+  absl::StatusOr<Response> Call(Rpc rpc, absl::Duration timeout, absl::string_view what);
+
+  const std::string address_;
+  const absl::Duration rpc_timeout_;
+  const ClientSecurity security_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const Stubs> stubs_ ABSL_GUARDED_BY(mu_);
+  absl::Time replaced_at_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace shard

@@ -314,8 +314,10 @@ absl::Status Engine::Step(StepTimings* timings) {
   std::vector<std::pair<absl::Time, absl::Time>> spans;
   if (options_.overlap) {
     absl::MutexLock lock(&mu_);
+    // An error ends the wait at once: a later bucket may never be reduced (the communication
+    // thread could not start, or the communicator was aborted).
     auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return reduced_ == static_cast<int>(bucket_ready_.size());
+      return reduced_ == static_cast<int>(bucket_ready_.size()) || !communication_error_.ok();
     };
     mu_.Await(absl::Condition(&done));
     if (!communication_error_.ok()) return communication_error_;
