@@ -20,6 +20,10 @@ std::string Resolve(const std::string& path, const std::string& base_dir) {
   return (std::filesystem::path(base_dir) / path).lexically_normal().string();
 }
 
+// -0 in a field without presence is neither sent in the binary form nor printed in JSON, so a
+// job read from JSON would compare unequal to the same job written back; both mean 0.
+double WithoutNegativeZero(double value) { return value == 0 ? 0.0 : value; }
+
 }  // namespace
 
 absl::StatusOr<v1::JobSpec> ParseJobSpecJson(absl::string_view json) {
@@ -74,8 +78,8 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
     job.optimizer.beta2 = o.betas(1);
   }
   if (o.has_eps()) job.optimizer.eps = o.eps();
-  job.optimizer.weight_decay = o.weight_decay();
-  job.optimizer.momentum = o.momentum();
+  job.optimizer.weight_decay = WithoutNegativeZero(o.weight_decay());
+  job.optimizer.momentum = WithoutNegativeZero(o.momentum());
   job.optimizer.nesterov = o.nesterov();
 
   if (spec.global_batch() == 0) return Missing("global_batch");
@@ -103,7 +107,7 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
     *bytes = MebibytesToBytes(mebibytes);
   }
   if (!spec.precision().empty()) job.precision = spec.precision();
-  job.grad_clip_norm = spec.grad_clip_norm();
+  job.grad_clip_norm = WithoutNegativeZero(spec.grad_clip_norm());
   if (spec.output_dir().empty()) return Missing("output_dir");
   job.output_dir = Resolve(spec.output_dir(), base_dir);
   if (spec.has_overlap()) job.overlap = spec.overlap();
