@@ -14,6 +14,30 @@ namespace shard {
 
 namespace {
 
+// Health only (the plaintext health port): no builder plugins, so not reflection's either, which
+// registers itself with every ServerBuilder made after InitProtoReflectionServerBuilderPlugin().
+class WithoutPlugins final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->clear();
+  }
+};
+
+// What the main port serves: our services, health and reflection.
+std::vector<std::string> ServedMethods() {
+  std::vector<std::string> served = {
+      "grpc.health.v1.Health/Check", "grpc.health.v1.Health/Watch",
+      "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"};
+  for (const char* service : {v1::Coordinator::service_full_name(),
+                              v1::Rendezvous::service_full_name(), v1::Admin::service_full_name()}) {
+    const google::protobuf::ServiceDescriptor* descriptor =
+        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(service);
+    for (std::string& name : MethodNames(*descriptor)) served.push_back(std::move(name));
+  }
+  return served;
+}
+
 absl::Status CannotListen(const std::string& address, absl::string_view flag) {
   return absl::UnavailableError(absl::StrCat("cannot listen on '", address,
                                              "': the address is malformed or the port is in use; "
@@ -190,7 +214,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, *credentials, &server->port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
-  server->rpc_metrics_ = std::make_unique<RpcMetrics>();
+  server->rpc_metrics_ = std::make_unique<RpcMetrics>(ServedMethods());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(MakeRpcMetricsInterceptorFactory(server->rpc_metrics_.get()));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
@@ -203,6 +227,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
   if (!options.health_listen.empty()) {
     grpc::ServerBuilder health;
+    health.SetOption(std::make_unique<WithoutPlugins>());
+    health.RegisterCallbackGenericService(&server->health_unimplemented_);
     health.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
                             &server->health_port_);
     health.SetMaxReceiveMessageSize(4096);

@@ -11,8 +11,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "grpcpp/server.h"
 #include "common/rate_limiter.h"
+#include "grpcpp/generic/async_generic_service.h"
+#include "grpcpp/server.h"
 #include "proto/channel_security.h"
 #include "server/access_guard.h"
 #include "server/checkpoint_manager.h"
@@ -95,7 +96,10 @@ class CoordinatorServer {
   std::unique_ptr<RpcMetrics> rpc_metrics_;  // outlives server_
   std::unique_ptr<RateLimiter> join_limiter_;
   std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<grpc::Server> health_server_;  // --health-listen
+  // --health-listen: grpc.health.v1, and UNIMPLEMENTED for every other method (a server needs
+  // a service of its own to run at all; the health service is added to one).
+  grpc::CallbackGenericService health_unimplemented_;
+  std::unique_ptr<grpc::Server> health_server_;
   int health_port_ = 0;
   std::unique_ptr<MetricsHttpServer> metrics_http_;  // reads the managers: stopped first
   absl::Duration housekeeping_interval_;

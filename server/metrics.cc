@@ -14,6 +14,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -316,29 +317,6 @@ std::string MetricsRegistry::Render() const {
 
 // --- RPC metrics ---------------------------------------------------------------------------------
 
-absl::string_view GrpcCodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    default: return "UNKNOWN";
-  }
-}
-
 const std::vector<double>& RpcMetrics::DurationBuckets() {
   // Unary calls take well under a millisecond to tens of milliseconds (a checkpoint commit);
   // long polls (heartbeat watches, rendezvous waits, event watches) wait up to their wait_ms.
@@ -347,7 +325,16 @@ const std::vector<double>& RpcMetrics::DurationBuckets() {
   return *kBuckets;
 }
 
-RpcMetrics::RpcMetrics()
+namespace {
+
+std::string CodeName(grpc::StatusCode code) {
+  // gRPC's codes are absl's, number for number (proto/grpc_status.h relies on it too).
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+}
+
+}  // namespace
+
+RpcMetrics::RpcMetrics(const std::vector<std::string>& served)
     : requests_(&registry_.AddCounter("shard_rpc_requests_total",
                                       "RPCs the coordinator answered, by method and status code.",
                                       {"method", "code"})),
@@ -357,23 +344,14 @@ RpcMetrics::RpcMetrics()
           {"method"}, DurationBuckets())),
       in_flight_(&registry_.AddGauge("shard_rpc_in_flight",
                                      "RPCs being served now (long polls included), by method.",
-                                     {"method"})) {}
+                                     {"method"})),
+      served_(served.begin(), served.end()) {}
 
-std::string RpcMetrics::MethodLabel(absl::string_view full_method) {
+const std::string& RpcMetrics::MethodLabel(absl::string_view full_method) const {
+  static const std::string* const kOther = new std::string("other");
   absl::ConsumePrefix(&full_method, "/");
-  if (full_method.empty()) return "unknown";
-  absl::MutexLock lock(&mu_);
-  if (methods_.contains(full_method)) return std::string(full_method);
-  if (methods_.size() >= static_cast<size_t>(kMaxMethods)) return "other";
-  methods_.insert(std::string(full_method));
-  return std::string(full_method);
-}
-
-std::string RpcMetrics::MethodLabelIfKnown(absl::string_view full_method) const {
-  absl::ConsumePrefix(&full_method, "/");
-  if (full_method.empty()) return "unknown";
-  absl::ReaderMutexLock lock(&mu_);
-  return methods_.contains(full_method) ? std::string(full_method) : "other";
+  auto found = served_.find(full_method);
+  return found != served_.end() ? *found : *kOther;
 }
 
 void RpcMetrics::Begin(absl::string_view full_method) {
@@ -382,18 +360,26 @@ void RpcMetrics::Begin(absl::string_view full_method) {
 
 void RpcMetrics::End(absl::string_view full_method, grpc::StatusCode code,
                      absl::Duration elapsed) {
-  const std::string method = MethodLabel(full_method);
-  requests_->Increment({method, std::string(GrpcCodeName(code))});
+  const std::string& method = MethodLabel(full_method);
+  requests_->Increment({method, CodeName(code)});
   durations_->Observe({method}, absl::ToDoubleSeconds(elapsed));
   in_flight_->Add({method}, -1);
 }
 
 double RpcMetrics::Requests(absl::string_view full_method, grpc::StatusCode code) const {
-  return requests_->Value({MethodLabelIfKnown(full_method), std::string(GrpcCodeName(code))});
+  return requests_->Value({MethodLabel(full_method), CodeName(code)});
 }
 
 uint64_t RpcMetrics::Observations(absl::string_view full_method) const {
-  return durations_->Count({MethodLabelIfKnown(full_method)});
+  return durations_->Count({MethodLabel(full_method)});
+}
+
+std::vector<std::string> MethodNames(const google::protobuf::ServiceDescriptor& service) {
+  std::vector<std::string> names;
+  for (int i = 0; i < service.method_count(); ++i) {
+    names.push_back(absl::StrCat(service.full_name(), "/", service.method(i)->name()));
+  }
+  return names;
 }
 
 namespace {

@@ -24,6 +24,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "google/protobuf/descriptor.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "grpcpp/support/status.h"
 
@@ -156,22 +157,19 @@ class MetricsRegistry {
 
 // --- RPC metrics ---------------------------------------------------------------------------------
 
-// "OK", "NOT_FOUND", ... as gRPC names the codes.
-absl::string_view GrpcCodeName(grpc::StatusCode code);
-
 // Counts and latencies of the RPCs the coordinator serves, per method and status code:
 //   shard_rpc_requests_total{method,code}    counter
 //   shard_rpc_duration_seconds{method}       histogram (from the request's arrival to the status)
 //   shard_rpc_in_flight{method}              gauge
-// `method` is "shard.v1.Admin/GetStatus". A client may name any method (an unknown one is
-// answered UNIMPLEMENTED, and still counted), so after `kMaxMethods` distinct names the rest are
-// counted as method="other": the series stay bounded.
+// `method` is "shard.v1.Admin/GetStatus", one of the methods the server serves; a client may
+// name any method (answered UNIMPLEMENTED, and still counted), which is counted as
+// method="other", so no client can grow the series or crowd out the real names.
 class RpcMetrics {
  public:
-  static constexpr int kMaxMethods = 128;
   static const std::vector<double>& DurationBuckets();
 
-  RpcMetrics();
+  // `served`: "pkg.Service/Method" names, e.g. from MethodNames().
+  explicit RpcMetrics(const std::vector<std::string>& served);
   // An RPC of `full_method` ("/pkg.Service/Method") arrived / ended with `code` after `elapsed`.
   void Begin(absl::string_view full_method);
   void End(absl::string_view full_method, grpc::StatusCode code, absl::Duration elapsed);
@@ -181,17 +179,17 @@ class RpcMetrics {
   void RenderTo(std::string* out) const { registry_.RenderTo(out); }
 
  private:
-  // The label value for `full_method`, admitting it if there is room.
-  std::string MethodLabel(absl::string_view full_method);
-  std::string MethodLabelIfKnown(absl::string_view full_method) const;
+  const std::string& MethodLabel(absl::string_view full_method) const;
 
   MetricsRegistry registry_;
   CounterFamily* requests_;
   HistogramFamily* durations_;
   GaugeFamily* in_flight_;
-  mutable absl::Mutex mu_;
-  absl::flat_hash_set<std::string> methods_ ABSL_GUARDED_BY(mu_);
+  const absl::flat_hash_set<std::string> served_;  // immutable: read without a lock
 };
+
+// "pkg.Service/Method" for every method of `service`.
+std::vector<std::string> MethodNames(const google::protobuf::ServiceDescriptor& service);
 
 // An interceptor factory for grpc::ServerBuilder::experimental().SetInterceptorCreators() that
 // feeds `metrics` (which must outlive the server). Works with callback and sync services.

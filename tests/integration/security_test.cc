@@ -236,6 +236,13 @@ TEST_F(SecurityTest, TheHealthPortAnswersInPlaintextWhileTheMainPortRequiresTls)
                     "--health-listen", absl::StrCat("127.0.0.1:", health_port)});
   EXPECT_EQ(HealthStatus(absl::StrCat("127.0.0.1:", health_port)), 1) << "SERVING";
   EXPECT_EQ(HealthStatus(cluster_->address()), -1) << "the main port speaks TLS only";
+  // Health alone: reflection (the API's schema) is not served in plaintext. A ListServices
+  // request (field 7, empty).
+  EXPECT_EQ(RawCall(absl::StrCat("127.0.0.1:", health_port),
+                    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                    std::string("\x3a\x00", 2))
+                .first.error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
 }
 
 TEST_F(SecurityTest, MetricsShowTheWorldItsWorkersAndTheirCalls) {

@@ -3,6 +3,7 @@
 // endpoint through a real HTTP client.
 #include "server/metrics.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <filesystem>
@@ -194,7 +195,7 @@ class StubAdmin final : public v1::Admin::CallbackService {
 };
 
 TEST(RpcMetricsTest, TheInterceptorCountsCallsOfACallbackService) {
-  RpcMetrics metrics;
+  RpcMetrics metrics({"shard.v1.Admin/GetStatus"});
   StubAdmin service;
   grpc::ServerBuilder builder;
   int port = 0;
@@ -251,8 +252,7 @@ TEST(RpcMetricsTest, TheInterceptorCountsCallsOfACallbackService) {
   EXPECT_EQ(metrics.Requests(method, grpc::StatusCode::OK), 3);
   EXPECT_EQ(metrics.Requests(method, grpc::StatusCode::NOT_FOUND), 1);
   EXPECT_EQ(metrics.Observations(method), 4u);
-  // A method the server lacks goes through the interceptors too: counted under the name the
-  // client gave (hence the bound on method names).
+  // A method the server lacks goes through the interceptors too: counted as "other".
   EXPECT_EQ(metrics.Requests("/shard.v1.Admin/NoSuchMethod", grpc::StatusCode::UNIMPLEMENTED), 1);
 
   std::string text;
@@ -273,21 +273,39 @@ TEST(RpcMetricsTest, TheInterceptorCountsCallsOfACallbackService) {
   EXPECT_TRUE(
       absl::StrContains(text, "shard_rpc_in_flight{method=\"shard.v1.Admin/GetStatus\"} 0\n"))
       << text;
+  EXPECT_TRUE(absl::StrContains(
+      text, "shard_rpc_requests_total{method=\"other\",code=\"UNIMPLEMENTED\"} 1\n"))
+      << text;
+  EXPECT_FALSE(absl::StrContains(text, "NoSuchMethod")) << text;
 }
 
-TEST(RpcMetricsTest, MethodNamesAreBounded) {
-  RpcMetrics metrics;
-  for (int i = 0; i < RpcMetrics::kMaxMethods + 10; ++i) {
+TEST(RpcMetricsTest, MethodsTheServerDoesNotServeAreCountedAsOther) {
+  RpcMetrics metrics({"x.Y/Served"});
+  for (int i = 0; i < 200; ++i) {
     const std::string method = absl::StrCat("/x.Y/M", i);
     metrics.Begin(method);
     metrics.End(method, grpc::StatusCode::UNIMPLEMENTED, absl::Milliseconds(1));
   }
-  EXPECT_EQ(metrics.Requests("/x.Y/M0", grpc::StatusCode::UNIMPLEMENTED), 1);
-  EXPECT_EQ(metrics.Requests("/x.Y/Unseen", grpc::StatusCode::UNIMPLEMENTED), 10);  // "other"
+  metrics.Begin("/x.Y/Served");
+  metrics.End("/x.Y/Served", grpc::StatusCode::OK, absl::Milliseconds(1));
+  EXPECT_EQ(metrics.Requests("/x.Y/Served", grpc::StatusCode::OK), 1);
+  EXPECT_EQ(metrics.Requests("/x.Y/Unseen", grpc::StatusCode::UNIMPLEMENTED), 200);  // "other"
   std::string text;
   metrics.RenderTo(&text);
   EXPECT_TRUE(absl::StrContains(
-      text, "shard_rpc_requests_total{method=\"other\",code=\"UNIMPLEMENTED\"} 10\n"));
+      text, "shard_rpc_requests_total{method=\"other\",code=\"UNIMPLEMENTED\"} 200\n"));
+  EXPECT_TRUE(absl::StrContains(
+      text, "shard_rpc_requests_total{method=\"x.Y/Served\",code=\"OK\"} 1\n"));
+  EXPECT_FALSE(absl::StrContains(text, "x.Y/M0")) << text;
+}
+
+TEST(RpcMetricsTest, MethodNamesComeFromTheServiceDescriptor) {
+  const google::protobuf::ServiceDescriptor* admin =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("shard.v1.Admin");
+  ASSERT_NE(admin, nullptr);
+  const std::vector<std::string> names = MethodNames(*admin);
+  EXPECT_EQ(static_cast<int>(names.size()), admin->method_count());
+  EXPECT_NE(std::find(names.begin(), names.end(), "shard.v1.Admin/GetStatus"), names.end());
 }
 
 // --- The coordinator's gauges from real managers -------------------------------------------------
@@ -367,7 +385,7 @@ TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
   ASSERT_TRUE(checkpoints.ok()) << checkpoints.status();
   ASSERT_EQ((*checkpoints)->List().size(), 2u);
 
-  RpcMetrics rpc;
+  RpcMetrics rpc({"shard.v1.Coordinator/Join"});
   rpc.Begin("/shard.v1.Coordinator/Join");
   rpc.End("/shard.v1.Coordinator/Join", grpc::StatusCode::OK, absl::Milliseconds(2));
 
