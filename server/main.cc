@@ -99,7 +99,8 @@ int main(int argc, char** argv) {
   std::string job_token_file;
   std::string admin_token_file;
   app.add_option("--job-token-file", job_token_file,
-                 "file holding the token workers must present to join and report (one line)")
+                 "file holding the token workers must present to join and report (one line); needs "
+                 "--admin-token-file too")
       ->check(CLI::ExistingFile);
   app.add_option("--admin-token-file", admin_token_file,
                  "file holding the token shardctl must present for calls that change the job "
@@ -122,6 +123,12 @@ int main(int argc, char** argv) {
       return 2;
     }
     *token = std::move(*read);
+  }
+  if (!options.job_token.empty() && options.admin_token.empty()) {
+    std::fprintf(stderr, "shard-coordinator: --job-token-file without --admin-token-file would "
+                         "leave stop, resize, drain, restore and delete open to anyone who can "
+                         "reach the port; give an admin token too\n");
+    return 2;
   }
   if (!options.job_token.empty() && options.job_token == options.admin_token) {
     std::fprintf(stderr, "shard-coordinator: the job and admin tokens must differ (a worker "

@@ -144,10 +144,14 @@ TEST_F(SecurityTest, TokensKeepOutWorkersAndAdminsWithoutTheRightOne) {
                     File("admin.token")});
   // A worker without the job token, or with the admin's, is refused and says why.
   Process anonymous = cluster_->StartWorker("anonymous");
-  EXPECT_NE(anonymous.Wait(absl::Seconds(20)), 0);
+  const std::optional<int> anonymous_exit = anonymous.Wait(absl::Seconds(20));
+  ASSERT_TRUE(anonymous_exit.has_value()) << "still running: " << anonymous.Log();
+  EXPECT_NE(*anonymous_exit, 0);
   EXPECT_NE(anonymous.Log().find("job token"), std::string::npos) << anonymous.Log();
   Process wrong = cluster_->StartWorker("wrong", {"--job-token-file", File("admin.token")});
-  EXPECT_NE(wrong.Wait(absl::Seconds(20)), 0);
+  const std::optional<int> wrong_exit = wrong.Wait(absl::Seconds(20));
+  ASSERT_TRUE(wrong_exit.has_value()) << "still running: " << wrong.Log();
+  EXPECT_NE(*wrong_exit, 0);
   EXPECT_NE(wrong.Log().find("not valid"), std::string::npos) << wrong.Log();
 
   std::vector<Process> workers;
@@ -190,8 +194,10 @@ TEST_F(SecurityTest, TokensKeepOutWorkersAndAdminsWithoutTheRightOne) {
   EXPECT_EQ(Shardctl(admin, {"stop"}).exit_code, 0);
   EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(30)), 0);
   for (Process& worker : workers) EXPECT_EQ(worker.Wait(absl::Seconds(10)), 0) << worker.Log();
-  // No token reaches a log.
-  for (const std::string& log : {cluster_->coordinator().Log(), workers[0].Log()}) {
+  // No token reaches a log, not even the refusals of the wrong one.
+  for (const std::string& log :
+       {cluster_->coordinator().Log(), workers[0].Log(), workers[1].Log(), anonymous.Log(),
+        wrong.Log(), stop_as_worker.output, status.output}) {
     EXPECT_EQ(log.find("job-4f7d2c"), std::string::npos);
     EXPECT_EQ(log.find("admin-9a1e6b"), std::string::npos);
   }
@@ -218,6 +224,9 @@ TEST_F(SecurityTest, MutualTlsAdmitsOnlyClientsWithACertificateFromTheClientCa) 
                 .exit_code,
             0)
       << "a server certificate the client cannot verify";
+  std::vector<std::string> tls_status = {"--timeout", "3s"};
+  tls_status.insert(tls_status.end(), tls.begin(), tls.end());
+  EXPECT_EQ(Shardctl(tls_status, {"status"}).exit_code, 0) << "the right certificates";
 
   // Workers over mutual TLS train the job to the end; the coordinator finishes on its own.
   std::vector<Process> workers;
@@ -227,6 +236,16 @@ TEST_F(SecurityTest, MutualTlsAdmitsOnlyClientsWithACertificateFromTheClientCa) 
   EXPECT_NE(cluster_->coordinator().Log().find("training finished (60 steps"), std::string::npos)
       << cluster_->coordinator().Log();
   EXPECT_TRUE(std::filesystem::exists(File("out/final.safetensors")));
+}
+
+TEST_F(SecurityTest, AJobTokenWithoutAnAdminTokenIsRefused) {
+  // It would lock workers out while leaving stop, resize and the checkpoints open.
+  CommandResult started = RunCommand(
+      {BinaryPath("shard-coordinator"), "--world-size", "1", "--state-dir", File("state"),
+       "--listen", "127.0.0.1:0", "--job-token-file", File("job.token")},
+      absl::Seconds(20));
+  EXPECT_EQ(started.exit_code, 2) << started.output;
+  EXPECT_NE(started.output.find("--admin-token-file"), std::string::npos) << started.output;
 }
 
 TEST_F(SecurityTest, TheHealthPortAnswersInPlaintextWhileTheMainPortRequiresTls) {
