@@ -262,6 +262,24 @@ std::map<std::string, std::string> TrainingCountersMetadata(const TrainingCounte
   return metadata;
 }
 
+absl::Status ValidateTrainingCounters(const TrainingCounters& counters, int64_t step) {
+  if (counters.optimizer_step < 0 || counters.optimizer_step > step) {
+    return absl::InvalidArgumentError(absl::StrCat("\"optimizer_step\" is ",
+                                                   counters.optimizer_step,
+                                                   ", outside [0, step = ", step, "]"));
+  }
+  if (!(counters.loss_scale >= 0) || !std::isfinite(counters.loss_scale)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "\"loss_scale\" is ", counters.loss_scale, ", not a finite number >= 0"));
+  }
+  if (counters.loss_scale_growth_tracker < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("\"loss_scale_growth_tracker\" is ",
+                                                   counters.loss_scale_growth_tracker,
+                                                   ", negative"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<TrainingCounters> TrainingCountersFromMetadata(
     const std::map<std::string, std::string>& metadata, int64_t step) {
   TrainingCounters counters{.optimizer_step = step};
@@ -269,16 +287,8 @@ absl::StatusOr<TrainingCounters> TrainingCountersFromMetadata(
   SHARD_RETURN_IF_ERROR(MetadataNumber(metadata, "loss_scale", &counters.loss_scale));
   SHARD_RETURN_IF_ERROR(MetadataNumber(metadata, "loss_scale_growth_tracker",
                                        &counters.loss_scale_growth_tracker));
-  if (counters.optimizer_step < 0 || counters.optimizer_step > step) {
-    return absl::InvalidArgumentError(absl::StrCat("metadata \"optimizer_step\" ",
-                                                   counters.optimizer_step,
-                                                   " is outside [0, step = ", step, "]"));
-  }
-  if (!(counters.loss_scale >= 0) || !std::isfinite(counters.loss_scale) ||
-      counters.loss_scale_growth_tracker < 0) {
-    return absl::InvalidArgumentError(
-        "metadata \"loss_scale\" must be finite and not negative, and "
-        "\"loss_scale_growth_tracker\" not negative");
+  if (absl::Status valid = ValidateTrainingCounters(counters, step); !valid.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("metadata ", valid.message()));
   }
   return counters;
 }
@@ -308,17 +318,8 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
       counters.optimizer_step = Integer<int64_t>(c, "optimizer_step");
       counters.loss_scale = c.at("loss_scale").get<float>();
       counters.loss_scale_growth_tracker = Integer<int64_t>(c, "loss_scale_growth_tracker");
-      if (counters.optimizer_step < 0 || counters.optimizer_step > m.step) {
-        return Corrupt(path, absl::StrCat("counters: optimizer_step ", counters.optimizer_step,
-                                          " is outside [0, step = ", m.step, "]"));
-      }
-      if (!(counters.loss_scale >= 0) || !std::isfinite(counters.loss_scale)) {
-        return Corrupt(path, absl::StrCat("counters: loss_scale ", counters.loss_scale,
-                                          " is not a finite number >= 0"));
-      }
-      if (counters.loss_scale_growth_tracker < 0) {
-        return Corrupt(path, absl::StrCat("counters: loss_scale_growth_tracker ",
-                                          counters.loss_scale_growth_tracker, " is negative"));
+      if (absl::Status valid = ValidateTrainingCounters(counters, m.step); !valid.ok()) {
+        return Corrupt(path, absl::StrCat("counters: ", valid.message()));
       }
       m.counters = counters;
     }

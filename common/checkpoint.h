@@ -91,6 +91,10 @@ struct TrainingCounters {
   bool operator==(const TrainingCounters&) const = default;
 };
 
+// InvalidArgument naming the counter and its value unless 0 <= optimizer_step <= `step`, the
+// loss scale is finite and not negative, and the growth tracker is not negative.
+absl::Status ValidateTrainingCounters(const TrainingCounters& counters, int64_t step);
+
 // The counters as safetensors metadata (optimizer_step, and loss_scale with
 // loss_scale_growth_tracker when scaling), for exports and consolidated files.
 std::map<std::string, std::string> TrainingCountersMetadata(const TrainingCounters& counters);

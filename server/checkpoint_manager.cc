@@ -146,6 +146,11 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
         report.plan_hash, " but the current plan is ", plan.plan->hash));
   }
   const int world = plan.plan->options.world_size;
+  if (report.rank < 0 || report.rank >= world) {
+    return absl::InvalidArgumentError(absl::StrCat("shard report of rank ", report.rank, " for ",
+                                                   report.id, " does not fit its world of ",
+                                                   world));
+  }
   absl::MutexLock lock(&mu_);
   if (FindLocked(report.id).ok()) return false;  // already committed (a retried report)
   Pending& pending = pending_[report.id];
@@ -155,6 +160,11 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
     pending.plan_hash = report.plan_hash;
     pending.counters = report.counters;
   }
+  if (report.step != pending.step) {
+    return absl::InvalidArgumentError(absl::StrCat("shard report of rank ", report.rank, " for ",
+                                                   report.id, " is of step ", report.step,
+                                                   ", the other ranks' of ", pending.step));
+  }
   pending.request = std::max(pending.request, report.request);
   pending.max_pause_ms = std::max(pending.max_pause_ms, report.pause_ms);
   pending.max_write_ms = std::max(pending.max_write_ms, report.write_ms);
@@ -162,6 +172,12 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
       report.error.empty()
           ? ""
           : absl::StrCat("rank ", report.rank, " could not write its shard: ", report.error);
+  if (absl::Status valid = ValidateTrainingCounters(report.counters, report.step);
+      report_error.empty() && !valid.ok()) {
+    // Manifest readers would refuse the checkpoint: fail it now rather than commit it.
+    report_error = absl::StrCat("rank ", report.rank, " reports impossible counters for ",
+                                report.id, ": ", valid.message());
+  }
   if (report_error.empty() && report.counters != pending.counters) {
     // The ranks' updates diverged: the checkpoint would restore inconsistent state.
     report_error = absl::StrCat(
@@ -178,10 +194,6 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
     RemoveDirectory(Directory(report.id), "a failed checkpoint");
     pending_.erase(report.id);
     return false;
-  }
-  if (report.rank < 0 || report.rank >= world || report.step != pending.step) {
-    return absl::InvalidArgumentError(absl::StrCat("shard report of rank ", report.rank,
-                                                   " for ", report.id, " does not fit its world"));
   }
   pending.shards[report.rank] = report.record;
   for (const std::optional<ShardRecord>& shard : pending.shards) {

@@ -128,5 +128,44 @@ TEST_F(CheckpointCountersTest, RanksReportingDifferentCountersFailTheCheckpoint)
   EXPECT_TRUE(manager_->List().empty());
 }
 
+// Counters no manifest reader would accept: refused now, not committed and then unrestorable.
+TEST_F(CheckpointCountersTest, ImpossibleCountersFailTheCheckpoint) {
+  const TrainingCounters impossible{
+      .optimizer_step = kStep + 1, .loss_scale = 1024, .loss_scale_growth_tracker = 0};
+  const std::string id = CheckpointIdForStep(kStep);
+  ShardReport first = Shard(id, 0, impossible);
+  ShardReport second = Shard(id, 1, impossible);
+  first.request = second.request = 1;
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_first, manager_->ReportShard(first, view_));
+  EXPECT_FALSE(committed_first);
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_second, manager_->ReportShard(second, view_));
+  EXPECT_FALSE(committed_second);
+  const std::string error = manager_->Progress(1).error;
+  EXPECT_NE(error.find("\"optimizer_step\" is 7"), std::string::npos) << error;
+  EXPECT_FALSE(std::filesystem::exists(Directory(id)));
+  EXPECT_TRUE(manager_->List().empty());
+}
+
+// A report that does not fit (a rank beyond the world, another step) is refused, and the
+// checkpoint the other ranks are writing still commits.
+TEST_F(CheckpointCountersTest, AReportThatDoesNotFitIsRefusedWithoutFailingTheCheckpoint) {
+  const TrainingCounters counters{.optimizer_step = kStep};
+  const std::string id = CheckpointIdForStep(kStep);
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool first, manager_->ReportShard(Shard(id, 0, counters), view_));
+  EXPECT_FALSE(first);
+  ShardReport beyond = Shard(id, 1, counters);
+  beyond.rank = kWorld;
+  EXPECT_EQ(manager_->ReportShard(beyond, view_).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ShardReport other_step = Shard(id, 1, TrainingCounters{.optimizer_step = kStep - 1});
+  other_step.step = kStep - 1;
+  EXPECT_EQ(manager_->ReportShard(other_step, view_).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool second,
+                             manager_->ReportShard(Shard(id, 1, counters), view_));
+  EXPECT_TRUE(second);
+  SHARD_EXPECT_OK(ReadCheckpointManifest(Directory(id)).status());
+}
+
 }  // namespace
 }  // namespace shard

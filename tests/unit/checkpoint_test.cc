@@ -1,6 +1,8 @@
 #include "common/checkpoint.h"
 #include "common/safetensors.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -27,7 +29,9 @@ Manifest Model() {
 // step 7, with `counters` in its manifest (none: as checkpoints before them were written).
 std::string WriteCheckpoint(const std::string& name, int world,
                             std::optional<TrainingCounters> counters = std::nullopt) {
-  const std::string root = ::testing::TempDir() + "/shard-checkpoint-test";
+  // Per process: ctest may run this binary's tests at once, and they reuse checkpoint names.
+  const std::string root =
+      ::testing::TempDir() + "/shard-checkpoint-test-" + std::to_string(getpid());
   const std::string dir = CheckpointDirectory(root, "job", name);
   std::filesystem::remove_all(dir);
   PlanOptions options;
@@ -281,12 +285,12 @@ TEST(CheckpointTest, ImpossibleCountersInTheManifestAreRefusedNamingThem) {
     std::string named;  // in the error
   };
   for (const Case& c : std::vector<Case>{
-           {"optimizer_step", "8", "optimizer_step 8"},  // past the checkpoint's step 7
-           {"optimizer_step", "-1", "optimizer_step -1"},
+           {"optimizer_step", "8", "\"optimizer_step\" is 8"},  // past the checkpoint's step 7
+           {"optimizer_step", "-1", "\"optimizer_step\" is -1"},
            {"optimizer_step", "2.5", "optimizer_step"},
-           {"loss_scale", "-512.0", "loss_scale -512"},
+           {"loss_scale", "-512.0", "\"loss_scale\" is -512"},
            {"loss_scale", "\"512\"", ""},  // (nlohmann's type error, which names no key)
-           {"loss_scale_growth_tracker", "-1", "loss_scale_growth_tracker -1"},
+           {"loss_scale_growth_tracker", "-1", "\"loss_scale_growth_tracker\" is -1"},
        }) {
     SCOPED_TRACE(absl::StrCat(c.key, " = ", c.value));
     const absl::Status refused = with(c.key, c.value);
