@@ -54,7 +54,9 @@ int main(int argc, char** argv) {
   app.add_option("--repeats", repeats, "runs per configuration")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
-  app.add_option("--bucket-cap-mb", bucket_cap_mb, "bucket cap in MiB")->capture_default_str();
+  app.add_option("--bucket-cap-mb", bucket_cap_mb, "bucket cap in MiB")
+      ->capture_default_str()
+      ->check(shard::MebibytesValidator());
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
 
   const shard::Manifest manifest = Llama70B();

@@ -265,7 +265,7 @@ void AddCheckpointCommands(CLI::App& app, CheckpointCommands* c) {
                         "also export exp_avg/exp_avg_sq (Adam) or momentum_buffer (SGD)");
   c->exporter->add_option("--buffer-mb", c->buffer_mb, "export buffer in MiB (bounds memory)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(shard::MebibytesValidator());
   c->exporter->add_option("--path", c->path,
                           "the checkpoint's directory, read without asking the coordinator");
   c->remove = checkpoint->add_subcommand("delete", "delete a committed checkpoint");

@@ -215,11 +215,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"range", "param"}));
   plan_cmd->add_option("--bucket-cap-mb", bucket_cap_mb, "bucket cap in MiB (with --manifest)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(shard::MebibytesValidator());
   plan_cmd->add_option("--first-bucket-cap-mb", first_bucket_cap_mb,
                        "first bucket's cap in MiB (with --manifest)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(shard::MebibytesValidator());
   plan_cmd->add_flag("--json", json, "print JSON for scripts");
   CLI::App* stats_cmd = app.add_subcommand(
       "stats", "overlap status (bucket rebuild), plan acknowledgements and step statistics");

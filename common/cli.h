@@ -31,13 +31,27 @@ inline absl::Duration ParsedDuration(const std::string& value) {
   return parsed;
 }
 
-// A size flag given in MiB (fractions allowed), in bytes.
+// Sizes given in MiB (fractions allowed) are more than 0 and at most 1 TiB: bounded, their
+// byte count is defined (a double beyond int64's range has no conversion).
+inline bool ValidMebibytes(double mebibytes) { return mebibytes > 0 && mebibytes <= (1 << 20); }
+
+inline CLI::Validator MebibytesValidator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        double parsed = 0;
+        if (!CLI::detail::lexical_cast(value, parsed) || !ValidMebibytes(parsed)) {
+          return "expected MiB, more than 0 and at most 1048576 (1 TiB), got '" + value + "'";
+        }
+        return "";
+      },
+      "MIB");
+}
+
+// A size ValidMebibytes accepts, in bytes.
 inline int64_t MebibytesToBytes(double mebibytes) {
   return static_cast<int64_t>(mebibytes * (1 << 20) + 0.5);
 }
 
-// Parses argv; returns the process exit code when the program must stop here (--help: 0,
-// a usage error: 2, after CLI11 printed why), nullopt to go on.
 // A client's transport security files (proto/channel_security.h reads them). Empty fields are
 // not used; no CA means plaintext.
 struct ClientSecurityFiles {
@@ -79,6 +93,8 @@ inline void BindEnvironment(CLI::App& app) {
   }
 }
 
+// Parses argv; returns the process exit code when the program must stop here (--help: 0,
+// a usage error: 2, after CLI11 printed why), nullopt to go on.
 inline std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv) {
   BindEnvironment(app);
   try {

@@ -99,7 +99,7 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
         std::tuple{"first_bucket_cap_mb", spec.has_first_bucket_cap_mb(),
                    spec.first_bucket_cap_mb(), &job.first_bucket_cap_bytes}}) {
     if (!set) continue;
-    if (!(mebibytes > 0 && mebibytes <= (1 << 20))) {
+    if (!ValidMebibytes(mebibytes)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "job spec: ", field, " must be more than 0 and at most 1048576 (1 TiB), got ",
           mebibytes));

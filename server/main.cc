@@ -75,11 +75,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"range", "param"}));
   app.add_option("--bucket-cap-mb", bucket_cap_mb, "gradient bucket cap in MiB")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(shard::MebibytesValidator());
   app.add_option("--first-bucket-cap-mb", first_bucket_cap_mb,
                  "cap of the first bucket in MiB (small, so communication starts early)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(shard::MebibytesValidator());
   app.add_option("--port-file", port_file,
                  "write the bound port to this file once serving (for --listen host:0)");
   app.add_option("--health-listen", options.health_listen,

@@ -591,7 +591,8 @@ absl::StatusOr<WorldManager::Worker*> WorldManager::FindMember(const std::string
   return &worker;
 }
 
-absl::StatusOr<HeartbeatOutcome> WorldManager::OutcomeLocked(const std::string& worker_id) const {
+absl::StatusOr<HeartbeatOutcome> WorldManager::OutcomeLocked(const std::string& worker_id,
+                                                             const World& world) const {
   auto it = m_.workers.find(worker_id);
   if (it == m_.workers.end() || it->second.role == Role::kDeparted) {
     const std::string why = it == m_.workers.end()
@@ -603,7 +604,7 @@ absl::StatusOr<HeartbeatOutcome> WorldManager::OutcomeLocked(const std::string& 
   }
   const Worker& worker = it->second;
   HeartbeatOutcome outcome;
-  outcome.world = WorldLocked();
+  outcome.world = world;
   outcome.rank = worker.rank;
   if (worker.role == Role::kLeaving) {
     outcome.stop = true;
@@ -621,7 +622,7 @@ absl::StatusOr<HeartbeatOutcome> WorldManager::HeartbeatLocked(const std::string
   absl::StatusOr<Worker*> worker = FindMember(worker_id, incarnation);
   if (!worker.ok()) return worker.status();
   (*worker)->last_heartbeat = now;
-  return OutcomeLocked(worker_id);
+  return OutcomeLocked(worker_id, WorldLocked());
 }
 
 absl::StatusOr<HeartbeatOutcome> WorldManager::Heartbeat(const std::string& worker_id,
@@ -638,7 +639,7 @@ void WorldManager::WatchHeartbeat(const HeartbeatParams& params, absl::Time now,
     outcome = HeartbeatLocked(params.worker_id, params.incarnation, now);
     const absl::Duration wait = std::min(params.wait, options_.lease / 4);
     if (outcome.ok() && wait > absl::ZeroDuration() &&
-        !WatchFires(WorldLocked(), params.known_generation, params.known_state,
+        !WatchFires(outcome->world, params.known_generation, params.known_state,
                     &m_.workers.at(params.worker_id))) {
       watches_.push_back(Watch{params.worker_id, params.known_generation, params.known_state,
                                now + wait, std::move(done)});
@@ -672,7 +673,8 @@ std::vector<WorldManager::Answer> WorldManager::TakeChangedWatchesLocked() {
       ++i;
       continue;
     }
-    answers.push_back(Answer{std::move(watch.done), OutcomeLocked(watch.worker_id), {}, {}});
+    answers.push_back(
+        Answer{std::move(watch.done), OutcomeLocked(watch.worker_id, world), {}, {}});
     watches_[i] = std::move(watches_.back());
     watches_.pop_back();
   }
@@ -704,13 +706,15 @@ void WorldManager::ExpireWatches(absl::Time now) {
   std::vector<Answer> answers;
   {
     absl::MutexLock lock(&mu_);
+    std::optional<World> world;  // computed if a watch expires
     for (size_t i = 0; i < watches_.size();) {
       if (watches_[i].deadline > now) {
         ++i;
         continue;
       }
-      answers.push_back(
-          Answer{std::move(watches_[i].done), OutcomeLocked(watches_[i].worker_id), {}, {}});
+      if (!world.has_value()) world = WorldLocked();
+      answers.push_back(Answer{std::move(watches_[i].done),
+                               OutcomeLocked(watches_[i].worker_id, *world), {}, {}});
       watches_[i] = std::move(watches_.back());
       watches_.pop_back();
     }
@@ -733,8 +737,10 @@ void WorldManager::WakeWatches() {
   std::vector<Answer> answers;
   {
     absl::MutexLock lock(&mu_);
+    const World world = WorldLocked();
     for (Watch& watch : watches_) {
-      answers.push_back(Answer{std::move(watch.done), OutcomeLocked(watch.worker_id), {}, {}});
+      answers.push_back(
+          Answer{std::move(watch.done), OutcomeLocked(watch.worker_id, world), {}, {}});
     }
     watches_.clear();
   }

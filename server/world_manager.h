@@ -316,8 +316,10 @@ class WorldManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<World> ApplyReshapeLocked(const Reshape& reshape, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The reply a watching worker gets now: NotFound if it is no longer a member.
-  absl::StatusOr<HeartbeatOutcome> OutcomeLocked(const std::string& worker_id) const
+  // The reply a watching worker gets now: NotFound if it is no longer a member. `world` is
+  // WorldLocked(), computed once by callers answering many watches.
+  absl::StatusOr<HeartbeatOutcome> OutcomeLocked(const std::string& worker_id,
+                                                 const World& world) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Whether a watch taken at (known_generation, known_state) by `worker` must be answered now.
   // `world` is WorldLocked(), computed once by the caller for all the watches it checks.
