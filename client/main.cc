@@ -72,7 +72,8 @@ int WaitForStop(shard::AdminClient& admin, absl::Duration timeout) {
   while (absl::Now() < give_up) {
     absl::StatusOr<shard::v1::GetStatusResponse> status = admin.GetStatus();
     // A coordinator that finished the stop exits, cancelling calls in flight.
-    if (!status.ok() && (absl::IsUnavailable(status.status()) || absl::IsCancelled(status.status()))) {
+    if (!status.ok() &&
+        (absl::IsUnavailable(status.status()) || absl::IsCancelled(status.status()))) {
       std::cout << "coordinator has exited; job stopped\n";
       return 0;
     }
@@ -277,8 +278,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<shard::AdminClient> admin_client;
   auto admin_on_demand = [&]() -> shard::AdminClient& {
     if (admin_client == nullptr) {
-      admin_client = std::make_unique<shard::AdminClient>(coordinator, shard::ParsedDuration(timeout),
-                                                         *security);
+      admin_client = std::make_unique<shard::AdminClient>(
+          coordinator, shard::ParsedDuration(timeout), *security);
     }
     return *admin_client;
   };

@@ -29,8 +29,9 @@ std::vector<std::string> ServedMethods() {
   std::vector<std::string> served = {
       "grpc.health.v1.Health/Check", "grpc.health.v1.Health/Watch",
       "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"};
-  for (const char* service : {v1::Coordinator::service_full_name(),
-                              v1::Rendezvous::service_full_name(), v1::Admin::service_full_name()}) {
+  for (const char* service :
+       {v1::Coordinator::service_full_name(), v1::Rendezvous::service_full_name(),
+        v1::Admin::service_full_name()}) {
     const google::protobuf::ServiceDescriptor* descriptor =
         google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(service);
     for (std::string& name : MethodNames(*descriptor)) served.push_back(std::move(name));
@@ -241,7 +242,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     const CoordinatorMetricsSources sources{server->world_.get(), plan, checkpoint_manager,
                                             server->rpc_metrics_.get(), now};
     absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http = MetricsHttpServer::Start(
-        options.metrics_listen, [sources] { return RenderCoordinatorMetrics(sources, absl::Now()); });
+        options.metrics_listen,
+        [sources] { return RenderCoordinatorMetrics(sources, absl::Now()); });
     if (!http.ok()) return http.status();
     server->metrics_http_ = std::move(*http);
   }

@@ -228,7 +228,8 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
     absl::MutexLock lock(&mu_);
     communicator = communicator_;
   }
-  absl::StatusOr<SelfCheckResult> checked = RunSelfCheck(*communicator, options_.self_check_elements, data_path_->device());
+  absl::StatusOr<SelfCheckResult> checked =
+      RunSelfCheck(*communicator, options_.self_check_elements, data_path_->device());
   if (!checked.ok() && (absl::IsAborted(checked.status()) || absl::IsCancelled(checked.status()))) {
     return checked.status();
   }

@@ -151,7 +151,8 @@ TEST_F(CheckpointCountersTest, ImpossibleCountersFailTheCheckpoint) {
 TEST_F(CheckpointCountersTest, AReportThatDoesNotFitIsRefusedWithoutFailingTheCheckpoint) {
   const TrainingCounters counters{.optimizer_step = kStep};
   const std::string id = CheckpointIdForStep(kStep);
-  SHARD_ASSERT_OK_AND_ASSIGN(const bool first, manager_->ReportShard(Shard(id, 0, counters), view_));
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool first,
+                             manager_->ReportShard(Shard(id, 0, counters), view_));
   EXPECT_FALSE(first);
   ShardReport beyond = Shard(id, 1, counters);
   beyond.rank = kWorld;

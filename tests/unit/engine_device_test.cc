@@ -301,13 +301,13 @@ struct Checkpointing {
   SavedShards* saved = nullptr;    // the saved shards, for CommitSavedCheckpoints
 };
 
-// Steps up to `steps` of Adam at ZeRO stage 2 on kWorld ranks (Job()'s settings), each rank
+// Steps up to `steps` of Adam at ZeRO `zero_stage` on kWorld ranks (Job()'s settings), each rank
 // running the forward and backward of its half of the global batch. With `inject`, that rank's
 // gradient element is +inf at that step, written as backward completes it (before it is marked
 // ready: with overlap its bucket may be reduced at once).
 void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
                  std::optional<Injection> inject, const Checkpointing& checkpointing,
-                 std::vector<EngineRun>* runs) {
+                 std::vector<EngineRun>* runs, int zero_stage = 2) {
   runs->assign(kWorld, EngineRun{});
   absl::Mutex mu;
   const std::vector<absl::Status> results =
@@ -321,7 +321,7 @@ void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
         }
         LocalPlanProvider plans(planning);
         EngineOptions options;
-        options.zero_stage = 2;
+        options.zero_stage = zero_stage;
         options.optimizer.kind = OptimizerKind::kAdam;
         options.optimizer.lr = 0.01;
         options.loss_scaling = loss_scaling;
@@ -401,8 +401,9 @@ void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
 }
 
 void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
-                 std::optional<Injection> inject, std::vector<EngineRun>* runs) {
-  DriveEngine(loss_scaling, steps, inject, Checkpointing{}, runs);
+                 std::optional<Injection> inject, std::vector<EngineRun>* runs,
+                 int zero_stage = 2) {
+  DriveEngine(loss_scaling, steps, inject, Checkpointing{}, runs, zero_stage);
 }
 
 // "" when every parameter holds the same bits in `a` and `b`.
@@ -453,42 +454,45 @@ TEST(EngineDeviceTest, LossScalingByAPowerOfTwoIsExact) {
 TEST(EngineDeviceTest, AnInfGradientOnOneRankSkipsTheStepOnEveryRank) {
   constexpr int64_t kSteps = 6;
   constexpr int64_t kPoisoned = 4;  // after the first growth: 2048 -> 1024
-  std::vector<EngineRun> runs;
-  // Layer 0's weight, whose element 0 only one rank owns after the reduce-scatter: the other
-  // learns of the overflow only through the engine's agreement between ranks.
-  ASSERT_NO_FATAL_FAILURE(DriveEngine(LossScalerOptions{.init_scale = 1024, .growth_interval = 3},
-                                      kSteps,
-                                      Injection{.rank = 1, .step = kPoisoned,
-                                                .param = Mlp::WeightIndex(0), .element = 0},
-                                      &runs));
-  for (int rank = 0; rank < kWorld; ++rank) {
-    SCOPED_TRACE(absl::StrCat("rank ", rank));
-    const std::vector<AfterStep>& steps = runs[rank].steps;
-    ASSERT_EQ(steps.size(), kSteps);
-    for (int64_t s = 1; s < kPoisoned; ++s) EXPECT_FALSE(steps[s - 1].timings.skipped) << s;
-    const AfterStep& before = steps[kPoisoned - 2];
-    const AfterStep& skipped = steps[kPoisoned - 1];
-    const AfterStep& next = steps[kPoisoned];
-    ASSERT_EQ(before.loss_scale, 2048.0f);
+  // At stage 2, layer 0's weight element 0 is owned by one rank after the reduce-scatter: the
+  // other learns of the overflow only through the engine's agreement between ranks. At stage 0
+  // the all-reduce carries the inf to every rank's gradients, and no agreement is needed.
+  for (const int stage : {2, 0}) {
+    SCOPED_TRACE(absl::StrCat("stage ", stage));
+    std::vector<EngineRun> runs;
+    ASSERT_NO_FATAL_FAILURE(DriveEngine(
+        LossScalerOptions{.init_scale = 1024, .growth_interval = 3}, kSteps,
+        Injection{.rank = 1, .step = kPoisoned, .param = Mlp::WeightIndex(0), .element = 0}, &runs,
+        stage));
+    for (int rank = 0; rank < kWorld; ++rank) {
+      SCOPED_TRACE(absl::StrCat("rank ", rank));
+      const std::vector<AfterStep>& steps = runs[rank].steps;
+      ASSERT_EQ(steps.size(), kSteps);
+      for (int64_t s = 1; s < kPoisoned; ++s) EXPECT_FALSE(steps[s - 1].timings.skipped) << s;
+      const AfterStep& before = steps[kPoisoned - 2];
+      const AfterStep& skipped = steps[kPoisoned - 1];
+      const AfterStep& next = steps[kPoisoned];
+      ASSERT_EQ(before.loss_scale, 2048.0f);
 
-    EXPECT_TRUE(skipped.timings.skipped);
-    EXPECT_EQ(skipped.timings.loss_scale, 2048.0f);
-    EXPECT_EQ(ParamsBitDifference(skipped.params, before.params), "")
-        << "a skipped step changes no parameter";
-    EXPECT_EQ(skipped.steps_done, kPoisoned);
-    EXPECT_EQ(skipped.optimizer_steps, kPoisoned - 1);
-    EXPECT_EQ(skipped.loss_scale, 1024.0f);
+      EXPECT_TRUE(skipped.timings.skipped);
+      EXPECT_EQ(skipped.timings.loss_scale, 2048.0f);
+      EXPECT_EQ(ParamsBitDifference(skipped.params, before.params), "")
+          << "a skipped step changes no parameter";
+      EXPECT_EQ(skipped.steps_done, kPoisoned);
+      EXPECT_EQ(skipped.optimizer_steps, kPoisoned - 1);
+      EXPECT_EQ(skipped.loss_scale, 1024.0f);
 
-    EXPECT_FALSE(next.timings.skipped);
-    EXPECT_EQ(next.timings.loss_scale, 1024.0f);
-    EXPECT_NE(ParamsBitDifference(next.params, skipped.params), "") << "the next step updates";
-    EXPECT_EQ(next.optimizer_steps, kPoisoned);
-    EXPECT_EQ(next.steps_done, kPoisoned + 1);
-    for (const std::vector<float>& param : steps.back().params) {
-      for (float v : param) ASSERT_TRUE(std::isfinite(v));
+      EXPECT_FALSE(next.timings.skipped);
+      EXPECT_EQ(next.timings.loss_scale, 1024.0f);
+      EXPECT_NE(ParamsBitDifference(next.params, skipped.params), "") << "the next step updates";
+      EXPECT_EQ(next.optimizer_steps, kPoisoned);
+      EXPECT_EQ(next.steps_done, kPoisoned + 1);
+      for (const std::vector<float>& param : steps.back().params) {
+        for (float v : param) ASSERT_TRUE(std::isfinite(v));
+      }
     }
+    EXPECT_EQ(ParamsBitDifference(runs[1].steps.back().params, runs[0].steps.back().params), "");
   }
-  EXPECT_EQ(ParamsBitDifference(runs[1].steps.back().params, runs[0].steps.back().params), "");
 }
 
 TEST(EngineDeviceTest, ARestoreContinuesTheLossScaleAndTheOptimizerStep) {

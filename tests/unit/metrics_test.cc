@@ -265,7 +265,8 @@ TEST(RpcMetricsTest, TheInterceptorCountsCallsOfACallbackService) {
       "shard_rpc_requests_total{method=\"shard.v1.Admin/GetStatus\",code=\"NOT_FOUND\"} 1\n"))
       << text;
   EXPECT_TRUE(absl::StrContains(
-      text, "shard_rpc_duration_seconds_bucket{method=\"shard.v1.Admin/GetStatus\",le=\"+Inf\"} 4\n"))
+      text,
+      "shard_rpc_duration_seconds_bucket{method=\"shard.v1.Admin/GetStatus\",le=\"+Inf\"} 4\n"))
       << text;
   EXPECT_TRUE(absl::StrContains(
       text, "shard_rpc_duration_seconds_count{method=\"shard.v1.Admin/GetStatus\"} 4\n"))

@@ -112,7 +112,8 @@ absl::Status Engine::Apply(AppliedPlan applied, bool carry_gradients) {
     if (owned > 0) spans.push_back(std::move(span));
     state.pending = static_cast<int>(bucket.entries.size());
   }
-  SHARD_ASSIGN_OR_RETURN(kernels_, device_->PrepareSpans(optimizer_.config(), std::move(spans)));
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<SpanKernels> kernels,
+                         device_->PrepareSpans(optimizer_.config(), std::move(spans)));
   if (plan_ != nullptr) {
     for (size_t p = 0; p < manifest_.params.size(); ++p) {
       const ParamLocation from = plan_->locations[p];
@@ -127,7 +128,9 @@ absl::Status Engine::Apply(AppliedPlan applied, bool carry_gradients) {
       }
     }
   }
+  // Only now: until here a failure leaves the engine on its old layout, kernels included.
   buckets_ = std::move(buckets);
+  kernels_ = std::move(kernels);
   plan_ = std::move(applied.plan);
   plan_version_ = applied.version;
   rebuilt_ = applied.rebuilt;
@@ -274,10 +277,13 @@ absl::StatusOr<bool> Engine::UnscaleGradients(StepTimings* timings) {
   timings->loss_scale = scaler_->scale();
   SHARD_ASSIGN_OR_RETURN(bool found_inf,
                          kernels_->ScaleGradients(scaler_->inv_scale(), /*check_finite=*/true));
-  // Every rank must skip together: at stage 2 each one has only checked its own shard.
+  // Every rank must skip together. At stage 0 each checked the same all-reduced gradients (as
+  // in ClipGradients); at stages 1 and 2 each checked only its own shard.
   float found = found_inf ? 1.0f : 0.0f;
-  SHARD_RETURN_IF_ERROR(device_->AllReduceHostValues(*communicator_, &found, 1,
-                                                     DataType::kFloat32, ReduceOp::kMax));
+  if (options_.zero_stage > 0) {
+    SHARD_RETURN_IF_ERROR(device_->AllReduceHostValues(*communicator_, &found, 1,
+                                                       DataType::kFloat32, ReduceOp::kMax));
+  }
   return scaler_->Update(found > 0);
 }
 
@@ -537,18 +543,22 @@ absl::Status Engine::ConsolidateStateDict(int to_rank, const std::string& path) 
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const BucketState& bucket = buckets_[b];
     for (int k = 0; k < states; ++k) {
-      SHARD_ASSIGN_OR_RETURN(DeviceArray values, device_->Allocate(bucket.params.size()));
-      SHARD_RETURN_IF_ERROR(device_->Copy(bucket.state[k].data(),
-                                          values.data() + bucket.own_begin,
-                                          bucket.state[k].size()));
+      const float* whole = bucket.state[k].data();  // at stage 0 the owned span is the bucket
+      DeviceArray reduced;
       if (options_.zero_stage > 0) {
-        SHARD_RETURN_IF_ERROR(communicator_->Reduce(values.data(), values.data(), values.size(),
-                                                    DataType::kFloat32, ReduceOp::kSum, to_rank));
+        SHARD_ASSIGN_OR_RETURN(reduced, device_->Allocate(bucket.params.size()));
+        SHARD_RETURN_IF_ERROR(device_->Copy(bucket.state[k].data(),
+                                            reduced.data() + bucket.own_begin,
+                                            bucket.state[k].size()));
+        SHARD_RETURN_IF_ERROR(communicator_->Reduce(reduced.data(), reduced.data(),
+                                                    reduced.size(), DataType::kFloat32,
+                                                    ReduceOp::kSum, to_rank));
         SHARD_RETURN_IF_ERROR(communicator_->OrderComputeAfterCollectives());
+        whole = reduced.data();
       }
       if (rank != to_rank) continue;
-      std::vector<float> host(values.size());
-      SHARD_RETURN_IF_ERROR(device_->Download(values.data(), host.data(), values.size()));
+      std::vector<float> host(bucket.params.size());
+      SHARD_RETURN_IF_ERROR(device_->Download(whole, host.data(), host.size()));
       full[b].push_back(std::move(host));
     }
   }

@@ -110,7 +110,6 @@ class Engine {
   int64_t optimizer_steps() const { return optimizer_steps_; }
   // The optimizer's step count and the loss scaler's state, as checkpoints keep them.
   TrainingCounters counters() const;
-  Device& device() const { return *device_; }
 
   // Makes every rank's parameters rank 0's (as DDP does at construction).
   absl::Status BroadcastParameters();

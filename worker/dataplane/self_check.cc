@@ -17,6 +17,20 @@ float GatherValue(int rank, size_t i) {
   return static_cast<float>((rank % 2048) * 4096 + static_cast<int>(i % 4096));
 }
 
+// The result of `collective` read back to the host. An aborted GPU collective lets its stream
+// complete with whatever the buffer held: that is an abort (the generation ended), not a wrong
+// result.
+absl::Status DownloadResult(Device& device, Communicator& communicator, const float* from,
+                            float* to, size_t count, absl::string_view collective) {
+  SHARD_RETURN_IF_ERROR(communicator.OrderComputeAfterCollectives());
+  SHARD_RETURN_IF_ERROR(device.Download(from, to, count));
+  if (communicator.aborted()) {
+    return absl::AbortedError(
+        absl::StrCat("the communicator was aborted during the ", collective, " self-check"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<SelfCheckResult> RunSelfCheck(Communicator& communicator, size_t elements,
@@ -26,7 +40,8 @@ absl::StatusOr<SelfCheckResult> RunSelfCheck(Communicator& communicator, size_t 
   const absl::Time start = absl::Now();
   const size_t per_rank = std::max<size_t>(1, elements / world);
   SHARD_RETURN_IF_ERROR(device.BindThread());
-  SHARD_ASSIGN_OR_RETURN(DeviceArray on_device, device.Allocate(std::max(elements, per_rank * world)));
+  SHARD_ASSIGN_OR_RETURN(DeviceArray on_device,
+                         device.Allocate(std::max(elements, per_rank * world)));
 
   std::vector<float> reduced(elements);
   for (size_t i = 0; i < elements; ++i) {
@@ -35,8 +50,8 @@ absl::StatusOr<SelfCheckResult> RunSelfCheck(Communicator& communicator, size_t 
   SHARD_RETURN_IF_ERROR(device.Upload(reduced.data(), on_device.data(), elements));
   SHARD_RETURN_IF_ERROR(communicator.AllReduce(on_device.data(), on_device.data(), elements,
                                                DataType::kFloat32, ReduceOp::kSum));
-  SHARD_RETURN_IF_ERROR(communicator.OrderComputeAfterCollectives());
-  SHARD_RETURN_IF_ERROR(device.Download(on_device.data(), reduced.data(), elements));
+  SHARD_RETURN_IF_ERROR(DownloadResult(device, communicator, on_device.data(), reduced.data(),
+                                       elements, "all-reduce"));
   int64_t factor_sum = 0;
   for (int r = 0; r < world; ++r) factor_sum += RankFactor(r);
   for (size_t i = 0; i < elements; ++i) {
@@ -55,9 +70,9 @@ absl::StatusOr<SelfCheckResult> RunSelfCheck(Communicator& communicator, size_t 
   SHARD_RETURN_IF_ERROR(device.Upload(mine.data(), gather_area + rank * per_rank, per_rank));
   SHARD_RETURN_IF_ERROR(communicator.AllGather(gather_area + rank * per_rank, gather_area,
                                                per_rank, DataType::kFloat32));
-  SHARD_RETURN_IF_ERROR(communicator.OrderComputeAfterCollectives());
   std::vector<float> gathered(per_rank * world);
-  SHARD_RETURN_IF_ERROR(device.Download(gather_area, gathered.data(), per_rank * world));
+  SHARD_RETURN_IF_ERROR(DownloadResult(device, communicator, gather_area, gathered.data(),
+                                       per_rank * world, "all-gather"));
   for (int r = 0; r < world; ++r) {
     for (size_t i = 0; i < per_rank; ++i) {
       const float expected = GatherValue(r, i);
@@ -71,9 +86,10 @@ absl::StatusOr<SelfCheckResult> RunSelfCheck(Communicator& communicator, size_t 
   }
   SelfCheckResult result;
   result.elapsed = absl::Now() - start;
-  result.summary = absl::StrFormat("all-reduce of %d f32 and all-gather of %d f32 over %d ranks (%s) in %s",
-                                   elements, per_rank * world, world, communicator.backend(),
-                                   absl::FormatDuration(absl::Trunc(result.elapsed, absl::Microseconds(10))));
+  result.summary =
+      absl::StrFormat("all-reduce of %d f32 and all-gather of %d f32 over %d ranks (%s) in %s",
+                      elements, per_rank * world, world, communicator.backend(),
+                      absl::FormatDuration(absl::Trunc(result.elapsed, absl::Microseconds(10))));
   return result;
 }
 

@@ -126,6 +126,7 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
       MlpBatchReader::Open(job.data_path, job.widths.front());
   if (!data.ok()) return data.status();
   Device& device = options.device != nullptr ? *options.device : HostDevice();
+  SHARD_RETURN_IF_ERROR(device.BindThread());  // the model's memory lives on this thread's device
   SHARD_ASSIGN_OR_RETURN(const DataType precision, ParsePrecision(job.precision));
   const int64_t rows = job.global_batch / world;
   SHARD_ASSIGN_OR_RETURN(std::unique_ptr<MlpRunner> model,
