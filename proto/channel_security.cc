@@ -79,7 +79,7 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   return token;
 }
 
-bool TokensEqual(const std::string& presented, const std::string& expected) {
+bool TokensEqual(absl::string_view presented, absl::string_view expected) {
   if (expected.empty()) return false;
   unsigned char differ = presented.size() == expected.size() ? 0 : 1;
   for (size_t i = 0; i < presented.size(); ++i) {

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/cli.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/security/server_credentials.h"
@@ -52,6 +53,6 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> LoadServerCredentials(
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 // Whether `presented` equals `expected`, in time independent of where they differ.
-bool TokensEqual(const std::string& presented, const std::string& expected);
+bool TokensEqual(absl::string_view presented, absl::string_view expected);
 
 }  // namespace shard

@@ -1,20 +1,20 @@
 #include "server/access_guard.h"
 
 #include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "proto/channel_security.h"
 
 namespace shard {
 namespace {
 
-// The bearer token of the call, or empty.
-std::string PresentedToken(const grpc::CallbackServerContext& context) {
+// The bearer token of the call, or empty; a view into the call's metadata.
+absl::string_view PresentedToken(const grpc::CallbackServerContext& context) {
   const auto& metadata = context.client_metadata();
   auto found = metadata.find(kAuthorizationHeader);
-  if (found == metadata.end()) return "";
-  const std::string value(found->second.data(), found->second.size());
-  constexpr absl::string_view kBearer = "Bearer ";
-  return absl::StartsWith(value, kBearer) ? value.substr(kBearer.size()) : "";
+  if (found == metadata.end()) return {};
+  absl::string_view value(found->second.data(), found->second.size());
+  return absl::ConsumePrefix(&value, "Bearer ") ? value : absl::string_view();
 }
 
 }  // namespace
@@ -24,7 +24,7 @@ absl::Status AccessGuard::Check(const grpc::CallbackServerContext& context, Acce
   const bool needs_admin = access == Access::kAdmin && !admin_token_.empty();
   const bool needs_any = access == Access::kRead && (!job_token_.empty() || !admin_token_.empty());
   if (!needs_job && !needs_admin && !needs_any) return absl::OkStatus();
-  const std::string token = PresentedToken(context);
+  const absl::string_view token = PresentedToken(context);
   const char* remedy =
       needs_job ? "this call needs the job token: start shard-worker with --job-token-file"
       : needs_admin ? "this call changes the job and needs the admin token: give shardctl "

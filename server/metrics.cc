@@ -37,26 +37,42 @@ namespace {
   std::abort();
 }
 
-bool ValidMetricName(absl::string_view name) {
+// Prometheus names: a letter or '_' (or ':' in metric names), then those or digits.
+bool ValidName(absl::string_view name, bool colon_allowed) {
   if (name.empty()) return false;
   for (size_t i = 0; i < name.size(); ++i) {
     const char c = name[i];
-    const bool ok = absl::ascii_isalpha(static_cast<unsigned char>(c)) || c == '_' || c == ':' ||
+    const bool ok = absl::ascii_isalpha(static_cast<unsigned char>(c)) || c == '_' ||
+                    (colon_allowed && c == ':') ||
                     (i > 0 && absl::ascii_isdigit(static_cast<unsigned char>(c)));
     if (!ok) return false;
   }
   return true;
 }
 
+bool ValidMetricName(absl::string_view name) { return ValidName(name, /*colon_allowed=*/true); }
+
+// Label names starting "__" are reserved for Prometheus itself.
 bool ValidLabelName(absl::string_view name) {
-  if (name.empty() || absl::StartsWith(name, "__")) return false;
-  for (size_t i = 0; i < name.size(); ++i) {
-    const char c = name[i];
-    const bool ok = absl::ascii_isalpha(static_cast<unsigned char>(c)) || c == '_' ||
-                    (i > 0 && absl::ascii_isdigit(static_cast<unsigned char>(c)));
-    if (!ok) return false;
+  return ValidName(name, /*colon_allowed=*/false) && !absl::StartsWith(name, "__");
+}
+
+// Backslash and newline escaped, and the double quote where `quote_escaped`.
+std::string Escape(absl::string_view text, bool quote_escaped) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '"' && quote_escaped) {
+      out += "\\\"";
+    } else {
+      out += c;
+    }
   }
-  return true;
+  return out;
 }
 
 }  // namespace
@@ -64,31 +80,10 @@ bool ValidLabelName(absl::string_view name) {
 // --- The text exposition format ------------------------------------------------------------------
 
 std::string EscapeLabelValue(absl::string_view value) {
-  std::string out;
-  out.reserve(value.size());
-  for (char c : value) {
-    switch (c) {
-      case '\\': out += "\\\\"; break;
-      case '"': out += "\\\""; break;
-      case '\n': out += "\\n"; break;
-      default: out += c;
-    }
-  }
-  return out;
+  return Escape(value, /*quote_escaped=*/true);
 }
 
-std::string EscapeHelp(absl::string_view help) {
-  std::string out;
-  out.reserve(help.size());
-  for (char c : help) {
-    switch (c) {
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
+std::string EscapeHelp(absl::string_view help) { return Escape(help, /*quote_escaped=*/false); }
 
 std::string FormatMetricValue(double value) {
   if (std::isnan(value)) return "NaN";
@@ -141,65 +136,52 @@ void MetricFamily::RenderHeader(absl::string_view type, std::string* out) const 
                   "\n");
 }
 
-CounterFamily::CounterFamily(std::string name, std::string help,
-                             std::vector<std::string> label_names)
-    : MetricFamily(std::move(name), std::move(help), std::move(label_names)) {
-  if (!absl::EndsWith(name_, "_total")) {
-    Fatal(absl::StrCat("counter ", name_, " must be named *_total"));
-  }
+ValueFamily::ValueFamily(std::string name, std::string help,
+                         std::vector<std::string> label_names, absl::string_view type)
+    : MetricFamily(std::move(name), std::move(help), std::move(label_names)), type_(type) {
   if (label_names_.empty()) values_[{}] = 0;
 }
 
-void CounterFamily::Increment(const LabelValues& labels, double amount) {
-  CheckArity(labels);
-  if (!(amount >= 0)) return;
-  absl::MutexLock lock(&mu_);
-  values_[labels] += amount;
-}
-
-double CounterFamily::Value(const LabelValues& labels) const {
-  absl::ReaderMutexLock lock(&mu_);
-  auto it = values_.find(labels);
-  return it == values_.end() ? 0 : it->second;
-}
-
-void CounterFamily::Render(std::string* out) const {
-  RenderHeader("counter", out);
-  absl::ReaderMutexLock lock(&mu_);
-  for (const auto& [labels, value] : values_) {
-    absl::StrAppend(out, name_, LabelText(labels), " ", FormatMetricValue(value), "\n");
-  }
-}
-
-GaugeFamily::GaugeFamily(std::string name, std::string help, std::vector<std::string> label_names)
-    : MetricFamily(std::move(name), std::move(help), std::move(label_names)) {
-  if (label_names_.empty()) values_[{}] = 0;
-}
-
-void GaugeFamily::Set(const LabelValues& labels, double value) {
-  CheckArity(labels);
-  absl::MutexLock lock(&mu_);
-  values_[labels] = value;
-}
-
-void GaugeFamily::Add(const LabelValues& labels, double delta) {
+void ValueFamily::AddToValue(const LabelValues& labels, double delta) {
   CheckArity(labels);
   absl::MutexLock lock(&mu_);
   values_[labels] += delta;
 }
 
-double GaugeFamily::Value(const LabelValues& labels) const {
+double ValueFamily::Value(const LabelValues& labels) const {
   absl::ReaderMutexLock lock(&mu_);
   auto it = values_.find(labels);
   return it == values_.end() ? 0 : it->second;
 }
 
-void GaugeFamily::Render(std::string* out) const {
-  RenderHeader("gauge", out);
+void ValueFamily::Render(std::string* out) const {
+  RenderHeader(type_, out);
   absl::ReaderMutexLock lock(&mu_);
   for (const auto& [labels, value] : values_) {
     absl::StrAppend(out, name_, LabelText(labels), " ", FormatMetricValue(value), "\n");
   }
+}
+
+CounterFamily::CounterFamily(std::string name, std::string help,
+                             std::vector<std::string> label_names)
+    : ValueFamily(std::move(name), std::move(help), std::move(label_names), "counter") {
+  if (!absl::EndsWith(name_, "_total")) {
+    Fatal(absl::StrCat("counter ", name_, " must be named *_total"));
+  }
+}
+
+void CounterFamily::Increment(const LabelValues& labels, double amount) {
+  if (!(amount >= 0)) return;
+  AddToValue(labels, amount);
+}
+
+GaugeFamily::GaugeFamily(std::string name, std::string help, std::vector<std::string> label_names)
+    : ValueFamily(std::move(name), std::move(help), std::move(label_names), "gauge") {}
+
+void GaugeFamily::Set(const LabelValues& labels, double value) {
+  CheckArity(labels);
+  absl::MutexLock lock(&mu_);
+  values_[labels] = value;
 }
 
 HistogramFamily::HistogramFamily(std::string name, std::string help,

@@ -71,34 +71,40 @@ class MetricFamily {
   const std::vector<std::string> label_names_;
 };
 
-// A value that only goes up. Its name ends in "_total". Without labels it reads 0 until first
-// incremented.
-class CounterFamily : public MetricFamily {
+// Counters and gauges: one value per series. Without labels it reads 0 until changed.
+class ValueFamily : public MetricFamily {
+ public:
+  double Value(const LabelValues& labels = {}) const;
+  void Render(std::string* out) const override;
+
+ protected:
+  // `type`: "counter" or "gauge", as rendered.
+  ValueFamily(std::string name, std::string help, std::vector<std::string> label_names,
+              absl::string_view type);
+  void AddToValue(const LabelValues& labels, double delta);
+
+  mutable absl::Mutex mu_;
+  std::map<LabelValues, double> values_ ABSL_GUARDED_BY(mu_);
+
+ private:
+  const absl::string_view type_;
+};
+
+// A value that only goes up. Its name ends in "_total".
+class CounterFamily : public ValueFamily {
  public:
   CounterFamily(std::string name, std::string help, std::vector<std::string> label_names);
   // Negative and NaN amounts are ignored (a counter never goes down).
   void Increment(const LabelValues& labels = {}, double amount = 1);
-  double Value(const LabelValues& labels = {}) const;
-  void Render(std::string* out) const override;
-
- private:
-  mutable absl::Mutex mu_;
-  std::map<LabelValues, double> values_ ABSL_GUARDED_BY(mu_);
 };
 
-// A value that goes up and down. Without labels it reads 0 until set.
-class GaugeFamily : public MetricFamily {
+// A value that goes up and down.
+class GaugeFamily : public ValueFamily {
  public:
   GaugeFamily(std::string name, std::string help, std::vector<std::string> label_names);
   void Set(const LabelValues& labels, double value);
   void Set(double value) { Set({}, value); }
-  void Add(const LabelValues& labels, double delta);
-  double Value(const LabelValues& labels = {}) const;
-  void Render(std::string* out) const override;
-
- private:
-  mutable absl::Mutex mu_;
-  std::map<LabelValues, double> values_ ABSL_GUARDED_BY(mu_);
+  void Add(const LabelValues& labels, double delta) { AddToValue(labels, delta); }
 };
 
 // Observations counted into buckets by upper bound (rendered cumulative, with "+Inf"), with
