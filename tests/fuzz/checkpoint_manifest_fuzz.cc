@@ -1,7 +1,7 @@
 // Fuzz target: the checkpoint manifest parser (common/checkpoint.h, CheckpointManifestFromJson),
 // which reads manifest.json of a checkpoint directory that may have been damaged or forged.
 // Promise: DataLoss / FailedPrecondition, or a manifest whose names are plain, whose model is
-// valid, and whose pieces cover every tensor exactly and lie inside their shards (computed
+// valid, whose training counters are possible, and whose pieces cover every tensor exactly and lie inside their shards (computed
 // here without overflow) so that a reader never seeks outside a shard or its checksum list.
 // Writing it again and parsing that gives the same manifest.
 #include <cstddef>
@@ -21,6 +21,8 @@ void CheckInvariants(const shard::CheckpointManifest& m) {
   FUZZ_CHECK(shard::ValidateCheckpointId(m.id).ok(), "bad id");
   FUZZ_CHECK(shard::ValidateName("job", m.job).ok(), "bad job name");
   FUZZ_CHECK(shard::ValidateManifest(m.model()).ok(), "invalid model");
+  FUZZ_CHECK(!m.counters.has_value() || shard::ValidateTrainingCounters(*m.counters, m.step).ok(),
+             "impossible counters accepted");
   const unsigned __int128 arrays = 1 + m.state_names.size();
   for (const shard::ShardRecord& shard : m.shards) {
     FUZZ_CHECK(shard::ValidateName("shard", shard.file).ok(), "bad shard file name");

@@ -3,6 +3,7 @@
 #include <fstream>
 
 #include "gtest/gtest.h"
+#include "tests/support/status_assertions.h"
 
 namespace shard {
 namespace {
@@ -14,7 +15,9 @@ std::string WriteTemp(const std::string& name, const std::string& content) {
 }
 
 TEST(ChannelSecurityTest, ATokenFileHoldsOnePrintableLine) {
-  EXPECT_EQ(*ReadTokenFile(WriteTemp("good.token", "  s3cret-Token_1\n")), "s3cret-Token_1");
+  SHARD_ASSERT_OK_AND_ASSIGN(const std::string token,
+                             ReadTokenFile(WriteTemp("good.token", "  s3cret-Token_1\n")));
+  EXPECT_EQ(token, "s3cret-Token_1");
   for (const std::string& bad : {std::string("\n"), std::string("two words\n"),
                                  std::string(5000, 'a'), std::string("tab\there")}) {
     absl::StatusOr<std::string> token = ReadTokenFile(WriteTemp("bad.token", bad));

@@ -482,6 +482,7 @@ TEST(MetricsHttpServerTest, ServesMetricsAndNothingElse) {
   httplib::Client client("127.0.0.1", (*server)->port());
   client.set_connection_timeout(5);
   client.set_read_timeout(5);
+  client.set_keep_alive(true);  // one connection, still open when the server stops
   httplib::Result metrics = client.Get("/metrics");
   ASSERT_TRUE(metrics) << httplib::to_string(metrics.error());
   EXPECT_EQ(metrics->status, 200);
