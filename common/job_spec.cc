@@ -40,6 +40,15 @@ absl::StatusOr<DataType> ParsePrecision(const std::string& precision) {
       "'", precision, "' is not a precision; use fp32, bf16 or fp16 (16-bit needs GPU workers)"));
 }
 
+PlanOptions PlanOptionsForJob(const JobConfig& job) {
+  PlanOptions plan;
+  plan.world_size = job.world_size;
+  plan.mode = job.shard_mode;
+  plan.bucket_cap_bytes = job.bucket_cap_bytes;
+  plan.first_bucket_cap_bytes = job.first_bucket_cap_bytes;
+  return plan;
+}
+
 absl::Status ValidateJobConfig(const JobConfig& job) {
   if (absl::Status name = ValidateName("job spec: name", job.name); !name.ok()) return name;
   if (job.world_size < 1) return Invalid("world_size", "must be at least 1");

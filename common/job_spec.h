@@ -60,6 +60,9 @@ struct JobConfig {
 // that the global batch splits evenly over the world size. InvalidArgument naming the field.
 absl::Status ValidateJobConfig(const JobConfig& job);
 
+// How the job's parameters are planned at its full world size: shard mode and bucket caps.
+PlanOptions PlanOptionsForJob(const JobConfig& job);
+
 // The element type the model computes in for a job's `precision`: fp32, bf16 or fp16
 // (InvalidArgument naming the accepted values otherwise).
 absl::StatusOr<DataType> ParsePrecision(const std::string& precision);

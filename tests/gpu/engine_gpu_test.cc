@@ -115,15 +115,6 @@ JobConfig Job(const std::string& root, int world, int stage, ShardMode mode) {
   return job;
 }
 
-PlanOptions Planning(const JobConfig& job) {
-  PlanOptions plan;
-  plan.world_size = job.world_size;
-  plan.mode = job.shard_mode;
-  plan.bucket_cap_bytes = job.bucket_cap_bytes;
-  plan.first_bucket_cap_bytes = job.first_bucket_cap_bytes;
-  return plan;
-}
-
 enum class Backend {
   kHost,       // HostDevice(), the in-process host communicator
   kStagedGpu,  // a GpuDevice of GPU 0 per rank, the staged communicator over the same world
@@ -173,7 +164,7 @@ Training Train(const JobConfig& job, Backend backend, const std::string& restore
         staged = std::move(*comm);
         communicator = staged.get();
       }
-      PlanOptions plan = Planning(job);
+      PlanOptions plan = PlanOptionsForJob(job);
       if (!restore_dir.empty()) {
         absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(restore_dir);
         if (!manifest.ok()) return fail(manifest.status());
@@ -325,7 +316,7 @@ TEST(GpuEngineTest, NcclWorldOfOneTrainsLikeTheCpu) {
   EXPECT_TRUE(absl::StrContains(check.summary, "65536")) << check.summary;
 
   const JobConfig gpu_job = Job(root + "/gpu", 1, 2, ShardMode::kRange);
-  LocalPlanProvider plans(Planning(gpu_job));
+  LocalPlanProvider plans(PlanOptionsForJob(gpu_job));
   Training gpu_run;
   gpu_run.ranks.resize(1);
   TrainerOptions options;

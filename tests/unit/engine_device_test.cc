@@ -161,7 +161,7 @@ void Train(const JobConfig& job, Device* device, const std::string& restore_dir)
   SavedShards saved;
   const std::vector<absl::Status> results =
       RunRanks(job.world_size, [&](int /*rank*/, Communicator& communicator) -> absl::Status {
-        PlanOptions plan = Planning(job.world_size);
+        PlanOptions plan = PlanOptionsForJob(job);
         if (!restore_dir.empty()) {
           SHARD_ASSIGN_OR_RETURN(const CheckpointManifest manifest,
                                  ReadCheckpointManifest(restore_dir));

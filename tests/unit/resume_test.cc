@@ -69,11 +69,7 @@ void Train(const JobConfig& job, const std::string& restore_dir,
         results[rank] = communicator.status();
         return;
       }
-      PlanOptions plan;
-      plan.world_size = job.world_size;
-      plan.mode = job.shard_mode;
-      plan.bucket_cap_bytes = job.bucket_cap_bytes;
-      plan.first_bucket_cap_bytes = job.first_bucket_cap_bytes;
+      PlanOptions plan = PlanOptionsForJob(job);
       if (!restore_dir.empty()) {
         plan.gradient_order = ReadCheckpointManifest(restore_dir)->plan.gradient_order;
       }

@@ -141,12 +141,7 @@ std::vector<RankOutcome> TrainWithThreads(const JobConfig& job) {
         outcomes[rank].status = communicator.status();
         return;
       }
-      PlanOptions plan;
-      plan.world_size = job.world_size;
-      plan.mode = job.shard_mode;
-      plan.bucket_cap_bytes = job.bucket_cap_bytes;
-      plan.first_bucket_cap_bytes = job.first_bucket_cap_bytes;
-      LocalPlanProvider plans(plan);
+      LocalPlanProvider plans(PlanOptionsForJob(job));
       auto trained = TrainMlp(job, **communicator, plans);
       outcomes[rank].status = trained.status();
       if (trained.ok()) outcomes[rank].result = *trained;
