@@ -280,6 +280,16 @@ absl::Status ValidateTrainingCounters(const TrainingCounters& counters, int64_t 
   return absl::OkStatus();
 }
 
+std::map<std::string, std::string> TrainedFileMetadata(int64_t step, OptimizerKind optimizer,
+                                                       const TrainingCounters& counters) {
+  std::map<std::string, std::string> metadata = TrainingCountersMetadata(counters);
+  metadata.insert({{"format", "pt"},
+                   {"producer", "shard"},
+                   {"step", absl::StrCat(step)},
+                   {"optimizer", std::string(OptimizerKindName(optimizer))}});
+  return metadata;
+}
+
 absl::StatusOr<TrainingCounters> TrainingCountersFromMetadata(
     const std::map<std::string, std::string>& metadata, int64_t step) {
   TrainingCounters counters{.optimizer_step = step};
@@ -655,13 +665,9 @@ absl::Status ExportCheckpoint(const std::string& dir, const std::string& out_pat
       total += ArrayBytes(param.numel());
     }
   }
-  std::map<std::string, std::string> metadata = TrainingCountersMetadata(
-      m.counters.value_or(TrainingCounters{.optimizer_step = m.step}));
-  metadata.insert({{"format", "pt"},
-                   {"producer", "shard"},
-                   {"checkpoint", m.id},
-                   {"step", absl::StrCat(m.step)},
-                   {"optimizer", std::string(OptimizerKindName(m.optimizer.kind))}});
+  std::map<std::string, std::string> metadata = TrainedFileMetadata(
+      m.step, m.optimizer.kind, m.counters.value_or(TrainingCounters{.optimizer_step = m.step}));
+  metadata["checkpoint"] = m.id;
   absl::StatusOr<std::unique_ptr<SafetensorsWriter>> writer =
       SafetensorsWriter::Create(out_path, decls, metadata);
   if (!writer.ok()) return writer.status();

@@ -98,6 +98,10 @@ absl::Status ValidateTrainingCounters(const TrainingCounters& counters, int64_t 
 // The counters as safetensors metadata (optimizer_step, and loss_scale with
 // loss_scale_growth_tracker when scaling), for exports and consolidated files.
 std::map<std::string, std::string> TrainingCountersMetadata(const TrainingCounters& counters);
+// What a trained model's safetensors file says of itself: format "pt", producer "shard", the
+// step, the optimizer and the counters.
+std::map<std::string, std::string> TrainedFileMetadata(int64_t step, OptimizerKind optimizer,
+                                                       const TrainingCounters& counters);
 // Back from `metadata`; a file without them (older, or from elsewhere) gives optimizer_step =
 // `step` and no loss scale. InvalidArgument naming the key for a malformed or impossible value.
 absl::StatusOr<TrainingCounters> TrainingCountersFromMetadata(

@@ -579,12 +579,8 @@ absl::Status Engine::ConsolidateStateDict(int to_rank, const std::string& path) 
       data.push_back(full[location.bucket][k].data() + location.offset);
     }
   }
-  std::map<std::string, std::string> metadata = TrainingCountersMetadata(counters());
-  metadata.insert({{"format", "pt"},
-                   {"producer", "shard"},
-                   {"step", absl::StrCat(steps_done_)},
-                   {"optimizer", std::string(OptimizerKindName(optimizer_.config().kind))}});
-  return WriteSafetensors(path, tensors, data, metadata);
+  return WriteSafetensors(path, tensors, data,
+                          TrainedFileMetadata(steps_done_, optimizer_.config().kind, counters()));
 }
 
 int64_t Engine::optimizer_state_bytes() const {
