@@ -269,7 +269,10 @@ int main(int argc, char** argv) {
                                 "file holding the admin token, if the coordinator requires one "
                                 "(one line); needed to save, restore, delete, stop, resize, "
                                 "drain");
-  if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  if (std::optional<int> exit_code = shard::ParseCommandLine(
+          app, argc, argv, shard::FlagSources::kCommandLineAndEnvironment)) {
+    return *exit_code;
+  }
   absl::StatusOr<shard::ClientSecurity> security = shard::LoadClientSecurity(security_files);
   if (!security.ok()) {
     std::fprintf(stderr, "shardctl: %s\n", std::string(security.status().message()).c_str());

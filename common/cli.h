@@ -93,10 +93,15 @@ inline void BindEnvironment(CLI::App& app) {
   }
 }
 
+// Where flags come from. The three programs a deployment configures also read SHARD_*
+// variables; tools (benchmarks) do not, so a developer's shell cannot change their runs.
+enum class FlagSources { kCommandLine, kCommandLineAndEnvironment };
+
 // Parses argv; returns the process exit code when the program must stop here (--help: 0,
 // a usage error: 2, after CLI11 printed why), nullopt to go on.
-inline std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv) {
-  BindEnvironment(app);
+inline std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv,
+                                           FlagSources sources = FlagSources::kCommandLine) {
+  if (sources == FlagSources::kCommandLineAndEnvironment) BindEnvironment(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -113,7 +113,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1.0, 1e6));
   app.add_option("--log-level", log_level, "trace, debug, info, warn or error")
       ->capture_default_str();
-  if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  if (std::optional<int> exit_code = shard::ParseCommandLine(
+          app, argc, argv, shard::FlagSources::kCommandLineAndEnvironment)) {
+    return *exit_code;
+  }
   for (auto [file, token] : {std::pair{&job_token_file, &options.job_token},
                              std::pair{&admin_token_file, &options.admin_token}}) {
     if (file->empty()) continue;

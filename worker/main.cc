@@ -96,7 +96,10 @@ int main(int argc, char** argv) {
   shard::AddClientSecurityFlags(app, &security_files, "--job-token-file",
                                 "file holding the job's token, if the coordinator requires one "
                                 "(one line)");
-  if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
+  if (std::optional<int> exit_code = shard::ParseCommandLine(
+          app, argc, argv, shard::FlagSources::kCommandLineAndEnvironment)) {
+    return *exit_code;
+  }
   absl::StatusOr<shard::ClientSecurity> security = shard::LoadClientSecurity(security_files);
   if (!security.ok()) {
     std::fprintf(stderr, "shard-worker: %s\n", std::string(security.status().message()).c_str());
