@@ -117,7 +117,8 @@ int Events(const ElasticCommands& c, AdminClient& admin) {
     absl::StatusOr<v1::ListEventsResponse> events = admin.ListEvents(after, wait);
     if (!events.ok()) {
       if (c.follow && CoordinatorGone(events.status()) && after > c.after) {
-        std::cout << "the coordinator has exited\n";
+        // Not on stdout: with --json every line there is an event.
+        std::cerr << "the coordinator has exited\n";
         return 0;
       }
       return Fail(events.status());

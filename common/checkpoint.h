@@ -65,6 +65,8 @@ struct ShardRecord {
   uint64_t bytes = 0;
   std::string xxh3;                     // of the whole file
   std::vector<std::string> block_xxh3;  // of each kCheckpointBlockBytes block
+
+  bool operator==(const ShardRecord&) const = default;
 };
 
 // Where one element range of a tensor lives.

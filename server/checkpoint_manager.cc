@@ -1,10 +1,9 @@
 #include "server/checkpoint_manager.h"
 
-#include <filesystem>
+#include <algorithm>
 #include <regex>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "common/fault.h"
 #include "common/logging.h"
 #include "spdlog/spdlog.h"
@@ -20,21 +19,13 @@ bool LooksLikeCheckpoint(const std::string& name) {
   return std::regex_match(name, pattern);
 }
 
-void RemoveDirectory(const std::string& dir, absl::string_view why) {
-  std::error_code error;
-  std::filesystem::remove_all(dir, error);
-  if (error) {
-    spdlog::warn("could not remove {} ({}): {}", dir, why, error.message());
-  } else {
-    spdlog::info("removed {} ({})", dir, why);
-  }
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(
-    CheckpointOptions options, StateStore* store) {
-  std::unique_ptr<CheckpointManager> manager(new CheckpointManager(std::move(options), store));
+    CheckpointOptions options, StateStore* store, CheckpointStorage* storage, int64_t generation,
+    bool generation_kept) {
+  std::unique_ptr<CheckpointManager> manager(
+      new CheckpointManager(std::move(options), store, storage, generation));
   absl::MutexLock lock(&manager->mu_);
   absl::StatusOr<bool> loaded = store->Load(kCatalogRecord, &manager->catalog_);
   if (!loaded.ok()) return loaded.status();
@@ -42,7 +33,7 @@ absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(
   v1::CheckpointCatalog kept = manager->catalog_;
   kept.clear_checkpoints();
   for (const v1::CheckpointRecord& record : manager->catalog_.checkpoints()) {
-    if (std::filesystem::exists(std::filesystem::path(record.dir()) / "manifest.json")) {
+    if (storage->IsCommitted(record.dir())) {
       *kept.add_checkpoints() = record;
     } else {
       spdlog::warn("checkpoint {} is in the catalog but {} has no manifest; forgetting it",
@@ -61,21 +52,25 @@ absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(
               manager->catalog_.pause_request() != 0;
     manager->catalog_.set_pause_request(0);
   }
+  if (manager->options_.recover && !generation_kept) {
+    // The taken-back world reconnects at a new generation.
+    manager->BeginGenerationLocked(manager->catalog_.request_generation());
+    changed = true;
+  }
   if (changed) {
     if (absl::Status saved = manager->PersistLocked(); !saved.ok()) return saved;
   }
   // Directories of checkpoints that never committed.
-  const std::filesystem::path job_dir =
-      std::filesystem::path(manager->options_.root) / manager->options_.job;
-  std::error_code error;
-  for (const auto& entry : std::filesystem::directory_iterator(job_dir, error)) {
-    const std::string name = entry.path().filename().string();
-    if (!entry.is_directory() || !LooksLikeCheckpoint(name)) continue;
+  const std::string job_dir = absl::StrCat(manager->options_.root, "/", manager->options_.job);
+  for (const std::string& name : storage->ListDirectories(job_dir)) {
+    if (!LooksLikeCheckpoint(name)) continue;
     bool committed = false;
     for (const v1::CheckpointRecord& record : manager->catalog_.checkpoints()) {
       committed = committed || record.id() == name;
     }
-    if (!committed) RemoveDirectory(entry.path().string(), "a checkpoint that never committed");
+    if (!committed) {
+      storage->Remove(absl::StrCat(job_dir, "/", name), "a checkpoint that never committed");
+    }
   }
   return manager;
 }
@@ -97,17 +92,23 @@ absl::Status CheckpointManager::PersistLocked() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> CheckpointManager::RequestSave(bool pause) {
+absl::StatusOr<int64_t> CheckpointManager::RequestSave(int64_t generation, bool pause) {
   absl::MutexLock lock(&mu_);
+  if (generation != generation_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the world moved from generation ", generation, " to ", generation_,
+        " before the save was requested; ask again"));
+  }
   const v1::CheckpointCatalog before = catalog_;
   catalog_.set_last_request(catalog_.last_request() + 1);
+  catalog_.set_request_generation(generation);
   if (pause) catalog_.set_pause_request(catalog_.last_request());
   if (absl::Status saved = PersistLocked(); !saved.ok()) {
     catalog_ = before;
     return saved;
   }
-  spdlog::info("checkpoint requested (request {}{})", catalog_.last_request(),
-               pause ? ", training pauses after it" : "");
+  spdlog::info("checkpoint requested (request {} of generation {}{})", catalog_.last_request(),
+               generation, pause ? ", training pauses after it" : "");
   return catalog_.last_request();
 }
 
@@ -118,16 +119,25 @@ bool CheckpointManager::AnsweredLocked(int64_t request) const {
   return !errors_.empty() && errors_.rbegin()->first >= request;
 }
 
-int64_t CheckpointManager::pending_request() const {
+StepOrders CheckpointManager::Orders(int64_t generation) const {
   absl::ReaderMutexLock lock(&mu_);
-  const int64_t latest = catalog_.last_request();
-  return AnsweredLocked(latest) ? 0 : latest;
+  return OrdersLocked(generation);
 }
 
-int64_t CheckpointManager::pause_request() const {
+int64_t CheckpointManager::pending_request() const {
   absl::ReaderMutexLock lock(&mu_);
+  return OrdersLocked(generation_).save_request;
+}
+
+StepOrders CheckpointManager::OrdersLocked(int64_t generation) const {
+  StepOrders orders;
+  orders.generation = generation;
+  if (generation != generation_ || catalog_.request_generation() != generation) return orders;
+  const int64_t latest = catalog_.last_request();
+  if (latest > 0 && !AnsweredLocked(latest)) orders.save_request = latest;
   const int64_t pause = catalog_.pause_request();
-  return pause == 0 || AnsweredLocked(pause) ? 0 : pause;
+  if (pause > 0 && !AnsweredLocked(pause)) orders.pause_request = pause;
+  return orders;
 }
 
 void CheckpointManager::CancelPause(int64_t request) {
@@ -137,14 +147,18 @@ void CheckpointManager::CancelPause(int64_t request) {
   if (absl::Status saved = PersistLocked(); !saved.ok()) spdlog::error("{}", saved.message());
 }
 
+void CheckpointManager::FailLocked(const std::string& id, const std::string& error) {
+  auto it = pending_.find(id);
+  const int64_t request = it == pending_.end() ? 0 : it->second.request;
+  errors_[request] = error;
+  spdlog::error("checkpoint {} failed: {}", id, error);
+  storage_->Remove(Directory(id), "a failed checkpoint");
+  if (it != pending_.end()) pending_.erase(it);
+}
+
 absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
-                                                    const PlanView& plan) {
+                                                    const PlanView& plan, absl::Time now) {
   if (absl::Status id = ValidateCheckpointId(report.id); !id.ok()) return id;
-  if (report.plan_hash != plan.plan->hash) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", report.rank, "'s shard of ", report.id, " is laid out by plan ",
-        report.plan_hash, " but the current plan is ", plan.plan->hash));
-  }
   const int world = plan.plan->options.world_size;
   if (report.rank < 0 || report.rank >= world) {
     return absl::InvalidArgumentError(absl::StrCat("shard report of rank ", report.rank, " for ",
@@ -152,6 +166,16 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
                                                    world));
   }
   absl::MutexLock lock(&mu_);
+  if (report.generation != generation_) {
+    return absl::AbortedError(absl::StrCat(
+        "rank ", report.rank, "'s shard of ", report.id, " was saved at generation ",
+        report.generation, ", which has ended (now ", generation_, "); it is not committed"));
+  }
+  if (report.plan_hash != plan.plan->hash) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", report.rank, "'s shard of ", report.id, " is laid out by plan ",
+        report.plan_hash, " but the current plan is ", plan.plan->hash));
+  }
   if (FindLocked(report.id).ok()) return false;  // already committed (a retried report)
   Pending& pending = pending_[report.id];
   if (pending.shards.empty()) {
@@ -188,11 +212,7 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
         " after ", pending.counters.loss_scale_growth_tracker, "; the ranks' updates diverged");
   }
   if (!report_error.empty()) {
-    pending.error = report_error;
-    errors_[pending.request] = pending.error;
-    spdlog::error("checkpoint {} failed: {}", report.id, pending.error);
-    RemoveDirectory(Directory(report.id), "a failed checkpoint");
-    pending_.erase(report.id);
+    FailLocked(report.id, report_error);
     return false;
   }
   pending.shards[report.rank] = report.record;
@@ -208,11 +228,9 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
       options_.optimizer, options_.state_names, std::move(shards));
   if (manifest.ok()) manifest->counters = pending.counters;
   const std::string dir = Directory(report.id);
-  absl::Status committed = manifest.ok() ? CommitCheckpoint(dir, *manifest) : manifest.status();
+  absl::Status committed = manifest.ok() ? storage_->Commit(dir, *manifest) : manifest.status();
   if (!committed.ok()) {
-    errors_[pending.request] = std::string(committed.message());
-    pending_.erase(report.id);
-    RemoveDirectory(dir, "a checkpoint that could not be committed");
+    FailLocked(report.id, std::string(committed.message()));
     return committed;
   }
   v1::CheckpointRecord* record = catalog_.add_checkpoints();
@@ -221,7 +239,7 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
   record->set_world_size(world);
   record->set_dir(dir);
   record->set_bytes(manifest->total_bytes());
-  record->set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
+  record->set_committed_unix_ms(absl::ToUnixMillis(now));
   record->set_request(pending.request);
   record->set_max_pause_ms(pending.max_pause_ms);
   record->set_max_write_ms(pending.max_write_ms);
@@ -236,11 +254,18 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
 }
 
 void CheckpointManager::ApplyRetentionLocked() {
-  while (catalog_.checkpoints_size() > options_.keep_last) {
-    const v1::CheckpointRecord oldest = catalog_.checkpoints(0);
-    if (start_.checkpoint_id == oldest.id()) break;  // still the restore point
-    catalog_.mutable_checkpoints()->erase(catalog_.mutable_checkpoints()->begin());
-    RemoveDirectory(oldest.dir(), absl::StrCat("keeping the last ", options_.keep_last));
+  // The oldest go first, except the restore point: it stays (beyond the count) until training
+  // restarts from another.
+  int index = 0;
+  while (catalog_.checkpoints_size() > options_.keep_last + (index > 0 ? 1 : 0) &&
+         index < catalog_.checkpoints_size()) {
+    const v1::CheckpointRecord oldest = catalog_.checkpoints(index);
+    if (start_.checkpoint_id == oldest.id()) {
+      ++index;
+      continue;
+    }
+    catalog_.mutable_checkpoints()->erase(catalog_.mutable_checkpoints()->begin() + index);
+    storage_->Remove(oldest.dir(), absl::StrCat("keeping the last ", options_.keep_last));
   }
 }
 
@@ -297,6 +322,11 @@ absl::StatusOr<v1::CheckpointRecord> CheckpointManager::Find(const std::string& 
   return FindLocked(id);
 }
 
+absl::StatusOr<CheckpointManifest> CheckpointManager::ReadManifest(
+    const v1::CheckpointRecord& record) const {
+  return storage_->ReadManifest(record.dir());
+}
+
 absl::Status CheckpointManager::Delete(const std::string& id) {
   absl::MutexLock lock(&mu_);
   absl::StatusOr<v1::CheckpointRecord> record = FindLocked(id);
@@ -314,7 +344,7 @@ absl::Status CheckpointManager::Delete(const std::string& id) {
     }
   }
   if (absl::Status saved = PersistLocked(); !saved.ok()) return saved;
-  RemoveDirectory(record->dir(), "deleted by an operator");
+  storage_->Remove(record->dir(), "deleted by an operator");
   return absl::OkStatus();
 }
 
@@ -341,11 +371,6 @@ bool CheckpointManager::training_started() const {
   return training_started_;
 }
 
-void CheckpointManager::RestartFromLatest() {
-  absl::MutexLock lock(&mu_);
-  RestartFromLatestLocked();
-}
-
 void CheckpointManager::RestartFromLatestLocked() {
   if (catalog_.checkpoints().empty()) {
     start_ = TrainingStartPoint{};
@@ -363,17 +388,37 @@ TrainingStartPoint CheckpointManager::start() const {
   return start_;
 }
 
-void CheckpointManager::OnGeneration(int64_t /*generation*/) {
+v1::CheckpointCatalog CheckpointManager::Catalog() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return catalog_;
+}
+
+void CheckpointManager::OnGeneration(int64_t generation) {
   absl::MutexLock lock(&mu_);
+  if (generation == generation_) return;
+  const int64_t ended = generation_;
+  generation_ = generation;
   for (const auto& [id, pending] : pending_) {
-    RemoveDirectory(Directory(id), "a checkpoint of an ended generation");
+    storage_->Remove(Directory(id), "a checkpoint of an ended generation");
   }
   pending_.clear();
+  BeginGenerationLocked(ended);
+  if (absl::Status saved = PersistLocked(); !saved.ok()) spdlog::error("{}", saved.message());
+}
+
+void CheckpointManager::BeginGenerationLocked(int64_t ended) {
+  // The ended generation's requests go with it: its ranks no longer exist to save for them.
+  const int64_t latest = catalog_.last_request();
+  if (latest > 0 && catalog_.request_generation() != generation_ && !AnsweredLocked(latest)) {
+    errors_[latest] = absl::StrCat("cancelled: generation ", ended,
+                                   " ended (the world changed) before every rank had saved; "
+                                   "ask again");
+  }
+  catalog_.set_pause_request(0);
   if (restore_requested_) {
     restore_requested_ = false;  // this is the re-formation the restore asked for
   } else if (training_started_) {
     RestartFromLatestLocked();
-    if (absl::Status saved = PersistLocked(); !saved.ok()) spdlog::error("{}", saved.message());
   }
 }
 

@@ -45,64 +45,6 @@ absl::Status CannotListen(const std::string& address, absl::string_view flag) {
                                              "pass another ", flag));
 }
 
-constexpr char kJobRecord[] = "job";
-
-// The world's options as the job spec sets them.
-void ApplyJob(const JobConfig& job, CoordinatorOptions* options) {
-  options->world.job = job.name;
-  options->world.expected_world_size = job.world_size;
-  options->world.min_world_size = job.min_world_size;
-  const int64_t global_batch = job.global_batch;
-  options->world.check_size = [global_batch](int world_size) {
-    if (global_batch % world_size == 0) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the job's global batch ", global_batch, " does not divide over ", world_size,
-        " workers"));
-  };
-  options->plan.mode = job.shard_mode;
-  options->plan.bucket_cap_bytes = job.bucket_cap_bytes;
-  options->plan.first_bucket_cap_bytes = job.first_bucket_cap_bytes;
-}
-
-// Decides between taking back a live job kept in the state directory (a restart after a crash)
-// and starting a new world, and settles the job and world options accordingly.
-absl::StatusOr<bool> SettleJob(StateStore* store, CoordinatorOptions* options) {
-  absl::StatusOr<bool> live = WorldManager::HasLiveWorld(store);
-  if (!live.ok()) return live.status();
-  v1::JobSpec stored;
-  absl::StatusOr<bool> has_job = store->Load(kJobRecord, &stored);
-  if (!has_job.ok()) return has_job.status();
-  const bool recover = *live && options->restore.empty() &&
-                       (*has_job || !options->job.has_value());
-  if (recover && *has_job) {
-    if (options->job.has_value() &&
-        !google::protobuf::util::MessageDifferencer::Equals(ToProto(*options->job), stored)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the state directory holds job '", stored.name(), "', still live (its workers may be "
-          "running), with another job spec; start without --job (or with the same file) to take "
-          "it back, pass --restore to start a new run from a checkpoint, or use another "
-          "--state-dir"));
-    }
-    absl::StatusOr<JobConfig> job = JobConfigFromProto(stored, "");
-    if (!job.ok()) return job.status();
-    options->job = std::move(*job);
-  }
-  if (options->job.has_value()) {
-    ApplyJob(*options->job, options);
-    if (!recover) {
-      if (absl::Status saved = store->Save(kJobRecord, ToProto(*options->job)); !saved.ok()) {
-        return saved;
-      }
-    }
-  } else if (options->world.expected_world_size < 1) {
-    return absl::InvalidArgumentError(
-        "no job to run: give --job FILE or --world-size N (the state directory holds no live "
-        "job to take back)");
-  }
-  options->world.recover = recover;
-  return recover;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
@@ -116,76 +58,20 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     if (!store.ok()) return store.status();
     server->store_ = std::move(*store);
   }
-  CoordinatorOptions options = given;
-  absl::StatusOr<bool> recover = SettleJob(server->store_.get(), &options);
-  if (!recover.ok()) return recover.status();
-  auto world = WorldManager::Create(options.world, server->store_.get(), now);
-  if (!world.ok()) return world.status();
-  server->world_ = std::move(*world);
-  const int64_t generation = server->world_->world().generation;
-  server->kv_ = std::make_unique<KvStoreManager>(options.world.job, generation);
-  server->plan_ = std::make_unique<PlanManager>(options.plan, server->store_.get());
-  server->plan_->OnGeneration(generation);
-  if (server->world_->recovered()) {
-    if (absl::Status plan = server->plan_->Recover(generation); !plan.ok()) return plan;
-  }
+  CoreOptions core_options;
+  core_options.world = given.world;
+  core_options.plan = given.plan;
+  core_options.job = given.job;
+  core_options.restore = given.restore;
+  absl::StatusOr<std::unique_ptr<CoordinatorCore>> core = CoordinatorCore::Create(
+      std::move(core_options), server->store_.get(), &server->checkpoint_storage_, now);
+  if (!core.ok()) return core.status();
+  server->core_ = std::move(*core);
+  const CoordinatorOptions& options = given;
+  CoordinatorCore* core_ptr = server->core_.get();
+  const CoreOptions& settled = core_ptr->options();
   std::optional<v1::JobSpec> job_spec;
-  if (options.job.has_value()) {
-    const JobConfig& job = *options.job;
-    job_spec = ToProto(job);
-    CheckpointOptions checkpoint_options;
-    checkpoint_options.job = job.name;
-    checkpoint_options.root = job.checkpoint_dir;
-    checkpoint_options.keep_last = job.checkpoint_keep_last;
-    checkpoint_options.zero_stage = job.zero_stage;
-    checkpoint_options.optimizer = job.optimizer;
-    checkpoint_options.state_names = OptimizerStateNames(job.optimizer);
-    checkpoint_options.recover = server->world_->recovered();
-    auto checkpoints = CheckpointManager::Create(checkpoint_options, server->store_.get());
-    if (!checkpoints.ok()) return checkpoints.status();
-    server->checkpoints_ = std::move(*checkpoints);
-    if (server->world_->recovered() && !server->world_->kept_generation()) {
-      // A world that reconnects at a new generation restarts from the latest checkpoint.
-      server->checkpoints_->OnGeneration(generation);
-    }
-    if (!options.restore.empty()) {
-      absl::StatusOr<v1::CheckpointRecord> record = server->checkpoints_->Find(options.restore);
-      if (!record.ok()) return record.status();
-      absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(record->dir());
-      if (!manifest.ok()) return manifest.status();
-      if (absl::Status same = CompareManifests(MlpManifest(job.widths), manifest->model(),
-                                               absl::StrCat("checkpoint ", manifest->id));
-          !same.ok()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "cannot restore checkpoint ", manifest->id, ": it is of a different model (",
-            same.message(), ")"));
-      }
-      if (manifest->state_names != checkpoint_options.state_names) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "cannot restore checkpoint ", manifest->id, ": it holds ",
-            OptimizerKindName(manifest->optimizer.kind), " state but the job uses ",
-            OptimizerKindName(job.optimizer.kind)));
-      }
-      if (absl::StatusOr<TrainingStartPoint> start =
-              server->checkpoints_->SetRestorePoint(record->id());
-          !start.ok()) {
-        return start.status();
-      }
-      server->plan_->SeedRebuiltOrder(manifest->plan.gradient_order);
-    }
-  } else if (!options.restore.empty()) {
-    return absl::InvalidArgumentError("--restore needs --job");
-  }
-  server->elastic_ =
-      std::make_unique<ElasticManager>(server->world_.get(), server->checkpoints_.get());
-  KvStoreManager* kv = server->kv_.get();
-  PlanManager* plan = server->plan_.get();
-  CheckpointManager* checkpoint_manager = server->checkpoints_.get();
-  server->world_->set_generation_listener([kv, plan, checkpoint_manager](int64_t generation) {
-    kv->SetCurrentGeneration(generation);
-    plan->OnGeneration(generation);
-    if (checkpoint_manager != nullptr) checkpoint_manager->OnGeneration(generation);
-  });
+  if (settled.job.has_value()) job_spec = ToProto(*settled.job);
 
   const Clock clock = [] { return absl::Now(); };
   CoordinatorServer* self = server.get();
@@ -194,14 +80,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (!credentials.ok()) return credentials.status();
   server->guard_ = std::make_unique<AccessGuard>(options.job_token, options.admin_token);
   server->join_limiter_ = std::make_unique<RateLimiter>(
-      options.max_joins_per_second, 2.0 * server->world_->options().expected_world_size + 64);
+      options.max_joins_per_second, 2.0 * core_ptr->world().options().expected_world_size + 64);
   server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(
-      server->world_.get(), plan, checkpoint_manager, job_spec, clock, server->guard_.get(),
-      server->join_limiter_.get());
+      core_ptr, job_spec, clock, server->guard_.get(), server->join_limiter_.get());
   server->rendezvous_service_ =
-      std::make_unique<RendezvousServiceImpl>(kv, clock, server->guard_.get());
+      std::make_unique<RendezvousServiceImpl>(&core_ptr->kv(), clock, server->guard_.get());
   server->admin_service_ = std::make_unique<AdminServiceImpl>(
-      server->world_.get(), plan, checkpoint_manager, server->elastic_.get(), clock, now,
+      core_ptr, clock, now,
       [self] {
         absl::MutexLock lock(&self->mu_);
         self->wake_ = true;
@@ -239,8 +124,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     }
   }
   if (!options.metrics_listen.empty()) {
-    const CoordinatorMetricsSources sources{server->world_.get(), plan, checkpoint_manager,
-                                            server->rpc_metrics_.get(), now};
+    const CoordinatorMetricsSources sources{&core_ptr->world(), &core_ptr->plan(),
+                                            core_ptr->checkpoints(), server->rpc_metrics_.get(),
+                                            now};
     absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http = MetricsHttpServer::Start(
         options.metrics_listen,
         [sources] { return RenderCoordinatorMetrics(sources, absl::Now()); });
@@ -260,14 +146,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->host_ = host;
   server->housekeeping_interval_ = options.housekeeping_interval;
   server->housekeeping_ = std::thread([self] { self->Housekeeping(); });
-  const World started = server->world_->world();
+  const World started = core_ptr->world().world();
   spdlog::info("coordinator for job '{}' listening on {} ({} {} workers, at least {} to re-form, "
                "lease {}, re-form grace {}, generation {}, state {})",
-               options.world.job, server->address(),
-               server->world_->recovered() ? "took back a world of" : "expecting",
+               settled.world.job, server->address(),
+               core_ptr->recovered() ? "took back a world of" : "expecting",
                started.expected_world_size, started.min_world_size,
-               absl::FormatDuration(options.world.lease),
-               absl::FormatDuration(options.world.reform_grace), started.generation,
+               absl::FormatDuration(settled.world.lease),
+               absl::FormatDuration(settled.world.reform_grace), started.generation,
                options.state_dir.empty() ? std::string("in memory") : options.state_dir);
   if (server->health_server_ != nullptr) {
     spdlog::info("health (grpc.health.v1, plaintext) on port {}", server->health_port_);
@@ -280,7 +166,7 @@ CoordinatorServer::~CoordinatorServer() { Shutdown(); }
 std::string CoordinatorServer::address() const { return absl::StrCat(host_, ":", port_); }
 
 void CoordinatorServer::RequestStop(const std::string& reason) {
-  world_->RequestStop(reason, absl::Now());
+  core_->world().RequestStop(reason, absl::Now());
   absl::MutexLock lock(&mu_);
   wake_ = true;
 }
@@ -298,14 +184,9 @@ void CoordinatorServer::Housekeeping() {
       if (shutting_down_) return;
       wake_ = false;
     }
-    const absl::Time now = absl::Now();
-    world_->ExpireLeases(now);
-    if (elastic_->Reconcile(now)) world_->WakeWatches();
-    world_->ExpireWatches(now);
-    plan_->ExpireWaits(now);
-    kv_->ExpireWaiters(now);
-    if (world_->world().state == JobState::kStopped && !stopped_.HasBeenNotified()) {
-      spdlog::info("job '{}' stopped: every worker has left", world_->options().job);
+    core_->Housekeep(absl::Now());
+    if (core_->world().world().state == JobState::kStopped && !stopped_.HasBeenNotified()) {
+      spdlog::info("job '{}' stopped: every worker has left", core_->world().options().job);
       stopped_.Notify();
     }
   }
@@ -322,10 +203,7 @@ void CoordinatorServer::Shutdown() {
   if (server_ == nullptr) return;  // Start() failed before serving
   SetServing(false);
   // Pending long-polls must be answered before the server can drain.
-  const absl::Status closing = absl::UnavailableError("the coordinator is shutting down");
-  kv_->Close(closing);
-  world_->CloseWatches(closing);
-  plan_->CloseWaits(closing);
+  core_->Close(absl::UnavailableError("the coordinator is shutting down"));
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (health_server_ != nullptr) health_server_->Shutdown();
 }

@@ -1,6 +1,6 @@
-// Wires the coordinator together: loads the state directory (taking back a live job after a
-// restart), creates the managers, serves the gRPC services and runs housekeeping (lease expiry,
-// rendezvous wait timeouts, elastic re-formations).
+// Serves a CoordinatorCore over gRPC: opens the state directory, creates the core (which takes
+// back a live job after a restart), serves the services with TLS, tokens, health, reflection
+// and metrics, and runs the core's housekeeping on a thread.
 #pragma once
 
 #include <memory>
@@ -16,14 +16,11 @@
 #include "grpcpp/server.h"
 #include "proto/channel_security.h"
 #include "server/access_guard.h"
-#include "server/checkpoint_manager.h"
+#include "server/checkpoint_storage.h"
+#include "server/coordinator_core.h"
 #include "server/coordinator_service.h"
-#include "server/elastic_manager.h"
-#include "server/kv_store_manager.h"
 #include "server/metrics.h"
-#include "server/plan_manager.h"
 #include "server/store/state_store.h"
-#include "server/world_manager.h"
 
 namespace shard {
 
@@ -73,7 +70,8 @@ class CoordinatorServer {
   // Stops serving. Idempotent.
   void Shutdown();
 
-  WorldManager& world() { return *world_; }
+  WorldManager& world() { return core_->world(); }
+  CoordinatorCore& core() { return *core_; }
 
  private:
   CoordinatorServer() = default;
@@ -84,11 +82,8 @@ class CoordinatorServer {
   std::string host_;
   int port_ = 0;
   std::unique_ptr<StateStore> store_;
-  std::unique_ptr<WorldManager> world_;
-  std::unique_ptr<KvStoreManager> kv_;
-  std::unique_ptr<PlanManager> plan_;
-  std::unique_ptr<CheckpointManager> checkpoints_;  // with a job only
-  std::unique_ptr<ElasticManager> elastic_;
+  FilesystemCheckpointStorage checkpoint_storage_;
+  std::unique_ptr<CoordinatorCore> core_;
   std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;

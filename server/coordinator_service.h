@@ -1,5 +1,5 @@
-// Thin gRPC handlers: validate the request, convert proto <-> domain structs, call a manager,
-// reply exactly once. Every rule lives in the managers.
+// Thin gRPC handlers: convert the request (proto/control_convert.h), call CoordinatorCore,
+// convert its answer and reply exactly once. Every rule lives in the core's managers.
 #pragma once
 
 #include <functional>
@@ -7,11 +7,7 @@
 
 #include "common/rate_limiter.h"
 #include "server/access_guard.h"
-#include "server/checkpoint_manager.h"
-#include "server/elastic_manager.h"
-#include "server/kv_store_manager.h"
-#include "server/plan_manager.h"
-#include "server/world_manager.h"
+#include "server/coordinator_core.h"
 #include "shard/v1/coordinator.grpc.pb.h"
 
 namespace shard {
@@ -20,18 +16,14 @@ using Clock = std::function<absl::Time()>;
 
 class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
  public:
-  // `job`: the training job handed to every joining worker, if any; `checkpoints` exists with
-  // a job only.
-  CoordinatorServiceImpl(WorldManager* world, PlanManager* plan, CheckpointManager* checkpoints,
-                         std::optional<v1::JobSpec> job, Clock clock, const AccessGuard* guard,
-                         RateLimiter* join_limiter)
+  // `job_spec`: the training job handed to every joining worker, if any.
+  CoordinatorServiceImpl(CoordinatorCore* core, std::optional<v1::JobSpec> job_spec, Clock clock,
+                         const AccessGuard* guard, RateLimiter* join_limiter)
       : guard_(guard),
         join_limiter_(join_limiter),
-        world_(world),
-        plan_(plan),
-        checkpoints_(checkpoints),
-        job_(std::move(job)),
-        clock_(clock) {}
+        core_(core),
+        job_spec_(std::move(job_spec)),
+        clock_(std::move(clock)) {}
 
   grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* context,
                                  const v1::JoinRequest* request,
@@ -67,10 +59,8 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
  private:
   const AccessGuard* guard_;
   RateLimiter* join_limiter_;  // joins persist state: bounded
-  WorldManager* world_;
-  PlanManager* plan_;
-  CheckpointManager* checkpoints_;
-  std::optional<v1::JobSpec> job_;
+  CoordinatorCore* core_;
+  std::optional<v1::JobSpec> job_spec_;
   Clock clock_;
 };
 
@@ -99,15 +89,11 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
  public:
   // `on_change` runs after a stop, resize or drain was accepted (the server uses it to wake its
   // housekeeping, which carries the change out).
-  AdminServiceImpl(WorldManager* world, PlanManager* plan, CheckpointManager* checkpoints,
-                   ElasticManager* elastic, Clock clock, absl::Time started,
+  AdminServiceImpl(CoordinatorCore* core, Clock clock, absl::Time started,
                    std::function<void()> on_change, const AccessGuard* guard)
       : guard_(guard),
-        world_(world),
-        plan_(plan),
-        checkpoints_(checkpoints),
-        elastic_(elastic),
-        clock_(clock),
+        core_(core),
+        clock_(std::move(clock)),
         started_(started),
         on_change_(std::move(on_change)) {}
 
@@ -153,13 +139,7 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
 
  private:
   const AccessGuard* guard_;
-  // FailedPrecondition when the coordinator runs no job (and so keeps no checkpoints).
-  absl::Status NeedCheckpoints() const;
-
-  WorldManager* world_;
-  PlanManager* plan_;
-  CheckpointManager* checkpoints_;
-  ElasticManager* elastic_;
+  CoordinatorCore* core_;
   Clock clock_;
   absl::Time started_;
   std::function<void()> on_change_;

@@ -1,49 +1,53 @@
-// Carries out the world changes that must not lose a step: a resize, a drain, standbys folded
-// into a world smaller than its target. WorldManager says what must change (PendingReshape);
-// this asks the workers for a checkpoint that pauses training at the next step boundary, and
-// once it is committed re-forms the world (WorldManager::ApplyReshape) with that checkpoint as
-// the next generation's starting point, so training continues exactly where it paused. Before
-// training starts (or without a training job) the change is applied at once.
+// The re-formation in flight: a resize, a drain or standbys folded in that pauses training at a
+// checkpoint of one generation, so that the next generation starts exactly there. It belongs to
+// that generation and ends with it (committed and applied, failed, or cancelled because the
+// world changed first). Kept in the state directory (record "reshape"), so a coordinator that
+// restarts and keeps the generation finishes it. CoordinatorCore::Reconcile drives it
+// (docs/control-plane.md has the state machine).
 //
-// No gRPC; the coordinator calls Reconcile from its housekeeping and after admin calls.
-// Thread-safe.
+// No gRPC. Thread-safe.
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/checkpoint_manager.h"
-#include "server/world_manager.h"
+#include "server/store/state_store.h"
 
 namespace shard {
 
+struct InFlightReshape {
+  int64_t generation = 0;  // of the world that pauses
+  int64_t request = 0;     // the pausing save request
+  std::string description;
+  absl::Time since;
+};
+
 class ElasticManager {
  public:
-  // `checkpoints` is null when the coordinator runs no training job.
-  ElasticManager(WorldManager* world, CheckpointManager* checkpoints)
-      : world_(world), checkpoints_(checkpoints) {}
+  // With `recover`, takes back the re-formation in flight when the coordinator stopped.
+  static absl::StatusOr<std::unique_ptr<ElasticManager>> Create(StateStore* store, bool recover);
 
-  // Starts or finishes the pending change, if any. Returns true if it changed something the
-  // workers must hear about at once (a pause request, a re-formation).
-  bool Reconcile(absl::Time now);
+  std::optional<InFlightReshape> in_flight() const;
+  absl::Status Start(InFlightReshape reshape);
+  // The re-formation is over; `outcome` says how, for the log.
+  void Finish(const std::string& outcome);
 
   // What the change in progress waits for, for status ("" when none is in progress).
   std::string transition() const;
 
  private:
-  struct InFlight {
-    Reshape reshape;
-    int64_t request = 0;  // the pausing save request
-    absl::Time since;
-  };
+  explicit ElasticManager(StateStore* store) : store_(store) {}
+  absl::Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  WorldManager* const world_;
-  CheckpointManager* const checkpoints_;
+  StateStore* const store_;
   mutable absl::Mutex mu_;
-  std::optional<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
+  std::optional<InFlightReshape> in_flight_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace shard

@@ -19,7 +19,7 @@ void KvStoreManager::SetCurrentGeneration(int64_t generation) {
     generation_ = generation;
     values_.clear();
     scope_bytes_ = 0;
-    aborted.swap(waiters_);
+    aborted = waiters_.TakeAll();
   }
   for (Waiter& waiter : aborted) {
     waiter.done(absl::AbortedError(absl::StrCat(
@@ -79,15 +79,8 @@ absl::Status KvStoreManager::Set(const KvScope& scope, const std::string& key, s
     }
     scope_bytes_ = new_bytes;
     values_[key] = std::move(value);
-    for (size_t i = 0; i < waiters_.size();) {
-      if (AllSet(waiters_[i].keys)) {
-        ready.push_back(std::move(waiters_[i]));
-        waiters_[i] = std::move(waiters_.back());
-        waiters_.pop_back();
-      } else {
-        ++i;
-      }
-    }
+    ready = waiters_.TakeIf([this](const Waiter& waiter)
+                                ABSL_SHARED_LOCKS_REQUIRED(mu_) { return AllSet(waiter.keys); });
   }
   for (Waiter& waiter : ready) waiter.done(absl::OkStatus());
   return absl::OkStatus();
@@ -120,7 +113,7 @@ void KvStoreManager::Wait(const KvScope& scope, std::vector<std::string> keys,
     absl::MutexLock lock(&mu_);
     result = CheckScope(scope);
     if (result.ok() && !AllSet(keys)) {
-      waiters_.push_back(Waiter{std::move(keys), now + timeout, timeout, std::move(done)});
+      waiters_.Add(now + timeout, Waiter{std::move(keys), timeout, std::move(done)});
       return;
     }
   }
@@ -133,15 +126,7 @@ void KvStoreManager::ExpireWaiters(absl::Time now) {
   {
     absl::MutexLock lock(&mu_);
     generation = generation_;
-    for (size_t i = 0; i < waiters_.size();) {
-      if (waiters_[i].deadline <= now) {
-        expired.push_back(std::move(waiters_[i]));
-        waiters_[i] = std::move(waiters_.back());
-        waiters_.pop_back();
-      } else {
-        ++i;
-      }
-    }
+    expired = waiters_.TakeExpired(now);
   }
   for (Waiter& waiter : expired) {
     std::string missing;
@@ -169,7 +154,7 @@ void KvStoreManager::Close(absl::Status reason) {
   {
     absl::MutexLock lock(&mu_);
     closed_ = reason;
-    closed.swap(waiters_);
+    closed = waiters_.TakeAll();
   }
   for (Waiter& waiter : closed) waiter.done(reason);
 }

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/wait_list.h"
 
 namespace shard {
 
@@ -65,7 +66,6 @@ class KvStoreManager {
  private:
   struct Waiter {
     std::vector<std::string> keys;
-    absl::Time deadline;
     absl::Duration timeout;
     WaitCallback done;
   };
@@ -79,7 +79,7 @@ class KvStoreManager {
   int64_t generation_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::string> values_ ABSL_GUARDED_BY(mu_);
   size_t scope_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  WaitList<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
   absl::Status closed_ ABSL_GUARDED_BY(mu_);  // not OK once closed
 };
 

@@ -65,6 +65,13 @@ int main(int argc, char** argv) {
                  "remain)")
       ->capture_default_str()
       ->check(shard::DurationValidator());
+  app.add_option("--max-standbys", options.world.max_standbys,
+                 "workers that find every rank held wait as standbys, up to this many (0: the "
+                 "job's world size); a standby takes the rank of a worker that dies and is "
+                 "folded in at a checkpoint while the world is below its target. Workers beyond "
+                 "them are told to retry")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 20));
   std::string shard_mode = "range";
   double bucket_cap_mb = 25;
   double first_bucket_cap_mb = 1;

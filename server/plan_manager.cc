@@ -17,15 +17,6 @@ constexpr absl::Duration kMaxWait = absl::Minutes(10);
 
 }  // namespace
 
-absl::string_view OverlapStatusName(OverlapStatus status) {
-  switch (status) {
-    case OverlapStatus::kUninitialized: return "UNINITIALIZED";
-    case OverlapStatus::kRebuilt: return "DDP_HAS_REBUILT_BUCKETS";
-    case OverlapStatus::kInitialized: return "INITIALIZED";
-  }
-  return "UNKNOWN";
-}
-
 PlanManager::PlanManager(PlanConfig config, StateStore* store, size_t stats_window)
     : config_(config), store_(store), stats_window_(stats_window) {}
 
@@ -257,7 +248,7 @@ void PlanManager::ReportGradientOrder(const MemberRef& member, int64_t plan_vers
     } else if (member.rank != 0) {
       // Rank 0's order decides; wait for it.
       reported_orders_[member.rank] = std::move(order);
-      waiters_.push_back(Waiter{now + std::min(wait, kMaxWait), std::move(done)});
+      waiters_.Add(now + std::min(wait, kMaxWait), std::move(done));
       return;
     } else {
       const int world = plan_->options.world_size;
@@ -283,12 +274,10 @@ void PlanManager::ReportGradientOrder(const MemberRef& member, int64_t plan_vers
 
 std::vector<PlanManager::Answer> PlanManager::TakeWaitersLocked(const absl::Status& status) {
   std::vector<Answer> answers;
-  for (Waiter& waiter : waiters_) {
-    answers.push_back(Answer{std::move(waiter.done),
-                             status.ok() ? absl::StatusOr<PlanView>(ViewLocked())
-                                         : absl::StatusOr<PlanView>(status)});
+  for (PlanCallback& done : waiters_.TakeAll()) {
+    answers.push_back(Answer{std::move(done), status.ok() ? absl::StatusOr<PlanView>(ViewLocked())
+                                                          : absl::StatusOr<PlanView>(status)});
   }
-  waiters_.clear();
   return answers;
 }
 
@@ -296,17 +285,11 @@ void PlanManager::ExpireWaits(absl::Time now) {
   std::vector<Answer> answers;
   {
     absl::MutexLock lock(&mu_);
-    for (size_t i = 0; i < waiters_.size();) {
-      if (waiters_[i].deadline > now) {
-        ++i;
-        continue;
-      }
-      answers.push_back(Answer{std::move(waiters_[i].done),
+    for (PlanCallback& done : waiters_.TakeExpired(now)) {
+      answers.push_back(Answer{std::move(done),
                                absl::DeadlineExceededError(
                                    "rank 0 has not reported its gradient order; the rebuilt "
                                    "plan does not exist yet")});
-      waiters_[i] = std::move(waiters_.back());
-      waiters_.pop_back();
     }
   }
   for (Answer& answer : answers) answer.done(std::move(answer.result));

@@ -22,36 +22,16 @@
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "server/store/state_store.h"
-#include "server/world_manager.h"
+#include "server/types.h"
+#include "server/wait_list.h"
 
 namespace shard {
-
-enum class OverlapStatus { kUninitialized, kRebuilt, kInitialized };
-absl::string_view OverlapStatusName(OverlapStatus status);
 
 struct PlanConfig {
   ShardMode mode = ShardMode::kRange;
   int64_t bucket_cap_bytes = int64_t{25} << 20;
   int64_t first_bucket_cap_bytes = int64_t{1} << 20;
   int64_t alignment_bytes = 64;
-};
-
-struct PlanView {
-  std::shared_ptr<const Plan> plan;
-  std::shared_ptr<const Manifest> manifest;
-  int64_t version = 0;
-  int64_t generation = 0;
-  OverlapStatus status = OverlapStatus::kUninitialized;
-};
-
-struct StepReport {
-  int64_t step = 0;
-  double step_ms = 0;
-  double backward_ms = 0;
-  double communication_ms = 0;
-  double hidden_ms = 0;
-  std::vector<int64_t> bucket_bytes;
-  double loss = 0;
 };
 
 struct OrderDisagreement {
@@ -117,10 +97,6 @@ class PlanManager {
   PlanStats Stats() const;
 
  private:
-  struct Waiter {
-    absl::Time deadline;
-    PlanCallback done;
-  };
   struct Answer {
     PlanCallback done;
     absl::StatusOr<PlanView> result;
@@ -156,7 +132,7 @@ class PlanManager {
   std::map<int, std::string> rank_workers_ ABSL_GUARDED_BY(mu_);
   std::map<int, std::vector<int>> reported_orders_ ABSL_GUARDED_BY(mu_);
   std::vector<OrderDisagreement> disagreements_ ABSL_GUARDED_BY(mu_);
-  std::vector<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  WaitList<PlanCallback> waiters_ ABSL_GUARDED_BY(mu_);  // ranks waiting for rank 0's order
   std::map<int, std::deque<StepReport>> stats_ ABSL_GUARDED_BY(mu_);
 };
 

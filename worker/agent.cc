@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "proto/control_convert.h"
 #include "proto/job_convert.h"
 #include "common/logging.h"
 #include "spdlog/spdlog.h"
@@ -25,6 +26,11 @@ uint64_t RandomIncarnation() {
 
 bool IsTransient(const absl::Status& status) {
   return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
+}
+
+// The coordinator answered but cannot take this worker yet.
+bool IsRefusedForNow(const absl::Status& status) {
+  return absl::IsResourceExhausted(status) || absl::IsAlreadyExists(status);
 }
 
 }  // namespace
@@ -79,18 +85,19 @@ void WorkerAgent::UpdateWorld(const v1::WorldView& world, int rank) {
                                       " ended; the world moved to generation ",
                                       world.generation()));
   }
+  // A rendezvous of an ended generation can never complete: give it up now.
+  if (rendezvous_ != nullptr && rendezvous_generation_ < world.generation()) rendezvous_->Cancel();
 }
 
 absl::Status WorkerAgent::JoinWithRetry() {
-  v1::JoinRequest request;
-  request.set_worker_id(options_.worker_id);
-  request.set_host(options_.host);
-  request.set_device(options_.device);
-  for (const std::string& capability : data_path_->capabilities()) {
-    request.add_capabilities(capability);
-  }
-  request.set_incarnation(incarnation_);
-  if (options_.rank.has_value()) request.set_requested_rank(*options_.rank);
+  JoinParams params;
+  params.worker_id = options_.worker_id;
+  params.host = options_.host;
+  params.device = options_.device;
+  params.capabilities = data_path_->capabilities();
+  params.incarnation = incarnation_;
+  params.requested_rank = options_.rank;
+  const v1::JoinRequest request = ToProto(params);
 
   const absl::Time give_up = absl::Now() + options_.coordinator_timeout;
   absl::Duration backoff = absl::Milliseconds(100);
@@ -114,6 +121,19 @@ absl::Status WorkerAgent::JoinWithRetry() {
                    joined->lease_ms());
       return absl::OkStatus();
     }
+    if (IsRefusedForNow(joined.status())) {
+      // The coordinator is there and says "not yet" (the world is full, or the rank asked for
+      // is still held): keep asking, however long it takes; a restarted pod must not
+      // crash-loop while its predecessor's lease runs out.
+      spdlog::warn("{}; asking again in {}", joined.status().message(),
+                   absl::FormatDuration(backoff));
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping), backoff)) {
+        return absl::CancelledError(absl::StrCat("stopped before joining: ", stop_reason_));
+      }
+      backoff = std::min(backoff * 2, absl::Seconds(5));
+      continue;
+    }
     if (!IsTransient(joined.status())) return joined.status();
     if (absl::Now() + backoff > give_up) {
       return absl::UnavailableError(absl::StrCat(
@@ -131,9 +151,9 @@ absl::Status WorkerAgent::JoinWithRetry() {
 }
 
 void WorkerAgent::HeartbeatLoop() {
-  v1::HeartbeatRequest request;
-  request.set_worker_id(options_.worker_id);
-  request.set_incarnation(incarnation_);
+  HeartbeatParams params;
+  params.worker_id = options_.worker_id;
+  params.incarnation = incarnation_;
   absl::Time last_contact = absl::Now();
   absl::Duration pause = absl::ZeroDuration();
   absl::Duration backoff = absl::ZeroDuration();  // grows while the coordinator is unreachable
@@ -143,20 +163,20 @@ void WorkerAgent::HeartbeatLoop() {
       auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !fatal_.ok(); };
       if (mu_.AwaitWithTimeout(absl::Condition(&done), pause)) return;
       // Long-poll: the coordinator answers as soon as the world changes, or after the interval.
-      request.set_known_generation(world_.generation);
-      request.set_known_state(world_.state);
-      request.set_wait_ms(absl::ToInt64Milliseconds(heartbeat_interval_));
+      params.known_generation = world_.generation;
+      params.known_state = FromProto(world_.state);
+      params.wait = heartbeat_interval_;
+      params.paused_generation = paused_generation_;
       pause = std::max(heartbeat_interval_, backoff);
     }
-    absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(request);
+    absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(ToProto(params));
     if (beat.ok()) {
       pause = absl::ZeroDuration();
       backoff = absl::ZeroDuration();
       last_contact = absl::Now();
       absl::MutexLock lock(&mu_);
       UpdateWorld(beat->world(), beat->rank());
-      save_request_ = beat->checkpoint_request();
-      pause_request_ = beat->pause_request();
+      orders_ = OrdersOf(*beat);
       start_ = beat->start();
       if (beat->order().kind() == v1::ORDER_KIND_STOP && !stop_) {
         spdlog::info("coordinator ordered a stop: {}", beat->order().reason());
@@ -208,6 +228,9 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
     absl::MutexLock lock(&mu_);
     if (stop_) return absl::CancelledError("stopping");
     rendezvous_ = rendezvous;
+    rendezvous_generation_ = world.generation;
+    paused_generation_ = 0;  // a new generation: whatever paused before is over
+    if (world_.generation != world.generation) rendezvous_->Cancel();  // ended already
   }
   spdlog::info("connecting the data path: rank {} of {} on {} over {} (peers reach {})",
                world.rank, world.world_size, data_path_->device().name(), data_path_->backend(),
@@ -256,15 +279,19 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
     absl::MutexLock lock(&mu_);
     communicator_generation_ = world.generation;
   }
-  if (job.has_value() && !trained_) {
-    if (absl::Status trained = Train(*job, world.rank); !trained.ok()) return trained;
+  // Also after this worker finished: a new generation means the job is not finished (a rank
+  // died before it reported the end), and every rank trains again from the restore point.
+  if (job.has_value()) {
+    if (absl::Status trained = Train(*job, world.rank, world.generation); !trained.ok()) {
+      return trained;
+    }
   } else if (options_.manifest.has_value()) {
     if (absl::Status planned = ApplyPlan(); !planned.ok()) return planned;
   }
   return absl::OkStatus();
 }
 
-absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
+absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generation) {
   std::shared_ptr<Communicator> communicator;
   v1::TrainingStart start;
   {
@@ -278,48 +305,42 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
   StatsReporter reporter(client_.get());
   TrainerOptions trainer;
   trainer.stop = &stop_requested_;
-  trainer.save_request = &save_request_;
-  trainer.pause_request = &pause_request_;
-  {
+  trainer.orders = [this] {
     absl::MutexLock lock(&mu_);
-    trainer.checkpoint_tag = absl::StrCat("g", world_.generation);
-  }
+    return orders_;
+  };
+  trainer.generation = generation;
+  trainer.checkpoint_tag = absl::StrCat("g", generation);
   if (!start.checkpoint_id().empty()) {
     trainer.restore_dir = start.checkpoint_dir();
     spdlog::info("restoring from checkpoint {} (step {}) in {}", start.checkpoint_id(),
                  start.step(), start.checkpoint_dir());
   }
   trainer.on_checkpoint = [&](const SavedShard& saved) {
-    v1::ReportCheckpointShardRequest report;
-    report.set_worker_id(options_.worker_id);
-    report.set_incarnation(incarnation_);
-    report.set_checkpoint_id(saved.id);
-    report.set_step(saved.step);
-    report.set_request(saved.request);
-    report.set_plan_version(saved.plan_version);
-    report.set_plan_hash(saved.plan->hash);
-    report.set_pause_ms(saved.pause_ms);
-    report.set_write_ms(saved.write_ms);
-    report.set_optimizer_step(saved.counters.optimizer_step);
-    report.set_loss_scale(saved.counters.loss_scale);
-    report.set_loss_scale_growth_tracker(saved.counters.loss_scale_growth_tracker);
+    ShardReport report;
+    report.worker_id = options_.worker_id;
+    report.incarnation = incarnation_;
+    report.generation = generation;
+    report.id = saved.id;
+    report.step = saved.step;
+    report.request = saved.request;
+    report.plan_version = saved.plan_version;
+    report.plan_hash = saved.plan->hash;
+    report.pause_ms = saved.pause_ms;
+    report.write_ms = saved.write_ms;
+    report.counters = saved.counters;
     if (saved.record.ok()) {
-      v1::ShardRecord* shard = report.mutable_shard();
-      shard->set_file(saved.record->file);
-      shard->set_rank(saved.record->rank);
-      shard->set_bytes(saved.record->bytes);
-      shard->set_xxh3(saved.record->xxh3);
-      for (const std::string& block : saved.record->block_xxh3) shard->add_block_xxh3(block);
+      report.record = *saved.record;
       if (rank == 0) {
         spdlog::info("checkpoint {} (step {}): shard written in {:.1f} ms, training paused "
                      "{:.2f} ms",
                      saved.id, saved.step, saved.write_ms, saved.pause_ms);
       }
     } else {
-      report.set_error(std::string(saved.record.status().message()));
+      report.error = std::string(saved.record.status().message());
       spdlog::error("checkpoint {}: {}", saved.id, saved.record.status().message());
     }
-    if (absl::Status sent = client_->ReportCheckpointShard(report); !sent.ok()) {
+    if (absl::Status sent = client_->ReportCheckpointShard(ToProto(report)); !sent.ok()) {
       spdlog::warn("could not report checkpoint {}: {}", saved.id, sent.message());
     }
   };
@@ -348,14 +369,9 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
     v1::ReportStepStatsRequest report;
     report.set_worker_id(options_.worker_id);
     report.set_incarnation(incarnation_);
-    v1::StepStats* stats = report.mutable_stats();
-    stats->set_step(record.step);
-    stats->set_step_ms(record.step_ms);
-    stats->set_backward_ms(t.backward_ms);
-    stats->set_communication_ms(t.communication_ms);
-    stats->set_hidden_ms(t.hidden_ms);
-    for (int64_t bytes : t.bucket_bytes) stats->add_bucket_bytes(bytes);
-    stats->set_loss(record.loss);
+    *report.mutable_stats() =
+        ToProto(StepReport{record.step, record.step_ms, t.backward_ms, t.communication_ms,
+                           t.hidden_ms, t.bucket_bytes, record.loss});
     reporter.Submit(std::move(report));
   };
   trainer.device = &data_path_->device();
@@ -381,9 +397,10 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank) {
     spdlog::info("training paused after step {} for a re-formation of the world; waiting for "
                  "the next generation",
                  result->paused_at);
+    absl::MutexLock lock(&mu_);
+    paused_generation_ = generation;
     return absl::OkStatus();
   }
-  trained_ = true;
   spdlog::info("training finished: {} steps{}, loss {:.6f} -> {:.6f}, {:.2f} steps/s over steps "
                "{}-{}, {:.0f}% of gradient reduction hidden behind backward, optimizer state {} "
                "bytes on this rank{}",
@@ -462,6 +479,25 @@ void WorkerAgent::Leave() {
   }
 }
 
+void WorkerAgent::ReportGenerationFailed(const WorldSnapshot& world, const absl::Status& why) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_ || world_.generation != world.generation) return;  // it is over already
+  }
+  spdlog::warn("the data path of generation {} failed: asking the coordinator for the next",
+               world.generation);
+  v1::ReportSelfCheckRequest report;
+  report.set_worker_id(options_.worker_id);
+  report.set_incarnation(incarnation_);
+  report.set_generation(world.generation);
+  report.set_passed(false);
+  report.set_detail(std::string(why.message()));
+  if (absl::Status sent = client_->ReportSelfCheck(report); !sent.ok()) {
+    // The generation ended meanwhile, or the coordinator is away: its next answer tells.
+    spdlog::info("could not report it: {}", sent.message());
+  }
+}
+
 absl::Status WorkerAgent::Run() {
   if (absl::Status joined = JoinWithRetry(); !joined.ok()) return joined;
   std::thread heartbeat([this] { HeartbeatLoop(); });
@@ -481,20 +517,23 @@ absl::Status WorkerAgent::Run() {
     attempted_generation = target.generation;
     absl::Status connected = ConnectGeneration(target);
     if (connected.ok()) continue;
-    absl::MutexLock lock(&mu_);
-    auto moved_on = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return stop_ || !fatal_.ok() || world_.generation != target.generation;
-    };
-    if (absl::IsAborted(connected)) {
-      // The coordinator says the generation ended; our heartbeat may not have seen it yet.
-      mu_.AwaitWithTimeout(absl::Condition(&moved_on), 2 * heartbeat_interval_);
-    } else if (IsTransient(connected)) {
-      // The coordinator was unreachable while this generation connected (e.g. it restarted):
-      // a restarted coordinator re-forms a world that had not connected, so wait for that.
-      spdlog::warn("connecting generation {} failed ({}); waiting for the next generation",
+    if (absl::IsAborted(connected) || IsTransient(connected)) {
+      // This generation's data path failed (a peer died or hangs, the generation ended, the
+      // coordinator restarted): say so, so that the coordinator ends the generation if it has
+      // not, and wait for the next one for as long as the coordinator answers (the heartbeat
+      // thread gives up on a lost coordinator after --coordinator-timeout).
+      spdlog::info("generation {} ended for this worker ({}); waiting for the next generation",
                    target.generation, connected.message());
-      mu_.AwaitWithTimeout(absl::Condition(&moved_on), options_.coordinator_timeout);
+      ReportGenerationFailed(target, connected);
+      absl::MutexLock lock(&mu_);
+      auto moved_on = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !fatal_.ok() || world_.generation != target.generation;
+      };
+      mu_.Await(absl::Condition(&moved_on));
+      if (stop_ || !fatal_.ok()) break;
+      continue;
     }
+    absl::MutexLock lock(&mu_);
     if (stop_) break;
     if (world_.generation != target.generation) {
       spdlog::info("generation {} ended ({}); waiting for the next", target.generation,

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/control_types.h"
 #include "common/job_spec.h"
 #include "common/manifest.h"
 #include "worker/coordinator_client.h"
@@ -64,8 +65,11 @@ class WorkerAgent {
   absl::Status ConnectGeneration(const WorldSnapshot& world);
   // Registers the manifest, applies the plan, and after the first iteration the rebuilt one.
   absl::Status ApplyPlan();
-  // Trains the job on the connected communicator and reports the result.
-  absl::Status Train(const JobConfig& job, int rank);
+  // Trains the job on the connected communicator of `generation` and reports the result.
+  absl::Status Train(const JobConfig& job, int rank, int64_t generation);
+  // Tells the coordinator that the data path of `world`'s generation failed with `why`, so that
+  // it ends the generation (a failed self-check does); nothing if it is over already.
+  void ReportGenerationFailed(const WorldSnapshot& world, const absl::Status& why);
   void SetStop(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Fail(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Leave();
@@ -83,11 +87,14 @@ class WorkerAgent {
   absl::Status fatal_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Communicator> communicator_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<RendezvousClient> rendezvous_ ABSL_GUARDED_BY(mu_);  // while connecting
+  int64_t rendezvous_generation_ ABSL_GUARDED_BY(mu_) = 0;            // the one it connects
   std::optional<JobConfig> job_ ABSL_GUARDED_BY(mu_);  // from the coordinator, at join
-  bool trained_ = false;                                // the job's training has finished
   std::atomic<bool> stop_requested_{false};             // stop_, for the training loop
-  std::atomic<int64_t> save_request_{0};                // the newest checkpoint request seen
-  std::atomic<int64_t> pause_request_{0};               // a request after which training pauses
+  // The coordinator's orders for the step boundaries of the world's generation.
+  StepOrders orders_ ABSL_GUARDED_BY(mu_);
+  // The generation in which training paused for a re-formation (0: not paused): heartbeats
+  // say so, and the coordinator ends that generation.
+  int64_t paused_generation_ ABSL_GUARDED_BY(mu_) = 0;
   v1::TrainingStart start_ ABSL_GUARDED_BY(mu_);         // where this generation's training starts
   int64_t communicator_generation_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -8,6 +8,7 @@
 #include "common/checkpoint.h"
 #include "gtest/gtest.h"
 #include "server/checkpoint_manager.h"
+#include "server/checkpoint_storage.h"
 #include "server/store/state_store.h"
 #include "tests/support/status_assertions.h"
 #include "tests/support/test_directory.h"
@@ -17,6 +18,8 @@ namespace {
 
 constexpr int kWorld = 2;
 constexpr int64_t kStep = 6;
+constexpr int64_t kGeneration = 3;
+const absl::Time kNow = absl::FromUnixSeconds(1700000000);
 
 Manifest Model() {
   return Manifest{{ParamSpec{"layers.0.weight", {64, 32}, DataType::kFloat32, true},
@@ -41,7 +44,9 @@ class CheckpointCountersTest : public ::testing::Test {
     checkpoint.zero_stage = 2;
     checkpoint.optimizer.kind = OptimizerKind::kAdam;
     checkpoint.state_names = {"exp_avg", "exp_avg_sq"};
-    SHARD_ASSERT_OK_AND_ASSIGN(manager_, CheckpointManager::Create(checkpoint, &store_));
+    SHARD_ASSERT_OK_AND_ASSIGN(
+        manager_, CheckpointManager::Create(checkpoint, &store_, &storage_, kGeneration,
+                                            /*generation_kept=*/false));
   }
 
   // Writes rank `rank`'s shard of checkpoint `id` (zeros of the plan's size) and returns its
@@ -51,6 +56,7 @@ class CheckpointCountersTest : public ::testing::Test {
     ShardReport report;
     report.worker_id = absl::StrCat("w", rank);
     report.rank = rank;
+    report.generation = kGeneration;
     report.id = id;
     report.step = kStep;
     report.plan_version = view_.version;
@@ -73,6 +79,7 @@ class CheckpointCountersTest : public ::testing::Test {
   }
 
   InMemoryStateStore store_;
+  FilesystemCheckpointStorage storage_;
   PlanView view_;
   std::unique_ptr<CheckpointManager> manager_;
 };
@@ -83,10 +90,10 @@ TEST_F(CheckpointCountersTest, TheCommittedManifestKeepsTheRanksCounters) {
       .optimizer_step = kStep - 1, .loss_scale = 32768, .loss_scale_growth_tracker = 3};
   const std::string id = CheckpointIdForStep(kStep);
   SHARD_ASSERT_OK_AND_ASSIGN(const bool first,
-                             manager_->ReportShard(Shard(id, 1, counters), view_));
+                             manager_->ReportShard(Shard(id, 1, counters), view_, kNow));
   EXPECT_FALSE(first);
   SHARD_ASSERT_OK_AND_ASSIGN(const bool second,
-                             manager_->ReportShard(Shard(id, 0, counters), view_));
+                             manager_->ReportShard(Shard(id, 0, counters), view_, kNow));
   EXPECT_TRUE(second);
   SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest manifest,
                              ReadCheckpointManifest(Directory(id)));
@@ -113,9 +120,9 @@ TEST_F(CheckpointCountersTest, RanksReportingDifferentCountersFailTheCheckpoint)
     ShardReport first = Shard(id, 0, counters);
     ShardReport second = Shard(id, 1, other);
     first.request = second.request = checkpoint;
-    SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_first, manager_->ReportShard(first, view_));
+    SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_first, manager_->ReportShard(first, view_, kNow));
     EXPECT_FALSE(committed_first);
-    SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_second, manager_->ReportShard(second, view_));
+    SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_second, manager_->ReportShard(second, view_, kNow));
     EXPECT_FALSE(committed_second);
     const std::string error = manager_->Progress(checkpoint).error;
     for (const std::string& part : {std::string("rank 1"), id, std::string("diverged")}) {
@@ -136,9 +143,9 @@ TEST_F(CheckpointCountersTest, ImpossibleCountersFailTheCheckpoint) {
   ShardReport first = Shard(id, 0, impossible);
   ShardReport second = Shard(id, 1, impossible);
   first.request = second.request = 1;
-  SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_first, manager_->ReportShard(first, view_));
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_first, manager_->ReportShard(first, view_, kNow));
   EXPECT_FALSE(committed_first);
-  SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_second, manager_->ReportShard(second, view_));
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool committed_second, manager_->ReportShard(second, view_, kNow));
   EXPECT_FALSE(committed_second);
   const std::string error = manager_->Progress(1).error;
   EXPECT_NE(error.find("\"optimizer_step\" is 7"), std::string::npos) << error;
@@ -152,18 +159,18 @@ TEST_F(CheckpointCountersTest, AReportThatDoesNotFitIsRefusedWithoutFailingTheCh
   const TrainingCounters counters{.optimizer_step = kStep};
   const std::string id = CheckpointIdForStep(kStep);
   SHARD_ASSERT_OK_AND_ASSIGN(const bool first,
-                             manager_->ReportShard(Shard(id, 0, counters), view_));
+                             manager_->ReportShard(Shard(id, 0, counters), view_, kNow));
   EXPECT_FALSE(first);
   ShardReport beyond = Shard(id, 1, counters);
   beyond.rank = kWorld;
-  EXPECT_EQ(manager_->ReportShard(beyond, view_).status().code(),
+  EXPECT_EQ(manager_->ReportShard(beyond, view_, kNow).status().code(),
             absl::StatusCode::kInvalidArgument);
   ShardReport other_step = Shard(id, 1, TrainingCounters{.optimizer_step = kStep - 1});
   other_step.step = kStep - 1;
-  EXPECT_EQ(manager_->ReportShard(other_step, view_).status().code(),
+  EXPECT_EQ(manager_->ReportShard(other_step, view_, kNow).status().code(),
             absl::StatusCode::kInvalidArgument);
   SHARD_ASSERT_OK_AND_ASSIGN(const bool second,
-                             manager_->ReportShard(Shard(id, 1, counters), view_));
+                             manager_->ReportShard(Shard(id, 1, counters), view_, kNow));
   EXPECT_TRUE(second);
   SHARD_EXPECT_OK(ReadCheckpointManifest(Directory(id)).status());
 }

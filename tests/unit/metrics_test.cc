@@ -23,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "server/checkpoint_manager.h"
+#include "server/checkpoint_storage.h"
 #include "server/plan_manager.h"
 #include "server/store/state_store.h"
 #include "server/world_manager.h"
@@ -382,7 +383,9 @@ TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
   CheckpointOptions checkpoint_options;
   checkpoint_options.job = "metrics";
   checkpoint_options.root = root;
-  auto checkpoints = CheckpointManager::Create(checkpoint_options, &store);
+  FilesystemCheckpointStorage storage;
+  auto checkpoints = CheckpointManager::Create(checkpoint_options, &store, &storage, generation,
+                                               /*generation_kept=*/false);
   ASSERT_TRUE(checkpoints.ok()) << checkpoints.status();
   ASSERT_EQ((*checkpoints)->List().size(), 2u);
 

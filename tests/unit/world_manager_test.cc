@@ -4,27 +4,12 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
+#include "server/membership_log.h"
 
 namespace shard {
 namespace {
-
-// A store whose writes can be made to fail, to check that nothing changes when they do.
-class FlakyStateStore : public InMemoryStateStore {
- public:
-  absl::Status Save(absl::string_view key, const google::protobuf::Message& message) override {
-    if (fail) return absl::InternalError("disk full");
-    return InMemoryStateStore::Save(key, message);
-  }
-  // The saved membership record.
-  std::optional<v1::CoordinatorState> Membership() {
-    v1::CoordinatorState state;
-    absl::StatusOr<bool> found = Load("membership", &state);
-    if (!found.ok() || !*found) return std::nullopt;
-    return state;
-  }
-  bool fail = false;
-};
 
 class WorldManagerTest : public ::testing::Test {
  protected:
@@ -64,12 +49,12 @@ class WorldManagerTest : public ::testing::Test {
     return nullptr;
   }
 
-  FlakyStateStore store_;
+  InMemoryStateStore store_;
   absl::Time now_ = absl::FromUnixSeconds(1700000000);
   std::vector<int64_t> generations_seen_;
 };
 
-TEST_F(WorldManagerTest, AssignsRanksInOrderAndFormsTheWorldWhenAllHaveJoined) {
+TEST_F(WorldManagerTest, AssignsRanksInOrderAndFormsTheWorldAtOneGeneration) {
   auto world = Make(3);
   const int64_t g0 = world->world().generation;
   for (int i = 0; i < 3; ++i) {
@@ -77,13 +62,13 @@ TEST_F(WorldManagerTest, AssignsRanksInOrderAndFormsTheWorldWhenAllHaveJoined) {
     auto joined = world->Join(Params(absl::StrCat("w", i)), now_);
     ASSERT_TRUE(joined.ok()) << joined.status();
     EXPECT_EQ(joined->rank, i);
-    EXPECT_EQ(joined->world.generation, g0 + i + 1);
+    EXPECT_EQ(joined->world.generation, g0) << "nobody connected at it while it formed";
   }
   const World formed = world->world();
   EXPECT_EQ(formed.state, JobState::kRunning);
   EXPECT_EQ(formed.world_size, 3);
-  EXPECT_EQ(formed.generation, g0 + 3);
-  EXPECT_EQ(generations_seen_.back(), g0 + 3);
+  EXPECT_EQ(formed.generation, g0);
+  EXPECT_TRUE(generations_seen_.empty());
 }
 
 TEST_F(WorldManagerTest, RetriedJoinIsIdempotentAndRestartKeepsRankButBumpsGeneration) {
@@ -121,16 +106,37 @@ TEST_F(WorldManagerTest, RequestedRankMustBeFreeAndInRange) {
   EXPECT_EQ(free_rank->rank, 0);
 }
 
-TEST_F(WorldManagerTest, AFullWorldRefusesNewWorkersAndNamesTheHolders) {
-  auto world = Make(2);
+TEST_F(WorldManagerTest, AFullWorldKeepsStandbysUpToTheLimitThenSaysRetryNamingTheHolders) {
+  WorldOptions options = Options(2);
+  options.max_standbys = 1;
+  auto world = Make(options);
   ASSERT_TRUE(world->Join(Params("a"), now_).ok());
   ASSERT_TRUE(world->Join(Params("b"), now_).ok());
   const int64_t generation = world->world().generation;
-  auto extra = world->Join(Params("c"), now_);
+  auto standby = world->Join(Params("c"), now_);
+  ASSERT_TRUE(standby.ok()) << standby.status();
+  EXPECT_EQ(standby->rank, -1);
+  EXPECT_EQ(world->world().standby, 1);
+  auto extra = world->Join(Params("d"), now_);
   EXPECT_EQ(extra.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(extra.status().message().find("world is full"), absl::string_view::npos);
   EXPECT_NE(extra.status().message().find("a, b"), absl::string_view::npos) << extra.status();
+  EXPECT_NE(extra.status().message().find("retrying"), absl::string_view::npos) << extra.status();
   EXPECT_EQ(world->world().generation, generation);
+  // The standby's retried join is idempotent; a new process behind it stays a standby.
+  EXPECT_EQ(world->Join(Params("c"), now_)->rank, -1);
+  EXPECT_EQ(world->Join(Params("c", 2), now_)->rank, -1);
+  EXPECT_EQ(world->world().standby, 1);
+}
+
+TEST_F(WorldManagerTest, ARequestedRankHeldByALiveWorkerIsRefusedForNow) {
+  auto world = Make(2);
+  ASSERT_TRUE(world->Join(Params("a", 1, 0), now_).ok());
+  auto held = world->Join(Params("b", 1, 0), now_);
+  EXPECT_EQ(held.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(held.status().message().find("waiting for it to leave or be declared dead"),
+            absl::string_view::npos)
+      << held.status();
 }
 
 TEST_F(WorldManagerTest, InvalidJoinsAreRejected) {
@@ -194,7 +200,8 @@ TEST_F(WorldManagerTest, ExpiredLeaseDeclaresDeadBumpsGenerationAndFreesTheRank)
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->rank, 1);
   EXPECT_EQ(world->world().state, JobState::kRunning);
-  EXPECT_EQ(world->world().generation, formed + 2);
+  EXPECT_EQ(world->world().generation, formed + 1)
+      << "the world re-forms at the generation the death began: nobody connected at it yet";
 }
 
 TEST_F(WorldManagerTest, SimultaneousDeathsBumpTheGenerationOnce) {
@@ -236,16 +243,39 @@ TEST_F(WorldManagerTest, SelfCheckDecidesReadinessOnlyForTheCurrentGeneration) {
   EXPECT_EQ(world->ReportSelfCheck("a", 1, g - 1, true, "old", now_).code(),
             absl::StatusCode::kAborted);
   ASSERT_TRUE(world->ReportSelfCheck("a", 1, g, true, "ok", now_).ok());
-  ASSERT_TRUE(world->ReportSelfCheck("b", 1, g, false, "wrong sum", now_).ok());
   StatusSnapshot status = world->Status(now_);
   EXPECT_EQ(Find(status, "a")->state, WorkerState::kReady);
-  EXPECT_EQ(Find(status, "b")->state, WorkerState::kFailed);
-  EXPECT_EQ(Find(status, "b")->self_check.detail, "wrong sum");
+  EXPECT_EQ(Find(status, "b")->state, WorkerState::kJoining);
 
   ASSERT_TRUE(world->Join(Params("b", 2), now_).ok());  // b restarts: new generation
   status = world->Status(now_);
   EXPECT_EQ(Find(status, "a")->state, WorkerState::kJoining);
   EXPECT_EQ(Find(status, "a")->self_check.state, SelfCheckState::kPending);
+}
+
+TEST_F(WorldManagerTest, AFailedSelfCheckEndsTheGenerationSoThatEveryRankReconnects) {
+  auto world = Make(2);
+  ASSERT_TRUE(world->Join(Params("a"), now_).ok());
+  ASSERT_TRUE(world->Join(Params("b"), now_).ok());
+  const int64_t g = world->world().generation;
+  ASSERT_TRUE(world->ReportSelfCheck("a", 1, g, true, "ok", now_).ok());
+  ASSERT_TRUE(world->ReportSelfCheck("b", 1, g, false, "peer 0 reset the connection", now_).ok());
+  EXPECT_EQ(world->world().generation, g + 1);
+  EXPECT_EQ(world->world().state, JobState::kRunning) << "the same members reconnect";
+  const v1::MembershipEvent last = world->Events(0).back();
+  EXPECT_EQ(last.kind(), v1::MEMBERSHIP_EVENT_KIND_REFORMED);
+  EXPECT_NE(last.detail().find("peer 0 reset the connection"), std::string::npos)
+      << last.detail();
+  // The other rank's report of the same failure comes too late to end another generation.
+  EXPECT_EQ(world->ReportSelfCheck("a", 1, g, false, "reset", now_).code(),
+            absl::StatusCode::kAborted);
+  EXPECT_EQ(world->world().generation, g + 1);
+  // A worker declared dead meanwhile hears that its generation is over, not that it is
+  // unknown (its heartbeat rejoins).
+  world->ExpireLeases(now_ + absl::Seconds(3));
+  EXPECT_EQ(world->ReportSelfCheck("a", 1, g + 1, true, "ok", now_).code(),
+            absl::StatusCode::kAborted);
+  EXPECT_EQ(world->RunningMember("a", 1).status().code(), absl::StatusCode::kAborted);
 }
 
 TEST_F(WorldManagerTest, ANewWorldContinuesTheGenerationsOfTheStateDirectory) {
@@ -282,35 +312,64 @@ TEST_F(WorldManagerTest, AMembershipRecordOfAnUnknownFormatIsRefused) {
             absl::StatusCode::kFailedPrecondition);
 }
 
-TEST_F(WorldManagerTest, AFailedStateWriteRefusesTheJoinAndChangesNothing) {
-  auto world = Make(2);
-  ASSERT_TRUE(world->Join(Params("a"), now_).ok());
+TEST_F(WorldManagerTest, TheJournalHoldsWhatMemoryHoldsAndSurvivesSnapshots) {
+  WorldOptions options = Options(40, absl::Seconds(2));
+  options.max_events = 50;
+  auto world = Make(options);
+  // Enough changes for several snapshots (the journal is compacted once the deltas outgrow
+  // 64 KiB or the snapshot), and departures, standbys and a stop among them.
+  for (int round = 0; round < 30; ++round) {
+    for (int i = 0; i < 40; ++i) {
+      ASSERT_TRUE(world->Join(Params(absl::StrCat("w", i), round + 1), now_).ok());
+    }
+    ASSERT_TRUE(world->Join(Params(absl::StrCat("spare", round)), now_).ok());
+    ASSERT_TRUE(world->Leave(absl::StrCat("w", round), round + 1, "moving", now_).ok());
+  }
+  auto saved = MembershipLog::Load(&store_, options.max_events);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  ASSERT_TRUE(saved->has_value());
+  const v1::CoordinatorState memory = world->Record();
+  std::string differences;
+  google::protobuf::util::MessageDifferencer differencer;
+  differencer.ReportDifferencesToString(&differences);
+  EXPECT_TRUE(differencer.Compare(**saved, memory)) << differences;
+  EXPECT_EQ(memory.events_size(), 50);
+  EXPECT_EQ(memory.events().rbegin()->sequence(), memory.last_event_sequence());
+
+  // A coordinator started on it takes the same world back.
   const World before = world->world();
-  store_.fail = true;
-  auto joined = world->Join(Params("b"), now_);
-  EXPECT_EQ(joined.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_NE(joined.status().message().find("disk full"), absl::string_view::npos);
-  EXPECT_EQ(world->world().generation, before.generation);
-  EXPECT_EQ(world->world().world_size, 1);
-  store_.fail = false;
-  ASSERT_TRUE(world->Join(Params("b"), now_).ok());
-  auto saved = store_.Membership();
-  ASSERT_TRUE(saved.has_value());
-  EXPECT_EQ(saved->generation(), world->world().generation);
-  EXPECT_EQ(saved->events().rbegin()->kind(), v1::MEMBERSHIP_EVENT_KIND_WORLD_FORMED);
+  world.reset();
+  auto again = Make(options);
+  EXPECT_TRUE(again->recovered());
+  EXPECT_EQ(again->world().generation, before.generation + 1) << "a world that had not connected";
+  EXPECT_EQ(again->world().world_size, 40);
+  EXPECT_EQ(again->world().standby, before.standby);
+  EXPECT_GT(before.standby, 0);
 }
 
-TEST_F(WorldManagerTest, DeathsAreNotLostWhenTheStateWriteFails) {
-  auto world = Make(1, absl::Seconds(1));
-  ASSERT_TRUE(world->Join(Params("a"), now_).ok());
-  store_.fail = true;
-  EXPECT_EQ(world->ExpireLeases(now_ + absl::Seconds(2)).size(), 1u);
-  EXPECT_EQ(world->world().world_size, 0);
-  store_.fail = false;
-  world->ExpireLeases(now_ + absl::Seconds(3));  // retries the pending write
-  auto saved = store_.Membership();
-  ASSERT_TRUE(saved.has_value());
-  EXPECT_EQ(saved->generation(), world->world().generation);
+TEST_F(WorldManagerTest, AnEarlierFormatsRecordIsTakenBackAndRewrittenAsAJournal) {
+  v1::CoordinatorState legacy;
+  legacy.set_format_version(1);
+  legacy.set_job("job1");
+  legacy.set_generation(7);
+  legacy.set_ranks(1);
+  legacy.set_formed(true);
+  legacy.set_last_event_sequence(3);
+  v1::MemberRecord* member = legacy.add_members();
+  member->set_id("a");
+  member->set_incarnation(1);
+  member->set_rank(0);
+  member->set_host("127.0.0.1");
+  member->set_role(v1::MEMBER_ROLE_ACTIVE);
+  ASSERT_TRUE(store_.Save("membership", legacy).ok());
+  auto world = Make(1);
+  EXPECT_TRUE(world->recovered());
+  EXPECT_EQ(world->world().generation, 8);
+  EXPECT_EQ(world->world().state, JobState::kRunning);
+  EXPECT_EQ(world->Events(0).front().sequence(), 4) << "sequence numbers continue";
+  auto saved = MembershipLog::Load(&store_, 10);
+  ASSERT_TRUE(saved.ok() && saved->has_value());
+  EXPECT_EQ((*saved)->format_version(), MembershipLog::kFormatVersion);
 }
 
 TEST_F(WorldManagerTest, HeartbeatWatchAnswersWhenTheWorldFormsNotOnEveryJoin) {
@@ -429,7 +488,7 @@ TEST_F(ElasticWorldTest, SurvivorsReFormWithRenumberedRanksOnlyAfterTheGracePeri
   const World reformed = world->world();
   EXPECT_EQ(reformed.state, JobState::kRunning);
   EXPECT_EQ(reformed.ranks, 3);
-  EXPECT_EQ(reformed.generation, formed + 2);
+  EXPECT_EQ(reformed.generation, formed + 1) << "no world ran at the generation the death began";
   const StatusSnapshot status = world->Status(now_ + absl::Seconds(8));
   EXPECT_EQ(RankOf(status, "w0"), 0);
   EXPECT_EQ(RankOf(status, "w2"), 2);

@@ -48,9 +48,12 @@ class StoreAdapter : public gloo::rendezvous::Store {
 
   void wait(const std::vector<std::string>& keys) override { Wait(keys, timeout_); }
 
+  // Gloo passes its connect timeout; peers may arrive later than a connection takes, so the
+  // wait for them is bounded by the rendezvous timeout instead (and ends at once when the
+  // store's generation does).
   void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
-    Wait(keys, absl::FromChrono(timeout));
+            const std::chrono::milliseconds& /*connect_timeout*/) override {
+    Wait(keys, timeout_);
   }
 
   const absl::Status& first_error() const { return first_error_; }
@@ -534,8 +537,9 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
     attr.hostname = options.hostname;
     std::shared_ptr<gloo::transport::Device> device = gloo::transport::tcp::CreateDevice(attr);
     auto context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.size);
-    context->setTimeout(ToChrono(options.timeout));
+    context->setTimeout(ToChrono(std::min(options.timeout, options.connect_timeout)));
     context->connectFullMesh(adapter, device);
+    context->setTimeout(ToChrono(options.timeout));  // for Gloo's own collectives
     communicator.reset(
         new GlooCommunicator(std::make_unique<GlooCommunicator::Impl>(std::move(context), options)));
   } catch (const std::exception& e) {

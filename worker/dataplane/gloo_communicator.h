@@ -27,7 +27,11 @@ struct GlooOptions {
   int rank = 0;
   int size = 1;
   std::string hostname = "127.0.0.1";  // interface this rank listens on for its peers
-  absl::Duration timeout = absl::Seconds(60);  // connecting, and every collective
+  // Waiting for peers to arrive in the store, and every collective.
+  absl::Duration timeout = absl::Seconds(60);
+  // Once a peer's address is in the store, how long its TCP connection may take: a peer that
+  // published it and then left its generation never answers, and this bounds that wait.
+  absl::Duration connect_timeout = absl::Seconds(10);
   std::string key_prefix = "gloo/";            // namespace in the rendezvous store
   size_t segment_bytes = size_t{1} << 20;      // pipelining granularity of the rings
 };
@@ -35,7 +39,8 @@ struct GlooOptions {
 class GlooCommunicator;
 
 // Connects to every peer through `store` and returns once every rank is connected (creation
-// is collective); fails after `timeout` if a peer does not arrive.
+// is collective); fails after `timeout` if a peer does not arrive, or after `connect_timeout` if
+// one that arrived does not connect.
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
     KeyValueStore* store, const GlooOptions& options);
 

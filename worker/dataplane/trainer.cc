@@ -8,6 +8,7 @@
 #include "common/files.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
+#include "common/step_boundary.h"
 #include "worker/dataplane/cpu_device.h"
 #include "worker/dataplane/mlp.h"
 #include "worker/dataplane/mlp_data.h"
@@ -220,16 +221,17 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
 
     // Checkpoint at this step boundary if it is due or requested anywhere; the ranks agree on
     // the newest save and pause requests any of them knows.
-    int64_t requests[2] = {options.save_request != nullptr ? options.save_request->load() : 0,
-                           options.pause_request != nullptr ? options.pause_request->load() : 0};
-    if (options.save_request != nullptr) {
+    StepOrders known = options.orders ? options.orders() : StepOrders{};
+    if (known.generation != options.generation) known = StepOrders{};
+    int64_t requests[2] = {known.save_request, known.pause_request};
+    if (options.orders) {
       SHARD_RETURN_IF_ERROR(device.AllReduceHostValues(communicator, requests, 2,
                                                        DataType::kInt64, ReduceOp::kMax));
     }
-    const int64_t request = requests[0];
-    const int64_t pause = requests[1];
-    const bool periodic = job.checkpoint_every > 0 && (step + 1) % job.checkpoint_every == 0;
-    if (periodic || request > satisfied_request) {
+    const StepBoundary boundary = DecideStepBoundary(
+        step + 1, job.steps, job.checkpoint_every,
+        StepOrders{options.generation, requests[0], requests[1]}, &satisfied_request);
+    if (boundary.save) {
       const absl::Time pause_start = absl::Now();
       std::vector<char> bytes = saver.TakeBuffer();
       if (absl::Status copied = (*engine)->CopyOwnedState(&bytes); !copied.ok()) return copied;
@@ -237,7 +239,7 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
       saved.id = CheckpointIdForStep(step + 1, options.checkpoint_tag);
       saved.dir = CheckpointDirectory(job.checkpoint_dir, job.name, saved.id);
       saved.step = step + 1;
-      saved.request = std::max(request, satisfied_request);
+      saved.request = boundary.request;
       saved.rank = rank;
       saved.plan = (*engine)->plan_pointer();
       saved.plan_version = (*engine)->plan_version();
@@ -246,11 +248,10 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
       result.max_checkpoint_pause_ms = std::max(result.max_checkpoint_pause_ms, saved.pause_ms);
       ++result.checkpoints_saved;
       record.checkpoint_pause_ms = saved.pause_ms;
-      satisfied_request = saved.request;
       saver.Start(std::move(saved), world, std::move(bytes));
     }
     if (options.on_step) options.on_step(record);
-    if (pause > 0 && satisfied_request >= pause && step + 1 < job.steps) {
+    if (boundary.pause) {
       saver.WaitIdle();  // the shard must be reported before the world re-forms from it
       result.paused_at = step + 1;
       return result;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/control_types.h"
 #include "common/job_spec.h"
 #include "worker/dataplane/checkpoint_saver.h"
 #include "worker/dataplane/communicator.h"
@@ -53,14 +54,14 @@ struct TrainerOptions {
   // Checkpoints (see common/checkpoint.h). Restore from this committed checkpoint directory
   // before training: training continues with the step after the checkpoint's.
   std::string restore_dir;
-  // The newest save request this rank knows of (e.g. from the coordinator). All ranks save at
-  // the first step boundary at which any of them knows a request newer than the last one saved
-  // (they agree through one small all-reduce per step). Periodic saves need no request.
-  const std::atomic<int64_t>* save_request = nullptr;
-  // A save request after which training pauses (0: none): the ranks agree on it as on
-  // save_request, save for it, and return with TrainResult::paused_at (the world is about to
-  // re-form and restore that checkpoint). Not at the last step: the job is done then anyway.
-  const std::atomic<int64_t>* pause_request = nullptr;
+  // The orders from the coordinator this rank knows of now (common/control_types.h), polled at
+  // every step boundary; only orders of `generation` count. All ranks save at the first
+  // boundary at which any of them knows a request newer than the last one saved, and pause
+  // after a pausing one (they agree through one small all-reduce per step; common/
+  // step_boundary.h decides). A pause returns with TrainResult::paused_at: the world is about
+  // to re-form and restore that checkpoint. Periodic saves need no orders.
+  std::function<StepOrders()> orders;
+  int64_t generation = 0;
   // Appended to checkpoint ids (e.g. "g7"), so that a restored run never reuses an id.
   std::string checkpoint_tag;
   // Called from the writer thread when this rank's shard is on disk (or failed).

@@ -1,0 +1,46 @@
+#include "common/control_types.h"
+
+namespace shard {
+
+absl::string_view JobStateName(JobState state) {
+  switch (state) {
+    case JobState::kForming: return "forming";
+    case JobState::kRunning: return "running";
+    case JobState::kStopping: return "stopping";
+    case JobState::kStopped: return "stopped";
+  }
+  return "unknown";
+}
+
+absl::string_view WorkerStateName(WorkerState state) {
+  switch (state) {
+    case WorkerState::kJoining: return "joining";
+    case WorkerState::kReady: return "ready";
+    case WorkerState::kFailed: return "failed";
+    case WorkerState::kLeft: return "left";
+    case WorkerState::kDead: return "dead";
+    case WorkerState::kStandby: return "standby";
+    case WorkerState::kLeaving: return "leaving";
+  }
+  return "unknown";
+}
+
+absl::string_view SelfCheckStateName(SelfCheckState state) {
+  switch (state) {
+    case SelfCheckState::kPending: return "pending";
+    case SelfCheckState::kPassed: return "passed";
+    case SelfCheckState::kFailed: return "failed";
+  }
+  return "unknown";
+}
+
+absl::string_view OverlapStatusName(OverlapStatus status) {
+  switch (status) {
+    case OverlapStatus::kUninitialized: return "UNINITIALIZED";
+    case OverlapStatus::kRebuilt: return "DDP_HAS_REBUILT_BUCKETS";
+    case OverlapStatus::kInitialized: return "INITIALIZED";
+  }
+  return "UNKNOWN";
+}
+
+}  // namespace shard

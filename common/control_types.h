@@ -1,0 +1,152 @@
+// The control plane's value types: what the coordinator, the workers and shardctl say to each
+// other, in domain terms. proto/control_convert.h is the one place that turns them into the
+// wire messages of shard/v1/coordinator.proto and back; the coordinator's managers
+// (server/types.h) and the worker's agent work with these.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "common/checkpoint.h"
+
+namespace shard {
+
+enum class JobState { kForming, kRunning, kStopping, kStopped };
+enum class WorkerState { kJoining, kReady, kFailed, kLeft, kDead, kStandby, kLeaving };
+enum class SelfCheckState { kPending, kPassed, kFailed };
+// The job's bucket-rebuild state, as PyTorch's ZeroRedundancyOptimizer._OverlapStatus.
+enum class OverlapStatus { kUninitialized, kRebuilt, kInitialized };
+
+absl::string_view JobStateName(JobState state);
+absl::string_view WorkerStateName(WorkerState state);
+absl::string_view SelfCheckStateName(SelfCheckState state);
+absl::string_view OverlapStatusName(OverlapStatus status);
+
+// The world as the coordinator sees it now.
+struct World {
+  JobState state = JobState::kForming;
+  int64_t generation = 0;
+  int world_size = 0;           // live workers holding a rank
+  int expected_world_size = 0;  // the target
+  int ranks = 0;                // of this generation's world
+  int min_world_size = 0;
+  int standby = 0;
+  std::string transition;  // what the world waits for, for people; empty when settled
+
+  bool operator==(const World&) const = default;
+};
+
+// Where a generation's training starts: the job's initial weights (no checkpoint) or a
+// committed checkpoint, continuing with the step after its step.
+struct TrainingStartPoint {
+  std::string checkpoint_id;
+  std::string dir;
+  int64_t step = 0;
+
+  bool operator==(const TrainingStartPoint&) const = default;
+};
+
+// What the ranks of one generation must do at their next step boundary. Requests belong to a
+// generation: a worker acts only on the orders of the generation it trains in.
+struct StepOrders {
+  int64_t generation = 0;
+  int64_t save_request = 0;   // the newest save request not yet answered (0: none)
+  int64_t pause_request = 0;  // a save request after which training pauses (0: none)
+
+  bool operator==(const StepOrders&) const = default;
+};
+
+struct JoinParams {
+  std::string worker_id;
+  std::string host;
+  std::string device;
+  std::vector<std::string> capabilities;
+  uint64_t incarnation = 0;
+  std::optional<int> requested_rank;
+
+  bool operator==(const JoinParams&) const = default;
+};
+
+// A heartbeat, which may wait for the world to change.
+struct HeartbeatParams {
+  std::string worker_id;
+  uint64_t incarnation = 0;
+  int64_t known_generation = 0;
+  JobState known_state = JobState::kForming;
+  absl::Duration wait;  // capped at a quarter lease; zero replies at once
+  // The generation in which this worker's training paused for a re-formation (0: not paused).
+  int64_t paused_generation = 0;
+
+  bool operator==(const HeartbeatParams&) const = default;
+};
+
+// Timings of one training step on one rank.
+struct StepReport {
+  int64_t step = 0;
+  double step_ms = 0;
+  double backward_ms = 0;
+  double communication_ms = 0;
+  double hidden_ms = 0;
+  std::vector<int64_t> bucket_bytes;
+  double loss = 0;
+
+  bool operator==(const StepReport&) const = default;
+};
+
+// A rank's shard of a checkpoint is on disk (or could not be written).
+struct ShardReport {
+  std::string worker_id;
+  uint64_t incarnation = 0;
+  int64_t generation = 0;  // of the world whose ranks saved it
+  int rank = 0;            // filled in by the coordinator from the membership
+  std::string id;
+  int64_t step = 0;
+  int64_t request = 0;  // the save request it satisfies (0: periodic)
+  int64_t plan_version = 0;
+  std::string plan_hash;
+  ShardRecord record;
+  double pause_ms = 0;
+  double write_ms = 0;
+  std::string error;  // the rank could not write its shard
+  TrainingCounters counters;
+
+  bool operator==(const ShardReport&) const = default;
+};
+
+struct SaveProgress {
+  int shards_done = 0;
+  int world_size = 0;
+  uint64_t bytes_done = 0;
+  std::string committed_id;  // once a checkpoint satisfying the request is committed
+  std::string error;         // the save failed or was cancelled
+
+  bool operator==(const SaveProgress&) const = default;
+};
+
+struct SelfCheckRecord {
+  SelfCheckState state = SelfCheckState::kPending;
+  int64_t generation = 0;
+  std::string detail;
+
+  bool operator==(const SelfCheckRecord&) const = default;
+};
+
+struct WorkerSnapshot {
+  std::string id;
+  int rank = -1;  // -1 once departed
+  std::string host;
+  std::string device;
+  std::vector<std::string> capabilities;
+  WorkerState state = WorkerState::kJoining;
+  absl::Duration since_heartbeat;
+  SelfCheckRecord self_check;
+  int64_t joined_generation = 0;
+
+  bool operator==(const WorkerSnapshot&) const = default;
+};
+
+}  // namespace shard

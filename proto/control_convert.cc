@@ -1,0 +1,342 @@
+#include "proto/control_convert.h"
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+
+namespace shard {
+
+v1::JobState ToProto(JobState state) {
+  switch (state) {
+    case JobState::kForming: return v1::JOB_STATE_FORMING;
+    case JobState::kRunning: return v1::JOB_STATE_RUNNING;
+    case JobState::kStopping: return v1::JOB_STATE_STOPPING;
+    case JobState::kStopped: return v1::JOB_STATE_STOPPED;
+  }
+  return v1::JOB_STATE_UNSPECIFIED;
+}
+
+JobState FromProto(v1::JobState state) {
+  switch (state) {
+    case v1::JOB_STATE_RUNNING: return JobState::kRunning;
+    case v1::JOB_STATE_STOPPING: return JobState::kStopping;
+    case v1::JOB_STATE_STOPPED: return JobState::kStopped;
+    default: return JobState::kForming;
+  }
+}
+
+v1::WorkerState ToProto(WorkerState state) {
+  switch (state) {
+    case WorkerState::kJoining: return v1::WORKER_STATE_JOINING;
+    case WorkerState::kReady: return v1::WORKER_STATE_READY;
+    case WorkerState::kFailed: return v1::WORKER_STATE_FAILED;
+    case WorkerState::kLeft: return v1::WORKER_STATE_LEFT;
+    case WorkerState::kDead: return v1::WORKER_STATE_DEAD;
+    case WorkerState::kStandby: return v1::WORKER_STATE_STANDBY;
+    case WorkerState::kLeaving: return v1::WORKER_STATE_LEAVING;
+  }
+  return v1::WORKER_STATE_UNSPECIFIED;
+}
+
+WorkerState FromProto(v1::WorkerState state) {
+  switch (state) {
+    case v1::WORKER_STATE_READY: return WorkerState::kReady;
+    case v1::WORKER_STATE_FAILED: return WorkerState::kFailed;
+    case v1::WORKER_STATE_LEFT: return WorkerState::kLeft;
+    case v1::WORKER_STATE_DEAD: return WorkerState::kDead;
+    case v1::WORKER_STATE_STANDBY: return WorkerState::kStandby;
+    case v1::WORKER_STATE_LEAVING: return WorkerState::kLeaving;
+    default: return WorkerState::kJoining;
+  }
+}
+
+v1::SelfCheckState ToProto(SelfCheckState state) {
+  switch (state) {
+    case SelfCheckState::kPending: return v1::SELF_CHECK_STATE_PENDING;
+    case SelfCheckState::kPassed: return v1::SELF_CHECK_STATE_PASSED;
+    case SelfCheckState::kFailed: return v1::SELF_CHECK_STATE_FAILED;
+  }
+  return v1::SELF_CHECK_STATE_UNSPECIFIED;
+}
+
+SelfCheckState FromProto(v1::SelfCheckState state) {
+  switch (state) {
+    case v1::SELF_CHECK_STATE_PASSED: return SelfCheckState::kPassed;
+    case v1::SELF_CHECK_STATE_FAILED: return SelfCheckState::kFailed;
+    default: return SelfCheckState::kPending;
+  }
+}
+
+v1::OverlapStatus ToProto(OverlapStatus status) {
+  switch (status) {
+    case OverlapStatus::kUninitialized: return v1::OVERLAP_STATUS_UNINITIALIZED;
+    case OverlapStatus::kRebuilt: return v1::OVERLAP_STATUS_DDP_HAS_REBUILT_BUCKETS;
+    case OverlapStatus::kInitialized: return v1::OVERLAP_STATUS_INITIALIZED;
+  }
+  return v1::OVERLAP_STATUS_UNSPECIFIED;
+}
+
+OverlapStatus FromProto(v1::OverlapStatus status) {
+  switch (status) {
+    case v1::OVERLAP_STATUS_DDP_HAS_REBUILT_BUCKETS: return OverlapStatus::kRebuilt;
+    case v1::OVERLAP_STATUS_INITIALIZED: return OverlapStatus::kInitialized;
+    default: return OverlapStatus::kUninitialized;
+  }
+}
+
+v1::WorldView ToProto(const World& world, const std::string& job) {
+  v1::WorldView view;
+  view.set_state(ToProto(world.state));
+  view.set_generation(world.generation);
+  view.set_world_size(world.world_size);
+  view.set_expected_world_size(world.expected_world_size);
+  view.mutable_scope()->set_job(job);
+  view.mutable_scope()->set_generation(world.generation);
+  view.set_ranks(world.ranks);
+  view.set_min_world_size(world.min_world_size);
+  view.set_standby(world.standby);
+  view.set_transition(world.transition);
+  return view;
+}
+
+World FromProto(const v1::WorldView& view) {
+  World world;
+  world.state = FromProto(view.state());
+  world.generation = view.generation();
+  world.world_size = view.world_size();
+  world.expected_world_size = view.expected_world_size();
+  world.ranks = view.ranks();
+  world.min_world_size = view.min_world_size();
+  world.standby = view.standby();
+  world.transition = view.transition();
+  return world;
+}
+
+v1::TrainingStart ToProto(const TrainingStartPoint& start) {
+  v1::TrainingStart out;
+  out.set_checkpoint_id(start.checkpoint_id);
+  out.set_checkpoint_dir(start.dir);
+  out.set_step(start.step);
+  return out;
+}
+
+TrainingStartPoint FromProto(const v1::TrainingStart& start) {
+  return TrainingStartPoint{start.checkpoint_id(), start.checkpoint_dir(), start.step()};
+}
+
+v1::StepStats ToProto(const StepReport& report) {
+  v1::StepStats out;
+  out.set_step(report.step);
+  out.set_step_ms(report.step_ms);
+  out.set_backward_ms(report.backward_ms);
+  out.set_communication_ms(report.communication_ms);
+  out.set_hidden_ms(report.hidden_ms);
+  for (int64_t bytes : report.bucket_bytes) out.add_bucket_bytes(bytes);
+  out.set_loss(report.loss);
+  return out;
+}
+
+StepReport FromProto(const v1::StepStats& stats) {
+  StepReport report;
+  report.step = stats.step();
+  report.step_ms = stats.step_ms();
+  report.backward_ms = stats.backward_ms();
+  report.communication_ms = stats.communication_ms();
+  report.hidden_ms = stats.hidden_ms();
+  report.bucket_bytes.assign(stats.bucket_bytes().begin(), stats.bucket_bytes().end());
+  report.loss = stats.loss();
+  return report;
+}
+
+v1::ShardRecord ToProto(const ShardRecord& record) {
+  v1::ShardRecord out;
+  out.set_file(record.file);
+  out.set_rank(record.rank);
+  out.set_bytes(record.bytes);
+  out.set_xxh3(record.xxh3);
+  for (const std::string& block : record.block_xxh3) out.add_block_xxh3(block);
+  return out;
+}
+
+ShardRecord FromProto(const v1::ShardRecord& record) {
+  return ShardRecord{record.file(), record.rank(), record.bytes(), record.xxh3(),
+                     {record.block_xxh3().begin(), record.block_xxh3().end()}};
+}
+
+v1::ReportCheckpointShardRequest ToProto(const ShardReport& report) {
+  v1::ReportCheckpointShardRequest out;
+  out.set_worker_id(report.worker_id);
+  out.set_incarnation(report.incarnation);
+  out.set_generation(report.generation);
+  out.set_checkpoint_id(report.id);
+  out.set_step(report.step);
+  out.set_request(report.request);
+  out.set_plan_version(report.plan_version);
+  out.set_plan_hash(report.plan_hash);
+  if (report.error.empty()) *out.mutable_shard() = ToProto(report.record);
+  out.set_pause_ms(report.pause_ms);
+  out.set_write_ms(report.write_ms);
+  out.set_error(report.error);
+  out.set_optimizer_step(report.counters.optimizer_step);
+  out.set_loss_scale(report.counters.loss_scale);
+  out.set_loss_scale_growth_tracker(report.counters.loss_scale_growth_tracker);
+  return out;
+}
+
+ShardReport FromProto(const v1::ReportCheckpointShardRequest& request) {
+  ShardReport report;
+  report.worker_id = request.worker_id();
+  report.incarnation = request.incarnation();
+  report.generation = request.generation();
+  report.id = request.checkpoint_id();
+  report.step = request.step();
+  report.request = request.request();
+  report.plan_version = request.plan_version();
+  report.plan_hash = request.plan_hash();
+  report.record = FromProto(request.shard());
+  report.rank = report.record.rank;
+  report.pause_ms = request.pause_ms();
+  report.write_ms = request.write_ms();
+  report.error = request.error();
+  report.counters = TrainingCounters{request.optimizer_step(), request.loss_scale(),
+                                     request.loss_scale_growth_tracker()};
+  return report;
+}
+
+v1::JoinRequest ToProto(const JoinParams& params) {
+  v1::JoinRequest out;
+  out.set_worker_id(params.worker_id);
+  out.set_host(params.host);
+  out.set_device(params.device);
+  for (const std::string& capability : params.capabilities) out.add_capabilities(capability);
+  out.set_incarnation(params.incarnation);
+  if (params.requested_rank.has_value()) out.set_requested_rank(*params.requested_rank);
+  return out;
+}
+
+JoinParams FromProto(const v1::JoinRequest& request) {
+  JoinParams params;
+  params.worker_id = request.worker_id();
+  params.host = request.host();
+  params.device = request.device();
+  params.capabilities.assign(request.capabilities().begin(), request.capabilities().end());
+  params.incarnation = request.incarnation();
+  if (request.has_requested_rank()) params.requested_rank = request.requested_rank();
+  return params;
+}
+
+v1::HeartbeatRequest ToProto(const HeartbeatParams& params) {
+  v1::HeartbeatRequest out;
+  out.set_worker_id(params.worker_id);
+  out.set_incarnation(params.incarnation);
+  out.set_known_generation(params.known_generation);
+  out.set_known_state(ToProto(params.known_state));
+  out.set_wait_ms(absl::ToInt64Milliseconds(params.wait));
+  out.set_paused_generation(params.paused_generation);
+  return out;
+}
+
+HeartbeatParams FromProto(const v1::HeartbeatRequest& request) {
+  HeartbeatParams params;
+  params.worker_id = request.worker_id();
+  params.incarnation = request.incarnation();
+  params.known_generation = request.known_generation();
+  params.known_state = FromProto(request.known_state());
+  params.wait = absl::Milliseconds(std::max<int64_t>(0, request.wait_ms()));
+  params.paused_generation = request.paused_generation();
+  return params;
+}
+
+void SetOrders(const StepOrders& orders, v1::HeartbeatResponse* response) {
+  response->set_checkpoint_request(orders.save_request);
+  response->set_pause_request(orders.pause_request);
+}
+
+StepOrders OrdersOf(const v1::HeartbeatResponse& response) {
+  return StepOrders{response.world().generation(), response.checkpoint_request(),
+                    response.pause_request()};
+}
+
+v1::GetSaveProgressResponse ToProto(const SaveProgress& progress) {
+  v1::GetSaveProgressResponse out;
+  out.set_shards_done(progress.shards_done);
+  out.set_world_size(progress.world_size);
+  out.set_bytes_done(progress.bytes_done);
+  out.set_checkpoint_id(progress.committed_id);
+  out.set_error(progress.error);
+  return out;
+}
+
+SaveProgress FromProto(const v1::GetSaveProgressResponse& response) {
+  return SaveProgress{response.shards_done(), response.world_size(), response.bytes_done(),
+                      response.checkpoint_id(), response.error()};
+}
+
+v1::SelfCheck ToProto(const SelfCheckRecord& check) {
+  v1::SelfCheck out;
+  out.set_state(ToProto(check.state));
+  out.set_generation(check.generation);
+  out.set_detail(check.detail);
+  return out;
+}
+
+SelfCheckRecord FromProto(const v1::SelfCheck& check) {
+  return SelfCheckRecord{FromProto(check.state()), check.generation(), check.detail()};
+}
+
+v1::WorkerStatus ToProto(const WorkerSnapshot& worker) {
+  v1::WorkerStatus out;
+  out.set_id(worker.id);
+  out.set_rank(worker.rank);
+  out.set_host(worker.host);
+  out.set_device(worker.device);
+  for (const std::string& capability : worker.capabilities) out.add_capabilities(capability);
+  out.set_state(ToProto(worker.state));
+  out.set_last_heartbeat_ms_ago(absl::ToInt64Milliseconds(worker.since_heartbeat));
+  *out.mutable_self_check() = ToProto(worker.self_check);
+  out.set_joined_generation(worker.joined_generation);
+  return out;
+}
+
+WorkerSnapshot FromProto(const v1::WorkerStatus& status) {
+  WorkerSnapshot worker;
+  worker.id = status.id();
+  worker.rank = status.rank();
+  worker.host = status.host();
+  worker.device = status.device();
+  worker.capabilities.assign(status.capabilities().begin(), status.capabilities().end());
+  worker.state = FromProto(status.state());
+  worker.since_heartbeat = absl::Milliseconds(status.last_heartbeat_ms_ago());
+  worker.self_check = FromProto(status.self_check());
+  worker.joined_generation = status.joined_generation();
+  return worker;
+}
+
+v1::Event ToApiEvent(const v1::MembershipEvent& event) {
+  v1::Event out;
+  out.set_sequence(event.sequence());
+  out.set_unix_ms(event.unix_ms());
+  out.set_generation(event.generation());
+  std::string kind = v1::MembershipEventKind_Name(event.kind());
+  constexpr absl::string_view kPrefix = "MEMBERSHIP_EVENT_KIND_";
+  if (absl::StartsWith(kind, kPrefix)) kind = kind.substr(kPrefix.size());
+  out.set_kind(absl::AsciiStrToLower(kind));
+  out.set_worker_id(event.worker_id());
+  out.set_rank(event.rank());
+  out.set_detail(event.detail());
+  return out;
+}
+
+v1::CheckpointInfo ToCheckpointInfo(const v1::CheckpointRecord& record) {
+  v1::CheckpointInfo out;
+  out.set_id(record.id());
+  out.set_step(record.step());
+  out.set_world_size(record.world_size());
+  out.set_dir(record.dir());
+  out.set_bytes(record.bytes());
+  out.set_committed_unix_ms(record.committed_unix_ms());
+  out.set_max_pause_ms(record.max_pause_ms());
+  out.set_max_write_ms(record.max_write_ms());
+  return out;
+}
+
+}  // namespace shard

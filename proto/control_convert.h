@@ -1,0 +1,66 @@
+// Conversions between the control plane's value types (common/control_types.h) and their
+// shard.v1 messages: the one place they are written, used by the coordinator's services, the
+// worker's agent and shardctl. Each message that travels both ways converts back to the same
+// value (tests/unit/control_convert_test.cc).
+#pragma once
+
+#include <string>
+
+#include "common/control_types.h"
+#include "shard/v1/coordinator.pb.h"
+#include "shard/v1/state.pb.h"
+
+namespace shard {
+
+v1::JobState ToProto(JobState state);
+JobState FromProto(v1::JobState state);  // UNSPECIFIED reads as forming
+v1::WorkerState ToProto(WorkerState state);
+WorkerState FromProto(v1::WorkerState state);
+v1::SelfCheckState ToProto(SelfCheckState state);
+SelfCheckState FromProto(v1::SelfCheckState state);
+v1::OverlapStatus ToProto(OverlapStatus status);
+OverlapStatus FromProto(v1::OverlapStatus status);
+
+// `job` names the rendezvous scope of the world's generation.
+v1::WorldView ToProto(const World& world, const std::string& job);
+World FromProto(const v1::WorldView& view);
+
+v1::TrainingStart ToProto(const TrainingStartPoint& start);
+TrainingStartPoint FromProto(const v1::TrainingStart& start);
+
+v1::StepStats ToProto(const StepReport& report);
+StepReport FromProto(const v1::StepStats& stats);
+
+v1::ShardRecord ToProto(const ShardRecord& record);
+ShardRecord FromProto(const v1::ShardRecord& record);
+
+// The rank is not on the wire: the coordinator takes it from the membership.
+v1::ReportCheckpointShardRequest ToProto(const ShardReport& report);
+ShardReport FromProto(const v1::ReportCheckpointShardRequest& request);
+
+v1::JoinRequest ToProto(const JoinParams& params);
+JoinParams FromProto(const v1::JoinRequest& request);
+
+v1::HeartbeatRequest ToProto(const HeartbeatParams& params);
+HeartbeatParams FromProto(const v1::HeartbeatRequest& request);
+
+// The orders ride on a heartbeat reply and belong to the generation of its world.
+void SetOrders(const StepOrders& orders, v1::HeartbeatResponse* response);
+StepOrders OrdersOf(const v1::HeartbeatResponse& response);
+
+v1::GetSaveProgressResponse ToProto(const SaveProgress& progress);
+SaveProgress FromProto(const v1::GetSaveProgressResponse& response);
+
+v1::SelfCheck ToProto(const SelfCheckRecord& check);
+SelfCheckRecord FromProto(const v1::SelfCheck& check);
+
+v1::WorkerStatus ToProto(const WorkerSnapshot& worker);
+WorkerSnapshot FromProto(const v1::WorkerStatus& status);
+
+// The history as shardctl shows it ("joined", "dead", ...).
+v1::Event ToApiEvent(const v1::MembershipEvent& event);
+
+// A committed checkpoint as the catalog keeps it, for listings.
+v1::CheckpointInfo ToCheckpointInfo(const v1::CheckpointRecord& record);
+
+}  // namespace shard

@@ -1,0 +1,455 @@
+#include "server/coordinator_core.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "proto/job_convert.h"
+#include "spdlog/spdlog.h"
+
+namespace shard {
+namespace {
+
+constexpr char kJobRecord[] = "job";
+
+// The world's options as the job spec sets them.
+void ApplyJob(const JobConfig& job, CoreOptions* options) {
+  options->world.job = job.name;
+  options->world.expected_world_size = job.world_size;
+  options->world.min_world_size = job.min_world_size;
+  const int64_t global_batch = job.global_batch;
+  options->world.check_size = [global_batch](int world_size) {
+    if (global_batch % world_size == 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the job's global batch ", global_batch, " does not divide over ", world_size,
+        " workers"));
+  };
+  options->plan.mode = job.shard_mode;
+  options->plan.bucket_cap_bytes = job.bucket_cap_bytes;
+  options->plan.first_bucket_cap_bytes = job.first_bucket_cap_bytes;
+}
+
+// Decides between taking back a live job kept in the store (a restart after a crash) and
+// starting a new world, and settles the job and world options accordingly.
+absl::Status SettleJob(StateStore* store, CoreOptions* options) {
+  absl::StatusOr<bool> live = WorldManager::HasLiveWorld(store);
+  if (!live.ok()) return live.status();
+  v1::JobSpec stored;
+  absl::StatusOr<bool> has_job = store->Load(kJobRecord, &stored);
+  if (!has_job.ok()) return has_job.status();
+  const bool recover =
+      *live && options->restore.empty() && (*has_job || !options->job.has_value());
+  if (recover && *has_job) {
+    if (options->job.has_value() &&
+        !google::protobuf::util::MessageDifferencer::Equals(ToProto(*options->job), stored)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the state directory holds job '", stored.name(), "', still live (its workers may be "
+          "running), with another job spec; start without --job (or with the same file) to take "
+          "it back, pass --restore to start a new run from a checkpoint, or use another "
+          "--state-dir"));
+    }
+    absl::StatusOr<JobConfig> job = JobConfigFromProto(stored, "");
+    if (!job.ok()) return job.status();
+    options->job = std::move(*job);
+  }
+  if (options->job.has_value()) {
+    ApplyJob(*options->job, options);
+    if (!recover) {
+      if (absl::Status saved = store->Save(kJobRecord, ToProto(*options->job)); !saved.ok()) {
+        return saved;
+      }
+    }
+  } else if (options->world.expected_world_size < 1) {
+    return absl::InvalidArgumentError(
+        "no job to run: give --job FILE or --world-size N (the state directory holds no live "
+        "job to take back)");
+  }
+  options->world.recover = recover;
+  return absl::OkStatus();
+}
+
+// A checkpoint `--restore` or `shardctl checkpoint restore` may start the job from.
+absl::Status CheckRestorable(const JobConfig& job, const CheckpointManifest& manifest) {
+  if (absl::Status same = CompareManifests(MlpManifest(job.widths), manifest.model(),
+                                           absl::StrCat("checkpoint ", manifest.id));
+      !same.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot restore checkpoint ", manifest.id, ": it is of a different model (",
+        same.message(), ")"));
+  }
+  if (manifest.state_names != OptimizerStateNames(job.optimizer)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot restore checkpoint ", manifest.id, ": it holds ",
+        OptimizerKindName(manifest.optimizer.kind), " state but the job uses ",
+        OptimizerKindName(job.optimizer.kind)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CoordinatorCore>> CoordinatorCore::Create(
+    CoreOptions options, StateStore* store, CheckpointStorage* storage, absl::Time now) {
+  if (absl::Status settled = SettleJob(store, &options); !settled.ok()) return settled;
+  std::unique_ptr<CoordinatorCore> core(new CoordinatorCore(options, store));
+  auto world = WorldManager::Create(options.world, store, now);
+  if (!world.ok()) return world.status();
+  core->world_ = std::move(*world);
+  const int64_t generation = core->world_->world().generation;
+  const bool recovered = core->world_->recovered();
+  core->kv_ = std::make_unique<KvStoreManager>(options.world.job, generation);
+  core->plan_ = std::make_unique<PlanManager>(options.plan, store);
+  core->plan_->OnGeneration(generation);
+  if (recovered) {
+    if (absl::Status plan = core->plan_->Recover(generation); !plan.ok()) return plan;
+  }
+  auto elastic = ElasticManager::Create(store, recovered && core->world_->kept_generation());
+  if (!elastic.ok()) return elastic.status();
+  core->elastic_ = std::move(*elastic);
+  if (options.job.has_value()) {
+    const JobConfig& job = *options.job;
+    CheckpointOptions checkpoint_options;
+    checkpoint_options.job = job.name;
+    checkpoint_options.root = job.checkpoint_dir;
+    checkpoint_options.keep_last = job.checkpoint_keep_last;
+    checkpoint_options.zero_stage = job.zero_stage;
+    checkpoint_options.optimizer = job.optimizer;
+    checkpoint_options.state_names = OptimizerStateNames(job.optimizer);
+    checkpoint_options.recover = recovered;
+    auto checkpoints = CheckpointManager::Create(checkpoint_options, store, storage, generation,
+                                                 core->world_->kept_generation());
+    if (!checkpoints.ok()) return checkpoints.status();
+    core->checkpoints_ = std::move(*checkpoints);
+    if (!options.restore.empty()) {
+      absl::StatusOr<v1::CheckpointRecord> record = core->checkpoints_->Find(options.restore);
+      if (!record.ok()) return record.status();
+      absl::StatusOr<CheckpointManifest> manifest = core->checkpoints_->ReadManifest(*record);
+      if (!manifest.ok()) return manifest.status();
+      if (absl::Status usable = CheckRestorable(job, *manifest); !usable.ok()) return usable;
+      if (absl::StatusOr<TrainingStartPoint> start =
+              core->checkpoints_->SetRestorePoint(record->id());
+          !start.ok()) {
+        return start.status();
+      }
+      core->plan_->SeedRebuiltOrder(manifest->plan.gradient_order);
+    }
+  } else if (!options.restore.empty()) {
+    return absl::InvalidArgumentError("--restore needs --job");
+  }
+  KvStoreManager* kv = core->kv_.get();
+  PlanManager* plan = core->plan_.get();
+  CheckpointManager* checkpoint_manager = core->checkpoints_.get();
+  core->world_->set_generation_listener([kv, plan, checkpoint_manager](int64_t next) {
+    kv->SetCurrentGeneration(next);
+    plan->OnGeneration(next);
+    if (checkpoint_manager != nullptr) checkpoint_manager->OnGeneration(next);
+  });
+  return core;
+}
+
+void CoordinatorCore::Acknowledge(std::function<void()> done) {
+  store_->WhenDurable(store_->last_sequence(), std::move(done));
+}
+
+// --- Workers ------------------------------------------------------------------------------------
+
+void CoordinatorCore::Join(const JoinParams& params, absl::Time now,
+                           Callback<absl::StatusOr<JoinReply>> done) {
+  absl::StatusOr<JoinOutcome> outcome = world_->Join(params, now);
+  absl::StatusOr<JoinReply> reply =
+      outcome.ok() ? absl::StatusOr<JoinReply>(JoinReply{
+                         *outcome, world_->options().lease, world_->options().lease / 4,
+                         checkpoints_ != nullptr ? checkpoints_->start() : TrainingStartPoint{}})
+                   : outcome.status();
+  Acknowledge([done = std::move(done), reply = std::move(reply)]() mutable {
+    done(std::move(reply));
+  });
+}
+
+void CoordinatorCore::Heartbeat(const HeartbeatParams& params, absl::Time now,
+                                Callback<absl::StatusOr<HeartbeatReply>> done) {
+  world_->WatchHeartbeat(
+      params, now, [this, done = std::move(done)](absl::StatusOr<HeartbeatOutcome> outcome) {
+        absl::StatusOr<HeartbeatReply> reply = absl::UnknownError("unset");
+        if (outcome.ok()) {
+          HeartbeatReply filled;
+          filled.orders.generation = outcome->world.generation;
+          if (checkpoints_ != nullptr) {
+            filled.orders = checkpoints_->Orders(outcome->world.generation);
+            filled.start = checkpoints_->start();
+          }
+          filled.outcome = std::move(*outcome);
+          reply = std::move(filled);
+        } else {
+          reply = outcome.status();
+        }
+        Acknowledge([done, reply = std::move(reply)]() mutable { done(std::move(reply)); });
+      });
+}
+
+void CoordinatorCore::ReportSelfCheck(const std::string& worker_id, uint64_t incarnation,
+                                      int64_t generation, bool passed, const std::string& detail,
+                                      absl::Time now, Callback<absl::Status> done) {
+  absl::Status reported =
+      world_->ReportSelfCheck(worker_id, incarnation, generation, passed, detail, now);
+  Acknowledge([done = std::move(done), reported] { done(reported); });
+}
+
+void CoordinatorCore::Leave(const std::string& worker_id, uint64_t incarnation,
+                            const std::string& reason, absl::Time now, Callback<absl::Status> done) {
+  absl::Status left = world_->Leave(worker_id, incarnation, reason, now);
+  Acknowledge([done = std::move(done), left] { done(left); });
+}
+
+absl::StatusOr<PlanView> CoordinatorCore::RegisterManifest(const std::string& worker_id,
+                                                           uint64_t incarnation,
+                                                           const Manifest& manifest) {
+  absl::StatusOr<MemberRef> member = world_->RunningMember(worker_id, incarnation);
+  if (!member.ok()) return member.status();
+  return plan_->RegisterManifest(*member, manifest);
+}
+
+absl::StatusOr<PlanView> CoordinatorCore::AckPlan(const std::string& worker_id,
+                                                  uint64_t incarnation, int64_t version,
+                                                  const std::string& hash) {
+  absl::StatusOr<MemberRef> member = world_->RunningMember(worker_id, incarnation);
+  if (!member.ok()) return member.status();
+  return plan_->AckPlan(*member, version, hash);
+}
+
+void CoordinatorCore::ReportGradientOrder(const std::string& worker_id, uint64_t incarnation,
+                                          int64_t plan_version, std::vector<int> order,
+                                          absl::Duration wait, absl::Time now,
+                                          PlanManager::PlanCallback done) {
+  absl::StatusOr<MemberRef> member = world_->RunningMember(worker_id, incarnation);
+  if (!member.ok()) {
+    done(member.status());
+    return;
+  }
+  plan_->ReportGradientOrder(*member, plan_version, std::move(order), wait, now, std::move(done));
+}
+
+absl::Status CoordinatorCore::ReportStepStats(const std::string& worker_id, uint64_t incarnation,
+                                              StepReport report) {
+  absl::StatusOr<MemberRef> member = world_->RunningMember(worker_id, incarnation);
+  if (!member.ok()) return member.status();
+  if (checkpoints_ != nullptr) checkpoints_->NoteTrainingStarted();
+  return plan_->ReportStepStats(*member, std::move(report));
+}
+
+void CoordinatorCore::ReportTrainingDone(const std::string& worker_id, uint64_t incarnation,
+                                         const std::string& summary, absl::Time now,
+                                         Callback<absl::Status> done) {
+  absl::Status reported = world_->ReportTrainingDone(worker_id, incarnation, summary, now);
+  Acknowledge([done = std::move(done), reported] { done(reported); });
+}
+
+absl::StatusOr<bool> CoordinatorCore::ReportCheckpointShard(ShardReport report, absl::Time now) {
+  absl::StatusOr<CheckpointManager*> checkpoints = Checkpoints();
+  if (!checkpoints.ok()) return checkpoints.status();
+  absl::StatusOr<MemberRef> member = world_->RunningMember(report.worker_id, report.incarnation);
+  if (!member.ok()) return member.status();
+  std::optional<PlanView> plan = plan_->Current();
+  if (!plan.has_value()) {
+    return absl::FailedPreconditionError("no plan in this generation");
+  }
+  report.rank = member->rank;
+  report.record.rank = member->rank;
+  return (*checkpoints)->ReportShard(report, *plan, now);
+}
+
+// --- Operators ----------------------------------------------------------------------------------
+
+StatusSnapshot CoordinatorCore::Status(absl::Time now) const {
+  StatusSnapshot snapshot = world_->Status(now);
+  if (std::string transition = elastic_->transition(); !transition.empty()) {
+    snapshot.world.transition = std::move(transition);
+  }
+  return snapshot;
+}
+
+void CoordinatorCore::Stop(const std::string& reason, absl::Time now, Callback<World> done) {
+  const World world = world_->RequestStop(reason, now);
+  Acknowledge([done = std::move(done), world] { done(world); });
+}
+
+void CoordinatorCore::Resize(int world_size, absl::Time now,
+                             Callback<absl::StatusOr<World>> done) {
+  absl::Status set = world_->SetTarget(world_size, now);
+  absl::StatusOr<World> reply =
+      set.ok() ? absl::StatusOr<World>(Status(now).world) : absl::StatusOr<World>(set);
+  Acknowledge([done = std::move(done), reply = std::move(reply)]() mutable {
+    done(std::move(reply));
+  });
+}
+
+void CoordinatorCore::Drain(const std::string& worker_id, absl::Time now,
+                            Callback<absl::StatusOr<World>> done) {
+  absl::Status drained = world_->Drain(worker_id, now);
+  absl::StatusOr<World> reply =
+      drained.ok() ? absl::StatusOr<World>(Status(now).world) : absl::StatusOr<World>(drained);
+  Acknowledge([done = std::move(done), reply = std::move(reply)]() mutable {
+    done(std::move(reply));
+  });
+}
+
+absl::StatusOr<CheckpointManager*> CoordinatorCore::Checkpoints() {
+  if (checkpoints_ != nullptr) return checkpoints_.get();
+  return absl::FailedPreconditionError(
+      "this coordinator runs no training job (started without --job), so it has no checkpoints");
+}
+
+absl::StatusOr<int64_t> CoordinatorCore::SaveCheckpoint() {
+  absl::StatusOr<CheckpointManager*> checkpoints = Checkpoints();
+  if (!checkpoints.ok()) return checkpoints.status();
+  const World world = world_->world();
+  if (world.state != JobState::kRunning) {
+    return absl::FailedPreconditionError(
+        "the world is not running; a checkpoint is saved by its workers");
+  }
+  absl::StatusOr<int64_t> request = (*checkpoints)->RequestSave(world.generation);
+  if (request.ok()) world_->WakeWatches();  // workers learn of the request at once
+  return request;
+}
+
+void CoordinatorCore::RestoreCheckpoint(
+    const std::string& id, absl::Time now,
+    Callback<absl::StatusOr<std::pair<TrainingStartPoint, World>>> done) {
+  auto restore = [&]() -> absl::StatusOr<std::pair<TrainingStartPoint, World>> {
+    absl::StatusOr<CheckpointManager*> checkpoints = Checkpoints();
+    if (!checkpoints.ok()) return checkpoints.status();
+    absl::StatusOr<v1::CheckpointRecord> record = (*checkpoints)->Find(id);
+    if (!record.ok()) return record.status();
+    absl::StatusOr<CheckpointManifest> manifest = (*checkpoints)->ReadManifest(*record);
+    if (!manifest.ok()) return manifest.status();
+    if (absl::Status usable = CheckRestorable(*options_.job, *manifest); !usable.ok()) {
+      return usable;
+    }
+    absl::StatusOr<TrainingStartPoint> start = (*checkpoints)->SetRestorePoint(record->id());
+    if (!start.ok()) return start.status();
+    plan_->SeedRebuiltOrder(manifest->plan.gradient_order);
+    const World world = world_->Reform(absl::StrCat("restore from checkpoint ", record->id()), now);
+    return std::make_pair(*start, world);
+  };
+  absl::StatusOr<std::pair<TrainingStartPoint, World>> reply = restore();
+  Acknowledge([done = std::move(done), reply = std::move(reply)]() mutable {
+    done(std::move(reply));
+  });
+}
+
+void CoordinatorCore::ListEvents(int64_t after, absl::Duration wait, absl::Time now,
+                                 EventsCallback done) {
+  auto durable = [this, done = std::move(done)](std::vector<v1::MembershipEvent> events) {
+    Acknowledge([done, events = std::move(events)]() mutable { done(std::move(events)); });
+  };
+  if (wait <= absl::ZeroDuration()) {
+    durable(world_->Events(after));
+  } else {
+    world_->WatchEvents(after, now + wait, std::move(durable));
+  }
+}
+
+// --- Housekeeping -------------------------------------------------------------------------------
+
+bool CoordinatorCore::Reconcile(absl::Time now) {
+  const World world = world_->world();
+  if (std::optional<InFlightReshape> in_flight = elastic_->in_flight()) {
+    if (world.generation != in_flight->generation || world.state != JobState::kRunning) {
+      // A death, a restart or a stop ended the generation first: the pause went with it (the
+      // checkpoint manager cancelled its request), and the world is re-planned once it settles.
+      elastic_->Finish(absl::StrCat("interrupted: the world changed (now ",
+                                    JobStateName(world.state), " at generation ",
+                                    world.generation, ")"));
+      return true;
+    }
+    const SaveProgress progress = checkpoints_->Progress(in_flight->request);
+    std::string failure = progress.error;
+    if (progress.committed_id.empty() && failure.empty()) {
+      if (!world_->AllPausedAt(world.generation)) return false;
+      // Every rank reported its shard before it paused, so reports are missing only if the
+      // coordinator lost them (it restarted): the checkpoint cannot commit any more.
+      failure = absl::StrCat("every rank paused but only ", progress.shards_done, " of ",
+                             world.world_size, " shard reports arrived (the coordinator "
+                             "restarted?)");
+    }
+    checkpoints_->CancelPause(in_flight->request);
+    if (!progress.committed_id.empty()) {
+      // Training paused right after this checkpoint: the next generation starts from it.
+      if (absl::StatusOr<TrainingStartPoint> start =
+              checkpoints_->SetRestorePoint(progress.committed_id);
+          !start.ok()) {
+        spdlog::error("cannot restart from checkpoint {}: {}", progress.committed_id,
+                      start.status().message());
+      }
+    } else {
+      spdlog::error("the checkpoint for the re-formation (request {}) failed: {}; re-forming "
+                    "from the latest committed checkpoint instead",
+                    in_flight->request, failure);
+    }
+    const std::optional<Reshape> pending = world_->PendingReshape();
+    absl::StatusOr<World> reformed =
+        pending.has_value() ? world_->ApplyReshape(*pending, now)
+                            : absl::StatusOr<World>(absl::FailedPreconditionError(
+                                  "nothing to change any more"));
+    if (!reformed.ok()) {
+      // The workers paused for nothing: let them go on from the checkpoint they just wrote.
+      world_->Reform(absl::StrCat("resume after the re-formation was dropped (",
+                                  reformed.status().message(), ")"),
+                     now);
+    }
+    elastic_->Finish(progress.committed_id.empty() ? absl::StrCat("failed: ", failure)
+                                                   : absl::StrCat("done at checkpoint ",
+                                                                  progress.committed_id));
+    return true;
+  }
+  if (checkpoints_ != nullptr && world_->AllPausedAt(world.generation)) {
+    // The way out of a pause nobody holds any more: every rank waits for a next generation.
+    world_->Reform(absl::StrCat("every rank paused at generation ", world.generation,
+                                " with no re-formation in progress; resuming from the latest "
+                                "checkpoint"),
+                   now);
+    return true;
+  }
+  const std::optional<Reshape> pending = world_->PendingReshape();
+  if (!pending.has_value()) return false;
+  if (checkpoints_ == nullptr || !checkpoints_->training_started()) {
+    if (absl::StatusOr<World> reformed = world_->ApplyReshape(*pending, now); !reformed.ok()) {
+      spdlog::warn("re-formation not applied: {}", reformed.status().message());
+    }
+    return true;
+  }
+  absl::StatusOr<int64_t> request = checkpoints_->RequestSave(pending->generation, /*pause=*/true);
+  if (!request.ok()) {
+    spdlog::error("cannot ask for the checkpoint of a re-formation: {}",
+                  request.status().message());
+    return false;
+  }
+  const std::string description =
+      absl::StrCat("re-forming from ", pending->from_size, " to ", pending->to_size,
+                   " workers (", pending->reason, ")");
+  if (absl::Status started =
+          elastic_->Start(InFlightReshape{pending->generation, *request, description, now});
+      !started.ok()) {
+    spdlog::error("cannot record the re-formation in flight: {}", started.message());
+    checkpoints_->CancelPause(*request);
+    return false;
+  }
+  return true;
+}
+
+void CoordinatorCore::Housekeep(absl::Time now) {
+  world_->ExpireLeases(now);
+  if (Reconcile(now)) world_->WakeWatches();
+  world_->ExpireWatches(now);
+  plan_->ExpireWaits(now);
+  kv_->ExpireWaiters(now);
+}
+
+void CoordinatorCore::Close(const absl::Status& reason) {
+  kv_->Close(reason);
+  world_->CloseWatches(reason);
+  plan_->CloseWaits(reason);
+}
+
+}  // namespace shard

@@ -1,0 +1,140 @@
+// The coordinator without its transport: the managers of one job wired together, the handlers
+// the gRPC services call (in domain types), and the housekeeping pass that runs the job-level
+// state machine (docs/control-plane.md). CoordinatorServer serves it over gRPC; the
+// deterministic simulation test (tests/sim/) drives the same object with a fake clock,
+// simulated workers and coordinator restarts.
+//
+// Every handler that acknowledges a membership change answers only once the change is durable
+// in the state store, so no restart forgets what a worker or an operator was told.
+//
+// Thread-safe. Callbacks may run on the caller's thread or on the state store's writer thread.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/job_spec.h"
+#include "server/checkpoint_manager.h"
+#include "server/checkpoint_storage.h"
+#include "server/elastic_manager.h"
+#include "server/kv_store_manager.h"
+#include "server/plan_manager.h"
+#include "server/store/state_store.h"
+#include "server/types.h"
+#include "server/world_manager.h"
+
+namespace shard {
+
+struct CoreOptions {
+  // expected_world_size 0: the job's (or, with neither a job nor a size, the live world's kept
+  // in the state store).
+  WorldOptions world;
+  PlanConfig plan;
+  // Handed to every joining worker. Unset: the job kept in the state store if one is still
+  // live there, else a world without training.
+  std::optional<JobConfig> job;
+  // With a job: restore the training from this checkpoint ("latest" allowed) when it starts.
+  std::string restore;
+};
+
+struct JoinReply {
+  JoinOutcome outcome;
+  absl::Duration lease;
+  absl::Duration heartbeat_interval;  // a quarter lease: how often to heartbeat
+  TrainingStartPoint start;
+};
+
+struct HeartbeatReply {
+  HeartbeatOutcome outcome;
+  StepOrders orders;  // of the reply's generation
+  TrainingStartPoint start;
+};
+
+template <typename T>
+using Callback = std::function<void(T)>;
+
+class CoordinatorCore {
+ public:
+  // Loads the store (taking back a live job after a restart, or starting a new world) and
+  // creates the managers.
+  static absl::StatusOr<std::unique_ptr<CoordinatorCore>> Create(CoreOptions options,
+                                                                 StateStore* store,
+                                                                 CheckpointStorage* storage,
+                                                                 absl::Time now);
+
+  // --- Workers ---
+  void Join(const JoinParams& params, absl::Time now, Callback<absl::StatusOr<JoinReply>> done);
+  void Heartbeat(const HeartbeatParams& params, absl::Time now,
+                 Callback<absl::StatusOr<HeartbeatReply>> done);
+  void ReportSelfCheck(const std::string& worker_id, uint64_t incarnation, int64_t generation,
+                       bool passed, const std::string& detail, absl::Time now,
+                       Callback<absl::Status> done);
+  void Leave(const std::string& worker_id, uint64_t incarnation, const std::string& reason,
+             absl::Time now, Callback<absl::Status> done);
+  absl::StatusOr<PlanView> RegisterManifest(const std::string& worker_id, uint64_t incarnation,
+                                            const Manifest& manifest);
+  absl::StatusOr<PlanView> AckPlan(const std::string& worker_id, uint64_t incarnation,
+                                   int64_t version, const std::string& hash);
+  void ReportGradientOrder(const std::string& worker_id, uint64_t incarnation,
+                           int64_t plan_version, std::vector<int> order, absl::Duration wait,
+                           absl::Time now, PlanManager::PlanCallback done);
+  absl::Status ReportStepStats(const std::string& worker_id, uint64_t incarnation,
+                               StepReport report);
+  void ReportTrainingDone(const std::string& worker_id, uint64_t incarnation,
+                          const std::string& summary, absl::Time now, Callback<absl::Status> done);
+  absl::StatusOr<bool> ReportCheckpointShard(ShardReport report, absl::Time now);
+
+  // --- Operators ---
+  StatusSnapshot Status(absl::Time now) const;
+  void Stop(const std::string& reason, absl::Time now, Callback<World> done);
+  void Resize(int world_size, absl::Time now, Callback<absl::StatusOr<World>> done);
+  void Drain(const std::string& worker_id, absl::Time now, Callback<absl::StatusOr<World>> done);
+  absl::StatusOr<int64_t> SaveCheckpoint();
+  // Training restarts from checkpoint `id` ("latest" allowed) at a new generation.
+  void RestoreCheckpoint(const std::string& id, absl::Time now,
+                         Callback<absl::StatusOr<std::pair<TrainingStartPoint, World>>> done);
+  void ListEvents(int64_t after, absl::Duration wait, absl::Time now, EventsCallback done);
+  // FailedPrecondition when the coordinator runs no job (and so keeps no checkpoints).
+  absl::StatusOr<CheckpointManager*> Checkpoints();
+
+  // --- Housekeeping ---
+  // Declares silent workers dead, runs the job's state machine (re-formations, pauses and
+  // their way out), and answers the long-polls whose wait ran out.
+  void Housekeep(absl::Time now);
+  // Answers every long-poll with `reason` and refuses later rendezvous calls (at shutdown).
+  void Close(const absl::Status& reason);
+
+  // Whether Create took back a live job, and kept its generation.
+  bool recovered() const { return world_->recovered(); }
+  bool kept_generation() const { return world_->kept_generation(); }
+  const CoreOptions& options() const { return options_; }
+  WorldManager& world() { return *world_; }
+  const WorldManager& world() const { return *world_; }
+  KvStoreManager& kv() { return *kv_; }
+  PlanManager& plan() { return *plan_; }
+  CheckpointManager* checkpoints() { return checkpoints_.get(); }
+  ElasticManager& elastic() { return *elastic_; }
+
+ private:
+  CoordinatorCore(CoreOptions options, StateStore* store) : options_(std::move(options)), store_(store) {}
+  // Runs `done` once everything recorded so far is durable.
+  void Acknowledge(std::function<void()> done);
+  // The job-level state machine's step; true if the workers must hear of it at once.
+  bool Reconcile(absl::Time now);
+
+  const CoreOptions options_;
+  StateStore* const store_;
+  std::unique_ptr<WorldManager> world_;
+  std::unique_ptr<KvStoreManager> kv_;
+  std::unique_ptr<PlanManager> plan_;
+  std::unique_ptr<CheckpointManager> checkpoints_;  // with a job only
+  std::unique_ptr<ElasticManager> elastic_;
+};
+
+}  // namespace shard

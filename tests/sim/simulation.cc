@@ -1,0 +1,1292 @@
+#include "tests/sim/simulation.h"
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <queue>
+#include <random>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/job_spec.h"
+#include "common/step_boundary.h"
+#include "server/coordinator_core.h"
+#include "server/membership_log.h"
+#include "tests/sim/sim_store.h"
+
+namespace shard::sim {
+namespace {
+
+// Timing of the simulated system, in simulated time.
+constexpr absl::Duration kLease = absl::Seconds(1);
+constexpr absl::Duration kHousekeeping = absl::Milliseconds(50);
+constexpr absl::Duration kCoordinatorTimeout = absl::Seconds(60);  // shard-worker's default
+constexpr absl::Duration kCollectiveTimeout = absl::Seconds(60);
+constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
+constexpr char kCheckpointRoot[] = "/sim/checkpoints";
+
+// The model's parameters after `step`, as a hash chain: equal chains mean equal training.
+uint64_t Mix(uint64_t hash, int64_t step) {
+  uint64_t z = hash + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(step + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+class Failure {
+ public:
+  void Set(std::string message) {
+    if (message_.empty()) message_ = std::move(message);
+  }
+  bool failed() const { return !message_.empty(); }
+  const std::string& message() const { return message_; }
+
+ private:
+  std::string message_;
+};
+
+// One worker's data path in one generation (worker/agent.cc ConnectGeneration and Train).
+struct Session {
+  enum class Phase { kRendezvous, kConnecting, kChecking, kTraining, kPaused, kDone, kFailed };
+  int64_t generation = 0;
+  int rank = 0;
+  int size = 0;
+  Phase phase = Phase::kRendezvous;
+  int writes = 0;             // shard writes not yet reported
+  bool pause_after_writes = false;
+  bool done_after_writes = false;
+};
+
+// The ranks of one generation that connected their data path: they step in lockstep.
+struct Group {
+  int64_t generation = 0;
+  int size = 0;
+  std::map<int, int> members;  // rank -> worker index
+  bool started = false;        // restored and stepping
+  bool stepping = false;       // a step is scheduled
+  bool over = false;           // failed, paused or done
+  int64_t step = 0;
+  uint64_t hash = 0;
+  int64_t satisfied = 0;
+  std::string restored_from;
+};
+
+struct Worker {
+  std::string id;
+  uint64_t incarnation = 0;
+  uint64_t process = 0;  // bumped at every start and death: events of an older one are void
+  bool alive = false;
+  bool stopped = false;  // SIGSTOP
+  bool exited = false;
+  std::string exit_reason;
+  bool joined = false;
+  int64_t known_generation = 0;
+  JobState known_state = JobState::kForming;
+  int rank = -1;
+  int world_size = 0;
+  absl::Duration interval = kLease / 4;
+  StepOrders orders;
+  TrainingStartPoint start;
+  int64_t paused_generation = 0;
+  int64_t attempted_generation = 0;
+  std::optional<Session> session;
+  bool trained = false;
+  bool leaving = false;
+  absl::Time last_contact;
+  absl::Time join_started;
+  absl::Duration backoff;
+  std::vector<std::function<void()>> deferred;  // events that came while stopped
+};
+
+class Simulation {
+ public:
+  explicit Simulation(const SimulationOptions& options) : options_(options), rng_(options.seed) {}
+
+  SimulationResult Run();
+
+ private:
+  // --- Scheduling ---
+  void At(absl::Time when, std::function<void()> action) {
+    queue_.push(Event{when, next_event_++, std::move(action)});
+  }
+  void After(absl::Duration delay, std::function<void()> action) {
+    At(now_ + delay, std::move(action));
+  }
+  // An event of worker `index`'s current process: void once it dies, deferred while stopped.
+  void ForWorker(int index, absl::Duration delay, std::function<void(Worker&)> action);
+  // The same for process `process` of the worker (replies to a request it sent).
+  void ForProcess(int index, uint64_t process, absl::Duration delay,
+                  std::function<void(Worker&)> action);
+  absl::Duration Uniform(absl::Duration low, absl::Duration high) {
+    return low + absl::Nanoseconds(std::uniform_int_distribution<int64_t>(
+                     0, absl::ToInt64Nanoseconds(high - low))(rng_));
+  }
+  int Pick(int n) { return std::uniform_int_distribution<int>(0, n - 1)(rng_); }
+  bool Chance(double p) { return std::bernoulli_distribution(p)(rng_); }
+  absl::Duration NetworkDelay() { return Uniform(absl::Microseconds(200), absl::Milliseconds(3)); }
+  void Log(const std::string& line) {
+    if (options_.verbose) {
+      std::printf("%9.3fs %s\n", absl::ToDoubleSeconds(now_ - epoch_), line.c_str());
+    }
+  }
+
+  // --- The coordinator ---
+  void StartCoordinator();
+  void CrashCoordinator();
+  void Housekeep(uint64_t coordinator);
+  void ScheduleFlush();
+  // Sends a request: `call` runs on the coordinator after the network delay and answers
+  // through `reply`, whose result reaches the worker after the delay back. A request to a down
+  // or restarting coordinator, or one it held when it died, fails with Unavailable.
+  using Deliver = std::function<void(std::function<void(Worker&)>)>;
+  void Call(int index, std::function<void(CoordinatorCore&, Deliver)> call,
+            std::function<void(Worker&)> unavailable);
+
+  // --- Workers (worker/agent.cc) ---
+  int AddWorker(std::string id);
+  void StartProcess(int index);
+  void Kill(int index, const std::string& why);
+  void Stop(int index, absl::Duration for_how_long);
+  void Resume(int index);
+  void Exit(Worker& worker, const std::string& reason, bool error);
+  void Join(int index);
+  void Heartbeat(int index);
+  void UpdateWorld(int index, const World& world, int rank);
+  void Leave(int index);
+  void TryConnect(int index);
+  void FailSession(int index, const absl::Status& status);
+  // FailSession later, if the worker's session is still of `generation` by then.
+  void FailSessionLater(int index, int64_t generation, absl::Duration delay, absl::Status status);
+  void OnConnected(int index);
+  void Rendezvoused(int index);
+  void CheckGroup(int64_t generation);
+  void Step(int64_t generation);
+  void ShardWritten(int index, int64_t generation, std::string id, int64_t step, int64_t request,
+                    uint64_t hash);
+  void WritesDone(int index);
+  Group* GroupOf(const Worker& worker);
+
+  // --- Faults and operators ---
+  void Fault();
+  void Operator();
+  void Heal();
+
+  // --- Properties ---
+  void CheckInvariants();
+  void CheckDiskEqualsMemory();
+  bool Settled();
+  std::string Describe();
+
+  SimulationOptions options_;
+  std::mt19937_64 rng_;
+  struct Event {
+    absl::Time when;
+    uint64_t sequence;
+    std::function<void()> action;
+    bool operator>(const Event& other) const {
+      return when != other.when ? when > other.when : sequence > other.sequence;
+    }
+  };
+  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> queue_;
+  uint64_t next_event_ = 0;
+  const absl::Time epoch_ = absl::FromUnixSeconds(1700000000);
+  absl::Time now_ = epoch_;
+  SimulationResult result_;
+  Failure failure_;
+
+  // The job.
+  JobConfig job_;
+  CoreOptions core_options_;
+  uint64_t reference_hash_ = 0;
+  absl::Duration step_time_;
+  absl::Time faults_end_;
+  absl::Time deadline_;
+
+  SimStateStore store_;
+  SimCheckpointStorage storage_;
+  std::unique_ptr<CoordinatorCore> core_;
+  uint64_t coordinator_ = 0;  // bumped at every start and crash
+  bool flush_scheduled_ = false;
+  struct PendingCall {
+    int index;
+    uint64_t process;
+    std::function<void(Worker&)> unavailable;
+  };
+  std::map<uint64_t, PendingCall> pending_calls_;
+  uint64_t next_call_ = 0;
+
+  std::vector<std::unique_ptr<Worker>> workers_;
+  int next_worker_id_ = 0;
+  std::map<int64_t, Group> groups_;
+
+  // What the invariants remember.
+  int64_t max_generation_told_ = 0;
+  std::map<std::string, std::string> catalog_;  // as last seen: id -> dir
+  std::set<std::string> removed_;               // directories removed by retention or a delete
+  int committed_ = 0;                           // checkpoints seen committed
+  size_t removals_checked_ = 0;
+  bool operator_stopped_ = false;
+  std::optional<uint64_t> final_hash_;
+};
+
+void Simulation::ForWorker(int index, absl::Duration delay, std::function<void(Worker&)> action) {
+  ForProcess(index, workers_[index]->process, delay, std::move(action));
+}
+
+void Simulation::ForProcess(int index, uint64_t process, absl::Duration delay,
+                            std::function<void(Worker&)> action) {
+  After(delay, [this, index, process, action = std::move(action)]() {
+    Worker& worker = *workers_[index];
+    if (worker.process != process || !worker.alive) return;
+    if (worker.stopped) {
+      worker.deferred.push_back([this, index, process, action]() {
+        Worker& resumed = *workers_[index];
+        if (resumed.process == process && resumed.alive) action(resumed);
+      });
+      return;
+    }
+    action(worker);
+  });
+}
+
+// --- The coordinator -----------------------------------------------------------------------------
+
+void Simulation::StartCoordinator() {
+  absl::StatusOr<std::unique_ptr<CoordinatorCore>> core =
+      CoordinatorCore::Create(core_options_, &store_, &storage_, now_);
+  if (!core.ok()) {
+    failure_.Set(absl::StrCat("the coordinator cannot start on its own state: ",
+                              core.status().ToString()));
+    return;
+  }
+  core_ = std::move(*core);
+  const uint64_t coordinator = ++coordinator_;
+  Log(absl::StrCat("coordinator up at generation ", core_->world().world().generation,
+                   core_->recovered() ? (core_->kept_generation() ? " (kept)" : " (new)") : ""));
+  After(kHousekeeping, [this, coordinator] { Housekeep(coordinator); });
+  ScheduleFlush();
+}
+
+void Simulation::CrashCoordinator() {
+  if (core_ == nullptr) return;
+  ++result_.coordinator_crashes;
+  Log("coordinator SIGKILLed");
+  store_.Crash();
+  core_.reset();
+  ++coordinator_;
+  // Every request it held fails: the connection is gone.
+  std::map<uint64_t, PendingCall> lost;
+  lost.swap(pending_calls_);
+  for (auto& [id, call] : lost) {
+    ForProcess(call.index, call.process, absl::Milliseconds(1), std::move(call.unavailable));
+  }
+}
+
+void Simulation::Housekeep(uint64_t coordinator) {
+  if (coordinator != coordinator_ || core_ == nullptr) return;
+  core_->Housekeep(now_);
+  ScheduleFlush();
+  After(kHousekeeping, [this, coordinator] { Housekeep(coordinator); });
+}
+
+void Simulation::ScheduleFlush() {
+  if (flush_scheduled_ || !store_.has_pending()) return;
+  flush_scheduled_ = true;
+  const uint64_t coordinator = coordinator_;
+  After(Uniform(absl::Microseconds(500), absl::Milliseconds(8)), [this, coordinator] {
+    flush_scheduled_ = false;
+    if (coordinator != coordinator_ || core_ == nullptr) return;
+    store_.Flush();
+    CheckDiskEqualsMemory();
+  });
+}
+
+void Simulation::Call(int index, std::function<void(CoordinatorCore&, Deliver)> call,
+                      std::function<void(Worker&)> unavailable) {
+  const uint64_t id = next_call_++;
+  const uint64_t process = workers_[index]->process;
+  const uint64_t coordinator = coordinator_;
+  After(NetworkDelay(), [this, index, id, process, coordinator, call = std::move(call),
+                         unavailable = std::move(unavailable)]() mutable {
+    if (coordinator != coordinator_ || core_ == nullptr) {
+      ForProcess(index, process, absl::Milliseconds(1), std::move(unavailable));
+      return;
+    }
+    pending_calls_[id] = PendingCall{index, process, std::move(unavailable)};
+    const uint64_t served_by = coordinator_;
+    call(*core_, [this, id, index, process, served_by](std::function<void(Worker&)> handle) {
+      if (served_by != coordinator_) return;  // answered by a coordinator that died
+      pending_calls_.erase(id);
+      ForProcess(index, process, NetworkDelay(), std::move(handle));
+    });
+    ScheduleFlush();
+  });
+}
+
+// --- Workers ----------------------------------------------------------------------------------
+
+int Simulation::AddWorker(std::string id) {
+  auto worker = std::make_unique<Worker>();
+  worker->id = std::move(id);
+  workers_.push_back(std::move(worker));
+  return static_cast<int>(workers_.size()) - 1;
+}
+
+void Simulation::StartProcess(int index) {
+  Worker& worker = *workers_[index];
+  const std::string id = worker.id;
+  const uint64_t incarnation = worker.incarnation + 1;
+  const uint64_t process = worker.process + 1;
+  worker = Worker{};
+  worker.id = id;
+  worker.incarnation = incarnation;
+  worker.process = process;
+  worker.alive = true;
+  worker.join_started = now_;
+  worker.backoff = absl::Milliseconds(100);
+  Log(absl::StrCat(id, " starts (incarnation ", incarnation, ")"));
+  Join(index);
+}
+
+void Simulation::Exit(Worker& worker, const std::string& reason, bool error) {
+  Log(absl::StrCat(worker.id, " exits: ", reason));
+  worker.alive = false;
+  worker.exited = true;
+  worker.exit_reason = reason;
+  ++worker.process;
+  if (error) {
+    failure_.Set(absl::StrCat("worker ", worker.id, " exited with an error: ", reason));
+  }
+}
+
+void Simulation::Kill(int index, const std::string& why) {
+  Worker& worker = *workers_[index];
+  Log(absl::StrCat(worker.id, " SIGKILLed (", why, ")"));
+  worker.alive = false;
+  worker.stopped = false;
+  worker.deferred.clear();
+  ++worker.process;
+  // Its peers' collectives fail at once: the sockets reset.
+  if (Group* group = GroupOf(worker); group != nullptr && !group->over) {
+    for (const auto& [rank, peer] : group->members) {
+      if (peer == index) continue;
+      FailSessionLater(peer, group->generation, absl::Milliseconds(10),
+                       absl::UnavailableError("a peer's connection was reset"));
+    }
+    group->over = true;
+  }
+}
+
+void Simulation::Stop(int index, absl::Duration for_how_long) {
+  Worker& worker = *workers_[index];
+  Log(absl::StrCat(worker.id, " SIGSTOPped for ", absl::FormatDuration(for_how_long)));
+  worker.stopped = true;
+  const uint64_t process = worker.process;
+  After(for_how_long, [this, index, process] {
+    if (workers_[index]->process == process) Resume(index);
+  });
+}
+
+void Simulation::Resume(int index) {
+  Worker& worker = *workers_[index];
+  if (!worker.stopped) return;
+  Log(absl::StrCat(worker.id, " SIGCONTed"));
+  worker.stopped = false;
+  std::vector<std::function<void()>> deferred;
+  deferred.swap(worker.deferred);
+  for (std::function<void()>& event : deferred) After(absl::ZeroDuration(), std::move(event));
+  // A collective it was part of may have moved on without it.
+  if (Group* group = GroupOf(worker); group != nullptr && group->over && worker.session &&
+                                      worker.session->phase == Session::Phase::kTraining) {
+    FailSessionLater(index, group->generation, absl::Milliseconds(5),
+                     absl::UnavailableError("peers gave up the collective"));
+  }
+  if (Group* group = GroupOf(worker); group != nullptr && !group->over && !group->stepping &&
+                                      group->started) {
+    group->stepping = true;
+    const int64_t generation = group->generation;
+    After(step_time_, [this, generation] { Step(generation); });
+  }
+}
+
+void Simulation::Join(int index) {
+  Worker& w = *workers_[index];
+  JoinParams params;
+  params.worker_id = w.id;
+  params.host = absl::StrCat("10.0.0.", index % 250 + 1);
+  params.device = "cpu";
+  params.capabilities = {"gloo"};
+  params.incarnation = w.incarnation;
+  auto retry = [this, index](Worker& worker, const std::string& why, bool refused) {
+    if (!refused && now_ - worker.join_started > kCoordinatorTimeout) {
+      Exit(worker, absl::StrCat("cannot reach the coordinator: ", why), true);
+      return;
+    }
+    const absl::Duration backoff = worker.backoff;
+    worker.backoff = std::min(2 * worker.backoff, absl::Seconds(refused ? 5 : 2));
+    ForWorker(index, backoff, [this, index](Worker&) { Join(index); });
+  };
+  Call(
+      index,
+      [this, params, retry, index](CoordinatorCore& core, Deliver deliver) {
+        core.Join(params, now_, [this, deliver, retry, index](absl::StatusOr<JoinReply> reply) {
+          deliver([this, reply, retry, index](Worker& worker) {
+            if (reply.ok()) {
+              worker.joined = true;
+              worker.interval = reply->heartbeat_interval;
+              worker.start = reply->start;
+              worker.last_contact = now_;
+              worker.backoff = absl::ZeroDuration();
+              UpdateWorld(index, reply->outcome.world, reply->outcome.rank);
+              Heartbeat(index);
+            } else if (absl::IsResourceExhausted(reply.status()) ||
+                       absl::IsAlreadyExists(reply.status())) {
+              retry(worker, std::string(reply.status().message()), true);
+            } else if (absl::IsFailedPrecondition(reply.status()) &&
+                       absl::StrContains(reply.status().message(), "is stopping")) {
+              Exit(worker, std::string(reply.status().message()), false);
+            } else {
+              Exit(worker, absl::StrCat("join refused: ", reply.status().ToString()), true);
+            }
+          });
+        });
+      },
+      [retry](Worker& worker) { retry(worker, "unavailable", false); });
+}
+
+void Simulation::Heartbeat(int index) {
+  Worker& w = *workers_[index];
+  HeartbeatParams params;
+  params.worker_id = w.id;
+  params.incarnation = w.incarnation;
+  params.known_generation = w.known_generation;
+  params.known_state = w.known_state;
+  params.wait = w.interval;
+  params.paused_generation = w.paused_generation;
+  auto unavailable = [this, index](Worker& worker) {
+    if (now_ - worker.last_contact > kCoordinatorTimeout) {
+      Exit(worker, "lost the coordinator", true);
+      return;
+    }
+    worker.backoff =
+        std::min(std::max(2 * worker.backoff, absl::Milliseconds(50)), worker.interval);
+    ForWorker(index, worker.backoff, [this, index](Worker&) { Heartbeat(index); });
+  };
+  Call(
+      index,
+      [this, params, index](CoordinatorCore& core, Deliver deliver) {
+        core.Heartbeat(params, now_, [this, deliver, index](absl::StatusOr<HeartbeatReply> reply) {
+          deliver([this, reply, index](Worker& worker) {
+            if (reply.ok()) {
+              worker.last_contact = now_;
+              worker.backoff = absl::ZeroDuration();
+              worker.orders = reply->orders;
+              worker.start = reply->start;
+              UpdateWorld(index, reply->outcome.world, reply->outcome.rank);
+              if (reply->outcome.stop) {
+                if (!worker.leaving) Leave(index);
+                return;
+              }
+              Heartbeat(index);
+            } else if (absl::IsNotFound(reply.status())) {
+              // Declared dead while it was away: join again (the agent keeps its incarnation).
+              worker.joined = false;
+              worker.join_started = now_;
+              worker.backoff = absl::Milliseconds(100);
+              Join(index);
+            } else if (absl::IsFailedPrecondition(reply.status())) {
+              Exit(worker, "taken over by a newer process", false);
+            } else {
+              Exit(worker, absl::StrCat("heartbeat: ", reply.status().ToString()), true);
+            }
+          });
+        });
+      },
+      unavailable);
+}
+
+void Simulation::UpdateWorld(int index, const World& world, int rank) {
+  Worker& worker = *workers_[index];
+  if (world.generation != worker.known_generation || world.state != worker.known_state) {
+    Log(absl::StrCat(worker.id, " learns generation ", world.generation, " (",
+                     JobStateName(world.state), "), rank ", rank));
+  }
+  if (world.generation < worker.known_generation) {
+    failure_.Set(absl::StrCat(worker.id, " was told generation ", world.generation,
+                              " after generation ", worker.known_generation));
+  }
+  max_generation_told_ = std::max(max_generation_told_, world.generation);
+  const bool moved = world.generation != worker.known_generation;
+  worker.known_generation = world.generation;
+  worker.known_state = world.state;
+  worker.rank = rank;
+  worker.world_size = world.world_size;
+  if (moved && worker.session.has_value() && worker.session->generation < world.generation &&
+      worker.session->phase != Session::Phase::kDone &&
+      worker.session->phase != Session::Phase::kFailed) {
+    // The agent aborts the communicator (or cancels the rendezvous) of an ended generation.
+    FailSession(index, absl::AbortedError("the generation ended"));
+  }
+  TryConnect(index);
+}
+
+void Simulation::Leave(int index) {
+  Worker& worker = *workers_[index];
+  worker.leaving = true;
+  if (worker.session.has_value() && worker.session->phase != Session::Phase::kDone) {
+    FailSession(index, absl::CancelledError("stopping"));
+  }
+  const std::string id = worker.id;
+  const uint64_t incarnation = worker.incarnation;
+  Call(
+      index,
+      [this, id, incarnation](CoordinatorCore& core, Deliver deliver) {
+        core.Leave(id, incarnation, "told to leave", now_, [this, deliver](absl::Status) {
+          deliver([this](Worker& worker) { Exit(worker, "left", false); });
+        });
+      },
+      [this](Worker& worker) { Exit(worker, "left (the coordinator did not answer)", false); });
+}
+
+Group* Simulation::GroupOf(const Worker& worker) {
+  if (!worker.session.has_value()) return nullptr;
+  auto it = groups_.find(worker.session->generation);
+  return it == groups_.end() ? nullptr : &it->second;
+}
+
+void Simulation::TryConnect(int index) {
+  Worker& worker = *workers_[index];
+  if (!worker.alive || worker.leaving) return;
+  if (worker.known_state != JobState::kRunning || worker.rank < 0 ||
+      worker.known_generation <= worker.attempted_generation) {
+    return;
+  }
+  if (worker.session.has_value() && worker.session->phase != Session::Phase::kDone &&
+      worker.session->phase != Session::Phase::kFailed &&
+      worker.session->phase != Session::Phase::kPaused) {
+    return;
+  }
+  Session session;
+  session.generation = worker.known_generation;
+  session.rank = worker.rank;
+  session.size = worker.world_size;
+  worker.session = session;
+  worker.attempted_generation = session.generation;
+  worker.paused_generation = 0;
+  Log(absl::StrCat(worker.id, " connects as rank ", session.rank, " of ", session.size,
+                   " at generation ", session.generation));
+  // Gloo's rendezvous through the coordinator's store: publish, then wait for every peer.
+  const KvScope scope{job_.name, session.generation};
+  const std::string key = absl::StrCat("addr/", session.rank);
+  std::vector<std::string> keys;
+  for (int rank = 0; rank < session.size; ++rank) keys.push_back(absl::StrCat("addr/", rank));
+  const int64_t generation = session.generation;
+  auto failed = [this, index, generation](Worker& w, absl::Status status) {
+    if (w.session.has_value() && w.session->generation == generation) FailSession(index, status);
+  };
+  Call(
+      index,
+      [this, scope, key, keys, failed, generation, index](CoordinatorCore& core, Deliver deliver) {
+        const absl::Status set = core.kv().Set(scope, key, workers_[index]->id);
+        if (!set.ok()) {
+          deliver([failed, set](Worker& w) { failed(w, set); });
+          return;
+        }
+        core.kv().Wait(scope, keys, kCollectiveTimeout, now_,
+                       [this, deliver, failed, generation, index](absl::Status waited) {
+                         deliver([this, failed, waited, generation, index](Worker& w) {
+                           if (!waited.ok()) {
+                             failed(w, waited);
+                           } else if (w.session.has_value() &&
+                                      w.session->generation == generation &&
+                                      w.session->phase == Session::Phase::kRendezvous) {
+                             Rendezvoused(index);
+                           }
+                         });
+                       });
+      },
+      [failed](Worker& w) { failed(w, absl::UnavailableError("rendezvous: unavailable")); });
+}
+
+void Simulation::Rendezvoused(int index) {
+  Worker& worker = *workers_[index];
+  Session& session = *worker.session;
+  session.phase = Session::Phase::kConnecting;
+  Group& group = groups_[session.generation];
+  if (group.size == 0) {
+    group.generation = session.generation;
+    group.size = session.size;
+  }
+  if (group.size != session.size) {
+    failure_.Set(absl::StrCat("generation ", session.generation, " has ranks of worlds of ",
+                              group.size, " and ", session.size, " workers"));
+  }
+  if (auto it = group.members.find(session.rank);
+      it != group.members.end() && it->second != index) {
+    failure_.Set(absl::StrCat("two live workers connect as rank ", session.rank,
+                              " of generation ", session.generation, ": ",
+                              workers_[it->second]->id, " and ", worker.id));
+  }
+  group.members[session.rank] = index;
+  // A peer that published its address and died never answers: the connect times out.
+  const int64_t generation = session.generation;
+  ForWorker(index, kConnectTimeout, [this, index, generation](Worker& w) {
+    if (w.session.has_value() && w.session->generation == generation &&
+        w.session->phase == Session::Phase::kConnecting) {
+      FailSession(index, absl::UnavailableError("connecting to a peer timed out"));
+    }
+  });
+  CheckGroup(generation);
+}
+
+void Simulation::CheckGroup(int64_t generation) {
+  Group& group = groups_[generation];
+  if (group.over || static_cast<int>(group.members.size()) < group.size) return;
+  std::vector<int> ready;
+  for (const auto& [rank, index] : group.members) {
+    const Worker& worker = *workers_[index];
+    if (!worker.alive || !worker.session.has_value() ||
+        worker.session->generation != generation) {
+      return;
+    }
+    if (worker.session->phase == Session::Phase::kConnecting) ready.push_back(index);
+  }
+  for (int index : ready) {
+    workers_[index]->session->phase = Session::Phase::kChecking;
+    ForWorker(index, Uniform(absl::Milliseconds(2), absl::Milliseconds(20)),
+              [this, index, generation](Worker& w) {
+                if (w.session.has_value() && w.session->generation == generation &&
+                    w.session->phase == Session::Phase::kChecking) {
+                  OnConnected(index);
+                }
+              });
+  }
+}
+
+void Simulation::OnConnected(int index) {
+  Worker& worker = *workers_[index];
+  const int64_t generation = worker.session->generation;
+  const std::string id = worker.id;
+  const uint64_t incarnation = worker.incarnation;
+  auto failed = [this, index, generation](Worker& w, absl::Status status) {
+    if (w.session.has_value() && w.session->generation == generation) FailSession(index, status);
+  };
+  // Self-check, then the plan: register the manifest and acknowledge it.
+  Call(
+      index,
+      [this, id, incarnation, generation, index, failed](CoordinatorCore& core, Deliver deliver) {
+        core.ReportSelfCheck(
+            id, incarnation, generation, true, "simulated", now_,
+            [this, deliver, id, incarnation, generation, index, failed](absl::Status checked) {
+              if (!checked.ok()) {
+                deliver([failed, checked](Worker& w) { failed(w, checked); });
+                return;
+              }
+              if (core_ == nullptr) return;
+              absl::StatusOr<PlanView> view =
+                  core_->RegisterManifest(id, incarnation, MlpManifest(job_.widths));
+              if (view.ok()) view = core_->AckPlan(id, incarnation, view->version, view->plan->hash);
+              deliver([this, view, generation, index, failed](Worker& w) {
+                if (!view.ok()) {
+                  failed(w, view.status());
+                  return;
+                }
+                if (!w.session.has_value() || w.session->generation != generation ||
+                    w.session->phase != Session::Phase::kChecking) {
+                  return;
+                }
+                w.session->phase = Session::Phase::kTraining;
+                Group& group = groups_[generation];
+                for (const auto& [rank, member] : group.members) {
+                  const Worker& peer = *workers_[member];
+                  if (!peer.session.has_value() || peer.session->generation != generation ||
+                      peer.session->phase != Session::Phase::kTraining) {
+                    return;
+                  }
+                }
+                // Every rank is ready: restore where the coordinator says and start stepping.
+                std::set<std::string> starts;
+                for (const auto& [rank, member] : group.members) {
+                  starts.insert(workers_[member]->start.checkpoint_id);
+                }
+                if (starts.size() != 1) {
+                  failure_.Set(absl::StrCat("the ranks of generation ", generation,
+                                            " restore different checkpoints: ",
+                                            absl::StrJoin(starts, ", ")));
+                  return;
+                }
+                const TrainingStartPoint start = workers_[index]->start;
+                group.restored_from = start.checkpoint_id;
+                if (start.checkpoint_id.empty()) {
+                  group.step = 0;
+                  group.hash = Mix(job_.seed, 0);
+                } else {
+                  absl::StatusOr<CheckpointManifest> manifest = storage_.ReadManifest(start.dir);
+                  uint64_t hash = 0;
+                  if (!manifest.ok() || manifest->shards.empty() ||
+                      !absl::SimpleHexAtoi(manifest->shards[0].xxh3, &hash)) {
+                    failure_.Set(absl::StrCat("generation ", generation,
+                                              " cannot restore checkpoint ", start.checkpoint_id,
+                                              ": ", manifest.status().ToString()));
+                    return;
+                  }
+                  for (const ShardRecord& shard : manifest->shards) {
+                    if (shard.xxh3 != manifest->shards[0].xxh3) {
+                      failure_.Set(absl::StrCat("checkpoint ", start.checkpoint_id,
+                                                " holds shards of different states"));
+                    }
+                  }
+                  group.step = manifest->step;
+                  group.hash = hash;
+                }
+                Log(absl::StrCat("generation ", generation, " trains from step ", group.step,
+                                 start.checkpoint_id.empty() ? "" : " of ", start.checkpoint_id));
+                group.started = true;
+                group.stepping = true;
+                // A checkpoint of the last step leaves nothing to train: the trainer ends at once.
+                After(group.step >= job_.steps ? absl::ZeroDuration() : step_time_,
+                      [this, generation] { Step(generation); });
+              });
+            });
+      },
+      [failed](Worker& w) { failed(w, absl::UnavailableError("self-check: unavailable")); });
+}
+
+void Simulation::Step(int64_t generation) {
+  Group& group = groups_[generation];
+  group.stepping = false;
+  if (group.over) return;
+  for (const auto& [rank, index] : group.members) {
+    const Worker& worker = *workers_[index];
+    if (!worker.alive) return;  // Kill() failed the peers
+    if (worker.stopped) {
+      // The others wait in the collective: until their generation ends, or it times out.
+      for (const auto& [peer_rank, peer] : group.members) {
+        if (peer == index) continue;
+        ForWorker(peer, kCollectiveTimeout, [this, peer, generation](Worker& w) {
+          if (w.session.has_value() && w.session->generation == generation &&
+              w.session->phase == Session::Phase::kTraining && groups_[generation].step > 0 &&
+              !groups_[generation].stepping) {
+            FailSession(peer, absl::DeadlineExceededError("collective timed out"));
+          }
+        });
+      }
+      return;  // Resume() starts stepping again
+    }
+    if (!worker.session.has_value() || worker.session->generation != generation ||
+        worker.session->phase != Session::Phase::kTraining) {
+      return;
+    }
+  }
+  // A restore of the last step's checkpoint leaves no step to take: the trainer ends at once.
+  const bool stepped = group.step < job_.steps;
+  StepBoundary boundary;
+  if (stepped) {
+    ++group.step;
+    group.hash = Mix(group.hash, group.step);
+    // Every rank reports its step; the coordinator notes that training started.
+    if (core_ != nullptr) {
+      for (const auto& [rank, index] : group.members) {
+        StepReport report;
+        report.step = group.step;
+        report.step_ms = absl::ToDoubleMilliseconds(step_time_);
+        (void)core_->ReportStepStats(workers_[index]->id, workers_[index]->incarnation, report);
+      }
+    }
+    // The ranks agree on the newest orders of this generation any of them knows.
+    StepOrders agreed{generation, 0, 0};
+    for (const auto& [rank, index] : group.members) {
+      const StepOrders& known = workers_[index]->orders;
+      if (known.generation != generation) continue;
+      agreed.save_request = std::max(agreed.save_request, known.save_request);
+      agreed.pause_request = std::max(agreed.pause_request, known.pause_request);
+    }
+    boundary = DecideStepBoundary(group.step, job_.steps, job_.checkpoint_every, agreed,
+                                  &group.satisfied);
+  }
+  const bool last = group.step >= job_.steps;
+  if (boundary.save) {
+    const std::string id = CheckpointIdForStep(group.step, absl::StrCat("g", generation));
+    for (const auto& [rank, index] : group.members) {
+      storage_.AddShard(CheckpointDirectory(kCheckpointRoot, job_.name, id));
+      ++workers_[index]->session->writes;
+      const int64_t step = group.step;
+      const int64_t request = boundary.request;
+      const uint64_t hash = group.hash;
+      ForWorker(index, Uniform(absl::Milliseconds(1), absl::Milliseconds(40)),
+                [this, index, generation, id, step, request, hash](Worker&) {
+                  ShardWritten(index, generation, id, step, request, hash);
+                });
+    }
+  }
+  if (boundary.pause || last) {
+    group.over = true;
+    for (const auto& [rank, index] : group.members) {
+      Session& session = *workers_[index]->session;
+      if (last) {
+        session.done_after_writes = true;
+      } else {
+        session.pause_after_writes = true;
+      }
+      if (session.writes == 0) WritesDone(index);
+    }
+    if (last) {
+      Log(absl::StrCat("generation ", generation, " finished training at step ", group.step));
+      if (!final_hash_.has_value()) final_hash_ = group.hash;
+      if (group.hash != reference_hash_) {
+        failure_.Set(absl::StrCat("training ended with other parameters than an undisturbed "
+                                  "run (generation ",
+                                  generation, " restored ", group.restored_from, ")"));
+      }
+    } else {
+      Log(absl::StrCat("generation ", generation, " pauses after step ", group.step));
+    }
+    return;
+  }
+  group.stepping = true;
+  After(step_time_, [this, generation] { Step(generation); });
+}
+
+void Simulation::ShardWritten(int index, int64_t generation, std::string id, int64_t step,
+                              int64_t request, uint64_t hash) {
+  Worker& worker = *workers_[index];
+  if (!worker.session.has_value() || worker.session->generation != generation) return;
+  ShardReport report;
+  report.worker_id = worker.id;
+  report.incarnation = worker.incarnation;
+  report.generation = generation;
+  report.id = id;
+  report.step = step;
+  report.request = request;
+  report.record.file = absl::StrCat("shard-", worker.session->rank, ".bin");
+  report.record.rank = worker.session->rank;
+  report.record.xxh3 = absl::StrFormat("%016x", hash);
+  report.counters.optimizer_step = step;
+  auto reported = [this, index, generation](Worker& w) {
+    if (w.session.has_value() && w.session->generation == generation) WritesDone(index);
+  };
+  Call(
+      index,
+      [this, report, reported](CoordinatorCore& core, Deliver deliver) mutable {
+        // The worker lays its shard out by the plan it applied: the generation's current one.
+        std::optional<PlanView> plan = core.plan().Current();
+        if (plan.has_value() && plan->generation == report.generation &&
+            report.record.rank < plan->plan->options.world_size) {
+          report.plan_hash = plan->plan->hash;
+          report.record.bytes =
+              MakeShardLayout(*plan->manifest, *plan->plan, report.record.rank,
+                              static_cast<int>(OptimizerStateNames(job_.optimizer).size()))
+                  .bytes;
+          // One block checksum per block started, as the writer leaves them (the state hash
+          // stands in for each).
+          report.record.block_xxh3.assign(
+              report.record.bytes / kCheckpointBlockBytes +
+                  (report.record.bytes % kCheckpointBlockBytes != 0 ? 1 : 0),
+              report.record.xxh3);
+        }
+        absl::StatusOr<bool> committed = core.ReportCheckpointShard(report, now_);
+        if (!committed.ok()) {
+          Log(absl::StrCat(report.worker_id, " shard of ", report.id, ": ",
+                           committed.status().ToString()));
+        }
+        deliver(reported);
+      },
+      reported);
+}
+
+// A shard was reported (or its report failed); once none is in flight, a pause or the end of
+// training takes effect (the trainer waits for its writer first).
+void Simulation::WritesDone(int index) {
+  Worker& worker = *workers_[index];
+  Session& session = *worker.session;
+  if (session.writes > 0) --session.writes;
+  if (session.writes > 0) return;
+  if (session.pause_after_writes && session.phase == Session::Phase::kTraining) {
+    session.phase = Session::Phase::kPaused;
+    worker.paused_generation = session.generation;
+  }
+  if (session.done_after_writes && session.phase == Session::Phase::kTraining) {
+    session.phase = Session::Phase::kDone;
+    worker.trained = true;
+    const std::string id = worker.id;
+    const uint64_t incarnation = worker.incarnation;
+    auto report = std::make_shared<std::function<void()>>();
+    *report = [this, index, id, incarnation, report]() {
+      Call(
+          index,
+          [this, id, incarnation](CoordinatorCore& core, Deliver deliver) {
+            core.ReportTrainingDone(id, incarnation, "simulated", now_,
+                                    [deliver](absl::Status) { deliver([](Worker&) {}); });
+          },
+          [this, index, report](Worker&) {
+            ForWorker(index, absl::Milliseconds(200), [report](Worker&) { (*report)(); });
+          });
+    };
+    (*report)();
+  }
+}
+
+void Simulation::FailSessionLater(int index, int64_t generation, absl::Duration delay,
+                                  absl::Status status) {
+  ForWorker(index, delay, [this, index, generation, status](Worker& w) {
+    if (w.session.has_value() && w.session->generation == generation) FailSession(index, status);
+  });
+}
+
+void Simulation::FailSession(int index, const absl::Status& status) {
+  Worker& worker = *workers_[index];
+  if (!worker.session.has_value()) return;
+  Session& session = *worker.session;
+  if (session.phase == Session::Phase::kFailed || session.phase == Session::Phase::kDone) return;
+  const bool was_paused = session.phase == Session::Phase::kPaused;
+  session.phase = Session::Phase::kFailed;
+  const int64_t generation = session.generation;
+  if (auto it = groups_.find(generation); it != groups_.end() && !it->second.over) {
+    it->second.over = true;
+    // The others' collectives fail with it.
+    for (const auto& [rank, peer] : it->second.members) {
+      if (peer == index) continue;
+      FailSessionLater(peer, generation, absl::Milliseconds(5),
+                       absl::UnavailableError("a peer left the collective"));
+    }
+  }
+  if (was_paused || absl::IsCancelled(status)) return;
+  Log(absl::StrCat(worker.id, " generation ", generation, " failed: ", status.ToString()));
+  // worker/agent.cc Run(): a real error ends the process; a failed data path (a peer gone, the
+  // generation over, the coordinator away) is reported as a failed self-check, and the worker
+  // waits for the next generation for as long as the coordinator answers.
+  const bool transient = absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
+  if (!absl::IsAborted(status) && !transient) {
+    if (worker.known_generation == generation) {
+      Exit(worker, absl::StrCat("generation ", generation, " failed: ", status.ToString()), true);
+    }
+    return;
+  }
+  if (worker.known_generation != generation) return;
+  const std::string id = worker.id;
+  const uint64_t incarnation = worker.incarnation;
+  const std::string detail(status.message());
+  Call(
+      index,
+      [this, id, incarnation, generation, detail](CoordinatorCore& core, Deliver deliver) {
+        core.ReportSelfCheck(id, incarnation, generation, false, detail, now_,
+                             [deliver](absl::Status) { deliver([](Worker&) {}); });
+      },
+      [](Worker&) {});
+}
+
+// --- Faults and operators -----------------------------------------------------------------------
+
+void Simulation::Fault() {
+  if (now_ >= faults_end_ || failure_.failed()) return;
+  std::vector<int> running;
+  std::vector<int> gone;
+  for (int i = 0; i < static_cast<int>(workers_.size()); ++i) {
+    if (workers_[i]->alive && !workers_[i]->stopped) running.push_back(i);
+    if (!workers_[i]->alive) gone.push_back(i);
+  }
+  const int kind = Pick(100);
+  if (kind < 25 && !running.empty()) {
+    ++result_.worker_kills;
+    const int victim = running[Pick(static_cast<int>(running.size()))];
+    Kill(victim, "fault");
+    // A replacement: the same pod restarted (same id), or a new one; at once or late.
+    if (Chance(0.8)) {
+      const bool same = Chance(0.5);
+      const int index = same ? victim : AddWorker(absl::StrCat("w", next_worker_id_++));
+      After(Chance(0.5) ? absl::Milliseconds(1) : Uniform(absl::Seconds(1), absl::Seconds(6)),
+            [this, index] {
+              if (!workers_[index]->alive) StartProcess(index);
+            });
+    }
+  } else if (kind < 40 && !running.empty()) {
+    ++result_.worker_stops;
+    const int victim = running[Pick(static_cast<int>(running.size()))];
+    Stop(victim, Uniform(absl::Milliseconds(200), absl::Seconds(4)));
+    if (Chance(0.3)) {
+      // The hung pod is replaced by a new one while it is stopped.
+      const int index = AddWorker(absl::StrCat("w", next_worker_id_++));
+      After(Uniform(absl::Milliseconds(1), absl::Seconds(3)), [this, index] { StartProcess(index); });
+    }
+  } else if (kind < 50) {
+    if (core_ != nullptr) {
+      CrashCoordinator();
+      After(Uniform(absl::Milliseconds(100), absl::Seconds(3)), [this] {
+        if (core_ == nullptr && !failure_.failed()) StartCoordinator();
+      });
+    }
+  } else if (kind < 60 && !gone.empty()) {
+    StartProcess(gone[Pick(static_cast<int>(gone.size()))]);
+  } else if (kind < 65) {
+    StartProcess(AddWorker(absl::StrCat("w", next_worker_id_++)));
+  } else {
+    Operator();
+  }
+  After(Uniform(absl::Milliseconds(100), absl::Seconds(3)), [this] { Fault(); });
+}
+
+void Simulation::Operator() {
+  if (core_ == nullptr) return;
+  ++result_.admin_calls;
+  const int kind = Pick(100);
+  const int min = job_.min_world_size;
+  if (kind < 35) {
+    const int size = min + Pick(job_.world_size - min + 1);
+    Log(absl::StrCat("operator: resize to ", size));
+    core_->Resize(size, now_, [](absl::StatusOr<World>) {});
+  } else if (kind < 55) {
+    const StatusSnapshot status = core_->Status(now_);
+    std::vector<std::string> holders;
+    for (const WorkerSnapshot& worker : status.workers) {
+      if (worker.rank >= 0) holders.push_back(worker.id);
+    }
+    if (!holders.empty()) {
+      const std::string victim = holders[Pick(static_cast<int>(holders.size()))];
+      Log(absl::StrCat("operator: drain ", victim));
+      core_->Drain(victim, now_, [](absl::StatusOr<World>) {});
+    }
+  } else if (kind < 80) {
+    Log("operator: checkpoint save");
+    (void)core_->SaveCheckpoint();
+  } else if (kind < 97) {
+    const std::vector<v1::CheckpointRecord> list = core_->checkpoints()->List();
+    const std::string id =
+        list.empty() || Chance(0.3) ? "latest" : list[Pick(static_cast<int>(list.size()))].id();
+    Log(absl::StrCat("operator: restore ", id));
+    core_->RestoreCheckpoint(id, now_, [](auto) {});
+  } else {
+    Log("operator: stop");
+    operator_stopped_ = true;
+    core_->Stop("operator", now_, [](World) {});
+  }
+  ScheduleFlush();
+}
+
+void Simulation::Heal() {
+  Log("faults stop: stopped workers resume, the coordinator runs, enough workers run");
+  if (core_ == nullptr) StartCoordinator();
+  int live = 0;
+  for (int i = 0; i < static_cast<int>(workers_.size()); ++i) {
+    Resume(i);
+    if (workers_[i]->alive) ++live;
+  }
+  for (int i = 0; i < static_cast<int>(workers_.size()) && live < job_.world_size; ++i) {
+    if (!workers_[i]->alive && !workers_[i]->exited) {
+      StartProcess(i);
+      ++live;
+    }
+  }
+  while (live < job_.world_size) {
+    StartProcess(AddWorker(absl::StrCat("w", next_worker_id_++)));
+    ++live;
+  }
+}
+
+// --- Properties ---------------------------------------------------------------------------------
+
+void Simulation::CheckInvariants() {
+  if (storage_.overwritten().has_value()) {
+    failure_.Set(absl::StrCat("committed checkpoint ", *storage_.overwritten(), " was written again"));
+  }
+  // A committed checkpoint leaves only by retention or an operator's delete.
+  for (; removals_checked_ < storage_.removals().size(); ++removals_checked_) {
+    const SimCheckpointStorage::Removal& removal = storage_.removals()[removals_checked_];
+    if (removal.why.rfind("keeping the last", 0) != 0 && removal.why != "deleted by an operator") {
+      failure_.Set(absl::StrCat("committed checkpoint ", removal.dir, " was removed: ",
+                                removal.why));
+    }
+    removed_.insert(removal.dir);
+  }
+  if (core_ == nullptr) return;
+  const World world = core_->world().world();
+  if (world.generation < max_generation_told_) {
+    failure_.Set(absl::StrCat("the coordinator is at generation ", world.generation,
+                              " but a worker was told generation ", max_generation_told_,
+                              ": a generation would be reused"));
+  }
+  CheckpointManager* checkpoints = core_->checkpoints();
+  // The catalog changes only by commits, retention and deletes, also across restarts.
+  std::map<std::string, std::string> listed;  // id -> dir
+  for (const v1::CheckpointRecord& record : checkpoints->List()) {
+    listed[record.id()] = record.dir();
+    if (!storage_.IsCommitted(record.dir())) {
+      failure_.Set(absl::StrCat("committed checkpoint ", record.id(), " lost its manifest"));
+    }
+  }
+  for (const auto& [id, dir] : catalog_) {
+    if (listed.count(id) == 0 && removed_.count(dir) == 0) {
+      failure_.Set(absl::StrCat("committed checkpoint ", id, " left the catalog without being "
+                                "removed by retention or a delete"));
+    }
+  }
+  committed_ += static_cast<int>(std::count_if(listed.begin(), listed.end(), [&](const auto& e) {
+    return catalog_.count(e.first) == 0;
+  }));
+  catalog_ = std::move(listed);
+  const TrainingStartPoint start = checkpoints->start();
+  if (!start.checkpoint_id.empty() &&
+      (catalog_.count(start.checkpoint_id) == 0 || !storage_.IsCommitted(start.dir))) {
+    failure_.Set(absl::StrCat("the restore point ", start.checkpoint_id,
+                              " is not a committed checkpoint"));
+  }
+}
+
+void Simulation::CheckDiskEqualsMemory() {
+  if (core_ == nullptr || store_.has_pending()) return;
+  absl::StatusOr<std::optional<v1::CoordinatorState>> disk =
+      MembershipLog::Load(&store_, WorldOptions{}.max_events);
+  if (!disk.ok() || !disk->has_value()) {
+    failure_.Set(absl::StrCat("the membership journal does not load: ", disk.status().ToString()));
+    return;
+  }
+  const v1::CoordinatorState memory = core_->world().Record();
+  if ((*disk)->SerializeAsString() != memory.SerializeAsString()) {
+    failure_.Set(absl::StrCat("the membership on disk differs from memory:\ndisk:\n",
+                              (*disk)->DebugString(), "memory:\n", memory.DebugString()));
+  }
+  v1::CheckpointCatalog catalog;
+  absl::StatusOr<bool> loaded = store_.Load("checkpoints", &catalog);
+  if (loaded.ok() && *loaded &&
+      catalog.SerializeAsString() != core_->checkpoints()->Catalog().SerializeAsString()) {
+    failure_.Set(absl::StrCat("the checkpoint catalog on disk differs from memory:\ndisk:\n",
+                              catalog.DebugString(), "memory:\n",
+                              core_->checkpoints()->Catalog().DebugString()));
+  }
+}
+
+bool Simulation::Settled() {
+  if (core_ == nullptr) return false;
+  if (core_->world().world().state != JobState::kStopped) return false;
+  for (const auto& worker : workers_) {
+    if (worker->alive) return false;
+  }
+  return true;
+}
+
+std::string Simulation::Describe() {
+  std::string text;
+  if (core_ != nullptr) {
+    const StatusSnapshot status = core_->Status(now_);
+    absl::StrAppend(&text, "coordinator: ", JobStateName(status.world.state), " at generation ",
+                    status.world.generation, ", ", status.world.world_size, "/",
+                    status.world.ranks, " ranks held, target ", status.world.expected_world_size,
+                    ", ", status.world.standby, " standbys; transition: '",
+                    status.world.transition, "'\n");
+    for (const v1::MembershipEvent& event : core_->world().Events(0)) {
+      absl::StrAppend(&text, "  event ", event.sequence(), " g", event.generation(), " ",
+                      v1::MembershipEventKind_Name(event.kind()), " ", event.worker_id(), " ",
+                      event.detail(), "\n");
+    }
+  } else {
+    absl::StrAppend(&text, "coordinator: down\n");
+  }
+  for (const auto& worker : workers_) {
+    absl::StrAppend(&text, "  ", worker->id, worker->alive ? "" : " (gone)",
+                    worker->stopped ? " (stopped)" : "", " gen ", worker->known_generation,
+                    " rank ", worker->rank, worker->trained ? " trained" : "",
+                    worker->session.has_value()
+                        ? absl::StrCat(" session g", worker->session->generation, " phase ",
+                                       static_cast<int>(worker->session->phase))
+                        : "",
+                    worker->paused_generation > 0
+                        ? absl::StrCat(" paused@g", worker->paused_generation)
+                        : "",
+                    worker->exited ? absl::StrCat(" exited: ", worker->exit_reason) : "", "\n");
+  }
+  return text;
+}
+
+SimulationResult Simulation::Run() {
+  // The job and the timing of this seed.
+  job_.name = "sim";
+  job_.world_size = 2 + Pick(4);
+  job_.min_world_size = 1 + Pick(job_.world_size);
+  job_.widths = {4, 8, 2};
+  job_.data_path = "/sim/data.safetensors";  // never read: the simulated ranks only step
+  job_.output_dir = "/sim/out";
+  job_.seed = options_.seed;
+  job_.global_batch = Chance(0.7) ? 60 : 8;  // 60 divides by 1..6; 8 refuses 3, 5, 6
+  if (job_.global_batch % job_.world_size != 0 || job_.global_batch % job_.min_world_size != 0) {
+    job_.global_batch = 60;
+  }
+  job_.steps = 150 + Pick(500);
+  job_.zero_stage = 2;
+  job_.checkpoint_dir = kCheckpointRoot;
+  job_.checkpoint_every = std::vector<int64_t>{0, 5, 10, 25}[Pick(4)];
+  job_.checkpoint_keep_last = 1 + Pick(4);
+  step_time_ = Uniform(absl::Milliseconds(10), absl::Milliseconds(40));
+  core_options_.job = job_;
+  core_options_.world.lease = kLease;
+  core_options_.world.reform_grace = std::vector<absl::Duration>{
+      absl::ZeroDuration(), absl::Milliseconds(500), absl::Seconds(1), absl::Seconds(3)}[Pick(4)];
+  core_options_.world.max_standbys = Pick(3);
+  reference_hash_ = Mix(job_.seed, 0);
+  for (int64_t step = 1; step <= job_.steps; ++step) reference_hash_ = Mix(reference_hash_, step);
+
+  StartCoordinator();
+  const int initial = job_.world_size + Pick(2);
+  for (int i = 0; i < initial; ++i) {
+    const int index = AddWorker(absl::StrCat("w", next_worker_id_++));
+    After(Uniform(absl::ZeroDuration(), absl::Milliseconds(500)),
+          [this, index] { StartProcess(index); });
+  }
+  faults_end_ = epoch_ + Uniform(absl::Seconds(5), absl::Seconds(40));
+  After(Uniform(absl::Milliseconds(500), absl::Seconds(3)), [this] { Fault(); });
+  At(faults_end_, [this] { Heal(); });
+  // Once faults stop: detection, grace, re-formation and restarts take a few leases each; then
+  // the rest of training, paused at most once per re-formation.
+  deadline_ = faults_end_ + absl::Seconds(30) + 3 * core_options_.world.reform_grace +
+              2 * job_.steps * step_time_;
+
+  while (!queue_.empty() && !failure_.failed()) {
+    Event event = queue_.top();
+    queue_.pop();
+    if (event.when > deadline_) break;
+    now_ = event.when;
+    event.action();
+    ++result_.events;
+    CheckInvariants();
+    if (now_ > faults_end_ && Settled()) break;
+  }
+  result_.simulated = now_ - epoch_;
+  result_.checkpoints = committed_;
+  result_.finished = final_hash_.has_value();
+  result_.stopped_by_operator = operator_stopped_;
+  if (core_ != nullptr) result_.generations = static_cast<int>(core_->world().world().generation);
+  if (!failure_.failed() && !Settled()) {
+    failure_.Set(absl::StrCat("liveness: ", absl::FormatDuration(deadline_ - faults_end_),
+                              " after the faults stopped the job has neither finished nor "
+                              "stopped"));
+  }
+  if (!failure_.failed() && !operator_stopped_ && !final_hash_.has_value()) {
+    failure_.Set("the job stopped without training to the end and without an operator's stop");
+  }
+  result_.passed = !failure_.failed();
+  if (!result_.passed) {
+    result_.failure = absl::StrCat(failure_.message(), "\nat ",
+                                   absl::FormatDuration(now_ - epoch_), " (faults until ",
+                                   absl::FormatDuration(faults_end_ - epoch_), "); job: ",
+                                   job_.world_size, " workers (min ", job_.min_world_size,
+                                   "), batch ", job_.global_batch, ", ", job_.steps,
+                                   " steps, checkpoint every ", job_.checkpoint_every, ", keep ",
+                                   job_.checkpoint_keep_last, "\n", Describe());
+  }
+  return result_;
+}
+
+}  // namespace
+
+SimulationResult RunSimulation(const SimulationOptions& options) {
+  return Simulation(options).Run();
+}
+
+}  // namespace shard::sim

@@ -1,0 +1,46 @@
+// A deterministic simulation of the control plane, in the style of FoundationDB's and
+// TigerBeetle's: the real coordinator (CoordinatorCore and its managers: world, elastic, plan,
+// checkpoints, rendezvous, journal) driven by a simulated clock and network, simulated workers
+// that follow shard-worker's protocol (join, heartbeat, rendezvous, self-check, plan, train in
+// lockstep, checkpoint, pause, leave), and faults: workers killed, stopped and resumed,
+// restarted or replaced at once or late, the coordinator crashed (losing what it had not
+// fsynced) and restarted on its state, and operators resizing, draining, saving, restoring and
+// stopping. One seed decides everything; a failing seed replays exactly.
+//
+// After every event the invariants are checked (generations only grow, one live worker per
+// rank, no committed checkpoint lost or changed, the restore point is committed, what is on
+// disk equals what is in memory); once faults stop, the job must finish (or stop, if an
+// operator said so) within a bounded time, with the parameters an undisturbed run computes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/time/time.h"
+
+namespace shard::sim {
+
+struct SimulationOptions {
+  uint64_t seed = 1;
+  bool verbose = false;  // log every event and the coordinator's own log
+};
+
+struct SimulationResult {
+  bool passed = false;
+  std::string failure;  // the broken invariant or liveness property, with context
+  int64_t events = 0;
+  absl::Duration simulated;
+  // What happened, for the summary.
+  int worker_kills = 0;
+  int worker_stops = 0;
+  int coordinator_crashes = 0;
+  int admin_calls = 0;
+  int generations = 0;
+  int checkpoints = 0;
+  bool finished = false;             // trained to the end
+  bool stopped_by_operator = false;  // an operator's stop came first
+};
+
+SimulationResult RunSimulation(const SimulationOptions& options);
+
+}  // namespace shard::sim
