@@ -73,7 +73,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "nlohmann/json.hpp"
-#include "proto/grpc_status.h"
+#include "proto/unary_call.h"
 #include "shard/v1/coordinator.grpc.pb.h"
 
 namespace shard {
@@ -552,12 +552,11 @@ class Fleet {
 
   absl::StatusOr<v1::GetStatusResponse> GetStatus(absl::Duration* took) {
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
-    v1::GetStatusResponse response;
     const absl::Time start = absl::Now();
-    const grpc::Status status = admin_->GetStatus(&context, v1::GetStatusRequest(), &response);
+    absl::StatusOr<v1::GetStatusResponse> response =
+        UnaryCall(context, *admin_, &v1::Admin::Stub::GetStatus, v1::GetStatusRequest(),
+                  options_.rpc_timeout, absl::StrCat("GetStatus at ", address_));
     *took = absl::Now() - start;
-    if (!status.ok()) return FromGrpcStatus(status, "GetStatus");
     return response;
   }
 

@@ -3,10 +3,12 @@
 
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "proto/channel_security.h"
+#include "proto/unary_call.h"
 #include "shard/v1/coordinator.grpc.pb.h"
 
 namespace shard {
@@ -36,8 +38,10 @@ class AdminClient {
  private:
   // One call with the deadline; unreachable coordinators get an error that says so and what
   // to check.
-  template <typename Response, typename Rpc>
-  absl::StatusOr<Response> Call(Rpc rpc, absl::string_view what,
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> Call(UnaryMethod<v1::Admin::Stub, Request, Response> method,
+                                const std::type_identity_t<Request>& request,
+                                absl::string_view what,
                                 absl::Duration extra = absl::ZeroDuration());
 
   std::string address_;

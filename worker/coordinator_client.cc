@@ -4,23 +4,8 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/security/credentials.h"
-#include "proto/grpc_status.h"
 
 namespace shard {
-namespace {
-
-// One unary call: `rpc(context, response)` issues it on a context with the deadline.
-template <typename Response, typename Rpc>
-absl::StatusOr<Response> UnaryCall(grpc::ClientContext* context, Rpc rpc, absl::Duration timeout,
-                                   absl::string_view what) {
-  context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  Response response;
-  absl::Status status = FromGrpcStatus(rpc(context, &response), what);
-  if (!status.ok()) return status;
-  return response;
-}
-
-}  // namespace
 
 RendezvousClient::RendezvousClient(std::shared_ptr<v1::Rendezvous::Stub> stub,
                                    v1::RendezvousScope scope, std::string address,
@@ -30,16 +15,17 @@ RendezvousClient::RendezvousClient(std::shared_ptr<v1::Rendezvous::Stub> stub,
       address_(std::move(address)),
       rpc_timeout_(rpc_timeout) {}
 
-template <typename Response, typename Rpc>
-absl::StatusOr<Response> RendezvousClient::Call(Rpc rpc, absl::Duration timeout,
-                                                absl::string_view what) {
+template <typename Request, typename Response>
+absl::StatusOr<Response> RendezvousClient::Call(
+    UnaryMethod<v1::Rendezvous::Stub, Request, Response> method,
+    const std::type_identity_t<Request>& request, absl::Duration timeout, absl::string_view what) {
   grpc::ClientContext context;
   {
     absl::MutexLock lock(&mu_);
     if (cancelled_) return absl::CancelledError(absl::StrCat(what, ": the worker is stopping"));
     in_flight_ = &context;
   }
-  absl::StatusOr<Response> response = UnaryCall<Response>(&context, rpc, timeout, what);
+  absl::StatusOr<Response> response = UnaryCall(context, *stub_, method, request, timeout, what);
   absl::MutexLock lock(&mu_);
   in_flight_ = nullptr;
   return response;
@@ -50,9 +36,8 @@ absl::Status RendezvousClient::Set(const std::string& key, const std::string& va
   *request.mutable_scope() = scope_;
   request.set_key(key);
   request.set_value(value);
-  return Call<v1::KvSetResponse>(
-             [&](auto* context, auto* response) { return stub_->Set(context, request, response); },
-             rpc_timeout_, absl::StrCat("rendezvous set '", key, "' at ", address_))
+  return Call(&v1::Rendezvous::Stub::Set, request, rpc_timeout_,
+              absl::StrCat("rendezvous set '", key, "' at ", address_))
       .status();
 }
 
@@ -60,9 +45,9 @@ absl::StatusOr<std::string> RendezvousClient::Get(const std::string& key) {
   v1::KvGetRequest request;
   *request.mutable_scope() = scope_;
   request.set_key(key);
-  absl::StatusOr<v1::KvGetResponse> response = Call<v1::KvGetResponse>(
-      [&](auto* context, auto* response) { return stub_->Get(context, request, response); },
-      rpc_timeout_, absl::StrCat("rendezvous get '", key, "' at ", address_));
+  absl::StatusOr<v1::KvGetResponse> response =
+      Call(&v1::Rendezvous::Stub::Get, request, rpc_timeout_,
+           absl::StrCat("rendezvous get '", key, "' at ", address_));
   if (!response.ok()) return response.status();
   return std::move(*response->mutable_value());
 }
@@ -74,9 +59,8 @@ absl::Status RendezvousClient::Wait(const std::vector<std::string>& keys,
   for (const std::string& key : keys) request.add_keys(key);
   request.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(timeout)));
   // The server answers when the wait times out; the deadline leaves room for that answer.
-  return Call<v1::KvWaitResponse>(
-             [&](auto* context, auto* response) { return stub_->Wait(context, request, response); },
-             timeout + rpc_timeout_, absl::StrCat("rendezvous wait at ", address_))
+  return Call(&v1::Rendezvous::Stub::Wait, request, timeout + rpc_timeout_,
+              absl::StrCat("rendezvous wait at ", address_))
       .status();
 }
 
@@ -136,107 +120,69 @@ void CoordinatorClient::ReplaceFailedChannel(const std::shared_ptr<const Stubs>&
   replaced_at_ = absl::Now();
 }
 
-template <typename Response, typename Rpc>
-absl::StatusOr<Response> CoordinatorClient::Call(Rpc rpc, absl::Duration timeout,
-                                                 absl::string_view what) {
+template <typename Request, typename Response>
+absl::StatusOr<Response> CoordinatorClient::Call(
+    UnaryMethod<v1::Coordinator::Stub, Request, Response> method,
+    const std::type_identity_t<Request>& request, absl::Duration timeout, absl::string_view what) {
   const std::shared_ptr<const Stubs> stubs = this->stubs();
   grpc::ClientContext context;
-  absl::StatusOr<Response> response = UnaryCall<Response>(
-      &context,
-      [&](grpc::ClientContext* context, Response* out) {
-        return rpc(*stubs->coordinator, context, out);
-      },
-      timeout, absl::StrCat(what, " ", address_));
+  absl::StatusOr<Response> response = UnaryCall(context, *stubs->coordinator, method, request,
+                                                timeout, absl::StrCat(what, " ", address_));
   if (absl::IsUnavailable(response.status())) ReplaceFailedChannel(stubs);
   return response;
 }
 
 absl::StatusOr<v1::JoinResponse> CoordinatorClient::Join(const v1::JoinRequest& request) {
-  return Call<v1::JoinResponse>(
-      [&](auto& stub, auto* context, auto* response) {
-        return stub.Join(context, request, response);
-      },
-      rpc_timeout_, "join at");
+  return Call(&v1::Coordinator::Stub::Join, request, rpc_timeout_, "join at");
 }
 
 absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
     const v1::HeartbeatRequest& request) {
-  return Call<v1::HeartbeatResponse>(
-      [&](auto& stub, auto* context, auto* response) {
-        return stub.Heartbeat(context, request, response);
-      },
-      rpc_timeout_, "heartbeat to");
+  return Call(&v1::Coordinator::Stub::Heartbeat, request, rpc_timeout_, "heartbeat to");
 }
 
 absl::Status CoordinatorClient::ReportSelfCheck(const v1::ReportSelfCheckRequest& request) {
-  return Call<v1::ReportSelfCheckResponse>(
-      [&](auto& stub, auto* context, auto* response) {
-        return stub.ReportSelfCheck(context, request, response);
-      },
-      rpc_timeout_, "self-check report to")
+  return Call(&v1::Coordinator::Stub::ReportSelfCheck, request, rpc_timeout_,
+              "self-check report to")
       .status();
 }
 
 absl::Status CoordinatorClient::Leave(const v1::LeaveRequest& request) {
-  return Call<v1::LeaveResponse>(
-      [&](auto& stub, auto* context, auto* response) {
-        return stub.Leave(context, request, response);
-      },
-      rpc_timeout_, "leave at")
-      .status();
+  return Call(&v1::Coordinator::Stub::Leave, request, rpc_timeout_, "leave at").status();
 }
 
 absl::StatusOr<v1::PlanResponse> CoordinatorClient::RegisterManifest(
     const v1::RegisterManifestRequest& request) {
-  return Call<v1::PlanResponse>(
-      [&](auto& stub, auto* context, auto* response) {
-        return stub.RegisterManifest(context, request, response);
-      },
-      rpc_timeout_, "manifest registration at");
+  return Call(&v1::Coordinator::Stub::RegisterManifest, request, rpc_timeout_,
+              "manifest registration at");
 }
 
 absl::StatusOr<v1::PlanResponse> CoordinatorClient::AckPlan(const v1::AckPlanRequest& request) {
-  return Call<v1::PlanResponse>(
-      [&](auto& stub, auto* context, auto* response) {
-        return stub.AckPlan(context, request, response);
-      },
-      rpc_timeout_, "plan acknowledgement at");
+  return Call(&v1::Coordinator::Stub::AckPlan, request, rpc_timeout_, "plan acknowledgement at");
 }
 
 absl::StatusOr<v1::PlanResponse> CoordinatorClient::ReportGradientOrder(
     const v1::ReportGradientOrderRequest& request) {
-  return Call<v1::PlanResponse>(
-      [&](auto& stub, auto* context, auto* response) {
-        return stub.ReportGradientOrder(context, request, response);
-      },
-      absl::Milliseconds(request.wait_ms()) + rpc_timeout_, "gradient order report at");
+  return Call(&v1::Coordinator::Stub::ReportGradientOrder, request,
+              absl::Milliseconds(request.wait_ms()) + rpc_timeout_, "gradient order report at");
 }
 
 absl::Status CoordinatorClient::ReportStepStats(const v1::ReportStepStatsRequest& request) {
-  return Call<v1::ReportStepStatsResponse>(
-      [&](auto& stub, auto* context, auto* response) {
-        return stub.ReportStepStats(context, request, response);
-      },
-      rpc_timeout_, "step statistics report at")
+  return Call(&v1::Coordinator::Stub::ReportStepStats, request, rpc_timeout_,
+              "step statistics report at")
       .status();
 }
 
 absl::Status CoordinatorClient::ReportTrainingDone(const v1::ReportTrainingDoneRequest& request) {
-  return Call<v1::ReportTrainingDoneResponse>(
-      [&](auto& stub, auto* context, auto* response) {
-        return stub.ReportTrainingDone(context, request, response);
-      },
-      rpc_timeout_, "training report at")
+  return Call(&v1::Coordinator::Stub::ReportTrainingDone, request, rpc_timeout_,
+              "training report at")
       .status();
 }
 
 absl::Status CoordinatorClient::ReportCheckpointShard(
     const v1::ReportCheckpointShardRequest& request) {
-  return Call<v1::ReportCheckpointShardResponse>(
-      [&](auto& stub, auto* context, auto* response) {
-        return stub.ReportCheckpointShard(context, request, response);
-      },
-      rpc_timeout_, "checkpoint report at")
+  return Call(&v1::Coordinator::Stub::ReportCheckpointShard, request, rpc_timeout_,
+              "checkpoint report at")
       .status();
 }
 

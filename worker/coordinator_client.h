@@ -3,6 +3,8 @@
 
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -11,6 +13,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "proto/channel_security.h"
+#include "proto/unary_call.h"
 #include "shard/v1/coordinator.grpc.pb.h"
 #include "worker/dataplane/key_value_store.h"
 
@@ -29,9 +32,11 @@ class RendezvousClient : public KeyValueStore {
   void Cancel();
 
  private:
-  // Runs one call with a cancellable context.
-  template <typename Response, typename Rpc>
-  absl::StatusOr<Response> Call(Rpc rpc, absl::Duration timeout, absl::string_view what);
+  // One call on a context that Cancel() can reach.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> Call(UnaryMethod<v1::Rendezvous::Stub, Request, Response> method,
+                                const std::type_identity_t<Request>& request,
+                                absl::Duration timeout, absl::string_view what);
 
   std::shared_ptr<v1::Rendezvous::Stub> stub_;
   v1::RendezvousScope scope_;
@@ -77,9 +82,12 @@ class CoordinatorClient {
   std::shared_ptr<const Stubs> stubs() const;
   // Swaps in a new channel when `failed` (the one a call just failed on) cannot connect.
   void ReplaceFailedChannel(const std::shared_ptr<const Stubs>& failed);
-  // One unary call on the current channel: `rpc(stub, context, response)`.
-  template <typename Response, typename Rpc>
-  absl::StatusOr<Response> Call(Rpc rpc, absl::Duration timeout, absl::string_view what);
+  // One call on the current channel (replaced if the call finds it cannot connect); `what`
+  // ("join at") is followed by the address in errors.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> Call(UnaryMethod<v1::Coordinator::Stub, Request, Response> method,
+                                const std::type_identity_t<Request>& request,
+                                absl::Duration timeout, absl::string_view what);
 
   const std::string address_;
   const absl::Duration rpc_timeout_;
