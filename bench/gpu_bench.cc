@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "common/cli.h"
-#include "worker/dataplane/mlp.h"
+#include "common/mlp.h"
 #include "worker/gpu/cuda_check.h"
 #include "worker/gpu/cuda_resources.h"
 #include "worker/gpu/gpu_mlp.h"

@@ -4,7 +4,9 @@
 #include <iostream>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/admin_client.h"
 #include "client/checkpoint_commands.h"
 #include "client/elastic_commands.h"
@@ -13,13 +15,11 @@
 #include "common/cli.h"
 #include "common/files.h"
 #include "common/manifest.h"
+#include "common/mlp_data.h"
 #include "common/plan.h"
 #include "common/tensor_compare.h"
 #include "nlohmann/json.hpp"
 #include "proto/plan_convert.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
-#include "worker/dataplane/mlp_data.h"
 
 namespace {
 

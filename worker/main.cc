@@ -11,13 +11,13 @@
 #include "common/files.h"
 #include "common/logging.h"
 #include "common/manifest.h"
+#include "common/mlp.h"
 #include "common/names.h"
 #include "common/signal_watcher.h"
 #include "shard/config.h"
 #include "spdlog/spdlog.h"
 #include "worker/agent.h"
 #include "worker/data_path.h"
-#include "worker/dataplane/mlp.h"
 #if SHARD_HAVE_CUDA
 #include "worker/gpu/gpu_data_path.h"
 #endif

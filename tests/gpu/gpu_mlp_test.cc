@@ -25,9 +25,9 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/mlp.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/gpu_test_util.h"
-#include "worker/dataplane/mlp.h"
 #include "worker/gpu/kernels.h"
 
 namespace shard {

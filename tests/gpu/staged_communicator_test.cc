@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "common/mlp.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/gpu/in_process_communicator.h"
-#include "worker/dataplane/mlp.h"
 #include "worker/dataplane/optimizer.h"
 #include "worker/gpu/gpu_mlp.h"
 #include "worker/gpu/kernels.h"

@@ -20,6 +20,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "common/checkpoint.h"
+#include "common/mlp.h"
+#include "common/mlp_data.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "tests/support/checkpoint_commit.h"
@@ -29,8 +31,6 @@
 #include "worker/dataplane/cpu_device.h"
 #include "worker/dataplane/engine.h"
 #include "worker/dataplane/gloo_communicator.h"
-#include "worker/dataplane/mlp.h"
-#include "worker/dataplane/mlp_data.h"
 #include "worker/dataplane/trainer.h"
 
 namespace shard {

@@ -3,9 +3,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/mlp_data.h"
 #include "gtest/gtest.h"
 #include "proto/job_convert.h"
-#include "worker/dataplane/mlp_data.h"
 
 namespace shard {
 namespace {

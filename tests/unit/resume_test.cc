@@ -8,11 +8,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/checkpoint.h"
+#include "common/mlp_data.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "tests/support/checkpoint_commit.h"
 #include "worker/dataplane/gloo_communicator.h"
-#include "worker/dataplane/mlp_data.h"
 #include "worker/dataplane/trainer.h"
 
 namespace shard {

@@ -6,11 +6,11 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/mlp.h"
+#include "common/mlp_data.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "worker/dataplane/gloo_communicator.h"
-#include "worker/dataplane/mlp.h"
-#include "worker/dataplane/mlp_data.h"
 #include "worker/dataplane/trainer.h"
 
 namespace shard {

@@ -5,7 +5,7 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
-#include "worker/dataplane/mlp.h"
+#include "common/mlp.h"
 #include "worker/dataplane/optimizer.h"
 
 namespace shard {

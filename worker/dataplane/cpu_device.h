@@ -1,5 +1,5 @@
 // The host as a Device (device.h): arrays in ordinary memory, the optimizer's loops of
-// optimizer.h, the MLP through OpenBLAS (mlp.h), collectives straight on host values.
+// optimizer.h, the MLP through OpenBLAS (common/mlp.h), collectives straight on host values.
 #pragma once
 
 #include "worker/dataplane/device.h"

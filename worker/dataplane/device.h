@@ -65,7 +65,7 @@ class SpanKernels {
   virtual absl::StatusOr<bool> ScaleGradients(float factor, bool check_finite) = 0;
 };
 
-// The built-in MLP (worker/dataplane/mlp.h's model) on a device. Parameters are fp32 device
+// The built-in MLP (common/mlp.h's model) on a device. Parameters are fp32 device
 // views (the engine's master weights); a 16-bit precision computes with 16-bit copies of them.
 class MlpRunner {
  public:

@@ -6,12 +6,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
+#include "common/mlp.h"
+#include "common/mlp_data.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 #include "common/step_boundary.h"
 #include "worker/dataplane/cpu_device.h"
-#include "worker/dataplane/mlp.h"
-#include "worker/dataplane/mlp_data.h"
 
 namespace shard {
 namespace {

@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "worker/dataplane/mlp.h"
+#include "common/mlp.h"
 #include "worker/gpu/convert.cuh"
 #include "worker/gpu/cuda_check.h"
 #include "worker/gpu/kernels.h"

@@ -1,4 +1,4 @@
-// The built-in MLP of worker/dataplane/mlp.h on the GPU: layer i computes x·W_iᵀ + b_i (W_i of
+// The built-in MLP of common/mlp.h on the GPU: layer i computes x·W_iᵀ + b_i (W_i of
 // shape [out, in]), ReLU between layers, softmax cross-entropy summed over rows. Matrix products
 // go through cuBLAS (cublasGemmEx); bias, ReLU, softmax and their gradients are small kernels.
 // Parameters and gradients are not owned: the caller passes device pointers in manifest order

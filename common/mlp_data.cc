@@ -1,10 +1,10 @@
-#include "worker/dataplane/mlp_data.h"
+#include "common/mlp_data.h"
 
 #include <cmath>
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "worker/dataplane/mlp.h"
+#include "common/mlp.h"
 
 namespace shard {
 

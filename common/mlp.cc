@@ -1,4 +1,4 @@
-#include "worker/dataplane/mlp.h"
+#include "common/mlp.h"
 
 #include <cblas.h>
 
