@@ -8,6 +8,7 @@ PACKAGES=(
   protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev
   libabsl-dev libspdlog-dev libgtest-dev libgmock-dev libgloo-dev
   libcli11-dev nlohmann-json3-dev libxxhash-dev libopenblas-dev libcpp-httplib-dev
+  prometheus-cpp-dev
   docker-compose
 )
 

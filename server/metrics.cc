@@ -6,354 +6,89 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <charconv>
 #include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
+#include <map>
+#include <optional>
 #include <thread>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "httplib.h"
+#include "prometheus/text_serializer.h"
 #include "server/checkpoint_manager.h"
 #include "server/plan_manager.h"
 #include "server/world_manager.h"
 #include "spdlog/spdlog.h"
 
 namespace shard {
-namespace {
-
-// A misuse of the registry by this program's own code (see the header): stop, as a CHECK would.
-[[noreturn]] void Fatal(const std::string& message) {
-  std::fprintf(stderr, "metrics: %s\n", message.c_str());
-  std::fflush(stderr);
-  std::abort();
-}
-
-// Prometheus names: a letter or '_' (or ':' in metric names), then those or digits.
-bool ValidName(absl::string_view name, bool colon_allowed) {
-  if (name.empty()) return false;
-  for (size_t i = 0; i < name.size(); ++i) {
-    const char c = name[i];
-    const bool ok = absl::ascii_isalpha(static_cast<unsigned char>(c)) || c == '_' ||
-                    (colon_allowed && c == ':') ||
-                    (i > 0 && absl::ascii_isdigit(static_cast<unsigned char>(c)));
-    if (!ok) return false;
-  }
-  return true;
-}
-
-bool ValidMetricName(absl::string_view name) { return ValidName(name, /*colon_allowed=*/true); }
-
-// Label names starting "__" are reserved for Prometheus itself.
-bool ValidLabelName(absl::string_view name) {
-  return ValidName(name, /*colon_allowed=*/false) && !absl::StartsWith(name, "__");
-}
-
-// Backslash and newline escaped, and the double quote where `quote_escaped`.
-std::string Escape(absl::string_view text, bool quote_escaped) {
-  std::string out;
-  out.reserve(text.size());
-  for (char c : text) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c == '"' && quote_escaped) {
-      out += "\\\"";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
-// --- The text exposition format ------------------------------------------------------------------
-
-std::string EscapeLabelValue(absl::string_view value) {
-  return Escape(value, /*quote_escaped=*/true);
-}
-
-std::string EscapeHelp(absl::string_view help) { return Escape(help, /*quote_escaped=*/false); }
-
-std::string FormatMetricValue(double value) {
-  if (std::isnan(value)) return "NaN";
-  if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
-  // Integers (counts, bytes, steps) exactly and without an exponent, up to where doubles stop
-  // being exact; -0 as 0.
-  if (value == std::floor(value) && std::fabs(value) < 9007199254740992.0) {
-    return absl::StrCat(static_cast<int64_t>(value));
-  }
-  char buffer[64];
-  const std::to_chars_result result = std::to_chars(buffer, buffer + sizeof(buffer), value);
-  return std::string(buffer, result.ptr);
-}
-
-MetricFamily::MetricFamily(std::string name, std::string help,
-                           std::vector<std::string> label_names)
-    : name_(std::move(name)), help_(std::move(help)), label_names_(std::move(label_names)) {
-  if (!ValidMetricName(name_)) Fatal(absl::StrCat("invalid metric name '", name_, "'"));
-  for (const std::string& label : label_names_) {
-    if (!ValidLabelName(label)) {
-      Fatal(absl::StrCat("invalid label name '", label, "' of metric ", name_));
-    }
-    if (std::count(label_names_.begin(), label_names_.end(), label) > 1) {
-      Fatal(absl::StrCat("label '", label, "' repeated in metric ", name_));
-    }
-  }
-}
-
-void MetricFamily::CheckArity(const LabelValues& values) const {
-  if (values.size() != label_names_.size()) {
-    Fatal(absl::StrCat("metric ", name_, " has ", label_names_.size(), " labels (",
-                       absl::StrJoin(label_names_, ","), "); a sample gave ", values.size()));
-  }
-}
-
-std::string MetricFamily::LabelText(const LabelValues& values, absl::string_view extra) const {
-  if (values.empty() && extra.empty()) return "";
-  std::string out = "{";
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (i > 0) out += ',';
-    absl::StrAppend(&out, label_names_[i], "=\"", EscapeLabelValue(values[i]), "\"");
-  }
-  if (!extra.empty()) absl::StrAppend(&out, values.empty() ? "" : ",", extra);
-  out += '}';
-  return out;
-}
-
-void MetricFamily::RenderHeader(absl::string_view type, std::string* out) const {
-  absl::StrAppend(out, "# HELP ", name_, " ", EscapeHelp(help_), "\n", "# TYPE ", name_, " ", type,
-                  "\n");
-}
-
-ValueFamily::ValueFamily(std::string name, std::string help,
-                         std::vector<std::string> label_names, absl::string_view type)
-    : MetricFamily(std::move(name), std::move(help), std::move(label_names)), type_(type) {
-  if (label_names_.empty()) values_[{}] = 0;
-}
-
-void ValueFamily::AddToValue(const LabelValues& labels, double delta) {
-  CheckArity(labels);
-  absl::MutexLock lock(&mu_);
-  values_[labels] += delta;
-}
-
-double ValueFamily::Value(const LabelValues& labels) const {
-  absl::ReaderMutexLock lock(&mu_);
-  auto it = values_.find(labels);
-  return it == values_.end() ? 0 : it->second;
-}
-
-void ValueFamily::Render(std::string* out) const {
-  RenderHeader(type_, out);
-  absl::ReaderMutexLock lock(&mu_);
-  for (const auto& [labels, value] : values_) {
-    absl::StrAppend(out, name_, LabelText(labels), " ", FormatMetricValue(value), "\n");
-  }
-}
-
-CounterFamily::CounterFamily(std::string name, std::string help,
-                             std::vector<std::string> label_names)
-    : ValueFamily(std::move(name), std::move(help), std::move(label_names), "counter") {
-  if (!absl::EndsWith(name_, "_total")) {
-    Fatal(absl::StrCat("counter ", name_, " must be named *_total"));
-  }
-}
-
-void CounterFamily::Increment(const LabelValues& labels, double amount) {
-  if (!(amount >= 0)) return;
-  AddToValue(labels, amount);
-}
-
-GaugeFamily::GaugeFamily(std::string name, std::string help, std::vector<std::string> label_names)
-    : ValueFamily(std::move(name), std::move(help), std::move(label_names), "gauge") {}
-
-void GaugeFamily::Set(const LabelValues& labels, double value) {
-  CheckArity(labels);
-  absl::MutexLock lock(&mu_);
-  values_[labels] = value;
-}
-
-HistogramFamily::HistogramFamily(std::string name, std::string help,
-                                 std::vector<std::string> label_names,
-                                 std::vector<double> upper_bounds)
-    : MetricFamily(std::move(name), std::move(help), std::move(label_names)),
-      upper_bounds_(std::move(upper_bounds)) {
-  if (std::find(label_names_.begin(), label_names_.end(), "le") != label_names_.end()) {
-    Fatal(absl::StrCat("histogram ", name_, " may not have a label named 'le'"));
-  }
-  for (size_t i = 0; i < upper_bounds_.size(); ++i) {
-    if (!std::isfinite(upper_bounds_[i]) || (i > 0 && upper_bounds_[i] <= upper_bounds_[i - 1])) {
-      Fatal(absl::StrCat("histogram ", name_, ": bucket bounds must be finite and increasing"));
-    }
-  }
-  if (label_names_.empty()) {
-    absl::MutexLock lock(&mu_);
-    SeriesLocked({});
-  }
-}
-
-HistogramFamily::Series& HistogramFamily::SeriesLocked(const LabelValues& labels) {
-  Series& series = series_[labels];
-  if (series.buckets.empty()) series.buckets.assign(upper_bounds_.size() + 1, 0);
-  return series;
-}
-
-void HistogramFamily::Observe(const LabelValues& labels, double value) {
-  CheckArity(labels);
-  if (std::isnan(value)) return;
-  // The first bound >= value ("le"); past the last one, the +Inf bucket.
-  const size_t bucket =
-      std::lower_bound(upper_bounds_.begin(), upper_bounds_.end(), value) - upper_bounds_.begin();
-  absl::MutexLock lock(&mu_);
-  Series& series = SeriesLocked(labels);
-  ++series.buckets[bucket];
-  series.sum += value;
-  ++series.count;
-}
-
-uint64_t HistogramFamily::Count(const LabelValues& labels) const {
-  absl::ReaderMutexLock lock(&mu_);
-  auto it = series_.find(labels);
-  return it == series_.end() ? 0 : it->second.count;
-}
-
-void HistogramFamily::Render(std::string* out) const {
-  RenderHeader("histogram", out);
-  absl::ReaderMutexLock lock(&mu_);
-  for (const auto& [labels, series] : series_) {
-    uint64_t cumulative = 0;
-    for (size_t i = 0; i < series.buckets.size(); ++i) {
-      cumulative += series.buckets[i];
-      const std::string le =
-          i < upper_bounds_.size() ? FormatMetricValue(upper_bounds_[i]) : std::string("+Inf");
-      absl::StrAppend(out, name_, "_bucket", LabelText(labels, absl::StrCat("le=\"", le, "\"")),
-                      " ", cumulative, "\n");
-    }
-    absl::StrAppend(out, name_, "_sum", LabelText(labels), " ", FormatMetricValue(series.sum),
-                    "\n");
-    absl::StrAppend(out, name_, "_count", LabelText(labels), " ", series.count, "\n");
-  }
-}
-
-void MetricsRegistry::CheckNewName(const std::string& name) const {
-  for (const auto& family : families_) {
-    if (family->name() == name) Fatal(absl::StrCat("metric ", name, " registered twice"));
-  }
-}
-
-CounterFamily& MetricsRegistry::AddCounter(std::string name, std::string help,
-                                           std::vector<std::string> label_names) {
-  absl::MutexLock lock(&mu_);
-  CheckNewName(name);
-  auto family = std::make_unique<CounterFamily>(std::move(name), std::move(help),
-                                                std::move(label_names));
-  CounterFamily& ref = *family;
-  families_.push_back(std::move(family));
-  return ref;
-}
-
-GaugeFamily& MetricsRegistry::AddGauge(std::string name, std::string help,
-                                       std::vector<std::string> label_names) {
-  absl::MutexLock lock(&mu_);
-  CheckNewName(name);
-  auto family =
-      std::make_unique<GaugeFamily>(std::move(name), std::move(help), std::move(label_names));
-  GaugeFamily& ref = *family;
-  families_.push_back(std::move(family));
-  return ref;
-}
-
-HistogramFamily& MetricsRegistry::AddHistogram(std::string name, std::string help,
-                                               std::vector<std::string> label_names,
-                                               std::vector<double> upper_bounds) {
-  absl::MutexLock lock(&mu_);
-  CheckNewName(name);
-  auto family = std::make_unique<HistogramFamily>(std::move(name), std::move(help),
-                                                  std::move(label_names), std::move(upper_bounds));
-  HistogramFamily& ref = *family;
-  families_.push_back(std::move(family));
-  return ref;
-}
-
-void MetricsRegistry::RenderTo(std::string* out) const {
-  absl::ReaderMutexLock lock(&mu_);
-  for (const auto& family : families_) family->Render(out);
-}
-
-std::string MetricsRegistry::Render() const {
-  std::string out;
-  RenderTo(&out);
-  return out;
-}
 
 // --- RPC metrics ---------------------------------------------------------------------------------
 
-const std::vector<double>& RpcMetrics::DurationBuckets() {
-  // Unary calls take well under a millisecond to tens of milliseconds (a checkpoint commit);
-  // long polls (heartbeat watches, rendezvous waits, event watches) wait up to their wait_ms.
-  static const auto* const kBuckets = new std::vector<double>{
-      0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300};
-  return *kBuckets;
-}
-
 namespace {
 
-std::string CodeName(grpc::StatusCode code) {
-  // gRPC's codes are absl's, number for number (proto/grpc_status.h relies on it too).
-  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+// Unary calls take well under a millisecond to tens of milliseconds (a checkpoint commit); long
+// polls (heartbeat watches, rendezvous waits, event watches) wait up to their wait_ms.
+const prometheus::Histogram::BucketBoundaries& DurationBuckets() {
+  static const auto* const kBuckets = new prometheus::Histogram::BucketBoundaries{
+      0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300};
+  return *kBuckets;
 }
 
 }  // namespace
 
 RpcMetrics::RpcMetrics(const std::vector<std::string>& served)
-    : requests_(&registry_.AddCounter("shard_rpc_requests_total",
-                                      "RPCs the coordinator answered, by method and status code.",
-                                      {"method", "code"})),
-      durations_(&registry_.AddHistogram(
-          "shard_rpc_duration_seconds",
-          "Time from an RPC's arrival to its status being sent, by method (long polls included).",
-          {"method"}, DurationBuckets())),
-      in_flight_(&registry_.AddGauge("shard_rpc_in_flight",
-                                     "RPCs being served now (long polls included), by method.",
-                                     {"method"})),
-      served_(served.begin(), served.end()) {}
+    : requests_(prometheus::BuildCounter()
+                    .Name("shard_rpc_requests_total")
+                    .Help("RPCs the coordinator answered, by method and status code.")
+                    .Register(registry_)),
+      durations_(prometheus::BuildHistogram()
+                     .Name("shard_rpc_duration_seconds")
+                     .Help("Time from an RPC's arrival to its status being sent, by method (long "
+                           "polls included).")
+                     .Register(registry_)),
+      in_flight_(prometheus::BuildGauge()
+                     .Name("shard_rpc_in_flight")
+                     .Help("RPCs being served now (long polls included), by method.")
+                     .Register(registry_)),
+      other_(AddMethod("other")) {
+  for (const std::string& method : served) served_.try_emplace(method, AddMethod(method));
+}
 
-const std::string& RpcMetrics::MethodLabel(absl::string_view full_method) const {
-  static const std::string* const kOther = new std::string("other");
+RpcMetrics::MethodSeries RpcMetrics::AddMethod(const std::string& method) {
+  MethodSeries series;
+  for (int code = 0; code < kStatusCodes; ++code) {
+    // gRPC's codes are absl's, number for number (proto/grpc_status.h relies on it too).
+    const std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+    series.requests[code] = &requests_.Add({{"method", method}, {"code", name}});
+  }
+  series.duration = &durations_.Add({{"method", method}}, DurationBuckets());
+  series.in_flight = &in_flight_.Add({{"method", method}});
+  return series;
+}
+
+const RpcMetrics::MethodSeries& RpcMetrics::SeriesOf(absl::string_view full_method) const {
   absl::ConsumePrefix(&full_method, "/");
   auto found = served_.find(full_method);
-  return found != served_.end() ? *found : *kOther;
+  return found != served_.end() ? found->second : other_;
 }
 
 void RpcMetrics::Begin(absl::string_view full_method) {
-  in_flight_->Add({MethodLabel(full_method)}, 1);
+  SeriesOf(full_method).in_flight->Increment();
 }
 
 void RpcMetrics::End(absl::string_view full_method, grpc::StatusCode code,
                      absl::Duration elapsed) {
-  const std::string& method = MethodLabel(full_method);
-  requests_->Increment({method, CodeName(code)});
-  durations_->Observe({method}, absl::ToDoubleSeconds(elapsed));
-  in_flight_->Add({method}, -1);
-}
-
-double RpcMetrics::Requests(absl::string_view full_method, grpc::StatusCode code) const {
-  return requests_->Value({MethodLabel(full_method), CodeName(code)});
-}
-
-uint64_t RpcMetrics::Observations(absl::string_view full_method) const {
-  return durations_->Count({MethodLabel(full_method)});
+  const MethodSeries& series = SeriesOf(full_method);
+  // A code outside gRPC's range (a handler may construct any number) is counted as UNKNOWN, so
+  // the series stay the ones the constructor made.
+  const int index = code >= 0 && code < kStatusCodes ? code : grpc::StatusCode::UNKNOWN;
+  series.requests[index]->Increment();
+  series.duration->Observe(absl::ToDoubleSeconds(elapsed));
+  series.in_flight->Decrement();
 }
 
 std::vector<std::string> MethodNames(const google::protobuf::ServiceDescriptor& service) {
@@ -430,9 +165,50 @@ MakeRpcMetricsInterceptorFactory(RpcMetrics* metrics) {
   return std::make_unique<RpcMetricsInterceptorFactory>(metrics);
 }
 
+
 // --- The coordinator's exposition ----------------------------------------------------------------
 
 namespace {
+
+// What a scrape reads of the managers. ReadManagers() is the only code here that calls them, so
+// a change of their API is met in one place; the rest turns these values into gauges.
+struct ManagerReadings {
+  struct Checkpoints {
+    std::vector<v1::CheckpointRecord> records;  // the catalog, oldest first
+    int64_t start_step = 0;                     // where this generation's training started
+    bool training_started = false;
+    bool save_pending = false;
+  };
+  std::optional<StatusSnapshot> world;
+  std::optional<PlanStats> plan;
+  std::optional<Checkpoints> checkpoints;
+};
+
+ManagerReadings ReadManagers(const CoordinatorMetricsSources& sources, absl::Time now) {
+  ManagerReadings readings;
+  if (sources.world != nullptr) readings.world = sources.world->Status(now);
+  if (sources.plan != nullptr) readings.plan = sources.plan->Stats();
+  if (sources.checkpoints != nullptr) {
+    const CheckpointManager& checkpoints = *sources.checkpoints;
+    readings.checkpoints = ManagerReadings::Checkpoints{
+        checkpoints.List(), checkpoints.start().step, checkpoints.training_started(),
+        checkpoints.pending_request() != 0};
+  }
+  return readings;
+}
+
+using GaugeFamily = prometheus::Family<prometheus::Gauge>;
+
+GaugeFamily& AddGaugeFamily(const std::string& name, const std::string& help,
+                            prometheus::Registry& registry) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(registry);
+}
+
+// A gauge without labels.
+void SetGauge(const std::string& name, const std::string& help, double value,
+              prometheus::Registry& registry) {
+  AddGaugeFamily(name, help, registry).Add({}).Set(value);
+}
 
 double Seconds(absl::Duration duration) { return absl::ToDoubleSeconds(duration); }
 
@@ -440,40 +216,28 @@ bool IsLive(WorkerState state) {
   return state != WorkerState::kLeft && state != WorkerState::kDead;
 }
 
-void AddWorldMetrics(const WorldManager& world, const CoordinatorMetricsSources& sources,
-                     absl::Time now, MetricsRegistry& registry) {
-  const StatusSnapshot status = world.Status(now);
+void AddWorldMetrics(const StatusSnapshot& status, prometheus::Registry& registry) {
   const World& w = status.world;
 
-  registry.AddGauge("shard_coordinator_start_time_seconds",
-                    "When the coordinator started, in seconds since the Unix epoch.")
-      .Set(Seconds(sources.started - absl::UnixEpoch()));
-  registry.AddGauge("shard_coordinator_uptime_seconds", "Seconds since the coordinator started.")
-      .Set(Seconds(now - sources.started));
-
-  GaugeFamily& job_state = registry.AddGauge(
+  GaugeFamily& job_state = AddGaugeFamily(
       "shard_job_state", "1 for the job's current state (forming, running, stopping, stopped).",
-      {"state"});
+      registry);
   for (JobState state :
        {JobState::kForming, JobState::kRunning, JobState::kStopping, JobState::kStopped}) {
-    job_state.Set({std::string(JobStateName(state))}, state == w.state ? 1 : 0);
+    job_state.Add({{"state", std::string(JobStateName(state))}}).Set(state == w.state ? 1 : 0);
   }
-  registry.AddGauge("shard_generation", "The world's generation (bumped on every rank change).")
-      .Set(static_cast<double>(w.generation));
-  registry.AddGauge("shard_world_size", "Live workers holding a rank.").Set(w.world_size);
-  registry.AddGauge("shard_world_ranks", "Ranks of the current generation's world.").Set(w.ranks);
-  registry.AddGauge("shard_world_target_size", "The world size the job aims for.")
-      .Set(w.expected_world_size);
-  registry.AddGauge("shard_world_min_size", "The fewest workers the world re-forms with.")
-      .Set(w.min_world_size);
-  registry.AddGauge("shard_worker_lease_seconds",
-                    "A worker is declared dead after this long without a heartbeat.")
-      .Set(Seconds(status.lease));
+  SetGauge("shard_generation", "The world's generation (bumped on every rank change).",
+           static_cast<double>(w.generation), registry);
+  SetGauge("shard_world_size", "Live workers holding a rank.", w.world_size, registry);
+  SetGauge("shard_world_ranks", "Ranks of the current generation's world.", w.ranks, registry);
+  SetGauge("shard_world_target_size", "The world size the job aims for.", w.expected_world_size,
+           registry);
+  SetGauge("shard_world_min_size", "The fewest workers the world re-forms with.",
+           w.min_world_size, registry);
+  SetGauge("shard_worker_lease_seconds",
+           "A worker is declared dead after this long without a heartbeat.",
+           Seconds(status.lease), registry);
 
-  GaugeFamily& workers = registry.AddGauge(
-      "shard_workers",
-      "Workers by state; departed ones (left, dead) among the most recent that status keeps.",
-      {"state"});
   std::map<WorkerState, int> counts;
   for (WorkerState state :
        {WorkerState::kJoining, WorkerState::kReady, WorkerState::kFailed, WorkerState::kStandby,
@@ -481,37 +245,40 @@ void AddWorldMetrics(const WorldManager& world, const CoordinatorMetricsSources&
     counts[state] = 0;
   }
   for (const WorkerSnapshot& worker : status.workers) ++counts[worker.state];
+  GaugeFamily& workers = AddGaugeFamily(
+      "shard_workers",
+      "Workers by state; departed ones (left, dead) among the most recent that status keeps.",
+      registry);
   for (const auto& [state, count] : counts) {
-    workers.Set({std::string(WorkerStateName(state))}, count);
+    workers.Add({{"state", std::string(WorkerStateName(state))}}).Set(count);
   }
 
-  GaugeFamily& up = registry.AddGauge(
+  GaugeFamily& up = AddGaugeFamily(
       "shard_worker_up", "1 while the worker is live (heartbeating), 0 once it left or died.",
-      {"worker", "rank"});
-  GaugeFamily& heartbeat = registry.AddGauge(
+      registry);
+  GaugeFamily& heartbeat = AddGaugeFamily(
       "shard_worker_last_heartbeat_seconds", "Seconds since the worker's last heartbeat.",
-      {"worker"});
+      registry);
   for (const WorkerSnapshot& worker : status.workers) {
     const std::string rank = worker.rank >= 0 ? absl::StrCat(worker.rank) : "";
-    up.Set({worker.id, rank}, IsLive(worker.state) ? 1 : 0);
-    heartbeat.Set({worker.id}, Seconds(worker.since_heartbeat));
+    up.Add({{"worker", worker.id}, {"rank", rank}}).Set(IsLive(worker.state) ? 1 : 0);
+    heartbeat.Add({{"worker", worker.id}}).Set(Seconds(worker.since_heartbeat));
   }
 }
 
-void AddPlanMetrics(const PlanManager& plans, MetricsRegistry& registry) {
-  const PlanStats stats = plans.Stats();
-
-  registry.AddGauge("shard_plan_version", "Version of the current sharding plan (0: none yet).")
-      .Set(static_cast<double>(stats.plan_version));
-  registry.AddGauge("shard_plan_pending_acks", "Ranks that have not applied the current plan.")
-      .Set(static_cast<double>(stats.pending_acks.size()));
-  GaugeFamily& overlap_status = registry.AddGauge(
+void AddPlanMetrics(const PlanStats& stats, prometheus::Registry& registry) {
+  SetGauge("shard_plan_version", "Version of the current sharding plan (0: none yet).",
+           static_cast<double>(stats.plan_version), registry);
+  SetGauge("shard_plan_pending_acks", "Ranks that have not applied the current plan.",
+           static_cast<double>(stats.pending_acks.size()), registry);
+  GaugeFamily& overlap_status = AddGaugeFamily(
       "shard_overlap_status",
       "1 for the gradient-bucket state (UNINITIALIZED, DDP_HAS_REBUILT_BUCKETS, INITIALIZED).",
-      {"status"});
+      registry);
   for (OverlapStatus status :
        {OverlapStatus::kUninitialized, OverlapStatus::kRebuilt, OverlapStatus::kInitialized}) {
-    overlap_status.Set({std::string(OverlapStatusName(status))}, status == stats.status ? 1 : 0);
+    overlap_status.Add({{"status", std::string(OverlapStatusName(status))}})
+        .Set(status == stats.status ? 1 : 0);
   }
 
   // The lowest rank's latest report stands for the step (rank 0 in a running world); the step
@@ -523,79 +290,98 @@ void AddPlanMetrics(const PlanManager& plans, MetricsRegistry& registry) {
     if (latest == nullptr) latest = &*rank.last;
     step = std::max(step, rank.last->step);
   }
-  registry.AddGauge("shard_training_step", "The latest training step a worker reported.")
-      .Set(static_cast<double>(step));
+  SetGauge("shard_training_step", "The latest training step a worker reported.",
+           static_cast<double>(step), registry);
   if (latest == nullptr) return;  // no step yet: nothing to say about one
 
-  registry.AddGauge("shard_step_duration_seconds",
-                    "Duration of the latest reported step (the lowest rank's).")
-      .Set(latest->step_ms / 1000);
-  registry.AddGauge("shard_training_loss", "Loss of the latest reported step (the lowest rank's).")
-      .Set(latest->loss);
+  SetGauge("shard_step_duration_seconds",
+           "Duration of the latest reported step (the lowest rank's).", latest->step_ms / 1000,
+           registry);
+  SetGauge("shard_training_loss", "Loss of the latest reported step (the lowest rank's).",
+           latest->loss, registry);
   int64_t reduced = 0;
   for (int64_t bytes : latest->bucket_bytes) reduced += bytes;
-  registry.AddGauge("shard_step_reduced_bytes",
-                    "Gradient bytes all-reduced per step (sum of the latest step's buckets).")
-      .Set(static_cast<double>(reduced));
-  registry.AddGauge("shard_step_duration_mean_seconds",
-                    "Mean step duration over the recent reports of every rank.")
-      .Set(stats.mean_step_ms / 1000);
-  registry.AddGauge("shard_backward_duration_mean_seconds",
-                    "Mean backward compute per step over the recent reports.")
-      .Set(stats.mean_backward_ms / 1000);
-  registry.AddGauge("shard_communication_duration_mean_seconds",
-                    "Mean time per step that gradient collectives were in flight.")
-      .Set(stats.mean_communication_ms / 1000);
-  registry.AddGauge("shard_hidden_communication_duration_mean_seconds",
-                    "Mean communication time per step that overlapped backward compute.")
-      .Set(stats.mean_hidden_ms / 1000);
-  registry.AddGauge("shard_overlap_hidden_ratio",
-                    "Fraction of communication time hidden behind backward compute (0..1).")
-      .Set(stats.overlap_fraction);
+  SetGauge("shard_step_reduced_bytes",
+           "Gradient bytes all-reduced per step (sum of the latest step's buckets).",
+           static_cast<double>(reduced), registry);
+  SetGauge("shard_step_duration_mean_seconds",
+           "Mean step duration over the recent reports of every rank.", stats.mean_step_ms / 1000,
+           registry);
+  SetGauge("shard_backward_duration_mean_seconds",
+           "Mean backward compute per step over the recent reports.",
+           stats.mean_backward_ms / 1000, registry);
+  SetGauge("shard_communication_duration_mean_seconds",
+           "Mean time per step that gradient collectives were in flight.",
+           stats.mean_communication_ms / 1000, registry);
+  SetGauge("shard_hidden_communication_duration_mean_seconds",
+           "Mean communication time per step that overlapped backward compute.",
+           stats.mean_hidden_ms / 1000, registry);
+  SetGauge("shard_overlap_hidden_ratio",
+           "Fraction of communication time hidden behind backward compute (0..1).",
+           stats.overlap_fraction, registry);
 }
 
-void AddCheckpointMetrics(const CheckpointManager& checkpoints, MetricsRegistry& registry) {
-  const std::vector<v1::CheckpointRecord> records = checkpoints.List();
-  const TrainingStartPoint start = checkpoints.start();
+void AddCheckpointMetrics(const ManagerReadings::Checkpoints& checkpoints,
+                          prometheus::Registry& registry) {
+  SetGauge("shard_training_started", "1 once a worker reported a training step.",
+           checkpoints.training_started ? 1 : 0, registry);
+  SetGauge("shard_training_start_step",
+           "The step this generation's training started from (a restored checkpoint's).",
+           static_cast<double>(checkpoints.start_step), registry);
+  SetGauge("shard_checkpoint_save_pending", "1 while a save request awaits its commit.",
+           checkpoints.save_pending ? 1 : 0, registry);
+  SetGauge("shard_checkpoints_committed",
+           "Committed checkpoints in the catalog (after keep-last-K retention).",
+           static_cast<double>(checkpoints.records.size()), registry);
+  if (checkpoints.records.empty()) return;
 
-  registry.AddGauge("shard_training_started", "1 once a worker reported a training step.")
-      .Set(checkpoints.training_started() ? 1 : 0);
-  registry.AddGauge("shard_training_start_step",
-                    "The step this generation's training started from (a restored checkpoint's).")
-      .Set(static_cast<double>(start.step));
-  registry.AddGauge("shard_checkpoint_save_pending", "1 while a save request awaits its commit.")
-      .Set(checkpoints.pending_request() != 0 ? 1 : 0);
-  registry.AddGauge("shard_checkpoints_committed",
-                    "Committed checkpoints in the catalog (after keep-last-K retention).")
-      .Set(static_cast<double>(records.size()));
-  if (records.empty()) return;
-
-  const v1::CheckpointRecord& last = records.back();
-  registry.AddGauge("shard_checkpoint_last_step", "Training step of the newest checkpoint.")
-      .Set(static_cast<double>(last.step()));
-  registry.AddGauge("shard_checkpoint_last_commit_timestamp_seconds",
-                    "When the newest checkpoint committed, in seconds since the Unix epoch.")
-      .Set(static_cast<double>(last.committed_unix_ms()) / 1000);
-  registry.AddGauge("shard_checkpoint_save_duration_seconds",
-                    "Newest checkpoint: the slowest rank's time to write its shard.")
-      .Set(last.max_write_ms() / 1000);
-  registry.AddGauge("shard_checkpoint_pause_seconds",
-                    "Newest checkpoint: the longest training stall it caused on a rank.")
-      .Set(last.max_pause_ms() / 1000);
-  registry.AddGauge("shard_checkpoint_bytes", "Newest checkpoint: bytes written, all shards.")
-      .Set(static_cast<double>(last.bytes()));
+  const v1::CheckpointRecord& last = checkpoints.records.back();
+  SetGauge("shard_checkpoint_last_step", "Training step of the newest checkpoint.",
+           static_cast<double>(last.step()), registry);
+  SetGauge("shard_checkpoint_last_commit_timestamp_seconds",
+           "When the newest checkpoint committed, in seconds since the Unix epoch.",
+           static_cast<double>(last.committed_unix_ms()) / 1000, registry);
+  SetGauge("shard_checkpoint_save_duration_seconds",
+           "Newest checkpoint: the slowest rank's time to write its shard.",
+           last.max_write_ms() / 1000, registry);
+  SetGauge("shard_checkpoint_pause_seconds",
+           "Newest checkpoint: the longest training stall it caused on a rank.",
+           last.max_pause_ms() / 1000, registry);
+  SetGauge("shard_checkpoint_bytes", "Newest checkpoint: bytes written, all shards.",
+           static_cast<double>(last.bytes()), registry);
 }
 
 }  // namespace
 
 std::string RenderCoordinatorMetrics(const CoordinatorMetricsSources& sources, absl::Time now) {
-  MetricsRegistry registry;
-  if (sources.world != nullptr) AddWorldMetrics(*sources.world, sources, now, registry);
-  if (sources.plan != nullptr) AddPlanMetrics(*sources.plan, registry);
-  if (sources.checkpoints != nullptr) AddCheckpointMetrics(*sources.checkpoints, registry);
-  std::string out = registry.Render();
-  if (sources.rpc != nullptr) sources.rpc->RenderTo(&out);
-  return out;
+  const ManagerReadings readings = ReadManagers(sources, now);
+  // A registry per scrape: the series are those of this moment (a departed worker's disappear
+  // with it), and gauges need no updating between scrapes.
+  prometheus::Registry registry;
+  SetGauge("shard_coordinator_start_time_seconds",
+           "When the coordinator started, in seconds since the Unix epoch.",
+           Seconds(sources.started - absl::UnixEpoch()), registry);
+  SetGauge("shard_coordinator_uptime_seconds", "Seconds since the coordinator started.",
+           Seconds(now - sources.started), registry);
+  if (readings.world.has_value()) AddWorldMetrics(*readings.world, registry);
+  if (readings.plan.has_value()) AddPlanMetrics(*readings.plan, registry);
+  if (readings.checkpoints.has_value()) AddCheckpointMetrics(*readings.checkpoints, registry);
+
+  std::vector<prometheus::MetricFamily> families = registry.Collect();
+  if (sources.rpc != nullptr) {
+    std::vector<prometheus::MetricFamily> rpc = sources.rpc->Collect();
+    families.insert(families.end(), std::make_move_iterator(rpc.begin()),
+                    std::make_move_iterator(rpc.end()));
+  }
+  // prometheus-cpp keeps a family's series in a hash map; sorted, the page lists them in the
+  // same order on every scrape (and states, workers and methods alphabetically) for a reader.
+  for (prometheus::MetricFamily& family : families) {
+    std::sort(family.metric.begin(), family.metric.end(),
+              [](const prometheus::ClientMetric& a, const prometheus::ClientMetric& b) {
+                return a.label < b.label;
+              });
+  }
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 // --- The HTTP endpoint ---------------------------------------------------------------------------

@@ -1,165 +1,40 @@
-// The coordinator's Prometheus metrics (docs/metrics.md): a small registry that writes the text
-// exposition format 0.0.4, RPC counts and latencies fed by a gRPC server interceptor, the job's
-// gauges computed at scrape time from the managers' snapshots, and the HTTP endpoint that
-// serves them (cpp-httplib; only GET /metrics).
+// The coordinator's Prometheus metrics (docs/metrics.md): RPC counts and latencies fed by a gRPC
+// server interceptor, the job's gauges computed at scrape time from the managers' snapshots, both
+// kept in prometheus-cpp registries and written by its text serializer (exposition format 0.0.4),
+// and the HTTP endpoint that serves them (cpp-httplib; only GET /metrics).
 //
-// Metric and label names are constants of this program, so a malformed one, a name registered
-// twice or a sample with the wrong number of label values is a programming error: it aborts
-// with a message, as a failed CHECK would (tests catch it). Label values may be anything; they
-// are escaped.
+// prometheus-cpp throws on a malformed metric or label name, or on histogram bounds out of order;
+// ours are all constants of this program, so that would be a programming error. Label values
+// (worker ids) may be anything: the serializer escapes them. It writes HELP texts as they are
+// (prometheus-cpp 1.0.1 does not escape them), so ours hold no backslash or newline.
 //
-// Thread-safe: families may be updated from any thread while another renders.
+// Thread-safe: the RPC series may be updated from any thread while another renders.
 #pragma once
 
-#include <cstdint>
+#include <array>
 #include <functional>
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "google/protobuf/descriptor.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "grpcpp/support/status.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
 
 namespace shard {
 
 class CheckpointManager;
 class PlanManager;
 class WorldManager;
-
-// --- The text exposition format ------------------------------------------------------------------
-
-// A label value as it goes between the quotes: backslash, double quote and newline escaped.
-std::string EscapeLabelValue(absl::string_view value);
-// HELP text: backslash and newline escaped.
-std::string EscapeHelp(absl::string_view help);
-// A sample value or bucket bound: integers without a fraction ("3"), others in the shortest
-// form that reads back exactly ("0.25", "1e-05"), and "+Inf", "-Inf", "NaN".
-std::string FormatMetricValue(double value);
-
-// A series' label values, in the order of its family's label names.
-using LabelValues = std::vector<std::string>;
-
-// One metric family: a name, a help text, label names, and its series.
-class MetricFamily {
- public:
-  virtual ~MetricFamily() = default;
-  MetricFamily(const MetricFamily&) = delete;
-  MetricFamily& operator=(const MetricFamily&) = delete;
-
-  const std::string& name() const { return name_; }
-  // Appends "# HELP", "# TYPE" and the samples, series sorted by label values.
-  virtual void Render(std::string* out) const = 0;
-
- protected:
-  MetricFamily(std::string name, std::string help, std::vector<std::string> label_names);
-  // Aborts unless `values` has one value per label name.
-  void CheckArity(const LabelValues& values) const;
-  // `{a="x",b="y"}` for `values`, with `extra` (e.g. le="0.5") last; "" for no labels.
-  std::string LabelText(const LabelValues& values, absl::string_view extra = {}) const;
-  void RenderHeader(absl::string_view type, std::string* out) const;
-
-  const std::string name_;
-  const std::string help_;
-  const std::vector<std::string> label_names_;
-};
-
-// Counters and gauges: one value per series. Without labels it reads 0 until changed.
-class ValueFamily : public MetricFamily {
- public:
-  double Value(const LabelValues& labels = {}) const;
-  void Render(std::string* out) const override;
-
- protected:
-  // `type`: "counter" or "gauge", as rendered.
-  ValueFamily(std::string name, std::string help, std::vector<std::string> label_names,
-              absl::string_view type);
-  void AddToValue(const LabelValues& labels, double delta);
-
-  mutable absl::Mutex mu_;
-  std::map<LabelValues, double> values_ ABSL_GUARDED_BY(mu_);
-
- private:
-  const absl::string_view type_;
-};
-
-// A value that only goes up. Its name ends in "_total".
-class CounterFamily : public ValueFamily {
- public:
-  CounterFamily(std::string name, std::string help, std::vector<std::string> label_names);
-  // Negative and NaN amounts are ignored (a counter never goes down).
-  void Increment(const LabelValues& labels = {}, double amount = 1);
-};
-
-// A value that goes up and down.
-class GaugeFamily : public ValueFamily {
- public:
-  GaugeFamily(std::string name, std::string help, std::vector<std::string> label_names);
-  void Set(const LabelValues& labels, double value);
-  void Set(double value) { Set({}, value); }
-  void Add(const LabelValues& labels, double delta) { AddToValue(labels, delta); }
-};
-
-// Observations counted into buckets by upper bound (rendered cumulative, with "+Inf"), with
-// their sum and count. The label names must not include "le".
-class HistogramFamily : public MetricFamily {
- public:
-  // `upper_bounds`: finite and strictly increasing; "+Inf" is implied.
-  HistogramFamily(std::string name, std::string help, std::vector<std::string> label_names,
-                  std::vector<double> upper_bounds);
-  void Observe(const LabelValues& labels, double value);
-  void Observe(double value) { Observe({}, value); }
-  // Observations so far for `labels` (0 if none).
-  uint64_t Count(const LabelValues& labels = {}) const;
-  const std::vector<double>& upper_bounds() const { return upper_bounds_; }
-  void Render(std::string* out) const override;
-
- private:
-  struct Series {
-    std::vector<uint64_t> buckets;  // per bound, not cumulative; the last one is +Inf
-    double sum = 0;
-    uint64_t count = 0;
-  };
-  Series& SeriesLocked(const LabelValues& labels) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  const std::vector<double> upper_bounds_;
-  mutable absl::Mutex mu_;
-  std::map<LabelValues, Series> series_ ABSL_GUARDED_BY(mu_);
-};
-
-// The families of one exposition, rendered in the order they were added.
-class MetricsRegistry {
- public:
-  MetricsRegistry() = default;
-  MetricsRegistry(const MetricsRegistry&) = delete;
-  MetricsRegistry& operator=(const MetricsRegistry&) = delete;
-
-  // The returned families live as long as the registry. Names must be valid Prometheus names
-  // and unique in the registry; label names valid and not reserved ("__*").
-  CounterFamily& AddCounter(std::string name, std::string help,
-                            std::vector<std::string> label_names = {});
-  GaugeFamily& AddGauge(std::string name, std::string help,
-                        std::vector<std::string> label_names = {});
-  HistogramFamily& AddHistogram(std::string name, std::string help,
-                                std::vector<std::string> label_names,
-                                std::vector<double> upper_bounds);
-
-  void RenderTo(std::string* out) const;
-  std::string Render() const;
-
- private:
-  void CheckNewName(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-
-  mutable absl::Mutex mu_;
-  std::vector<std::unique_ptr<MetricFamily>> families_ ABSL_GUARDED_BY(mu_);
-};
 
 // --- RPC metrics ---------------------------------------------------------------------------------
 
@@ -170,28 +45,47 @@ class MetricsRegistry {
 // `method` is "shard.v1.Admin/GetStatus", one of the methods the server serves; a client may
 // name any method (answered UNIMPLEMENTED, and still counted), which is counted as
 // method="other", so no client can grow the series or crowd out the real names.
+//
+// Every series (each method, "other" included, with every status code) is created by the
+// constructor, so a call only looks its method up in a map that never changes and updates
+// prometheus-cpp's metrics (atomic counters and gauges; the histogram takes its own mutex): no
+// lock of ours and no Family::Add per call. It also means a series reads 0 before its first call
+// instead of being absent, so rate() sees the first error.
 class RpcMetrics {
  public:
-  static const std::vector<double>& DurationBuckets();
-
   // `served`: "pkg.Service/Method" names, e.g. from MethodNames().
   explicit RpcMetrics(const std::vector<std::string>& served);
+  RpcMetrics(const RpcMetrics&) = delete;
+  RpcMetrics& operator=(const RpcMetrics&) = delete;
+
   // An RPC of `full_method` ("/pkg.Service/Method") arrived / ended with `code` after `elapsed`.
   void Begin(absl::string_view full_method);
   void End(absl::string_view full_method, grpc::StatusCode code, absl::Duration elapsed);
 
-  double Requests(absl::string_view full_method, grpc::StatusCode code) const;
-  uint64_t Observations(absl::string_view full_method) const;
-  void RenderTo(std::string* out) const { registry_.RenderTo(out); }
+  // The current values, for the serializer.
+  std::vector<prometheus::MetricFamily> Collect() const { return registry_.Collect(); }
 
  private:
-  const std::string& MethodLabel(absl::string_view full_method) const;
+  // gRPC's status codes are 0 (OK) .. 16 (UNAUTHENTICATED).
+  static constexpr int kStatusCodes = 17;
 
-  MetricsRegistry registry_;
-  CounterFamily* requests_;
-  HistogramFamily* durations_;
-  GaugeFamily* in_flight_;
-  const absl::flat_hash_set<std::string> served_;  // immutable: read without a lock
+  // One method's series; they live as long as registry_.
+  struct MethodSeries {
+    std::array<prometheus::Counter*, kStatusCodes> requests{};  // indexed by status code
+    prometheus::Histogram* duration = nullptr;
+    prometheus::Gauge* in_flight = nullptr;
+  };
+
+  MethodSeries AddMethod(const std::string& method);
+  const MethodSeries& SeriesOf(absl::string_view full_method) const;
+
+  prometheus::Registry registry_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& durations_;
+  prometheus::Family<prometheus::Gauge>& in_flight_;
+  // Filled by the constructor and never changed after: read without a lock.
+  absl::flat_hash_map<std::string, MethodSeries> served_;
+  MethodSeries other_;
 };
 
 // "pkg.Service/Method" for every method of `service`.
@@ -205,15 +99,16 @@ MakeRpcMetricsInterceptorFactory(RpcMetrics* metrics);
 // --- The coordinator's exposition ----------------------------------------------------------------
 
 struct CoordinatorMetricsSources {
-  const WorldManager* world = nullptr;             // required
+  const WorldManager* world = nullptr;             // null: no world metrics (tests)
   const PlanManager* plan = nullptr;               // null: no plan metrics
   const CheckpointManager* checkpoints = nullptr;  // null: no training job
   const RpcMetrics* rpc = nullptr;                 // null: no RPC metrics
   absl::Time started;                              // when the coordinator started
 };
 
-// The whole /metrics page: the world, training and checkpoint gauges read now from the managers'
-// snapshots, then the RPC metrics. Safe to call from any thread.
+// The whole /metrics page: the coordinator's start time and uptime, the world, training and
+// checkpoint gauges read now from the managers' snapshots, then the RPC metrics. Each family's
+// series are sorted by their labels. Safe to call from any thread.
 std::string RenderCoordinatorMetrics(const CoordinatorMetricsSources& sources, absl::Time now);
 
 // --- The HTTP endpoint ---------------------------------------------------------------------------

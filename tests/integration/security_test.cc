@@ -308,13 +308,14 @@ TEST_F(SecurityTest, MetricsShowTheWorldItsWorkersAndTheirCalls) {
   const nlohmann::json step = parsed["ranks"][0]["last_step"]["step"];
   ASSERT_TRUE(step.is_number_integer()) << stats.output;
   EXPECT_GE(step.get<int64_t>(), scraped_step) << stats.output;
-  for (const char* line : {"\nshard_world_size 2\n", "\nshard_worker_up{worker=\"w0\",rank=",
-                           "\nshard_generation ", "\nshard_training_loss "}) {
+  // prometheus-cpp writes a series' labels in the order of their names.
+  for (const char* line : {"\nshard_world_size 2\n", "\nshard_worker_up{rank=\"",
+                           ",worker=\"w0\"} ", "\nshard_generation ", "\nshard_training_loss "}) {
     EXPECT_NE(body.find(line), std::string::npos) << line << "\n" << body;
   }
   // Both workers' joins (more if one rejoined after a missed lease on a busy machine).
   const std::string joins =
-      "\nshard_rpc_requests_total{method=\"shard.v1.Coordinator/Join\",code=\"OK\"} ";
+      "\nshard_rpc_requests_total{code=\"OK\",method=\"shard.v1.Coordinator/Join\"} ";
   const size_t joins_at = body.find(joins);
   ASSERT_NE(joins_at, std::string::npos) << body;
   EXPECT_GE(std::stoll(body.substr(joins_at + joins.size())), 2) << body;

@@ -1,6 +1,7 @@
-// The coordinator's Prometheus metrics: the exact exposition text, the RPC interceptor against a
-// real in-process callback server, the scrape-time gauges from real managers, and the HTTP
-// endpoint through a real HTTP client.
+// The coordinator's Prometheus metrics, read back from the page a scrape gets (writing the text
+// format is prometheus-cpp's job; what we check is which series we expose and their values): the
+// RPC interceptor against a real in-process callback server, the scrape-time gauges from real
+// managers, and the HTTP endpoint through a real HTTP client.
 #include "server/metrics.h"
 
 #include <algorithm>
@@ -8,14 +9,17 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -32,148 +36,43 @@
 namespace shard {
 namespace {
 
-TEST(MetricsFormatTest, ValuesAreExactAndSpecialValuesNamed) {
-  EXPECT_EQ(FormatMetricValue(0), "0");
-  EXPECT_EQ(FormatMetricValue(-0.0), "0");
-  EXPECT_EQ(FormatMetricValue(3), "3");
-  EXPECT_EQ(FormatMetricValue(-42), "-42");
-  EXPECT_EQ(FormatMetricValue(1234567890123.0), "1234567890123");
-  EXPECT_EQ(FormatMetricValue(0.25), "0.25");
-  EXPECT_EQ(FormatMetricValue(0.1), "0.1");
-  EXPECT_EQ(FormatMetricValue(1e-5), "1e-05");
-  EXPECT_EQ(FormatMetricValue(1e300), "1e+300");
-  EXPECT_EQ(FormatMetricValue(std::numeric_limits<double>::infinity()), "+Inf");
-  EXPECT_EQ(FormatMetricValue(-std::numeric_limits<double>::infinity()), "-Inf");
-  EXPECT_EQ(FormatMetricValue(std::nan("")), "NaN");
-}
-
-TEST(MetricsFormatTest, LabelValuesAndHelpAreEscaped) {
-  EXPECT_EQ(EscapeLabelValue(R"(a\b"c)" "\n" "d"), R"(a\\b\"c\nd)");
-  EXPECT_EQ(EscapeLabelValue("plain/ünïcode"), "plain/ünïcode");
-  // HELP escapes backslash and newline, not quotes.
-  EXPECT_EQ(EscapeHelp("say \"hi\"\\\nbye"), R"(say "hi"\\\nbye)");
-}
-
-TEST(MetricsRegistryTest, RendersTheTextFormatExactly) {
-  MetricsRegistry registry;
-  CounterFamily& requests =
-      registry.AddCounter("test_requests_total", "Requests.\nBy path \\ code.", {"path", "code"});
-  GaugeFamily& temperature = registry.AddGauge("test_temperature_celsius", "Temperature.");
-  registry.AddGauge("test_empty", "A labelled family without series.", {"x"});
-  requests.Increment({"/b", "200"});
-  requests.Increment({"/a", "500"}, 2);
-  requests.Increment({"/a\"\\\n", "200"});
-  requests.Increment({"/b", "200"}, 0.5);
-  requests.Increment({"/b", "200"}, -7);  // ignored: counters only go up
-  temperature.Set(-1.5);
-
-  EXPECT_EQ(registry.Render(),
-            "# HELP test_requests_total Requests.\\nBy path \\\\ code.\n"
-            "# TYPE test_requests_total counter\n"
-            "test_requests_total{path=\"/a\",code=\"500\"} 2\n"
-            "test_requests_total{path=\"/a\\\"\\\\\\n\",code=\"200\"} 1\n"
-            "test_requests_total{path=\"/b\",code=\"200\"} 1.5\n"
-            "# HELP test_temperature_celsius Temperature.\n"
-            "# TYPE test_temperature_celsius gauge\n"
-            "test_temperature_celsius -1.5\n"
-            "# HELP test_empty A labelled family without series.\n"
-            "# TYPE test_empty gauge\n");
-  EXPECT_EQ(requests.Value({"/b", "200"}), 1.5);
-}
-
-TEST(MetricsRegistryTest, UnlabelledMetricsStartAtZero) {
-  MetricsRegistry registry;
-  registry.AddCounter("test_events_total", "Events.");
-  registry.AddHistogram("test_latency_seconds", "Latency.", {}, {0.5});
-  EXPECT_EQ(registry.Render(),
-            "# HELP test_events_total Events.\n"
-            "# TYPE test_events_total counter\n"
-            "test_events_total 0\n"
-            "# HELP test_latency_seconds Latency.\n"
-            "# TYPE test_latency_seconds histogram\n"
-            "test_latency_seconds_bucket{le=\"0.5\"} 0\n"
-            "test_latency_seconds_bucket{le=\"+Inf\"} 0\n"
-            "test_latency_seconds_sum 0\n"
-            "test_latency_seconds_count 0\n");
-}
-
-TEST(MetricsRegistryTest, HistogramBucketsAreCumulativeWithInfSumAndCount) {
-  MetricsRegistry registry;
-  HistogramFamily& latency =
-      registry.AddHistogram("test_duration_seconds", "Duration.", {"op"}, {0.1, 0.5, 1});
-  for (double value : {0.05, 0.1, 0.3, 0.7, 0.7, 4.0}) latency.Observe({"read"}, value);
-  latency.Observe({"write"}, 2);
-  latency.Observe({"write"}, std::nan(""));  // ignored
-
-  EXPECT_EQ(registry.Render(),
-            "# HELP test_duration_seconds Duration.\n"
-            "# TYPE test_duration_seconds histogram\n"
-            "test_duration_seconds_bucket{op=\"read\",le=\"0.1\"} 2\n"  // le is inclusive
-            "test_duration_seconds_bucket{op=\"read\",le=\"0.5\"} 3\n"
-            "test_duration_seconds_bucket{op=\"read\",le=\"1\"} 5\n"
-            "test_duration_seconds_bucket{op=\"read\",le=\"+Inf\"} 6\n"
-            "test_duration_seconds_sum{op=\"read\"} 5.85\n"
-            "test_duration_seconds_count{op=\"read\"} 6\n"
-            "test_duration_seconds_bucket{op=\"write\",le=\"0.1\"} 0\n"
-            "test_duration_seconds_bucket{op=\"write\",le=\"0.5\"} 0\n"
-            "test_duration_seconds_bucket{op=\"write\",le=\"1\"} 0\n"
-            "test_duration_seconds_bucket{op=\"write\",le=\"+Inf\"} 1\n"
-            "test_duration_seconds_sum{op=\"write\"} 2\n"
-            "test_duration_seconds_count{op=\"write\"} 1\n");
-  EXPECT_EQ(latency.Count({"read"}), 6u);
-}
-
-TEST(MetricsRegistryTest, ConcurrentUpdatesAreAllCounted) {
-  MetricsRegistry registry;
-  CounterFamily& counter = registry.AddCounter("test_hits_total", "Hits.", {"t"});
-  HistogramFamily& histogram = registry.AddHistogram("test_h_seconds", "H.", {}, {1});
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&, t] {
-      for (int i = 0; i < 1000; ++i) {
-        counter.Increment({absl::StrCat(t % 2)});
-        histogram.Observe(0.5);
-        if (i % 100 == 0) registry.Render();
-      }
-    });
+// The samples of a scrape: "name{labels}" as written (prometheus-cpp orders the labels by
+// name) -> value. A line that is not "SERIES VALUE" fails the test.
+std::map<std::string, double> Samples(const std::string& text) {
+  std::map<std::string, double> samples;
+  for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+    if (absl::StartsWith(line, "#")) continue;
+    const size_t space = line.rfind(' ');
+    double value = 0;
+    EXPECT_TRUE(space != absl::string_view::npos &&
+                absl::SimpleAtod(line.substr(space + 1), &value))
+        << line;
+    samples[std::string(line.substr(0, space))] = value;
   }
-  for (std::thread& thread : threads) thread.join();
-  EXPECT_EQ(counter.Value({"0"}) + counter.Value({"1"}), 4000);
-  EXPECT_EQ(histogram.Count(), 4000u);
+  return samples;
 }
 
-TEST(MetricsRegistryDeathTest, MisuseIsAProgrammingError) {
-  EXPECT_DEATH(
-      {
-        MetricsRegistry registry;
-        registry.AddGauge("bad-name", "x");
-      },
-      "invalid metric name");
-  EXPECT_DEATH(
-      {
-        MetricsRegistry registry;
-        registry.AddCounter("test_requests", "no _total");
-      },
-      "must be named");
-  EXPECT_DEATH(
-      {
-        MetricsRegistry registry;
-        registry.AddGauge("test_g", "x", {"__reserved"});
-      },
-      "invalid label name");
-  EXPECT_DEATH(
-      {
-        MetricsRegistry registry;
-        registry.AddGauge("test_g", "x");
-        registry.AddGauge("test_g", "y");
-      },
-      "registered twice");
-  EXPECT_DEATH(
-      {
-        MetricsRegistry registry;
-        registry.AddGauge("test_g", "x", {"a", "b"}).Set({"only-one"}, 1);
-      },
-      "has 2 labels");
+// The value of `series` in `samples`, or NaN if it is absent (so that a comparison fails).
+double Sample(const std::map<std::string, double>& samples, const std::string& series) {
+  auto found = samples.find(series);
+  return found != samples.end() ? found->second : std::nan("");
+}
+
+// The page that RenderCoordinatorMetrics() makes of the RPC metrics alone.
+std::string RpcPage(const RpcMetrics& metrics) {
+  CoordinatorMetricsSources sources;
+  sources.rpc = &metrics;
+  return RenderCoordinatorMetrics(sources, absl::Now());
+}
+
+// shard_rpc_requests_total{code="OK",method="x.Y/A"} and the like.
+std::string Requests(absl::string_view method, absl::string_view code) {
+  return absl::StrCat("shard_rpc_requests_total{code=\"", code, "\",method=\"", method, "\"}");
+}
+
+// A series labelled by method alone: shard_rpc_in_flight{method="x.Y/A"} and the like.
+std::string OfMethod(absl::string_view name, absl::string_view method) {
+  return absl::StrCat(name, "{method=\"", method, "\"}");
 }
 
 // --- RPC metrics through a real callback server --------------------------------------------------
@@ -249,35 +148,19 @@ TEST(RpcMetricsTest, TheInterceptorCountsCallsOfACallbackService) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
 
-  const std::string method = "/shard.v1.Admin/GetStatus";
-  EXPECT_EQ(metrics.Requests(method, grpc::StatusCode::OK), 3);
-  EXPECT_EQ(metrics.Requests(method, grpc::StatusCode::NOT_FOUND), 1);
-  EXPECT_EQ(metrics.Observations(method), 4u);
+  const std::string text = RpcPage(metrics);
+  const std::map<std::string, double> samples = Samples(text);
+  const std::string method = "shard.v1.Admin/GetStatus";
+  EXPECT_EQ(Sample(samples, Requests(method, "OK")), 3) << text;
+  EXPECT_EQ(Sample(samples, Requests(method, "NOT_FOUND")), 1) << text;
+  EXPECT_EQ(Sample(samples, OfMethod("shard_rpc_duration_seconds_count", method)), 4) << text;
+  EXPECT_EQ(Sample(samples, absl::StrCat("shard_rpc_duration_seconds_bucket{method=\"", method,
+                                         "\",le=\"+Inf\"}")),
+            4)
+      << text;
+  EXPECT_EQ(Sample(samples, OfMethod("shard_rpc_in_flight", method)), 0) << text;
   // A method the server lacks goes through the interceptors too: counted as "other".
-  EXPECT_EQ(metrics.Requests("/shard.v1.Admin/NoSuchMethod", grpc::StatusCode::UNIMPLEMENTED), 1);
-
-  std::string text;
-  metrics.RenderTo(&text);
-  EXPECT_TRUE(absl::StrContains(
-      text, "shard_rpc_requests_total{method=\"shard.v1.Admin/GetStatus\",code=\"OK\"} 3\n"))
-      << text;
-  EXPECT_TRUE(absl::StrContains(
-      text,
-      "shard_rpc_requests_total{method=\"shard.v1.Admin/GetStatus\",code=\"NOT_FOUND\"} 1\n"))
-      << text;
-  EXPECT_TRUE(absl::StrContains(
-      text,
-      "shard_rpc_duration_seconds_bucket{method=\"shard.v1.Admin/GetStatus\",le=\"+Inf\"} 4\n"))
-      << text;
-  EXPECT_TRUE(absl::StrContains(
-      text, "shard_rpc_duration_seconds_count{method=\"shard.v1.Admin/GetStatus\"} 4\n"))
-      << text;
-  EXPECT_TRUE(
-      absl::StrContains(text, "shard_rpc_in_flight{method=\"shard.v1.Admin/GetStatus\"} 0\n"))
-      << text;
-  EXPECT_TRUE(absl::StrContains(
-      text, "shard_rpc_requests_total{method=\"other\",code=\"UNIMPLEMENTED\"} 1\n"))
-      << text;
+  EXPECT_EQ(Sample(samples, Requests("other", "UNIMPLEMENTED")), 1) << text;
   EXPECT_FALSE(absl::StrContains(text, "NoSuchMethod")) << text;
 }
 
@@ -290,15 +173,65 @@ TEST(RpcMetricsTest, MethodsTheServerDoesNotServeAreCountedAsOther) {
   }
   metrics.Begin("/x.Y/Served");
   metrics.End("/x.Y/Served", grpc::StatusCode::OK, absl::Milliseconds(1));
-  EXPECT_EQ(metrics.Requests("/x.Y/Served", grpc::StatusCode::OK), 1);
-  EXPECT_EQ(metrics.Requests("/x.Y/Unseen", grpc::StatusCode::UNIMPLEMENTED), 200);  // "other"
-  std::string text;
-  metrics.RenderTo(&text);
-  EXPECT_TRUE(absl::StrContains(
-      text, "shard_rpc_requests_total{method=\"other\",code=\"UNIMPLEMENTED\"} 200\n"));
-  EXPECT_TRUE(absl::StrContains(
-      text, "shard_rpc_requests_total{method=\"x.Y/Served\",code=\"OK\"} 1\n"));
+  const std::string text = RpcPage(metrics);
+  const std::map<std::string, double> samples = Samples(text);
+  EXPECT_EQ(Sample(samples, Requests("other", "UNIMPLEMENTED")), 200) << text;
+  EXPECT_EQ(Sample(samples, OfMethod("shard_rpc_duration_seconds_count", "other")), 200) << text;
+  EXPECT_EQ(Sample(samples, Requests("x.Y/Served", "OK")), 1) << text;
   EXPECT_FALSE(absl::StrContains(text, "x.Y/M0")) << text;
+}
+
+TEST(RpcMetricsTest, ACodeOutsideGrpcsIsCountedAsUnknown) {
+  RpcMetrics metrics({"x.Y/A"});
+  metrics.Begin("/x.Y/A");
+  metrics.End("/x.Y/A", static_cast<grpc::StatusCode>(99), absl::Milliseconds(1));
+  const std::string text = RpcPage(metrics);
+  EXPECT_EQ(Sample(Samples(text), Requests("x.Y/A", "UNKNOWN")), 1) << text;
+}
+
+TEST(RpcMetricsTest, EverySeriesReadsZeroBeforeItsFirstCall) {
+  RpcMetrics metrics({"x.Y/A", "x.Y/B"});
+  const std::string text = RpcPage(metrics);
+  const std::map<std::string, double> samples = Samples(text);
+  for (const char* method : {"x.Y/A", "x.Y/B", "other"}) {
+    for (const char* code : {"OK", "CANCELLED", "UNAVAILABLE", "UNAUTHENTICATED"}) {
+      EXPECT_EQ(Sample(samples, Requests(method, code)), 0) << method << " " << code << "\n"
+                                                            << text;
+    }
+    EXPECT_EQ(Sample(samples, OfMethod("shard_rpc_duration_seconds_count", method)), 0) << text;
+    EXPECT_EQ(Sample(samples, OfMethod("shard_rpc_in_flight", method)), 0) << text;
+  }
+  // 17 codes for each of the three methods, nothing else.
+  EXPECT_EQ(std::count_if(samples.begin(), samples.end(),
+                          [](const auto& sample) {
+                            return absl::StartsWith(sample.first, "shard_rpc_requests_total{");
+                          }),
+            3 * 17)
+      << text;
+}
+
+TEST(RpcMetricsTest, ConcurrentCallsAreAllCounted) {
+  RpcMetrics metrics({"x.Y/A"});
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&metrics, t] {
+      // Half the threads call a served method, half an unserved one, while pages are written.
+      const std::string method = t % 2 == 0 ? "/x.Y/A" : "/x.Y/Unserved";
+      for (int i = 0; i < 1000; ++i) {
+        metrics.Begin(method);
+        metrics.End(method, grpc::StatusCode::OK, absl::Microseconds(i));
+        if (i % 100 == 0) RpcPage(metrics);
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  const std::map<std::string, double> samples = Samples(RpcPage(metrics));
+  for (const char* method : {"x.Y/A", "other"}) {
+    EXPECT_EQ(Sample(samples, Requests(method, "OK")), 2000) << method;
+    EXPECT_EQ(Sample(samples, OfMethod("shard_rpc_duration_seconds_count", method)), 2000)
+        << method;
+    EXPECT_EQ(Sample(samples, OfMethod("shard_rpc_in_flight", method)), 0) << method;
+  }
 }
 
 TEST(RpcMetricsTest, MethodNamesComeFromTheServiceDescriptor) {
@@ -319,10 +252,6 @@ JoinParams Worker(const std::string& id) {
   params.device = "cpu";
   params.incarnation = 1;
   return params;
-}
-
-bool HasLine(const std::string& text, const std::string& line) {
-  return absl::StrContains(absl::StrCat("\n", text), absl::StrCat("\n", line, "\n"));
 }
 
 TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
@@ -401,49 +330,61 @@ TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
   sources.started = started;
   const std::string text = RenderCoordinatorMetrics(sources, now);
 
-  for (const std::string& line : std::vector<std::string>{
-           "shard_coordinator_start_time_seconds 1700000000",
-           "shard_coordinator_uptime_seconds 93",
-           "shard_job_state{state=\"running\"} 1",
-           "shard_job_state{state=\"forming\"} 0",
-           absl::StrCat("shard_generation ", generation),
-           "shard_world_size 2",
-           "shard_world_ranks 2",
-           "shard_world_target_size 2",
-           "shard_worker_lease_seconds 10",
-           "shard_workers{state=\"ready\"} 2",
-           "shard_workers{state=\"joining\"} 0",
-           "shard_workers{state=\"dead\"} 0",
-           "shard_worker_up{worker=\"w0\",rank=\"0\"} 1",
-           "shard_worker_up{worker=\"w1\",rank=\"1\"} 1",
-           "shard_worker_last_heartbeat_seconds{worker=\"w0\"} 0",
-           "shard_worker_last_heartbeat_seconds{worker=\"w1\"} 3",
-           "shard_training_step 5",
-           "shard_step_duration_seconds 0.02",
-           "shard_step_duration_mean_seconds 0.025",
-           "shard_training_loss 0.5",
-           "shard_step_reduced_bytes 1024",
-           "shard_overlap_hidden_ratio 0.75",
-           "shard_checkpoints_committed 2",
-           "shard_checkpoint_last_step 200",
-           "shard_checkpoint_last_commit_timestamp_seconds 1700000003",
-           "shard_checkpoint_save_duration_seconds 0.5",
-           "shard_checkpoint_pause_seconds 0.025",
-           "shard_checkpoint_bytes 8192",
-           "shard_checkpoint_save_pending 0",
-           "# TYPE shard_rpc_requests_total counter",
-           "shard_rpc_requests_total{method=\"shard.v1.Coordinator/Join\",code=\"OK\"} 1",
+  const std::map<std::string, double> samples = Samples(text);
+  for (const auto& [series, value] : std::vector<std::pair<std::string, double>>{
+           {"shard_coordinator_start_time_seconds", 1700000000},
+           {"shard_coordinator_uptime_seconds", 93},
+           {"shard_job_state{state=\"running\"}", 1},
+           {"shard_job_state{state=\"forming\"}", 0},
+           {"shard_generation", generation},
+           {"shard_world_size", 2},
+           {"shard_world_ranks", 2},
+           {"shard_world_target_size", 2},
+           {"shard_worker_lease_seconds", 10},
+           {"shard_workers{state=\"ready\"}", 2},
+           {"shard_workers{state=\"joining\"}", 0},
+           {"shard_workers{state=\"dead\"}", 0},
+           {"shard_worker_up{rank=\"0\",worker=\"w0\"}", 1},
+           {"shard_worker_up{rank=\"1\",worker=\"w1\"}", 1},
+           {"shard_worker_last_heartbeat_seconds{worker=\"w0\"}", 0},
+           {"shard_worker_last_heartbeat_seconds{worker=\"w1\"}", 3},
+           {"shard_training_step", 5},
+           {"shard_step_duration_seconds", 0.02},
+           {"shard_step_duration_mean_seconds", 0.025},
+           {"shard_training_loss", 0.5},
+           {"shard_step_reduced_bytes", 1024},
+           {"shard_overlap_hidden_ratio", 0.75},
+           {"shard_checkpoints_committed", 2},
+           {"shard_checkpoint_last_step", 200},
+           {"shard_checkpoint_last_commit_timestamp_seconds", 1700000003},
+           {"shard_checkpoint_save_duration_seconds", 0.5},
+           {"shard_checkpoint_pause_seconds", 0.025},
+           {"shard_checkpoint_bytes", 8192},
+           {"shard_checkpoint_save_pending", 0},
+           {Requests("shard.v1.Coordinator/Join", "OK"), 1},
        }) {
-    EXPECT_TRUE(HasLine(text, line)) << "missing: " << line << "\n" << text;
+    EXPECT_DOUBLE_EQ(Sample(samples, series), value) << series << "\n" << text;
   }
+  EXPECT_TRUE(absl::StrContains(text, "\n# TYPE shard_rpc_requests_total counter\n")) << text;
+  // A family's series are in the order of their labels, whatever prometheus-cpp's hash map holds.
+  EXPECT_TRUE(absl::StrContains(text,
+                                "shard_workers{state=\"dead\"} 0\n"
+                                "shard_workers{state=\"failed\"} 0\n"
+                                "shard_workers{state=\"joining\"} 0\n"
+                                "shard_workers{state=\"leaving\"} 0\n"
+                                "shard_workers{state=\"left\"} 0\n"
+                                "shard_workers{state=\"ready\"} 2\n"
+                                "shard_workers{state=\"standby\"} 0\n"))
+      << text;
 
   // A worker past its lease is dead: counted so, and down.
   now += absl::Seconds(30);
   (*world)->ExpireLeases(now);
   const std::string later = RenderCoordinatorMetrics(sources, now);
-  EXPECT_TRUE(HasLine(later, "shard_workers{state=\"dead\"} 2")) << later;
-  EXPECT_TRUE(HasLine(later, "shard_worker_up{worker=\"w0\",rank=\"\"} 0")) << later;
-  EXPECT_TRUE(HasLine(later, "shard_world_size 0")) << later;
+  const std::map<std::string, double> later_samples = Samples(later);
+  EXPECT_EQ(Sample(later_samples, "shard_workers{state=\"dead\"}"), 2) << later;
+  EXPECT_EQ(Sample(later_samples, "shard_worker_up{rank=\"\",worker=\"w0\"}"), 0) << later;
+  EXPECT_EQ(Sample(later_samples, "shard_world_size"), 0) << later;
   std::filesystem::remove_all(root);
 }
 
@@ -460,11 +401,12 @@ TEST(CoordinatorMetricsTest, WithoutAJobOrStepsThereAreNoTrainingValues) {
   sources.plan = &plans;
   sources.started = now;
   const std::string text = RenderCoordinatorMetrics(sources, now);
-  EXPECT_TRUE(HasLine(text, "shard_world_size 0")) << text;
-  EXPECT_TRUE(HasLine(text, "shard_world_target_size 3")) << text;
-  EXPECT_TRUE(HasLine(text, "shard_job_state{state=\"forming\"} 1")) << text;
-  EXPECT_TRUE(HasLine(text, "shard_training_step 0")) << text;
-  EXPECT_TRUE(HasLine(text, "shard_overlap_status{status=\"UNINITIALIZED\"} 1")) << text;
+  const std::map<std::string, double> samples = Samples(text);
+  EXPECT_EQ(Sample(samples, "shard_world_size"), 0) << text;
+  EXPECT_EQ(Sample(samples, "shard_world_target_size"), 3) << text;
+  EXPECT_EQ(Sample(samples, "shard_job_state{state=\"forming\"}"), 1) << text;
+  EXPECT_EQ(Sample(samples, "shard_training_step"), 0) << text;
+  EXPECT_EQ(Sample(samples, "shard_overlap_status{status=\"UNINITIALIZED\"}"), 1) << text;
   EXPECT_FALSE(absl::StrContains(text, "shard_training_loss")) << text;
   EXPECT_FALSE(absl::StrContains(text, "shard_checkpoint")) << text;
   EXPECT_FALSE(absl::StrContains(text, "shard_rpc_")) << text;
