@@ -425,13 +425,17 @@ class Soak:
         return result.returncode, result.stdout, result.stderr
 
     def status(self):
-        code, out, _ = self.shardctl("status", "--json", timeout=10)
-        if code != 0:
-            return None
-        try:
-            return json.loads(out)
-        except ValueError:
-            return None
+        """`shardctl status --json`, parsed (three tries); None if the coordinator does not
+        answer."""
+        for attempt in range(3):
+            code, out, _ = self.shardctl("status", "--json", timeout=10)
+            if code == 0:
+                try:
+                    return json.loads(out)
+                except ValueError:
+                    pass
+            time.sleep(0.2)
+        return None
 
     def start_coordinator(self):
         """Starts the coordinator on self.port (0 the first time) and waits for its port file;
@@ -737,7 +741,7 @@ class Soak:
         elif fault.kind == "drain":
             status = self.status() or {}
             ranked = [w for w in status.get("workers", [])
-                      if w.get("rank", -1) >= 0 and w.get("state") == "ready"]
+                      if w.get("rank", -1) >= 0 and w.get("state") in ("joining", "ready")]
             standbys = sum(1 for w in status.get("workers", []) if w.get("state") == "standby")
             by_id = {w.id: w for w in self.live_workers()}
             ranked = [by_id[w["id"]] for w in ranked if w["id"] in by_id]
@@ -1276,7 +1280,7 @@ def main():
         soak.failures.append(str(failure))
     except KeyboardInterrupt as interrupt:
         if soak is not None:
-            soak.failures.append(f"interrupted ({interrupt})")
+            soak.failures.append(f"interrupted ({interrupt or 'SIGINT'})")
         outcome = "interrupted"
         code = 130
     finally:
