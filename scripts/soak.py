@@ -1,0 +1,1307 @@
+#!/usr/bin/python3
+"""Process-level soak of Shard: real binaries, random faults, one seed.
+
+A coordinator and N CPU workers (build/bin) train a small MLP with a checkpoint every few
+steps while faults chosen from the seed hit them: a worker SIGKILLed (replaced at once or
+late, by a process with the same id or a new one), a worker SIGSTOPped (then SIGCONTed, or
+SIGKILLed and replaced), the coordinator SIGKILLed and started again with the same command
+line on the same port and state directory, `shardctl resize` and `shardctl drain`. A fault
+fires during training steps, right after a checkpoint was requested (during a save) or while
+the world is still re-forming after the previous fault.
+
+It passes (exit 0) only if:
+  - there was no hang: training progress (the coordinator's step metric) never stood still
+    for longer than --hang-after while the script was not injecting faults;
+  - no worker exited on its own with an error;
+  - the job finished on its own (the coordinator exited 0 after "training finished");
+  - every checkpoint in the coordinator's catalog verifies (`shardctl checkpoint verify`);
+  - the final parameters are bitwise equal to a reference run without faults that restores
+    the checkpoint the final world restored, on the same world size (the bound the chaos
+    tests use; with no restore, a run from scratch on that size).
+It also compares with an undisturbed run from scratch on the original world size (the
+largest difference is information, not a pass/fail) and prints a table: faults survived,
+hangs, time lost per fault, steps, checkpoints verified, the reference comparison.
+
+Every process it starts is tracked by pid and killed on every exit path (and, through
+PR_SET_PDEATHSIG, if this script itself is killed). Everything lives in one temporary
+directory, kept on failure or with --keep. Only the Python standard library is used.
+
+    scripts/soak.sh [--seed S] [--kills 20] [--coordinator-kills 3] [--stops N] [--resizes N]
+                    [--drains N] [--workers 4] [--steps N] [--duration SECONDS]
+                    [--lease 1s] [--grace 1s] [--every 5] [--keep] [--build-dir build]
+
+See docs/elasticity.md ("Soak") for how to read the report.
+"""
+
+import argparse
+import bisect
+import concurrent.futures
+import datetime
+import heapq
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def parse_duration(text):
+    """'1s', '1500ms', '2m', '0.5' (seconds) -> seconds."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 1s, 1500ms)")
+    value = float(match.group(1))
+    return value * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[match.group(2)]
+
+
+def duration_flag(seconds):
+    return f"{int(round(seconds * 1000))}ms"
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_line_time(line):
+    """When a log line of our binaries ("2026-11-22T16:27:14.750 I ...") was written."""
+    try:
+        return datetime.datetime.strptime(line[:23], "%Y-%m-%dT%H:%M:%S.%f").timestamp()
+    except ValueError:
+        return None
+
+
+def read_text(path):
+    try:
+        with open(path, "r", errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return ""
+
+
+def tail(path, lines):
+    text = read_text(path).splitlines()
+    return "\n".join(text[-lines:])
+
+
+def median_max(values):
+    if not values:
+        return "-", "-"
+    return f"{statistics.median(values):.2f}", f"{max(values):.2f}"
+
+
+class Hang(Exception):
+    """Training stood still for longer than the hang bound."""
+
+
+class SoakFailure(Exception):
+    """Something the soak cannot go on from (a crashed coordinator, the deadline, ...)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The schedule of faults: a pure function of the seed and the flags.
+
+
+class Fault:
+    KINDS = ("kill", "stop", "coordinator", "resize", "drain")
+
+    def __init__(self, **fields):
+        self.index = 0
+        self.kind = ""
+        self.timing = "steps"  # steps | save | reform
+        self.gap = 0  # steps/save: fire this many steps after the world settled
+        self.delay = 0.0  # reform: seconds after the previous fault; save: after the request
+        self.pick = 0.0  # which worker: this fraction into the sorted candidates
+        self.replace = "now"  # kill, stop->kill, drain: replacement "now" or "late"
+        self.replace_delay = 0.0
+        self.same_id = False  # the replacement reuses the id (a restarted pod)
+        self.then = ""  # stop: "cont" or "kill"
+        self.stopped_for = 0.0
+        self.down_for = 0.0  # coordinator: seconds before the restart
+        self.size = 0  # resize: the new world size
+        self.__dict__.update(fields)
+        # What happened (filled in while it runs).
+        self.fired_at = None
+        self.what = ""
+        self.lost = None  # seconds from the fault to the next world's first step
+        self.skipped = ""
+
+    def describe(self):
+        parts = [self.kind]
+        if self.kind in ("kill", "drain") or (self.kind == "stop" and self.then == "kill"):
+            parts.append(f"replacement {self.replace}"
+                         + (f" +{self.replace_delay:.1f}s" if self.replace == "late" else "")
+                         + (" same id" if self.same_id else " new id"))
+        if self.kind == "stop":
+            parts.append(f"for {self.stopped_for:.1f}s then {self.then.upper()}")
+        if self.kind == "coordinator":
+            parts.append(f"down {self.down_for:.1f}s")
+        if self.kind == "resize":
+            parts.append(f"to {self.size}")
+        when = {"steps": f"{self.gap} steps after the world settled",
+                "save": f"{self.gap} steps after the world settled, {self.delay * 1000:.0f} ms "
+                        "after a save request",
+                "reform": f"{self.delay:.1f}s after the previous fault (re-forming)"}[self.timing]
+        return ", ".join(parts) + "; " + when
+
+
+# Steps a fault costs besides its gap: training runs on while the script polls, calls shardctl,
+# restarts the coordinator and waits for the world to settle (more on a fast machine, fewer on a
+# loaded one). The default --steps allows this many per fault; Soak.fitted_gap measures it.
+LATENCY_STEPS = 150
+
+
+def tail_steps(args):
+    """Steps left undisturbed at the end of the job."""
+    return max(100, 20 * args.every)
+
+
+def make_schedule(args, rng):
+    kinds = (["kill"] * args.kills + ["stop"] * args.stops + ["coordinator"] * args.coordinator_kills
+             + ["resize"] * args.resizes + ["drain"] * args.drains)
+    rng.shuffle(kinds)
+    lease, grace = args.lease, args.grace
+    faults = []
+    target = args.workers
+    for i, kind in enumerate(kinds):
+        fault = Fault(index=i + 1, kind=kind, pick=rng.random())
+        roll = rng.random()
+        # Planned reshapes need a settled world (this script counts its workers then); the
+        # faults that follow them may still land in their pausing checkpoint.
+        if i > 0 and kind in ("kill", "stop", "coordinator") and roll < 0.3:
+            fault.timing = "reform"
+            fault.delay = rng.uniform(0.05, lease + grace + 0.5)
+        elif roll < 0.55:
+            fault.timing = "save"
+            fault.delay = rng.choice([0.0, rng.uniform(0.0, 0.05)])
+        fault.replace = "now" if rng.random() < 0.6 else "late"
+        fault.replace_delay = rng.uniform(lease + grace, 3 * (lease + grace)) \
+            if fault.replace == "late" else 0.0
+        fault.same_id = rng.random() < 0.5
+        if kind == "stop":
+            fault.then = "cont" if rng.random() < 0.5 else "kill"
+            fault.stopped_for = rng.uniform(0.3 * lease, 3 * lease)
+        if kind == "coordinator":
+            fault.down_for = rng.choice([0.0, rng.uniform(0.1, 2 * lease)])
+        if kind == "resize":
+            sizes = [n for n in range(args.min_workers, args.workers + 1) if n != target]
+            fault.size = rng.choice(sizes) if sizes else target
+            target = fault.size
+        if kind == "drain":
+            fault.same_id = False
+        faults.append(fault)
+    # The faults that wait for training fire this many steps after the world settled again.
+    for fault in faults:
+        if fault.timing != "reform":
+            fault.gap = rng.randint(1, 30 * args.every)
+    return faults
+
+
+# ----------------------------------------------------------------------------------------------
+# Processes
+
+
+class Proc:
+    def __init__(self, name, kind, argv, log_path, env, cwd):
+        self.name, self.kind, self.log_path = name, kind, log_path
+        self.argv = argv
+        self.log_file = open(log_path, "w")
+        prefix = []
+        # Dies with this script even if it is SIGKILLed (the signal goes when the thread that
+        # started it ends: every process is started from the main thread).
+        if shutil.which("setpriv"):
+            prefix = ["setpriv", "--pdeathsig", "KILL", "--"]
+        self.popen = subprocess.Popen(prefix + argv, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                                      start_new_session=True)
+        self.pid = self.popen.pid
+        self.killed = False  # by this script, on purpose
+        self.stopped = False
+        self.returncode = None
+
+    def alive(self):
+        return self.poll() is None
+
+    def poll(self):
+        if self.returncode is None:
+            code = self.popen.poll()
+            if code is not None:
+                self.returncode = code
+                self.log_file.close()
+        return self.returncode
+
+    def signal(self, sig):
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout):
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        return self.poll()
+
+    def log(self):
+        return read_text(self.log_path)
+
+
+class Worker(Proc):
+    def __init__(self, worker_id, incarnation, *rest):
+        super().__init__(f"{worker_id}#{incarnation}", "worker", *rest)
+        self.id = worker_id
+        self.incarnation = incarnation
+        self.resolved = False  # its exit (or kill) has been accounted for
+
+
+# ----------------------------------------------------------------------------------------------
+# The coordinator's metrics, polled in the background
+
+
+class Monitor(threading.Thread):
+    """Polls the coordinator's Prometheus endpoint: the latest sample, and when the step last
+    changed. Starts no process (processes are started from the main thread only)."""
+
+    FIELDS = {
+        "shard_training_step": "step",
+        "shard_generation": "generation",
+        "shard_world_size": "world_size",
+        "shard_world_ranks": "ranks",
+        "shard_world_target_size": "target",
+        'shard_workers{state="leaving"}': "leaving",
+        'shard_workers{state="standby"}': "standby",
+        'shard_job_state{state="running"}': "running",
+    }
+
+    WORKER_UP = re.compile(r'shard_worker_up\{worker="([^"]*)",rank="([^"]*)"\}')
+
+    def __init__(self, url, interval=0.2):
+        super().__init__(daemon=True)
+        self.url, self.interval = url, interval
+        self.lock = threading.Lock()
+        self.last = None  # the latest sample: a dict, or None while the coordinator is down
+        self.last_step = None
+        self.last_change = time.time()
+        self.progress_since_mark = 0  # steps gained since mark_action()
+        self.stop_event = threading.Event()
+
+    def mark(self):
+        with self.lock:
+            self.progress_since_mark = 0
+
+    def run(self):
+        while not self.stop_event.wait(self.interval):
+            sample = None
+            try:
+                with urllib.request.urlopen(self.url, timeout=1.0) as response:
+                    text = response.read().decode()
+                sample = {"ranks_by_worker": {}}
+                for line in text.splitlines():
+                    if line.startswith("#"):
+                        continue
+                    name, _, value = line.rpartition(" ")
+                    if name in self.FIELDS:
+                        sample[self.FIELDS[name]] = float(value)
+                    up = self.WORKER_UP.fullmatch(name)
+                    if up and float(value) == 1:
+                        sample["ranks_by_worker"][up.group(1)] = up.group(2)
+            except Exception:  # the coordinator is down or restarting
+                sample = None
+            now = time.time()
+            with self.lock:
+                self.last = sample
+                # A restarted coordinator reports step 0 until a worker reports again.
+                if sample is not None and sample.get("step", 0) > 0:
+                    step = int(sample["step"])
+                    if step != self.last_step:
+                        if self.last_step is not None and step > self.last_step:
+                            self.progress_since_mark += step - self.last_step
+                        elif self.last_step is not None:
+                            self.progress_since_mark += 1  # a restore and a step: progress too
+                        self.last_step = step
+                        self.last_change = now
+
+    def snapshot(self):
+        with self.lock:
+            return self.last, self.last_step, self.last_change, self.progress_since_mark
+
+
+# ----------------------------------------------------------------------------------------------
+# The soak
+
+
+class Soak:
+    def __init__(self, args, schedule):
+        self.args = args
+        self.faults = schedule
+        self.bin = os.path.join(os.path.abspath(args.build_dir), "bin")
+        for name in ("shard-coordinator", "shard-worker", "shardctl"):
+            if not os.access(os.path.join(self.bin, name), os.X_OK):
+                raise SoakFailure(f"{self.bin}/{name} is missing: build it first (scripts/build.sh "
+                                  "--target shard-coordinator shard-worker shardctl)")
+        base = args.dir or None
+        self.dir = tempfile.mkdtemp(prefix="shard-soak.", dir=base)
+        self.start_time = time.time()
+        self.deadline = self.start_time + args.duration
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SHARD_")}
+        self.env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        self.procs = []
+        self.workers = []  # every Worker ever started
+        self.coordinator = None
+        self.coordinator_starts = 0
+        self.port = 0
+        self.metrics_port = 0
+        self.monitor = None
+        self.pending = []  # heap of (due, seq, what, fn)
+        self.pending_seq = 0
+        self.pending_starts = 0
+        self.pending_resolutions = 0  # SIGSTOPped workers waiting for their CONT or KILL
+        self.next_worker = args.workers
+        self.incarnations = {}
+        self.last_action = time.time()
+        self.first_step = 0  # the step when the first fault was considered
+        self.gaps_used = 0  # steps of the gaps so far (see fitted_gap)
+        self.hangs = 0
+        self.unexpected_exits = []  # (worker name, code, last line)
+        self.counts = {"replaced_now": 0, "replaced_late": 0, "same_id": 0, "new_id": 0}
+        self.notes = []
+        self.failures = []
+        self.finished = False
+        self.results = {}
+
+    # -- output --------------------------------------------------------------------------------
+
+    def say(self, message):
+        print(f"[{time.time() - self.start_time:7.1f}s] {message}", flush=True)
+
+    # -- processes -----------------------------------------------------------------------------
+
+    def path(self, *parts):
+        return os.path.join(self.dir, *parts)
+
+    def start(self, cls, *args):
+        proc = cls(*args)
+        self.procs.append(proc)
+        return proc
+
+    def shardctl(self, *argv, timeout=15):
+        """shardctl against the coordinator; (exit status, stdout, stderr), never raises."""
+        command = [os.path.join(self.bin, "shardctl"), "--coordinator", f"127.0.0.1:{self.port}",
+                   "--timeout", "5s", *argv]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                    env=self.env, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return 124, "", f"shardctl {' '.join(argv)}: no answer within {timeout}s"
+        return result.returncode, result.stdout, result.stderr
+
+    def tool(self, *argv, timeout=60):
+        """shardctl without a coordinator (data, checkpoint --path, compare)."""
+        try:
+            result = subprocess.run([os.path.join(self.bin, "shardctl"), *argv],
+                                    capture_output=True, text=True, timeout=timeout, env=self.env,
+                                    stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return 124, "", f"shardctl {' '.join(argv)}: not done within {timeout}s"
+        return result.returncode, result.stdout, result.stderr
+
+    def status(self):
+        """`shardctl status --json`, parsed (three tries); None if the coordinator does not
+        answer."""
+        for attempt in range(3):
+            code, out, _ = self.shardctl("status", "--json", timeout=10)
+            if code == 0:
+                try:
+                    return json.loads(out)
+                except ValueError:
+                    pass
+            time.sleep(0.2)
+        return None
+
+    def start_coordinator(self):
+        """Starts the coordinator on self.port (0 the first time) and waits for its port file;
+        False if it did not come up (the port taken, ...)."""
+        self.coordinator_starts += 1
+        port_file = self.path("coordinator.port")
+        if os.path.exists(port_file):
+            os.remove(port_file)
+        argv = [os.path.join(self.bin, "shard-coordinator"),
+                "--listen", f"127.0.0.1:{self.port}", "--port-file", port_file,
+                "--metrics-listen", f"127.0.0.1:{self.metrics_port}"] + self.coordinator_args
+        log = self.path(f"coordinator-{self.coordinator_starts}.log")
+        self.coordinator = self.start(Proc, "coordinator", "coordinator", argv, log, self.env,
+                                      self.dir)
+        give_up = time.time() + 20
+        while time.time() < give_up:
+            if self.coordinator.poll() is not None:
+                break
+            try:
+                with open(port_file) as handle:
+                    port = int(handle.read().strip() or 0)
+                if port > 0:
+                    self.port = port
+                    self.last_action = time.time()
+                    return True
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        if self.coordinator.poll() is None:
+            self.coordinator.signal(signal.SIGKILL)
+            self.coordinator.wait(5)
+        self.notes.append(f"coordinator start {self.coordinator_starts} failed:\n"
+                          + tail(log, 10))
+        return False
+
+    def start_worker(self, worker_id):
+        n = self.incarnations.get(worker_id, 0) + 1
+        self.incarnations[worker_id] = n
+        argv = [os.path.join(self.bin, "shard-worker"), "--coordinator", f"127.0.0.1:{self.port}",
+                "--id", worker_id, "--compute-threads", "1"] + self.args.worker_arg
+        log = self.path("workers", f"{worker_id}-{n}.log")
+        worker = self.start(Worker, worker_id, n, argv, log, self.env, self.dir)
+        self.workers.append(worker)
+        self.last_action = time.time()
+        return worker
+
+    def new_worker_id(self):
+        worker_id = f"w{self.next_worker}"
+        self.next_worker += 1
+        return worker_id
+
+    def live_workers(self):
+        """Worker processes running (SIGSTOPped ones included) that this script did not kill."""
+        return [w for w in self.workers if w.alive() and not w.killed]
+
+    def kill_everything(self):
+        for proc in self.procs:
+            if proc.alive():
+                proc.signal(signal.SIGKILL)
+        for proc in self.procs:
+            if proc.returncode is None:
+                proc.wait(5)
+
+    # -- the main loop's pump: due actions, exits, the hang detector, the deadline ------------
+
+    def later(self, delay, what, fn):
+        self.pending_seq += 1
+        heapq.heappush(self.pending, (time.time() + delay, self.pending_seq, what, fn))
+
+    def run_due(self):
+        while self.pending and self.pending[0][0] <= time.time():
+            _, _, _, fn = heapq.heappop(self.pending)
+            fn()
+
+    def reap(self):
+        for worker in self.workers:
+            if worker.resolved or worker.poll() is None:
+                continue
+            worker.resolved = True
+            if worker.killed:
+                continue
+            text = worker.log()
+            code = worker.returncode
+            lines = [line for line in text.splitlines() if line.strip()]
+            last = lines[-1] if lines else "(empty log)"
+            if code == 0:
+                if "ordered a stop: resized out" in text or "ordered a stop: drained" in text:
+                    self.say(f"{worker.name} left as told: {last[24:]}")
+                    continue
+                if "training finished" in text or "ordered a stop" in text:
+                    continue
+                self.say(f"{worker.name} exited 0 unexpectedly: {last}")
+                self.unexpected_exits.append((worker.name, code, last))
+            elif "is stopping (training finished" in text:
+                # Joined (a replacement, or a resumed worker) just as the job finished.
+                self.say(f"{worker.name} was refused: the job had finished")
+                continue
+            else:
+                self.say(f"UNEXPECTED: worker {worker.name} exited with status {code}: {last}")
+                self.unexpected_exits.append((worker.name, code, last))
+            if self.finished or self.coordinator_finished():
+                continue
+            # As an orchestrator would: start it again (same id) after a back-off.
+            self.schedule_start(worker.id, self.args.lease + self.args.grace + 1.0,
+                                "restart of a worker that exited")
+
+    def coordinator_finished(self):
+        return (self.coordinator is not None and self.coordinator.poll() is not None
+                and not self.coordinator.killed)
+
+    def check_hang(self, context):
+        _, step, changed, _ = self.monitor.snapshot()
+        quiet_since = max(changed, self.last_action)
+        if time.time() - quiet_since > self.args.hang_after:
+            self.hangs += 1
+            raise Hang(f"no training progress for {time.time() - quiet_since:.1f}s (bound "
+                       f"{self.args.hang_after:.0f}s) while {context}; last step {step}")
+
+    def pump(self, until, timeout, context, hang_check=True):
+        """Runs the loop until `until()` holds; False after `timeout` seconds."""
+        give_up = time.time() + timeout
+        while True:
+            self.run_due()
+            self.reap()
+            if until():
+                return True
+            if self.coordinator is not None and self.coordinator.poll() is not None \
+                    and not self.coordinator.killed:
+                return until()
+            if hang_check:
+                self.check_hang(context)
+            if time.time() > self.deadline:
+                raise SoakFailure(f"--duration {self.args.duration:.0f}s ran out while {context}")
+            if time.time() > give_up:
+                return False
+            time.sleep(0.05)
+
+    def sleep(self, seconds, context):
+        end = time.time() + seconds
+        self.pump(lambda: time.time() >= end, seconds + 1, context)
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def write_job(self, name, world, min_world, every, out, checkpoints, keep_last):
+        path = self.path(f"{name}.json")
+        batch = math.lcm(*range(1, world + 1))
+        batch *= max(1, math.ceil(96 / batch))
+        job = {
+            "name": "soak", "worldSize": world, "minWorldSize": min_world,
+            "model": {"mlp": {"widths": [32, 64, 10]}},
+            "data": {"path": self.path("data.safetensors")},
+            "seed": 11, "optimizer": {"name": "adam", "lr": 0.002}, "globalBatch": batch,
+            "steps": self.args.steps, "zeroStage": 2, "bucketCapMb": 0.004,
+            "checkpoint": {"dir": checkpoints, "everySteps": every, "keepLast": keep_last},
+            "outputDir": out,
+        }
+        with open(path, "w") as handle:
+            json.dump(job, handle, indent=2)
+        return path
+
+    def set_up(self):
+        os.makedirs(self.path("workers"))
+        code, out, err = self.tool("data", "generate", "--widths", "32,64,10", "--samples", "4096",
+                                   "--seed", "9", "--out", self.path("data.safetensors"))
+        if code != 0:
+            raise SoakFailure(f"shardctl data generate failed: {err}")
+        self.job = self.write_job("job", self.args.workers, self.args.min_workers, self.args.every,
+                                  self.path("out"), self.path("checkpoints"), self.args.keep_last)
+        self.coordinator_args = ["--job", self.job, "--state-dir", self.path("state"),
+                                 "--lease", duration_flag(self.args.lease),
+                                 "--reform-grace", duration_flag(self.args.grace)]
+        for attempt in range(3):
+            self.metrics_port = free_port()
+            self.port = 0
+            if self.start_coordinator():
+                break
+        else:
+            raise SoakFailure("the coordinator did not start:\n" + "\n".join(self.notes))
+        self.monitor = Monitor(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        self.monitor.start()
+        self.say(f"coordinator on 127.0.0.1:{self.port} (metrics :{self.metrics_port}), "
+                 f"starting {self.args.workers} workers")
+        for i in range(self.args.workers):
+            self.start_worker(f"w{i}")
+
+    # -- faults --------------------------------------------------------------------------------
+
+    def schedule_start(self, worker_id, delay, why):
+        self.pending_starts += 1
+
+        def start():
+            self.pending_starts -= 1
+            if self.coordinator_finished():
+                return
+            self.start_worker(worker_id)
+            if delay > 0:
+                self.say(f"started {worker_id} ({why})")
+        if delay <= 0:
+            start()
+        else:
+            self.later(delay, f"start {worker_id}", start)
+
+    def replace(self, fault, victim_id):
+        worker_id = victim_id if fault.same_id else self.new_worker_id()
+        self.counts["same_id" if fault.same_id else "new_id"] += 1
+        if fault.replace == "now":
+            self.counts["replaced_now"] += 1
+            self.schedule_start(worker_id, 0, f"replacement for {victim_id}, at once")
+        else:
+            self.counts["replaced_late"] += 1
+            self.schedule_start(worker_id, fault.replace_delay,
+                                f"replacement for {victim_id}, {fault.replace_delay:.1f}s late")
+        return worker_id
+
+    def pick(self, fault, candidates):
+        candidates = sorted(candidates, key=lambda w: (int(w.id[1:]) if w.id[1:].isdigit() else 0,
+                                                       w.id))
+        return candidates[min(len(candidates) - 1, int(fault.pick * len(candidates)))]
+
+    def rank_of(self, worker_id):
+        """From the latest metrics: "rank R", "standby", or "?" (not live there)."""
+        sample = self.monitor.snapshot()[0] or {}
+        rank = sample.get("ranks_by_worker", {}).get(worker_id)
+        if rank is None:
+            return "?"
+        return f"rank {rank}" if rank else "standby"
+
+    def kill_worker(self, worker):
+        worker.killed = True
+        worker.signal(signal.SIGKILL)
+        worker.wait(5)
+
+    def inject(self, fault):
+        step = self.monitor.snapshot()[1]
+        fault.fired_at = time.time()
+        self.last_action = time.time()
+        runnable = [w for w in self.live_workers() if not w.stopped]
+        if fault.kind in ("kill", "stop"):
+            if not runnable:
+                fault.skipped = "no running worker"
+                return
+            victim = self.pick(fault, runnable)
+            where = self.rank_of(victim.id)
+            if fault.kind == "kill":
+                self.kill_worker(victim)
+                replacement = self.replace(fault, victim.id)
+                fault.what = f"SIGKILL {victim.name} ({where}); replacement {replacement}"
+            else:
+                victim.stopped = True
+                victim.signal(signal.SIGSTOP)
+                self.pending_resolutions += 1
+                fault.what = f"SIGSTOP {victim.name} ({where}) for {fault.stopped_for:.1f}s"
+
+                def resolve(victim=victim, fault=fault):
+                    self.pending_resolutions -= 1
+                    victim.stopped = False
+                    if fault.then == "cont":
+                        victim.signal(signal.SIGCONT)
+                        self.say(f"SIGCONT {victim.name} after {fault.stopped_for:.1f}s")
+                    else:
+                        self.kill_worker(victim)
+                        replacement = self.replace(fault, victim.id)
+                        self.say(f"SIGKILL {victim.name} after {fault.stopped_for:.1f}s stopped; "
+                                 f"replacement {replacement} {fault.replace}")
+                    self.last_action = time.time()
+                self.later(fault.stopped_for, f"resolve stop of {victim.name}", resolve)
+        elif fault.kind == "coordinator":
+            if not self.coordinator.alive():
+                fault.skipped = "the coordinator is not running"
+                return
+            self.coordinator.killed = True
+            self.coordinator.signal(signal.SIGKILL)
+            self.coordinator.wait(5)
+            fault.what = f"SIGKILL the coordinator; restart after {fault.down_for:.1f}s"
+            self.say(f"fault {fault.index}: {fault.what} (step {step}, {fault.timing})")
+            self.sleep(fault.down_for, "the coordinator is down")
+            for attempt in range(5):
+                if self.start_coordinator():
+                    break
+                time.sleep(0.5)
+            else:
+                raise SoakFailure("the coordinator did not come back on port "
+                                  f"{self.port}:\n" + "\n".join(self.notes[-2:]))
+            recovered = "(kept)" in self.coordinator.log() and "generation" in self.coordinator.log()
+            self.say(f"coordinator restarted on 127.0.0.1:{self.port}"
+                     + (" (world kept)" if recovered else ""))
+            self.last_action = time.time()
+            return
+        elif fault.kind == "resize":
+            code, out, err = self.shardctl("resize", "--world-size", str(fault.size), "--no-wait")
+            if code != 0:
+                fault.skipped = f"refused: {err.strip()}"
+                return
+            fault.what = f"shardctl resize --world-size {fault.size}"
+            # Growing needs workers: start new ones, which wait as standbys until folded in.
+            status = self.status() or {}
+            holding = [w for w in status.get("workers", [])
+                       if w.get("state") in ("joining", "ready", "standby", "failed")]
+            need = fault.size - len(holding) - self.pending_starts
+            room = self.args.workers - len(self.live_workers()) - self.pending_starts
+            for _ in range(max(0, min(need, room))):
+                self.schedule_start(self.new_worker_id(), 0, f"to grow to {fault.size}")
+        elif fault.kind == "drain":
+            status = self.status() or {}
+            ranked = [w for w in status.get("workers", [])
+                      if w.get("rank", -1) >= 0 and w.get("state") in ("joining", "ready")]
+            standbys = sum(1 for w in status.get("workers", []) if w.get("state") == "standby")
+            by_id = {w.id: w for w in self.live_workers()}
+            ranked = [by_id[w["id"]] for w in ranked if w["id"] in by_id]
+            if not ranked:
+                fault.skipped = "no worker holds a rank"
+                return
+            victim = self.pick(fault, ranked)
+            if len(ranked) - 1 < self.args.min_workers and standbys == 0:
+                # The coordinator refuses a drain below min_world_size without a standby:
+                # start the replacement first and let it wait as a standby.
+                self.schedule_start(self.new_worker_id(), 0, "a standby before a drain")
+                self.pump(lambda: (self.monitor.snapshot()[0] or {}).get("standby", 0) > 0, 20,
+                          "waiting for a standby before a drain")
+                replace_after = False
+            else:
+                replace_after = True
+            code, out, err = self.shardctl("drain", victim.id, "--no-wait")
+            if code != 0:
+                fault.skipped = f"refused: {err.strip()}"
+                return
+            fault.what = f"shardctl drain {victim.name} ({self.rank_of(victim.id)})"
+            if replace_after:
+                replacement = self.replace(fault, victim.id)
+                fault.what += f"; replacement {replacement}"
+        self.say(f"fault {fault.index}: {fault.what} (step {step}, {fault.timing})")
+
+    def recovered(self):
+        """Settled enough for the next planned fault: the coordinator serves a running world
+        with every rank held, nobody leaving, no stopped worker, and training went on for more
+        than a checkpoint interval since the last action."""
+        sample, step, _, progress = self.monitor.snapshot()
+        return (sample is not None and self.coordinator.alive()
+                and sample.get("running") == 1 and sample.get("world_size") == sample.get("ranks")
+                and sample.get("leaving", 0) == 0 and self.pending_resolutions == 0
+                and progress > self.args.every)
+
+    def fitted_gap(self, fault, step):
+        """The fault's gap, shortened if the steps left would not hold the faults still to
+        come. Besides the gaps, each fault costs steps that training runs on while the script
+        polls, calls shardctl, restarts the coordinator and waits for the world to settle;
+        that cost is measured over the faults so far."""
+        timed = [f for f in self.faults if f.timing != "reform"]
+        done = [f for f in timed if f.fired_at is not None]
+        left = len(timed) - len(done)
+        overhead = LATENCY_STEPS
+        if done:
+            overhead = (step - self.first_step - self.gaps_used) / len(done)
+        room = self.args.steps - step - tail_steps(self.args)
+        fair = int(room / max(1, left) - max(overhead, self.args.every + 1))
+        gap = max(1, min(fault.gap, fair))
+        self.gaps_used += gap
+        return gap
+
+    def run_faults(self):
+        self.say("waiting for the world to form and commit its first checkpoints")
+        if not self.pump(lambda: (self.monitor.snapshot()[1] or 0) > 2 * self.args.every + 1,
+                         self.args.hang_after + 60, "the first world forms"):
+            raise Hang("training did not start")
+        self.first_step = self.monitor.snapshot()[1]
+        self.gaps_used = 0
+        for fault in self.faults:
+            if self.coordinator_finished():
+                break
+            if fault.timing == "reform":
+                self.sleep(fault.delay, f"waiting to inject fault {fault.index} during re-formation")
+            else:
+                self.monitor.mark()
+                self.pump(self.recovered, 1e9, f"waiting for the world to settle before fault "
+                          f"{fault.index}")
+                settled = self.monitor.snapshot()[1] or 0
+                gap = self.fitted_gap(fault, settled)
+                self.pump(lambda: (self.monitor.snapshot()[1] or 0) >= settled + gap, 1e9,
+                          f"waiting for step {settled + gap} for fault {fault.index}")
+                if self.coordinator_finished():
+                    break
+                if fault.timing == "save":
+                    self.shardctl("checkpoint", "save", "--no-wait", timeout=10)
+                    if fault.delay > 0:
+                        time.sleep(fault.delay)
+            self.inject(fault)
+            self.monitor.mark()
+        done = [f for f in self.faults if f.fired_at is not None]
+        if len(done) < len(self.faults):
+            self.check_the_coordinator_finished()
+            raise SoakFailure(f"the job finished after {len(done)} of {len(self.faults)} faults; "
+                              "give it more --steps")
+
+    def check_the_coordinator_finished(self):
+        """The coordinator exited on its own: it must have finished the job and exited 0."""
+        code = self.coordinator.wait(30)
+        if code != 0 or "training finished (" not in self.coordinator.log():
+            raise SoakFailure(f"the coordinator exited with status {code} without finishing the "
+                              f"job:\n{tail(self.coordinator.log_path, 20)}")
+
+    def wait_for_the_end(self):
+        self.say("every fault injected; waiting for the job to finish")
+        self.monitor.mark()
+        self.pump(lambda: self.coordinator.poll() is not None and not self.pending, 1e9,
+                  "waiting for the job to finish")
+        self.check_the_coordinator_finished()
+        self.finished = True
+        self.end_time = time.time()
+        self.say("the job finished; the coordinator exited 0")
+        for worker in self.live_workers():
+            if worker.stopped:
+                worker.signal(signal.SIGCONT)
+            if worker.wait(max(1.0, min(30.0, self.deadline - time.time()))) is None:
+                self.failures.append(f"{worker.name} did not exit after the job finished")
+                worker.signal(signal.SIGKILL)
+                worker.wait(5)
+        self.reap()
+
+    # -- diagnostics ---------------------------------------------------------------------------
+
+    def dump(self, why):
+        print(f"\n==== {why}", flush=True)
+        if self.coordinator is not None and self.coordinator.alive():
+            for argv in (["status"], ["events"]):
+                code, out, err = self.shardctl(*argv, timeout=15)
+                text = out if code == 0 else err
+                lines = text.splitlines()
+                print(f"---- shardctl {' '.join(argv)}" + (" (last 40)" if len(lines) > 40 else ""))
+                print("\n".join(lines[-40:]))
+        if self.coordinator is not None:
+            print(f"---- {os.path.relpath(self.coordinator.log_path, self.dir)} (last 30 lines)")
+            print(tail(self.coordinator.log_path, 30))
+        for worker in self.workers:
+            state = "running" if worker.alive() else f"exited {worker.returncode}"
+            if worker.killed:
+                state = "killed by the soak"
+            if worker.stopped:
+                state += ", SIGSTOPped"
+            lines = 12 if worker.alive() else 3
+            print(f"---- {os.path.relpath(worker.log_path, self.dir)} ({state}; last {lines} lines)")
+            print(tail(worker.log_path, lines))
+        print("====", flush=True)
+
+    # -- checks at the end ---------------------------------------------------------------------
+
+    def catalog(self, state_dir):
+        try:
+            with open(os.path.join(state_dir, "checkpoints.json")) as handle:
+                return json.load(handle).get("checkpoints", [])
+        except (OSError, ValueError):
+            return []
+
+    def verify_checkpoints(self):
+        kept = self.catalog(self.path("state"))
+
+        def verify(record):
+            code, out, err = self.tool("checkpoint", "verify", "--path", record["dir"], "--json")
+            try:
+                if code == 0 and json.loads(out).get("ok", False):
+                    return None
+            except ValueError:
+                pass
+            return f"{record['id']}: {(err or out).strip()[:200]}"
+        # shardctl processes only, each with a timeout; a few at a time.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            damaged = [d for d in pool.map(verify, kept) if d is not None]
+        verified = len(kept) - len(damaged)
+        self.results["kept"] = len(kept)
+        self.results["verified"] = verified
+        if not kept:
+            self.failures.append("no checkpoint in the catalog")
+        for line in damaged:
+            self.failures.append(f"checkpoint does not verify: {line}")
+        self.say(f"checkpoints: {verified} of {len(kept)} kept verify")
+
+    def final_segment(self):
+        """(checkpoint id or None, world size) of the last stretch of training: the workers that
+        finished, and the last checkpoint they restored."""
+        finished = [w for w in self.workers if "training finished:" in w.log()]
+        restores = []
+        for worker in finished:
+            last = None
+            for line in worker.log().splitlines():
+                at = line.find("restoring from checkpoint ")
+                if at >= 0:
+                    last = line[at + len("restoring from checkpoint "):].split(" ")[0]
+            restores.append(last)
+        if len(set(restores)) > 1:
+            self.failures.append(f"the final world's workers restored different checkpoints last: "
+                                 f"{sorted(set(str(r) for r in restores))}")
+        return (restores[0] if restores else None), len(finished)
+
+    def reference_run(self, label, job, state_dir, world, extra, out_file):
+        """A job without faults: a coordinator (`extra` flags) and `world` workers; True if it
+        finished and wrote `out_file`."""
+        run_dir = self.path(label)
+        os.makedirs(run_dir, exist_ok=True)
+        port_file = os.path.join(run_dir, "port")
+        argv = [os.path.join(self.bin, "shard-coordinator"), "--listen", "127.0.0.1:0",
+                "--port-file", port_file, "--job", job, "--state-dir", state_dir,
+                "--lease", duration_flag(max(self.args.lease, 2.0)), "--reform-grace", "5s"] + extra
+        started = time.time()
+        coordinator = self.start(Proc, f"{label}-coordinator", "coordinator", argv,
+                                 os.path.join(run_dir, "coordinator.log"), self.env, run_dir)
+        port = 0
+        give_up = time.time() + 20
+        while time.time() < give_up and coordinator.alive() and port == 0:
+            try:
+                with open(port_file) as handle:
+                    port = int(handle.read().strip() or 0)
+            except (OSError, ValueError):
+                time.sleep(0.05)
+        if port == 0:
+            self.failures.append(f"{label}: the coordinator did not start:\n"
+                                 + tail(coordinator.log_path, 10))
+            return None
+        workers = []
+        for i in range(world):
+            argv = [os.path.join(self.bin, "shard-worker"), "--coordinator", f"127.0.0.1:{port}",
+                    "--id", f"{label}{i}", "--compute-threads", "1"]
+            workers.append(self.start(Proc, f"{label}{i}", "worker", argv,
+                                      os.path.join(run_dir, f"{label}{i}.log"), self.env, run_dir))
+        budget = max(10.0, self.deadline - time.time())
+        code = coordinator.wait(budget)
+        if code is None:
+            self.failures.append(f"{label}: the run did not finish within the --duration left")
+            return None
+        for worker in workers:
+            if worker.wait(20) is None:
+                worker.signal(signal.SIGKILL)
+        if code != 0 or not os.path.exists(out_file):
+            self.failures.append(f"{label}: the coordinator exited {code}:\n"
+                                 + tail(coordinator.log_path, 10))
+            return None
+        return time.time() - started
+
+    def compare(self, a, b):
+        code, out, err = self.tool("compare", a, b, "--json")
+        try:
+            return json.loads(out)["max_abs_diff"]
+        except (ValueError, KeyError):
+            return f"compare failed: {(err or out).strip()[:200]}"
+
+    def check_parameters(self):
+        final = self.path("out", "final.safetensors")
+        if not os.path.exists(final):
+            self.failures.append("the job wrote no out/final.safetensors")
+            return
+        checkpoint, world = self.final_segment()
+        self.results["final_world"] = world
+        self.results["restored"] = checkpoint
+        if world < 1:
+            self.failures.append("no worker logged 'training finished'")
+            return
+        scratch_state = self.path("state-scratch")
+        if checkpoint is not None:
+            # A copy of the catalog (the job's own state directory stays as the run left it):
+            # the new run restores the same checkpoint from the same directory.
+            state = self.path("state-reference")
+            shutil.copytree(self.path("state"), state, ignore=shutil.ignore_patterns("LOCK"))
+            job = self.write_job("job-reference", world, world, 0, self.path("reference"),
+                                 self.path("checkpoints"), self.args.keep_last)
+            self.say(f"reference: a run without faults that restores {checkpoint} on {world} "
+                     "workers")
+            extra = ["--restore", checkpoint]
+        else:
+            state = self.path("state-reference")
+            job = self.write_job("job-reference", world, world, 0, self.path("reference"),
+                                 self.path("checkpoints-reference"), self.args.keep_last)
+            self.say(f"reference: the final world never restored; a run from scratch on {world} "
+                     "workers")
+            extra = []
+        reference = self.path("reference", "final.safetensors")
+        if self.reference_run("reference", job, state, world, extra, reference) is not None:
+            with open(final, "rb") as a, open(reference, "rb") as b:
+                equal = a.read() == b.read()
+            self.results["reference_equal"] = equal
+            self.results["reference_diff"] = self.compare(final, reference)
+            if not equal:
+                self.failures.append(f"final parameters differ from the reference (largest "
+                                     f"difference {self.results['reference_diff']})")
+        else:
+            self.results["reference_equal"] = None
+        if self.args.skip_scratch:
+            return
+        job = self.write_job("job-scratch", self.args.workers, self.args.workers, 0,
+                             self.path("scratch"), self.path("checkpoints-scratch"),
+                             self.args.keep_last)
+        self.say(f"information: an undisturbed run from scratch on {self.args.workers} workers")
+        scratch = self.path("scratch", "final.safetensors")
+        took = self.reference_run("scratch", job, scratch_state, self.args.workers, [], scratch)
+        if took is not None:
+            self.results["scratch_diff"] = self.compare(final, scratch)
+            self.results["scratch_seconds"] = took
+
+    # -- the report ----------------------------------------------------------------------------
+
+    def time_lost(self):
+        """Per fault: seconds to the first step of the next world (rank 0's 'first step of this
+        run done'), when a new world started before the next fault."""
+        firsts = []
+        for worker in self.workers:
+            for line in worker.log().splitlines():
+                if "first step of this run done" in line:
+                    when = log_line_time(line)
+                    if when is not None:
+                        firsts.append(when)
+        firsts.sort()
+        fired = [f for f in self.faults if f.fired_at is not None]
+        for n, fault in enumerate(fired):
+            until = fired[n + 1].fired_at if n + 1 < len(fired) else float("inf")
+            at = bisect.bisect_right(firsts, fault.fired_at)
+            if at < len(firsts) and firsts[at] <= until:
+                fault.lost = firsts[at] - fault.fired_at
+
+    def trained_steps(self, last_seen):
+        """The step the job ended at (the coordinator's "training finished (N steps"), else the
+        last step the metrics showed."""
+        if self.coordinator is not None:
+            match = re.search(r"training finished \((\d+) steps", self.coordinator.log())
+            if match:
+                return int(match.group(1))
+        return last_seen
+
+    def events(self):
+        try:
+            with open(self.path("state", "membership.json")) as handle:
+                return json.load(handle).get("events", [])
+        except (OSError, ValueError):
+            return []
+
+    def report(self, outcome):
+        self.time_lost()
+        fired = [f for f in self.faults if f.fired_at is not None and not f.skipped]
+        rows = [("fault", "planned", "injected", "survived", "re-formed", "lost median s",
+                 "lost max s")]
+        labels = {"kill": "worker SIGKILL", "stop": "worker SIGSTOP", "coordinator":
+                  "coordinator SIGKILL", "resize": "shardctl resize", "drain": "shardctl drain"}
+        _, last_step, last_change, _ = self.monitor.snapshot() if self.monitor else (None,) * 4
+        for kind in Fault.KINDS:
+            planned = [f for f in self.faults if f.kind == kind]
+            done = [f for f in fired if f.kind == kind]
+            # Survived: training made progress after it (and, in a pass, the job finished).
+            survived = [f for f in done
+                        if self.finished or (last_change is not None and last_change > f.fired_at)]
+            lost = [f.lost for f in done if f.lost is not None]
+            med, mx = median_max(lost)
+            rows.append((labels[kind], str(len(planned)), str(len(done)), str(len(survived)),
+                         str(len(lost)), med, mx))
+        lost_all = [f.lost for f in fired if f.lost is not None]
+        med, mx = median_max(lost_all)
+        survived_all = [f for f in fired
+                        if self.finished or (last_change is not None and last_change > f.fired_at)]
+        rows.append(("all faults", str(len(self.faults)), str(len(fired)), str(len(survived_all)),
+                     str(len(lost_all)), med, mx))
+        width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        print()
+        print("==== soak report (seed %d)" % self.args.seed)
+        for n, row in enumerate(rows):
+            print("  " + "  ".join(cell.ljust(width[i]) if i == 0 else cell.rjust(width[i])
+                                   for i, cell in enumerate(row)))
+            if n == 0:
+                print("  " + "  ".join("-" * w for w in width))
+        timing = {t: sum(1 for f in fired if f.timing == t) for t in ("steps", "save", "reform")}
+        stops = [f for f in fired if f.kind == "stop"]
+        events = self.events()
+        kinds = [e.get("kind", "") for e in events]
+        detail = [e.get("detail", "") for e in events]
+        facts = [
+            ("hangs", f"{self.hangs}" + (" (must be 0)" if self.hangs else "")),
+            ("faults injected during", f"steps {timing['steps']}, saves {timing['save']}, "
+                                       f"re-formations {timing['reform']}"),
+            ("SIGSTOP then", f"SIGCONT {sum(1 for f in stops if f.then == 'cont')}, SIGKILL "
+                             f"{sum(1 for f in stops if f.then == 'kill')}"),
+            ("replacements", f"at once {self.counts['replaced_now']}, late "
+                             f"{self.counts['replaced_late']}; same id {self.counts['same_id']}, "
+                             f"new id {self.counts['new_id']}"),
+            ("unexpected worker exits", str(len(self.unexpected_exits))),
+            ("coordinator events", f"{sum('DEAD' in k for k in kinds)} deaths, "
+                                   f"{sum('re-formed' in d for d in detail)} re-formations, "
+                                   f"{sum('RECOVERED' in k for k in kinds)} recoveries after a "
+                                   "restart"),
+            ("steps", f"{self.trained_steps(last_step)} of {self.args.steps}; job finished: "
+                      f"{'yes' if self.finished else 'no'}"),
+        ]
+        if self.finished:
+            took = self.end_time - self.start_time
+            line = f"{took:.1f}s with faults"
+            if "scratch_seconds" in self.results:
+                scratch = self.results["scratch_seconds"]
+                line += (f", {scratch:.1f}s undisturbed (with its start-up): "
+                         f"{(took - scratch) / max(1, len(fired)):.2f}s lost per fault on average")
+            facts.append(("wall time", line))
+        if "kept" in self.results:
+            facts.append(("checkpoints kept / verified",
+                          f"{self.results['kept']} / {self.results['verified']}"))
+        if "final_world" in self.results:
+            restored = self.results.get("restored")
+            equal = self.results.get("reference_equal")
+            facts.append(("reference", (f"restore {restored} on {self.results['final_world']} "
+                                        if restored else
+                                        f"from scratch on {self.results['final_world']} ")
+                          + "workers: " + ({True: "bitwise equal", False: "DIFFERENT (largest "
+                                            f"difference {self.results.get('reference_diff')})",
+                                            None: "did not run"}[equal])))
+        if "scratch_diff" in self.results:
+            facts.append((f"vs undisturbed on {self.args.workers}",
+                          f"largest difference {self.results['scratch_diff']} (information)"))
+        facts.append(("result", outcome))
+        width = max(len(k) for k, _ in facts)
+        print()
+        for key, value in facts:
+            print(f"  {key.ljust(width)}  {value}")
+        for fault in self.faults:
+            if fault.skipped:
+                print(f"  fault {fault.index} ({fault.kind}) not injected: {fault.skipped}")
+        for name, code, last in self.unexpected_exits:
+            print(f"  unexpected exit: {name} status {code}: {last[:200]}")
+        for failure in self.failures:
+            print(f"  FAILED: {failure}")
+        print(flush=True)
+
+    # -- the whole run -------------------------------------------------------------------------
+
+    def run(self):
+        self.say(f"soak seed {self.args.seed}: {len(self.faults)} faults over {self.args.steps} "
+                 f"steps, {self.args.workers} workers (min {self.args.min_workers}), lease "
+                 f"{self.args.lease}s, grace {self.args.grace}s, checkpoint every "
+                 f"{self.args.every} steps, hang bound {self.args.hang_after:.0f}s, in {self.dir}")
+        for fault in self.faults:
+            print(f"    {fault.index:3d}. {fault.describe()}")
+        self.set_up()
+        self.run_faults()
+        self.wait_for_the_end()
+        self.verify_checkpoints()
+        self.check_parameters()
+        if self.unexpected_exits:
+            self.failures.append(f"{len(self.unexpected_exits)} worker(s) exited on their own "
+                                 "with an error")
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] + " See docs/elasticity.md (Soak).")
+    parser.add_argument("--seed", default=None,
+                        help="decides every fault: a number, or A-B for one drawn from that range "
+                             "(default: random); printed first, so a failure replays")
+    parser.add_argument("--workers", type=int, default=4, help="the job's world size (default 4)")
+    parser.add_argument("--min-workers", type=int, default=None,
+                        help="the job's minWorldSize (default: workers/2)")
+    parser.add_argument("--kills", type=int, default=20, help="worker SIGKILLs (default 20)")
+    parser.add_argument("--stops", type=int, default=None,
+                        help="worker SIGSTOPs (default: kills/5, at least 1)")
+    parser.add_argument("--coordinator-kills", type=int, default=3, help="coordinator SIGKILLs, each restarted (default 3)")
+    parser.add_argument("--resizes", type=int, default=2, help="shardctl resize calls (default 2)")
+    parser.add_argument("--drains", type=int, default=2, help="shardctl drain calls (default 2)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="the job's steps (default: enough for the faults)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="hard limit on the whole run in seconds (default: from the faults)")
+    parser.add_argument("--lease", type=parse_duration, default=parse_duration("1s"),
+                        help="coordinator --lease (default 1s)")
+    parser.add_argument("--grace", type=parse_duration, default=parse_duration("1s"),
+                        help="coordinator --reform-grace (default 1s)")
+    parser.add_argument("--every", type=int, default=5, help="checkpoint every N steps (default 5)")
+    parser.add_argument("--keep-last", type=int, default=50, help="the job's checkpoint.keepLast (default 50)")
+    parser.add_argument("--hang-after", type=float, default=None,
+                        help="seconds without progress that count as a hang (default: 20 + "
+                             "10 x max(lease, grace))")
+    parser.add_argument("--build-dir", default=os.path.join(ROOT, os.environ.get(
+        "SHARD_BUILD_DIR", "build")), help="where bin/shard-* are (default build/)")
+    parser.add_argument("--dir", default=None, help="where to make the temporary directory")
+    parser.add_argument("--keep", action="store_true", help="keep the directory after a pass")
+    parser.add_argument("--skip-scratch", action="store_true",
+                        help="skip the informational run from scratch")
+    parser.add_argument("--worker-arg", action="append", default=[],
+                        help="extra flag for every shard-worker (repeatable)")
+    args = parser.parse_args()
+    if args.seed is None:
+        args.seed = str(random.SystemRandom().randrange(1, 10**6))
+    seeds = re.fullmatch(r"(\d+)(?:-(\d+))?", args.seed)
+    if not seeds or (seeds.group(2) and int(seeds.group(2)) < int(seeds.group(1))):
+        parser.error("--seed takes a number or a range A-B")
+    args.seed = random.SystemRandom().randint(int(seeds.group(1)), int(seeds.group(2))) \
+        if seeds.group(2) else int(seeds.group(1))
+    if args.workers < 2:
+        parser.error("--workers must be at least 2")
+    if args.min_workers is None:
+        args.min_workers = max(1, args.workers // 2)
+    if not 1 <= args.min_workers <= args.workers:
+        parser.error("--min-workers must be in 1..workers")
+    if args.stops is None:
+        args.stops = max(1, args.kills // 5) if args.kills > 0 else 0
+    for name in ("kills", "stops", "coordinator_kills", "resizes", "drains"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative")
+    if args.resizes and args.min_workers == args.workers:
+        parser.error("--resizes needs --min-workers below --workers")
+    schedule = make_schedule(args, random.Random(args.seed))
+    faults = len(schedule)
+    if args.steps is None:
+        # Enough for every fault: each one that waits for training needs the world to gain a
+        # checkpoint interval after it settles, then its gap; then a tail without faults.
+        # The script's own latency (polling, shardctl calls) lets training run on for a while
+        # after it decides to fire; gaps shrink if that takes more (Soak.fitted_gap).
+        needed = 2 * args.every + 1 + sum(f.gap + LATENCY_STEPS for f in schedule
+                                          if f.timing != "reform")
+        args.steps = int(1.2 * needed) + tail_steps(args)
+    if args.hang_after is None:
+        args.hang_after = 20 + 10 * max(args.lease, args.grace)
+    if args.duration is None:
+        args.duration = 180 + faults * (15 + 3 * (args.lease + args.grace)) + args.steps * 0.1
+
+    print(f"soak: seed {args.seed} (rerun the same schedule with --seed {args.seed})", flush=True)
+    soak = None
+    outcome = "FAIL"
+    code = 1
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        soak = Soak(args, schedule)
+        soak.run()
+        if soak.failures:
+            outcome = "FAIL"
+        else:
+            outcome = "PASS"
+            code = 0
+    except Hang as hang:
+        soak.say(f"HANG: {hang}")
+        soak.dump(f"HANG: {hang}")
+        soak.failures.append(f"hang: {hang}")
+        outcome = "FAIL (hang)"
+    except SoakFailure as failure:
+        if soak is None:
+            print(f"soak: {failure}", file=sys.stderr)
+            return 1
+        soak.say(f"FAILED: {failure}")
+        if soak.coordinator is not None and soak.coordinator.alive():
+            soak.dump(f"FAILED: {failure}")
+        soak.failures.append(str(failure))
+    except KeyboardInterrupt as interrupt:
+        if soak is not None:
+            soak.failures.append(f"interrupted ({interrupt or 'SIGINT'})")
+        outcome = "interrupted"
+        code = 130
+    finally:
+        if soak is not None:
+            if soak.monitor is not None:
+                soak.monitor.stop_event.set()
+            soak.kill_everything()
+    if soak is None:
+        print(f"soak: {outcome} (seed {args.seed})", flush=True)
+        return code
+    try:
+        soak.report(outcome)
+    except Exception as error:  # the report must not hide the outcome
+        print(f"soak: could not print the report: {error!r}", file=sys.stderr)
+    if code == 0 and not args.keep:
+        shutil.rmtree(soak.dir, ignore_errors=True)
+    else:
+        print(f"soak: everything is in {soak.dir}", flush=True)
+    print(f"soak: {outcome} (seed {args.seed})", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
