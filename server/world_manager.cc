@@ -163,17 +163,18 @@ auto WorldManager::Mutate(Rule rule) -> decltype(rule(std::declval<Change*>())) 
     result = rule(&change);
     // Nothing to record unless an event, a job-level field or a member's record changed (a
     // lease pass that finds every worker alive writes nothing).
+    std::set<std::string> touched;
     if (change.bump || !change.events.empty() || header != Header(membership_) ||
         membership_.has_dirty()) {
-      CommitLocked(std::move(change));
+      touched = CommitLocked(std::move(change));
     }
-    answers = TakeChangedWatchesLocked(before);
+    answers = TakeChangedWatchesLocked(before, touched);
   }
   Deliver(std::move(answers));
   return result;
 }
 
-void WorldManager::CommitLocked(Change change) {
+std::set<std::string> WorldManager::CommitLocked(Change change) {
   if (change.bump) {
     ++generation_;
     membership_.ran = false;
@@ -182,8 +183,10 @@ void WorldManager::CommitLocked(Change change) {
   if (WorldLocked().state == JobState::kRunning) membership_.ran = true;
   const std::vector<v1::MembershipEvent> events =
       events_.Append(std::move(change.events), generation_);
-  log_.Record(membership_, generation_, membership_.TakeDirty(), events, events_);
+  std::set<std::string> touched = membership_.TakeDirty();
+  log_.Record(membership_, generation_, touched, events, events_);
   if (change.bump && generation_listener_) generation_listener_(generation_);
+  return touched;
 }
 
 bool WorldManager::WatchFires(const World& world, const Watch& watch) const {
@@ -221,26 +224,37 @@ absl::StatusOr<HeartbeatOutcome> WorldManager::OutcomeLocked(const std::string& 
   return outcome;
 }
 
-WorldManager::Answers WorldManager::TakeChangedWatchesLocked(const World& before) {
+WorldManager::Answers WorldManager::TakeChangedWatchesLocked(
+    const World& before, const std::set<std::string>& touched) {
   Answers answers;
   const World world = WorldLocked();
-  const bool everyone = world.state != before.state || world.generation != before.generation ||
-                        membership_.stop_requested;
-  // Otherwise only workers that left or were told to leave hear something new.
-  std::vector<Watch> fired = watches_.TakeIf([&](const Watch& watch) {
-    if (!everyone) {
-      const shard::Member* member = membership_.Find(watch.worker_id);
-      if (member != nullptr && member->role != Role::kDeparted && member->role != Role::kLeaving) {
-        return false;
+  std::vector<Watch> fired;
+  if (world.state != before.state || world.generation != before.generation ||
+      membership_.stop_requested) {
+    fired = watches_.TakeIf([&](const Watch& watch) { return WatchFires(world, watch); });
+    for (const Watch& watch : fired) {
+      if (auto it = watch_of_.find(watch.worker_id);
+          it != watch_of_.end() && !watches_.contains(it->second)) {
+        watch_of_.erase(it);
       }
     }
-    return WatchFires(world, watch);
-  });
-  for (Watch& watch : fired) {
-    if (auto it = watch_of_.find(watch.worker_id);
-        it != watch_of_.end() && !watches_.contains(it->second)) {
+  } else {
+    // The world is the same: only a worker that left or was told to leave hears something new,
+    // and only a member the change touched can be one (a join is O(1), not O(watches)).
+    for (const std::string& id : touched) {
+      const shard::Member* member = membership_.Find(id);
+      if (member != nullptr && member->role != Role::kDeparted && member->role != Role::kLeaving) {
+        continue;
+      }
+      auto it = watch_of_.find(id);
+      if (it == watch_of_.end()) continue;
+      if (std::optional<Watch> watch = watches_.Take(it->second)) {
+        fired.push_back(std::move(*watch));
+      }
       watch_of_.erase(it);
     }
+  }
+  for (Watch& watch : fired) {
     answers.heartbeats.emplace_back(std::move(watch.done), OutcomeLocked(watch.worker_id, world));
   }
   answers.events = events_.TakeAnswered();

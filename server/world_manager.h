@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -162,9 +163,11 @@ class WorldManager {
   template <typename Rule>
   auto Mutate(Rule rule) -> decltype(rule(std::declval<Change*>()));
   // Ends the generation if the change asks to, numbers its events, journals what it touched.
-  void CommitLocked(Change change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Returns the members it recorded.
+  std::set<std::string> CommitLocked(Change change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The heartbeats a change of the world from `before` concerns, and event watches with news.
-  Answers TakeChangedWatchesLocked(const World& before) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Answers TakeChangedWatchesLocked(const World& before, const std::set<std::string>& touched)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void Deliver(Answers answers);
   absl::StatusOr<HeartbeatOutcome> OutcomeLocked(const std::string& worker_id,
                                                  const World& world) const
