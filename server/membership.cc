@@ -230,8 +230,8 @@ void Membership::Release(Member& member) {
 }
 
 void Membership::Activate(Member& member, int rank) {
-  dirty_.insert(member.id);
   if (member.role == Role::kActive && member.rank == rank) return;
+  dirty_.insert(member.id);
   Release(member);
   SetRole(member, Role::kActive);
   member.rank = rank;
@@ -270,25 +270,39 @@ void Membership::Depart(Member& member, WorkerState state, std::string detail, a
 }
 
 void Membership::Renumber(const std::vector<std::string>& keep, int size) {
-  std::vector<std::pair<Member*, int>> keepers;  // with the rank each held
+  // A keeper keeps its rank if it is below `size` and not taken; the others fill the free ranks
+  // in order. Only members whose rank changes are recorded: re-forming 10,000 survivors after
+  // one death writes one member, not all of them.
+  std::vector<std::string> next(size);
+  std::vector<Member*> moving;
   for (const std::string& id : keep) {
     Member& member = members_.at(id);
-    keepers.emplace_back(&member, member.role == Role::kActive ? member.rank : -1);
-    Release(member);
-  }
-  holders_.assign(size, "");
-  free_ranks_.clear();
-  for (int rank = 0; rank < size; ++rank) free_ranks_.insert(rank);
-  held_ = 0;
-  std::vector<Member*> moving;
-  for (auto& [member, previous] : keepers) {
-    if (previous >= 0 && previous < size && holders_[previous].empty()) {
-      Activate(*member, previous);
+    if (member.role == Role::kActive && member.rank >= 0 && member.rank < size &&
+        next[member.rank].empty()) {
+      next[member.rank] = id;
     } else {
-      moving.push_back(member);
+      moving.push_back(&member);
     }
   }
-  for (Member* member : moving) Activate(*member, *LowestFreeRank());
+  int rank = 0;
+  for (Member* member : moving) {
+    while (!next[rank].empty()) ++rank;
+    next[rank] = member->id;
+    SetRole(*member, Role::kActive);
+    member->rank = rank;
+    member->last_rank = rank;
+    dirty_.insert(member->id);
+  }
+  holders_ = std::move(next);
+  free_ranks_.clear();
+  held_ = 0;
+  for (int r = 0; r < size; ++r) {
+    if (holders_[r].empty()) {
+      free_ranks_.insert(r);
+    } else {
+      ++held_;
+    }
+  }
 }
 
 void Membership::PruneDeparted(size_t max_departed) {
