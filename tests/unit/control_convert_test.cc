@@ -1,0 +1,139 @@
+// The wire conversions of the control plane's value types: every value that travels both ways
+// comes back equal, every enum value maps to a distinct wire value and back, and what a newer
+// peer might send (an unknown enum value) reads as the safe default.
+#include "proto/control_convert.h"
+
+#include <set>
+
+#include "gtest/gtest.h"
+
+namespace shard {
+namespace {
+
+TEST(ControlConvertTest, EveryEnumValueRoundTripsToADistinctWireValue) {
+  std::set<int> job_states;
+  for (JobState state :
+       {JobState::kForming, JobState::kRunning, JobState::kStopping, JobState::kStopped}) {
+    EXPECT_EQ(FromProto(ToProto(state)), state) << JobStateName(state);
+    EXPECT_TRUE(job_states.insert(ToProto(state)).second);
+  }
+  std::set<int> worker_states;
+  for (WorkerState state : {WorkerState::kJoining, WorkerState::kReady, WorkerState::kFailed,
+                            WorkerState::kLeft, WorkerState::kDead, WorkerState::kStandby,
+                            WorkerState::kLeaving}) {
+    EXPECT_EQ(FromProto(ToProto(state)), state) << WorkerStateName(state);
+    EXPECT_TRUE(worker_states.insert(ToProto(state)).second);
+  }
+  for (SelfCheckState state :
+       {SelfCheckState::kPending, SelfCheckState::kPassed, SelfCheckState::kFailed}) {
+    EXPECT_EQ(FromProto(ToProto(state)), state) << SelfCheckStateName(state);
+  }
+  for (OverlapStatus status :
+       {OverlapStatus::kUninitialized, OverlapStatus::kRebuilt, OverlapStatus::kInitialized}) {
+    EXPECT_EQ(FromProto(ToProto(status)), status) << OverlapStatusName(status);
+  }
+  // Unset or unknown values read as the state that asks nothing of anyone.
+  EXPECT_EQ(FromProto(v1::JOB_STATE_UNSPECIFIED), JobState::kForming);
+  EXPECT_EQ(FromProto(static_cast<v1::JobState>(99)), JobState::kForming);
+  EXPECT_EQ(FromProto(v1::WORKER_STATE_UNSPECIFIED), WorkerState::kJoining);
+}
+
+TEST(ControlConvertTest, WorldAndTrainingStartRoundTrip) {
+  World world;
+  world.state = JobState::kRunning;
+  world.generation = 42;
+  world.world_size = 3;
+  world.expected_world_size = 4;
+  world.ranks = 3;
+  world.min_world_size = 2;
+  world.standby = 1;
+  world.transition = "re-forming from 3 to 4 workers";
+  const v1::WorldView view = ToProto(world, "job7");
+  EXPECT_EQ(view.scope().job(), "job7");
+  EXPECT_EQ(view.scope().generation(), 42) << "the rendezvous scope is the world's generation";
+  EXPECT_EQ(FromProto(view), world);
+
+  const TrainingStartPoint start{"step-00000120-g9", "/ckpt/job7/step-00000120-g9", 120};
+  EXPECT_EQ(FromProto(ToProto(start)), start);
+}
+
+TEST(ControlConvertTest, WorkerReportsRoundTrip) {
+  const StepReport step{17, 12.5, 4.25, 3.0, 2.5, {1024, 64}, 0.75};
+  EXPECT_EQ(FromProto(ToProto(step)), step);
+
+  ShardReport shard;
+  shard.worker_id = "w3";
+  shard.incarnation = 99;
+  shard.generation = 5;
+  shard.rank = 2;  // travels inside the shard record
+  shard.id = "step-00000010-g5";
+  shard.step = 10;
+  shard.request = 4;
+  shard.plan_version = 2;
+  shard.plan_hash = "abc";
+  shard.record = ShardRecord{"shard-00002.bin", 2, 8 << 20, "00ff", {"01", "02"}};
+  shard.pause_ms = 1.5;
+  shard.write_ms = 20;
+  shard.counters = TrainingCounters{9, 1024.0f, 3};
+  EXPECT_EQ(FromProto(ToProto(shard)), shard);
+
+  JoinParams join;
+  join.worker_id = "w1";
+  join.host = "10.0.0.2";
+  join.device = "cuda:0";
+  join.capabilities = {"nccl", "gloo"};
+  join.incarnation = 7;
+  EXPECT_EQ(FromProto(ToProto(join)), join);
+  join.requested_rank = 0;  // rank 0 is a rank, not "unset"
+  EXPECT_EQ(FromProto(ToProto(join)), join);
+
+  HeartbeatParams beat;
+  beat.worker_id = "w1";
+  beat.incarnation = 7;
+  beat.known_generation = 12;
+  beat.known_state = JobState::kRunning;
+  beat.wait = absl::Milliseconds(2500);
+  beat.paused_generation = 12;
+  EXPECT_EQ(FromProto(ToProto(beat)), beat);
+}
+
+TEST(ControlConvertTest, OrdersBelongToTheGenerationOfTheReplysWorld) {
+  v1::HeartbeatResponse response;
+  World world;
+  world.generation = 8;
+  *response.mutable_world() = ToProto(world, "job");
+  SetOrders(StepOrders{8, 5, 5}, &response);
+  EXPECT_EQ(OrdersOf(response), (StepOrders{8, 5, 5}));
+}
+
+TEST(ControlConvertTest, StatusAndProgressRoundTrip) {
+  const SaveProgress progress{3, 4, 3 << 20, "", "cancelled: generation 4 ended"};
+  EXPECT_EQ(FromProto(ToProto(progress)), progress);
+
+  WorkerSnapshot worker;
+  worker.id = "w2";
+  worker.rank = 1;
+  worker.host = "10.0.0.3";
+  worker.device = "cpu";
+  worker.capabilities = {"gloo"};
+  worker.state = WorkerState::kReady;
+  worker.since_heartbeat = absl::Milliseconds(250);
+  worker.self_check = SelfCheckRecord{SelfCheckState::kPassed, 6, "all-reduce of 65536 ok"};
+  worker.joined_generation = 6;
+  EXPECT_EQ(FromProto(ToProto(worker)), worker);
+}
+
+TEST(ControlConvertTest, EventsReadAsLowercaseKinds) {
+  v1::MembershipEvent event;
+  event.set_kind(v1::MEMBERSHIP_EVENT_KIND_WORLD_FORMED);
+  event.set_sequence(3);
+  event.set_generation(1);
+  event.set_detail("4 workers");
+  const v1::Event shown = ToApiEvent(event);
+  EXPECT_EQ(shown.kind(), "world_formed");
+  EXPECT_EQ(shown.sequence(), 3);
+  EXPECT_EQ(shown.detail(), "4 workers");
+}
+
+}  // namespace
+}  // namespace shard
