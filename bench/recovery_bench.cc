@@ -112,7 +112,7 @@ absl::StatusOr<Trial> RunTrial(const Flags& flags, int index) {
     for (Process& worker : workers) worker.Signal(SIGKILL);
     cluster.coordinator().Signal(SIGKILL);
   };
-  if (!Eventually([&] { return testing::Catalog(dir + "/state").size() >= 2; },
+  if (!Eventually([&] { return cluster.Checkpoints().size() >= 2; },
                   absl::Seconds(180))) {
     stop_all();
     return absl::DeadlineExceededError("no two checkpoints within 180 s; logs in " + dir);

@@ -60,16 +60,14 @@ absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(
   if (changed) {
     if (absl::Status saved = manager->PersistLocked(); !saved.ok()) return saved;
   }
-  // Directories of checkpoints that never committed.
+  // Directories of checkpoints that never committed: without a manifest. One with a manifest
+  // that the catalog does not list is complete (another state directory's, or one whose commit
+  // the coordinator did not live to record) and may be restored: it stays.
   const std::string job_dir = absl::StrCat(manager->options_.root, "/", manager->options_.job);
   for (const std::string& name : storage->ListDirectories(job_dir)) {
-    if (!LooksLikeCheckpoint(name)) continue;
-    bool committed = false;
-    for (const v1::CheckpointRecord& record : manager->catalog_.checkpoints()) {
-      committed = committed || record.id() == name;
-    }
-    if (!committed) {
-      storage->Remove(absl::StrCat(job_dir, "/", name), "a checkpoint that never committed");
+    const std::string dir = absl::StrCat(job_dir, "/", name);
+    if (LooksLikeCheckpoint(name) && !storage->IsCommitted(dir)) {
+      storage->Remove(dir, "a checkpoint that never committed");
     }
   }
   return manager;

@@ -320,6 +320,11 @@ std::optional<PlanView> PlanManager::Current() const {
   return ViewLocked();
 }
 
+size_t PlanManager::pending_waiters() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return waiters_.size();
+}
+
 PlanStats PlanManager::Stats() const {
   absl::ReaderMutexLock lock(&mu_);
   PlanStats stats;

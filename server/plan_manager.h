@@ -95,6 +95,8 @@ class PlanManager {
 
   std::optional<PlanView> Current() const;
   PlanStats Stats() const;
+  // Ranks waiting for rank 0's gradient order.
+  size_t pending_waiters() const;
 
  private:
   struct Answer {

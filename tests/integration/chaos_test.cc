@@ -65,9 +65,16 @@ class ChaosTest : public ::testing::Test {
     return path;
   }
 
+  // Starts the job's coordinator on its state directory and follows its events.
   void StartCoordinator(const std::string& job, std::vector<std::string> extra = {},
                         int port = 0, const std::string& log_name = "coordinator.log") {
-    std::vector<std::string> args = {"--job", job, "--state-dir", state(), "--lease",
+    StartCoordinatorOn(state(), job, extra, port, log_name);
+    cluster_->FollowEvents();
+  }
+  void StartCoordinatorOn(const std::string& state_dir, const std::string& job,
+                          const std::vector<std::string>& extra, int port,
+                          const std::string& log_name) {
+    std::vector<std::string> args = {"--job", job, "--state-dir", state_dir, "--lease",
                                      absl::FormatDuration(kLease), "--reform-grace", kGrace};
     args.insert(args.end(), extra.begin(), extra.end());
     const absl::Status started = cluster_->StartCoordinator(args, port, log_name);
@@ -82,7 +89,8 @@ class ChaosTest : public ::testing::Test {
   }
 
   void WaitForCheckpoints(size_t count) {
-    ASSERT_TRUE(Eventually([&] { return Catalog(state()).size() >= count; }, absl::Seconds(60)))
+    ASSERT_TRUE(Eventually([&] { return cluster_->Checkpoints().size() >= count; },
+                           absl::Seconds(60)))
         << cluster_->coordinator().Log();
   }
 
@@ -112,7 +120,8 @@ class ChaosTest : public ::testing::Test {
   // trains to the end with nothing going wrong; its final parameters.
   std::string ReferenceRun(const std::string& checkpoint, int world, int steps) {
     const std::string job = WriteJob("reference", world, world, steps, 0, "reference");
-    StartCoordinator(job, {"--restore", checkpoint}, 0, "reference-coordinator.log");
+    // On the job's state directory, whose catalog holds `checkpoint`.
+    StartCoordinatorOn(state(), job, {"--restore", checkpoint}, 0, "reference-coordinator.log");
     std::vector<std::string> ids;
     for (int i = 0; i < world; ++i) ids.push_back(absl::StrCat("ref", i));
     std::vector<Process> workers = StartWorkers(ids);
@@ -120,35 +129,27 @@ class ChaosTest : public ::testing::Test {
     return FileBytes(dir_ + "/reference/final.safetensors");
   }
 
-  // How long after `since` every survivor had given up its collective ("waiting for the next
-  // generation") and so was not hanging.
+  // How long after `since` every survivor had given up its collective and so was not hanging.
+  // Each must have been inside one when it gave up: its generation ended with a collective's
+  // failure ("all-reduce on rank 1 of 4 failed: ..."), not between steps.
   absl::Duration AbortedAfter(absl::Time since, const std::vector<Process*>& survivors) {
     absl::Duration slowest;
     for (Process* survivor : survivors) {
-      std::optional<absl::Time> aborted =
-          FirstLineAfter(survivor->Log(), since, "waiting for the next");
-      EXPECT_TRUE(aborted.has_value()) << survivor->Log();
-      if (aborted.has_value()) slowest = std::max(slowest, *aborted - since);
+      const std::string log = survivor->Log();
+      std::optional<absl::Time> aborted = FirstLineAfter(log, since, "waiting for the next");
+      EXPECT_TRUE(aborted.has_value()) << log;
+      if (!aborted.has_value()) continue;
+      slowest = std::max(slowest, *aborted - since);
+      const size_t line_at = log.find("ended for this worker (");
+      EXPECT_NE(line_at, std::string::npos) << log;
+      if (line_at == std::string::npos) continue;
+      const std::string line = log.substr(line_at, log.find('\n', line_at) - line_at);
+      EXPECT_TRUE(absl::StrContains(line, " of 4 failed: ")) << "not inside a collective: " << line;
     }
     return slowest;
   }
 
-  std::vector<std::string> EventKinds() {
-    std::vector<std::string> kinds;
-    std::ifstream in(state() + "/membership.json");
-    nlohmann::json record = nlohmann::json::parse(in, nullptr, false);
-    for (const nlohmann::json& event : record["events"]) {
-      kinds.push_back(absl::StrCat(event.value("kind", ""), ": ", event.value("detail", "")));
-    }
-    return kinds;
-  }
-
-  bool HasEvent(absl::string_view text) {
-    for (const std::string& event : EventKinds()) {
-      if (absl::StrContains(event, text)) return true;
-    }
-    return false;
-  }
+  bool HasEvent(absl::string_view text) { return cluster_->HasEvent(text); }
 
   std::string state() const { return dir_ + "/state"; }
 
@@ -173,8 +174,10 @@ class ChaosTest : public ::testing::Test {
     ExpectJobFinishes(survivors);
 
     const absl::Duration aborted = AbortedAfter(lost, survivors);
-    EXPECT_LT(aborted, 3 * kLease) << "declared dead within a lease, then the abort is immediate";
-    EXPECT_TRUE(HasEvent("KIND_DEAD: no heartbeat"));
+    // Declared dead within a lease, then the abort is immediate; the bound leaves room for a
+    // loaded machine (the benchmark bench-recovery measures the time itself).
+    EXPECT_LT(aborted, 5 * kLease);
+    EXPECT_TRUE(HasEvent("dead: no heartbeat"));
     EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
 
     const std::vector<std::string> restores = Restores(survivors[0]->Log());
@@ -215,7 +218,7 @@ TEST_F(ChaosTest, AReplacementIsFoldedInAtTheNextCheckpointAndTheWorldGrowsBackT
   WaitForWorld(4);
   ExpectJobFinishes({&workers[0], &workers[1], &workers[2], &replacement});
   EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
-  EXPECT_TRUE(HasEvent("KIND_STANDBY: "));
+  EXPECT_TRUE(HasEvent("standby: "));
   EXPECT_TRUE(HasEvent("re-formed from 3 to 4 workers: 1 standby folded in"));
   // Growing loses no step: training paused right after the checkpoint it then restored.
   EXPECT_NE(workers[0].Log().find("training paused after step"), std::string::npos);
@@ -288,14 +291,22 @@ TEST_F(ChaosTest, AKilledAndRestartedCoordinatorKeepsItsCatalogAndTheJobContinue
   std::vector<Process> workers =
       StartWorkers({"w0", "w1", "w2"}, {"--coordinator-timeout", "60s"});
   WaitForCheckpoints(2);
-  const auto before = Catalog(state());
+  const std::vector<nlohmann::json> before = cluster_->Checkpoints();
+  const absl::Time killed = absl::Now();
   cluster_->coordinator().Signal(SIGKILL);
   ASSERT_EQ(cluster_->coordinator().Wait(absl::Seconds(5)), 128 + SIGKILL);
-  absl::SleepFor(absl::Milliseconds(500));  // the workers notice and retry with backoff
+  // The restart must find workers that noticed the loss and are retrying.
+  ASSERT_TRUE(Eventually(
+      [&] {
+        return std::all_of(workers.begin(), workers.end(), [&](const Process& worker) {
+          return FirstLineAfter(worker.Log(), killed, "coordinator silent for").has_value();
+        });
+      },
+      10 * kLease));
 
   // Started again with the same command line, on the same port and state directory.
   StartCoordinator(job, {}, port, "coordinator-restarted.log");
-  EXPECT_NE(cluster_->coordinator().Log().find("(kept)"), std::string::npos)
+  EXPECT_NE(cluster_->coordinator().Log().find("generation kept"), std::string::npos)
       << "an intact, connected world keeps its generation: " << cluster_->coordinator().Log();
   CommandResult list = cluster_->Shardctl({"checkpoint", "list", "--json"});
   ASSERT_EQ(list.exit_code, 0) << list.output;
@@ -303,7 +314,9 @@ TEST_F(ChaosTest, AKilledAndRestartedCoordinatorKeepsItsCatalogAndTheJobContinue
   for (const nlohmann::json& checkpoint : nlohmann::json::parse(list.output)) {
     listed.insert(checkpoint["id"].get<std::string>());
   }
-  for (const auto& [id, path] : before) EXPECT_TRUE(listed.count(id)) << id << "\n" << list.output;
+  for (const nlohmann::json& checkpoint : before) {
+    EXPECT_TRUE(listed.count(checkpoint["id"])) << checkpoint["id"] << "\n" << list.output;
+  }
 
   ExpectJobFinishes({&workers[0], &workers[1], &workers[2]});
   // The workers never stopped training: no restore, and the result equals an undisturbed run.
@@ -311,7 +324,7 @@ TEST_F(ChaosTest, AKilledAndRestartedCoordinatorKeepsItsCatalogAndTheJobContinue
   const std::string chaos = FileBytes(dir_ + "/out/final.safetensors");
   const std::string reference_job = WriteJob("reference", 3, 3, kSteps, 0, "reference");
   // The finished job's state directory starts a new world for it.
-  StartCoordinator(reference_job, {}, 0, "reference-coordinator.log");
+  StartCoordinatorOn(state(), reference_job, {}, 0, "reference-coordinator.log");
   std::vector<Process> reference = StartWorkers({"r0", "r1", "r2"});
   EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(90)), 0) << cluster_->coordinator().Log();
   EXPECT_EQ(chaos, FileBytes(dir_ + "/reference/final.safetensors"));

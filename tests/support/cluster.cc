@@ -6,7 +6,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -65,6 +67,53 @@ nlohmann::json LocalCluster::Status() {
   return nlohmann::json::parse(result.output, nullptr, /*allow_exceptions=*/false);
 }
 
+std::vector<nlohmann::json> LocalCluster::Checkpoints() {
+  CommandResult result = Shardctl({"checkpoint", "list", "--json"}, absl::Seconds(10));
+  if (result.exit_code != 0) return {};
+  nlohmann::json listed = nlohmann::json::parse(result.output, nullptr, false);
+  if (!listed.is_array()) return {};
+  return listed.get<std::vector<nlohmann::json>>();
+}
+
+void LocalCluster::FollowEvents() {
+  absl::StatusOr<Process> follower = Process::Start(
+      {BinaryPath("shardctl"), "--coordinator", address_, "events", "--follow", "--json"},
+      absl::StrCat(dir_, "/events-", event_followers_.size(), ".jsonl"));
+  EXPECT_TRUE(follower.ok()) << follower.status();
+  if (follower.ok()) event_followers_.push_back(std::move(*follower));
+}
+
+std::vector<nlohmann::json> LocalCluster::Events() {
+  const bool coordinator_gone = !coordinator_.has_value() || coordinator_->Exited();
+  std::map<int64_t, nlohmann::json> by_sequence;
+  for (Process& follower : event_followers_) {
+    // The last follower's coordinator may still run: read what it has printed so far.
+    if (coordinator_gone || &follower != &event_followers_.back()) {
+      EXPECT_TRUE(follower.Wait(absl::Seconds(30)).has_value()) << follower.Log();
+    }
+    for (absl::string_view line : absl::StrSplit(follower.Log(), '\n')) {
+      // Lines other than events (the follower's farewell on stderr) are not JSON objects.
+      nlohmann::json event = nlohmann::json::parse(line, nullptr, false);
+      if (event.is_object() && event.contains("sequence")) {
+        const int64_t sequence = event["sequence"].get<int64_t>();
+        by_sequence[sequence] = std::move(event);
+      }
+    }
+  }
+  std::vector<nlohmann::json> events;
+  for (auto& [sequence, event] : by_sequence) events.push_back(std::move(event));
+  return events;
+}
+
+bool LocalCluster::HasEvent(absl::string_view text) {
+  for (const nlohmann::json& event : Events()) {
+    const std::string line =
+        absl::StrCat(event.value("kind", ""), ": ", event.value("detail", ""));
+    if (absl::StrContains(line, text)) return true;
+  }
+  return false;
+}
+
 int FreePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
@@ -79,18 +128,6 @@ int FreePort() {
   }
   ::close(fd);
   return port;
-}
-
-std::vector<std::pair<std::string, std::string>> Catalog(const std::string& state_dir) {
-  std::ifstream in(state_dir + "/checkpoints.json");
-  if (!in) return {};
-  nlohmann::json catalog = nlohmann::json::parse(in, nullptr, false);
-  std::vector<std::pair<std::string, std::string>> ids;
-  if (catalog.is_discarded()) return ids;
-  for (const nlohmann::json& record : catalog["checkpoints"]) {
-    ids.push_back({record["id"], record["dir"]});
-  }
-  return ids;
 }
 
 std::optional<absl::Time> LineTime(absl::string_view line) {

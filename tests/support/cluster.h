@@ -40,21 +40,32 @@ class LocalCluster {
   // `shardctl status --json`, parsed; null on failure.
   nlohmann::json Status();
 
+  // The committed checkpoints, oldest first, from `shardctl checkpoint list --json` (each with
+  // "id", "dir", "step"); empty when the coordinator does not answer.
+  std::vector<nlohmann::json> Checkpoints();
+
+  // Starts `shardctl events --follow --json` against the current coordinator, writing to
+  // DIR/events-N.jsonl; it ends by itself when that coordinator exits. Start one after each
+  // (re)start of the coordinator whose history the test reads.
+  void FollowEvents();
+  // Every event the followers printed, once each (by sequence), oldest first. Followers of a
+  // coordinator that has exited are waited for, so their output is complete.
+  std::vector<nlohmann::json> Events();
+  // Whether some event reads "KIND: DETAIL" with `text` in it, e.g. "dead: no heartbeat".
+  bool HasEvent(absl::string_view text);
+
   const std::string& dir() const { return dir_; }
 
  private:
   std::string dir_;
   std::optional<Process> coordinator_;
+  std::vector<Process> event_followers_;
   std::string address_;
   int port_ = 0;
 };
 
 // A port nothing listens on right now (for a coordinator that must come back on the same one).
 int FreePort();
-
-// The committed checkpoints in a coordinator's catalog (its state directory): (id, directory),
-// oldest first.
-std::vector<std::pair<std::string, std::string>> Catalog(const std::string& state_dir);
 
 // When a log line of our binaries ("2026-11-22T16:27:14.750 I ...") was written.
 std::optional<absl::Time> LineTime(absl::string_view line);

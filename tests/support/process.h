@@ -40,6 +40,8 @@ class Process {
   // `timeout`.
   std::optional<int> Wait(absl::Duration timeout);
   bool running() const { return pid_ > 0 && !exit_code_.has_value(); }
+  // Whether it has ended, checked now (reaping it if so).
+  bool Exited() { return pid_ <= 0 || Wait(absl::ZeroDuration()).has_value(); }
   // Peak resident memory of the exited process, in KiB (0 while it runs).
   int64_t max_rss_kb() const { return max_rss_kb_; }
 

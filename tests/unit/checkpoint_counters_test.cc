@@ -35,18 +35,21 @@ class CheckpointCountersTest : public ::testing::Test {
     view_.plan = std::make_shared<const Plan>(std::move(plan));
     view_.manifest = std::make_shared<const Manifest>(Model());
     view_.version = 1;
-    CheckpointOptions checkpoint;
-    checkpoint.job = "counters";
-    checkpoint.root = FreshTestDirectory("shard-checkpoint-counters-test",
-                                         ::testing::UnitTest::GetInstance()
-                                             ->current_test_info()
-                                             ->name());
-    checkpoint.zero_stage = 2;
-    checkpoint.optimizer.kind = OptimizerKind::kAdam;
-    checkpoint.state_names = {"exp_avg", "exp_avg_sq"};
+    root_ = FreshTestDirectory("shard-checkpoint-counters-test",
+                               ::testing::UnitTest::GetInstance()->current_test_info()->name());
     SHARD_ASSERT_OK_AND_ASSIGN(
-        manager_, CheckpointManager::Create(checkpoint, &store_, &storage_, kGeneration,
+        manager_, CheckpointManager::Create(Options(), &store_, &storage_, kGeneration,
                                             /*generation_kept=*/false));
+  }
+
+  CheckpointOptions Options() const {
+    CheckpointOptions options;
+    options.job = "counters";
+    options.root = root_;
+    options.zero_stage = 2;
+    options.optimizer.kind = OptimizerKind::kAdam;
+    options.state_names = {"exp_avg", "exp_avg_sq"};
+    return options;
   }
 
   // Writes rank `rank`'s shard of checkpoint `id` (zeros of the plan's size) and returns its
@@ -78,6 +81,7 @@ class CheckpointCountersTest : public ::testing::Test {
     return CheckpointDirectory(manager_->root(), "counters", id);
   }
 
+  std::string root_;
   InMemoryStateStore store_;
   FilesystemCheckpointStorage storage_;
   PlanView view_;
@@ -100,6 +104,30 @@ TEST_F(CheckpointCountersTest, TheCommittedManifestKeepsTheRanksCounters) {
   EXPECT_EQ(manifest.step, kStep);
   ASSERT_TRUE(manifest.counters.has_value());
   EXPECT_EQ(*manifest.counters, counters);
+}
+
+// A coordinator starting on a fresh state directory (its catalog empty) removes the directories
+// of saves that never committed, and keeps the committed checkpoints it does not know: another
+// state directory's catalog lists them, or an operator restores them by path.
+TEST_F(CheckpointCountersTest, AFreshCatalogRemovesPartialSavesAndKeepsCommittedCheckpoints) {
+  const TrainingCounters counters{.optimizer_step = kStep};
+  const std::string committed = CheckpointIdForStep(kStep);
+  SHARD_ASSERT_OK(manager_->ReportShard(Shard(committed, 0, counters), view_, kNow).status());
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool done,
+                             manager_->ReportShard(Shard(committed, 1, counters), view_, kNow));
+  ASSERT_TRUE(done);
+  const std::string partial = CheckpointIdForStep(2 * kStep);
+  Shard(partial, 0, counters);  // one rank's shard, never reported: no manifest
+
+  InMemoryStateStore fresh_store;
+  SHARD_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<CheckpointManager> fresh,
+      CheckpointManager::Create(Options(), &fresh_store, &storage_, kGeneration,
+                                /*generation_kept=*/false));
+  EXPECT_FALSE(std::filesystem::exists(Directory(partial)));
+  SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest manifest,
+                             ReadCheckpointManifest(Directory(committed)));
+  EXPECT_EQ(manifest.step, kStep);
 }
 
 // The checkpoint fails as one with an unwritable shard does: the save request learns why and
