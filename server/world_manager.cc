@@ -115,6 +115,8 @@ absl::StatusOr<std::unique_ptr<WorldManager>> WorldManager::Create(WorldOptions 
     // Every rank had finished training when the coordinator went down.
     manager->StopIfTrainingFinished("every rank had reported the end", now, &change);
   }
+  // A world taken back whole at a new generation runs at once: its workers reconnect to it.
+  manager->NoteRunningLocked();
   manager->membership_.TakeDirty();
   manager->events_.Append(std::move(change.events), manager->generation_);
   // The record starts afresh as one snapshot (also converting a record of an earlier format).
@@ -174,13 +176,17 @@ auto WorldManager::Mutate(Rule rule) -> decltype(rule(std::declval<Change*>())) 
   return result;
 }
 
+void WorldManager::NoteRunningLocked() {
+  // Once a world runs, workers may connect at its generation: a change of hands ends it.
+  if (WorldLocked().state == JobState::kRunning) membership_.ran = true;
+}
+
 std::set<std::string> WorldManager::CommitLocked(Change change) {
   if (change.bump) {
     ++generation_;
     membership_.ran = false;
   }
-  // Once a world runs, workers may connect at its generation: a change of hands ends it.
-  if (WorldLocked().state == JobState::kRunning) membership_.ran = true;
+  NoteRunningLocked();
   const std::vector<v1::MembershipEvent> events =
       events_.Append(std::move(change.events), generation_);
   std::set<std::string> touched = membership_.TakeDirty();

@@ -164,6 +164,8 @@ class WorldManager {
   auto Mutate(Rule rule) -> decltype(rule(std::declval<Change*>()));
   // Ends the generation if the change asks to, numbers its events, journals what it touched.
   // Returns the members it recorded.
+  // Marks the world as having run at this generation if it runs now (see Membership::ran).
+  void NoteRunningLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::set<std::string> CommitLocked(Change change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The heartbeats a change of the world from `before` concerns, and event watches with news.
   Answers TakeChangedWatchesLocked(const World& before, const std::set<std::string>& touched)

@@ -663,6 +663,14 @@ TEST_F(ElasticWorldTest, AWorldThatHadNotConnectedReconnectsAtANewGenerationAfte
   EXPECT_TRUE(again->recovered());
   EXPECT_EQ(again->world().generation, generation + 1);
   EXPECT_EQ(again->world().state, JobState::kRunning);
+  // Its workers connect at the new generation at once, so a death there ends it (the
+  // simulation's seed 2775 hung when it did not: the survivor kept waiting for a dead peer).
+  now_ += absl::Seconds(3);
+  Beat(*again, now_, {"w1"});
+  now_ += absl::Seconds(2);
+  Beat(*again, now_, {"w1"});
+  EXPECT_EQ(RankOf(again->Status(now_), "w1"), -1);
+  EXPECT_EQ(again->world().generation, generation + 2);
 }
 
 TEST_F(ElasticWorldTest, EventWatchersHearOfTheNextEvent) {
