@@ -9,6 +9,7 @@
 #include "client/status_view.h"
 #include "common/checkpoint.h"
 #include "common/cli.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace shard {
@@ -54,9 +55,8 @@ nlohmann::json InfoToJson(const v1::CheckpointInfo& info) {
 absl::StatusOr<std::string> Directory(const CheckpointCommands& c,
                                       const std::function<AdminClient&()>& admin) {
   if (!c.path.empty()) return c.path;
-  absl::StatusOr<v1::CheckpointInfo> info = admin().GetCheckpoint(c.id);
-  if (!info.ok()) return info.status();
-  return info->dir();
+  SHARD_ASSIGN_OR_RETURN(v1::CheckpointInfo info, admin().GetCheckpoint(c.id));
+  return info.dir();
 }
 
 int Save(const CheckpointCommands& c, AdminClient& admin) {

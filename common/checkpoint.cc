@@ -439,14 +439,12 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
 }
 
 absl::Status CommitCheckpoint(const std::string& dir, const CheckpointManifest& manifest) {
-  absl::StatusOr<std::unique_ptr<AtomicFileWriter>> writer =
-      AtomicFileWriter::Create((std::filesystem::path(dir) / kManifestFile).string());
-  if (!writer.ok()) return writer.status();
-  if (absl::Status written = (*writer)->Write(CheckpointManifestToJson(manifest)); !written.ok()) {
-    return written;
-  }
+  SHARD_ASSIGN_OR_RETURN(
+      std::unique_ptr<AtomicFileWriter> writer,
+      AtomicFileWriter::Create((std::filesystem::path(dir) / kManifestFile).string()));
+  SHARD_RETURN_IF_ERROR(writer->Write(CheckpointManifestToJson(manifest)));
   FaultPoint("manifest-before-rename");
-  return (*writer)->Commit();
+  return writer->Commit();
 }
 
 absl::StatusOr<CheckpointManifest> ReadCheckpointManifest(const std::string& dir) {
@@ -469,14 +467,14 @@ absl::StatusOr<std::unique_ptr<ShardWriter>> ShardWriter::Create(const std::stri
     return absl::AlreadyExistsError(
         absl::StrCat("checkpoint '", dir, "' is already committed; it is never overwritten"));
   }
-  if (absl::Status made = MakeDirectories(dir); !made.ok()) return made;
+  SHARD_RETURN_IF_ERROR(MakeDirectories(dir));
   std::unique_ptr<ShardWriter> writer(new ShardWriter());
   writer->file_ = ShardFileName(rank, world_size);
   writer->rank_ = rank;
-  absl::StatusOr<std::unique_ptr<AtomicFileWriter>> out =
-      AtomicFileWriter::Create((std::filesystem::path(dir) / writer->file_).string());
-  if (!out.ok()) return out.status();
-  writer->out_ = std::move(*out);
+  SHARD_ASSIGN_OR_RETURN(
+      std::unique_ptr<AtomicFileWriter> out,
+      AtomicFileWriter::Create((std::filesystem::path(dir) / writer->file_).string()));
+  writer->out_ = std::move(out);
   writer->whole_ = XXH3_createState();
   writer->block_ = XXH3_createState();
   XXH3_64bits_reset(static_cast<XXH3_state_t*>(writer->whole_));
@@ -496,9 +494,7 @@ absl::Status ShardWriter::Append(const void* data, size_t bytes) {
   while (bytes > 0) {
     const uint64_t room = kCheckpointBlockBytes - bytes_ % kCheckpointBlockBytes;
     const size_t take = static_cast<size_t>(std::min<uint64_t>(room, bytes));
-    if (absl::Status written = out_->Write(absl::string_view(p, take)); !written.ok()) {
-      return written;
-    }
+    SHARD_RETURN_IF_ERROR(out_->Write(absl::string_view(p, take)));
     XXH3_64bits_update(static_cast<XXH3_state_t*>(whole_), p, take);
     XXH3_64bits_update(static_cast<XXH3_state_t*>(block_), p, take);
     bytes_ += take;
@@ -516,7 +512,7 @@ absl::StatusOr<ShardRecord> ShardWriter::Finish() {
   if (bytes_ % kCheckpointBlockBytes != 0) {
     blocks_.push_back(Hex(XXH3_64bits_digest(static_cast<XXH3_state_t*>(block_))));
   }
-  if (absl::Status committed = out_->Commit(); !committed.ok()) return committed;
+  SHARD_RETURN_IF_ERROR(out_->Commit());
   return ShardRecord{file_, rank_, bytes_,
                      Hex(XXH3_64bits_digest(static_cast<XXH3_state_t*>(whole_))), blocks_};
 }
@@ -526,9 +522,8 @@ absl::StatusOr<ShardRecord> ShardWriter::Finish() {
 absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::string& dir) {
   std::unique_ptr<CheckpointReader> reader(new CheckpointReader());
   reader->dir_ = dir;
-  absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(dir);
-  if (!manifest.ok()) return manifest.status();
-  reader->manifest_ = std::move(*manifest);
+  SHARD_ASSIGN_OR_RETURN(CheckpointManifest manifest, ReadCheckpointManifest(dir));
+  reader->manifest_ = std::move(manifest);
   reader->fds_.assign(reader->manifest_.shards.size(), -1);
   return reader;
 }
@@ -560,9 +555,7 @@ absl::StatusOr<const char*> CheckpointReader::Block(int shard, uint64_t block) {
   const uint64_t length = std::min(kCheckpointBlockBytes, record.bytes - begin);
   cache_.resize(length);
   cached_shard_ = -1;
-  if (absl::Status read = ReadAt(fds_[shard], begin, cache_.data(), length, path); !read.ok()) {
-    return read;
-  }
+  SHARD_RETURN_IF_ERROR(ReadAt(fds_[shard], begin, cache_.data(), length, path));
   if (Hex(XXH3_64bits(cache_.data(), length)) != record.block_xxh3[block]) {
     return absl::DataLossError(absl::StrCat("checkpoint shard '", path, "' is corrupt: bytes [",
                                             begin, ", ", begin + length,
@@ -576,11 +569,10 @@ absl::StatusOr<const char*> CheckpointReader::Block(int shard, uint64_t block) {
 absl::Status CheckpointReader::ReadBytes(int shard, uint64_t offset, uint64_t bytes, char* out) {
   while (bytes > 0) {
     const uint64_t block = offset / kCheckpointBlockBytes;
-    absl::StatusOr<const char*> data = Block(shard, block);
-    if (!data.ok()) return data.status();
+    SHARD_ASSIGN_OR_RETURN(const char* data, Block(shard, block));
     const uint64_t within = offset - block * kCheckpointBlockBytes;
     const uint64_t take = std::min(bytes, kCheckpointBlockBytes - within);
-    std::memcpy(out, *data + within, take);
+    std::memcpy(out, data + within, take);
     out += take;
     offset += take;
     bytes -= take;
@@ -606,11 +598,8 @@ absl::Status CheckpointReader::ReadElements(int param, int array, int64_t begin,
     const int64_t numel = piece->end - piece->begin;
     const uint64_t offset = piece->offset + ArrayBytes(numel) * (array + 1) +
                             ArrayBytes(next - piece->begin);
-    if (absl::Status read = ReadBytes(piece->shard, offset, ArrayBytes(stop - next),
-                                      reinterpret_cast<char*>(out + (next - begin)));
-        !read.ok()) {
-      return read;
-    }
+    SHARD_RETURN_IF_ERROR(ReadBytes(piece->shard, offset, ArrayBytes(stop - next),
+                                    reinterpret_cast<char*>(out + (next - begin))));
     next = stop;
   }
   return absl::OkStatus();
@@ -642,9 +631,8 @@ absl::Status CheckpointReader::VerifyShard(int shard, const std::function<void(u
 absl::Status ExportCheckpoint(const std::string& dir, const std::string& out_path,
                               bool with_state, uint64_t buffer_bytes,
                               const std::function<void(uint64_t, uint64_t)>& progress) {
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(dir);
-  if (!reader.ok()) return reader.status();
-  const CheckpointManifest& m = (*reader)->manifest();
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(dir));
+  const CheckpointManifest& m = reader->manifest();
   struct Item {
     int param;
     int array;  // -1: the parameter itself
@@ -668,9 +656,8 @@ absl::Status ExportCheckpoint(const std::string& dir, const std::string& out_pat
   std::map<std::string, std::string> metadata = TrainedFileMetadata(
       m.step, m.optimizer.kind, m.counters.value_or(TrainingCounters{.optimizer_step = m.step}));
   metadata["checkpoint"] = m.id;
-  absl::StatusOr<std::unique_ptr<SafetensorsWriter>> writer =
-      SafetensorsWriter::Create(out_path, decls, metadata);
-  if (!writer.ok()) return writer.status();
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsWriter> writer,
+                         SafetensorsWriter::Create(out_path, decls, metadata));
   const int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(buffer_bytes / sizeof(float)));
   std::vector<float> buffer(chunk);
   uint64_t done = 0;
@@ -678,20 +665,14 @@ absl::Status ExportCheckpoint(const std::string& dir, const std::string& out_pat
     const int64_t numel = m.tensors[item.param].param.numel();
     for (int64_t begin = 0; begin < numel; begin += chunk) {
       const int64_t count = std::min(chunk, numel - begin);
-      if (absl::Status read = (*reader)->ReadElements(item.param, item.array, begin, count,
-                                                      buffer.data());
-          !read.ok()) {
-        return read;
-      }
-      if (absl::Status written = (*writer)->Append(buffer.data(), ArrayBytes(count));
-          !written.ok()) {
-        return written;
-      }
+      SHARD_RETURN_IF_ERROR(
+          reader->ReadElements(item.param, item.array, begin, count, buffer.data()));
+      SHARD_RETURN_IF_ERROR(writer->Append(buffer.data(), ArrayBytes(count)));
       done += ArrayBytes(count);
       if (progress) progress(done, total);
     }
   }
-  return (*writer)->Finish();
+  return writer->Finish();
 }
 
 }  // namespace shard

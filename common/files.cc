@@ -10,6 +10,7 @@
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace shard {
 namespace {
@@ -85,10 +86,9 @@ absl::Status AtomicFileWriter::Commit() {
 }
 
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
-  absl::StatusOr<std::unique_ptr<AtomicFileWriter>> writer = AtomicFileWriter::Create(path);
-  if (!writer.ok()) return writer.status();
-  if (absl::Status written = (*writer)->Write(contents); !written.ok()) return written;
-  return (*writer)->Commit();
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> writer, AtomicFileWriter::Create(path));
+  SHARD_RETURN_IF_ERROR(writer->Write(contents));
+  return writer->Commit();
 }
 
 absl::Status ReadAt(int fd, uint64_t offset, void* out, size_t bytes, const std::string& path) {

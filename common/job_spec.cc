@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/names.h"
 #include "common/safetensors.h"
+#include "common/status_macros.h"
 
 namespace shard {
 namespace {
@@ -50,7 +51,7 @@ PlanOptions PlanOptionsForJob(const JobConfig& job) {
 }
 
 absl::Status ValidateJobConfig(const JobConfig& job) {
-  if (absl::Status name = ValidateName("job spec: name", job.name); !name.ok()) return name;
+  SHARD_RETURN_IF_ERROR(ValidateName("job spec: name", job.name));
   if (job.world_size < 1) return Invalid("world_size", "must be at least 1");
   if (job.min_world_size < 1 || job.min_world_size > job.world_size) {
     return Invalid("min_world_size", absl::StrCat("must be in [1, world_size = ", job.world_size,
@@ -127,10 +128,10 @@ Manifest MlpManifest(const std::vector<int64_t>& widths) {
 }
 
 absl::Status CheckJobData(const JobConfig& job) {
-  absl::StatusOr<std::unique_ptr<SafetensorsReader>> data = SafetensorsReader::Open(job.data_path);
-  if (!data.ok()) return data.status();
-  const TensorInfo* x = (*data)->Find("x");
-  const TensorInfo* y = (*data)->Find("y");
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> data,
+                         SafetensorsReader::Open(job.data_path));
+  const TensorInfo* x = data->Find("x");
+  const TensorInfo* y = data->Find("y");
   if (x == nullptr || y == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "data file '", job.data_path, "' needs tensors x (F32 [N, ", job.widths.front(),
@@ -142,13 +143,13 @@ absl::Status CheckJobData(const JobConfig& job) {
   }
   const int64_t samples = x->shape[0];
   if (absl::StatusOr<const TensorInfo*> checked =
-          (*data)->Expect("x", DataType::kFloat32, {samples, job.widths.front()});
+          data->Expect("x", DataType::kFloat32, {samples, job.widths.front()});
       !checked.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(checked.status().message(),
                                                    " (model.mlp.widths[0] is ", job.widths.front(),
                                                    ")"));
   }
-  return (*data)->Expect("y", DataType::kInt64, {samples}).status();
+  return data->Expect("y", DataType::kInt64, {samples}).status();
 }
 
 }  // namespace shard

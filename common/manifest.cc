@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace shard {
@@ -115,7 +116,7 @@ absl::StatusOr<Manifest> ParseManifestJson(absl::string_view json) {
     }
     manifest.params.push_back(std::move(param));
   }
-  if (absl::Status valid = ValidateManifest(manifest); !valid.ok()) return valid;
+  SHARD_RETURN_IF_ERROR(ValidateManifest(manifest));
   return manifest;
 }
 

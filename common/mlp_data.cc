@@ -5,15 +5,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/mlp.h"
+#include "common/status_macros.h"
 
 namespace shard {
 
 absl::StatusOr<std::unique_ptr<MlpBatchReader>> MlpBatchReader::Open(const std::string& path,
                                                                      int64_t input_width) {
   std::unique_ptr<MlpBatchReader> reader(new MlpBatchReader());
-  absl::StatusOr<std::unique_ptr<SafetensorsReader>> file = SafetensorsReader::Open(path);
-  if (!file.ok()) return file.status();
-  reader->file_ = std::move(*file);
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> file, SafetensorsReader::Open(path));
+  reader->file_ = std::move(file);
   const TensorInfo* x = reader->file_->Find("x");
   if (x == nullptr || x->shape.size() != 2 || x->shape[0] < 1) {
     return absl::InvalidArgumentError(
@@ -41,14 +41,9 @@ absl::Status MlpBatchReader::Read(int64_t step, int64_t global_batch, int rank, 
   for (int64_t done = 0; done < rows;) {
     // Contiguous runs up to the end of the file, then wrap around.
     const int64_t run = std::min(rows - done, samples_ - next);
-    if (absl::Status s = file_->ReadElements(*x_, next * width_, run * width_,
-                                             x->data() + done * width_);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = file_->ReadElements(*y_, next, run, y->data() + done); !s.ok()) {
-      return s;
-    }
+    SHARD_RETURN_IF_ERROR(
+        file_->ReadElements(*x_, next * width_, run * width_, x->data() + done * width_));
+    SHARD_RETURN_IF_ERROR(file_->ReadElements(*y_, next, run, y->data() + done));
     done += run;
     next = (next + run) % samples_;
   }
@@ -80,8 +75,8 @@ absl::Status GenerateMlpData(const std::vector<int64_t>& widths, int64_t samples
   constexpr int64_t kChunk = 1024;
   for (int64_t start = 0; start < samples; start += kChunk) {
     const int64_t rows = std::min(kChunk, samples - start);
-    absl::StatusOr<double> ran = model.Forward(params, x.data() + start * in, y.data() + start, rows);
-    if (!ran.ok()) return ran.status();
+    SHARD_RETURN_IF_ERROR(
+        model.Forward(params, x.data() + start * in, y.data() + start, rows).status());
     const std::vector<int64_t> predicted = model.Predictions();
     std::copy(predicted.begin(), predicted.end(), y.begin() + start);
   }

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace shard {
 namespace {
@@ -169,24 +170,23 @@ int64_t ShardNumel(const Bucket& bucket, int world_size) {
 }
 
 absl::StatusOr<Plan> MakePlan(const Manifest& manifest, const PlanOptions& options) {
-  if (absl::Status valid = ValidateManifest(manifest); !valid.ok()) return valid;
-  if (absl::Status valid = ValidateOptions(options); !valid.ok()) return valid;
-  absl::StatusOr<std::vector<int>> order = ResolveOrder(manifest, options.gradient_order);
-  if (!order.ok()) return order.status();
+  SHARD_RETURN_IF_ERROR(ValidateManifest(manifest));
+  SHARD_RETURN_IF_ERROR(ValidateOptions(options));
+  SHARD_ASSIGN_OR_RETURN(std::vector<int> order, ResolveOrder(manifest, options.gradient_order));
 
   Plan plan;
   plan.options = options;
-  plan.options.gradient_order = *order;
+  plan.options.gradient_order = order;
   plan.manifest_hash = ManifestHash(manifest);
   const int world = options.world_size;
 
   if (options.mode == ShardMode::kRange) {
-    plan.buckets = PackBuckets(manifest, *order, options, /*owner=*/-1);
+    plan.buckets = PackBuckets(manifest, order, options, /*owner=*/-1);
   } else {
-    const std::vector<int> owner = PartitionParams(manifest, *order, world);
+    const std::vector<int> owner = PartitionParams(manifest, order, world);
     for (int rank = 0; rank < world; ++rank) {
       std::vector<int> mine;
-      for (int p : *order) {
+      for (int p : order) {
         if (owner[p] == rank) mine.push_back(p);
       }
       std::vector<Bucket> buckets = PackBuckets(manifest, mine, options, rank);
@@ -196,7 +196,7 @@ absl::StatusOr<Plan> MakePlan(const Manifest& manifest, const PlanOptions& optio
   }
   // Buckets in the order they become ready: by their first parameter's gradient position.
   std::vector<int> position(manifest.params.size(), 0);
-  for (size_t i = 0; i < order->size(); ++i) position[(*order)[i]] = static_cast<int>(i);
+  for (size_t i = 0; i < order.size(); ++i) position[order[i]] = static_cast<int>(i);
   std::stable_sort(plan.buckets.begin(), plan.buckets.end(), [&](const Bucket& a, const Bucket& b) {
     return position[a.entries.front().param] < position[b.entries.front().param];
   });

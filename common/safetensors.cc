@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/files.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace shard {
@@ -74,16 +75,14 @@ absl::StatusOr<std::unique_ptr<SafetensorsReader>> SafetensorsReader::Open(
   const uint64_t file_size = static_cast<uint64_t>(info.st_size);
   if (file_size < 8) return Corrupt(path, absl::StrCat("it is only ", file_size, " bytes long"));
   unsigned char length_bytes[8];
-  if (absl::Status read = ReadAt(reader->fd_, 0, length_bytes, 8, path); !read.ok()) return read;
+  SHARD_RETURN_IF_ERROR(ReadAt(reader->fd_, 0, length_bytes, 8, path));
   const uint64_t header_bytes = ReadLittleEndian64(length_bytes);
   if (header_bytes > kMaxHeaderBytes || header_bytes > file_size - 8) {
     return Corrupt(path, absl::StrCat("its header length ", header_bytes,
                                       " exceeds the file (", file_size, " bytes) or 100 MB"));
   }
   std::string header(header_bytes, '\0');
-  if (absl::Status read = ReadAt(reader->fd_, 8, header.data(), header_bytes, path); !read.ok()) {
-    return read;
-  }
+  SHARD_RETURN_IF_ERROR(ReadAt(reader->fd_, 8, header.data(), header_bytes, path));
   reader->data_start_ = 8 + header_bytes;
   const uint64_t data_bytes = file_size - reader->data_start_;
 
@@ -248,17 +247,13 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>((text.size() >> (8 * i)) & 0xff);
 
   std::unique_ptr<SafetensorsWriter> writer(new SafetensorsWriter());
-  absl::StatusOr<std::unique_ptr<AtomicFileWriter>> file = AtomicFileWriter::Create(path);
-  if (!file.ok()) return file.status();
-  writer->file_ = std::move(*file);
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> file, AtomicFileWriter::Create(path));
+  writer->file_ = std::move(file);
   writer->path_ = path;
   writer->expected_bytes_ = offset;
-  if (absl::Status s = writer->file_->Write(
-          absl::string_view(reinterpret_cast<const char*>(length), 8));
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = writer->file_->Write(text); !s.ok()) return s;
+  SHARD_RETURN_IF_ERROR(
+      writer->file_->Write(absl::string_view(reinterpret_cast<const char*>(length), 8)));
+  SHARD_RETURN_IF_ERROR(writer->file_->Write(text));
   return writer;
 }
 
@@ -290,18 +285,14 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorD
   if (tensors.size() != data.size()) {
     return absl::InvalidArgumentError("WriteSafetensors needs one data pointer per tensor");
   }
-  absl::StatusOr<std::unique_ptr<SafetensorsWriter>> writer =
-      SafetensorsWriter::Create(path, tensors, metadata);
-  if (!writer.ok()) return writer.status();
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsWriter> writer,
+                         SafetensorsWriter::Create(path, tensors, metadata));
   for (size_t i = 0; i < tensors.size(); ++i) {
     int64_t numel = 1;
     for (int64_t d : tensors[i].shape) numel *= d;
-    if (absl::Status s = (*writer)->Append(data[i], numel * DataTypeSize(tensors[i].dtype));
-        !s.ok()) {
-      return s;
-    }
+    SHARD_RETURN_IF_ERROR(writer->Append(data[i], numel * DataTypeSize(tensors[i].dtype)));
   }
-  return (*writer)->Finish();
+  return writer->Finish();
 }
 
 }  // namespace shard

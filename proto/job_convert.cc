@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
 #include "common/files.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace shard {
@@ -116,7 +117,7 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
                            : Resolve(spec.checkpoint().dir(), base_dir);
   job.checkpoint_every = spec.checkpoint().every_steps();
   if (spec.checkpoint().has_keep_last()) job.checkpoint_keep_last = spec.checkpoint().keep_last();
-  if (absl::Status valid = ValidateJobConfig(job); !valid.ok()) return valid;
+  SHARD_RETURN_IF_ERROR(ValidateJobConfig(job));
   return job;
 }
 
@@ -155,9 +156,8 @@ v1::JobSpec ToProto(const JobConfig& job) {
 }
 
 absl::StatusOr<JobConfig> LoadJobFile(const std::string& path) {
-  absl::StatusOr<std::string> text = ReadFile(path);
-  if (!text.ok()) return text.status();
-  absl::StatusOr<v1::JobSpec> spec = ParseJobSpecJson(*text);
+  SHARD_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpecJson(text);
   if (!spec.ok()) {
     return absl::Status(spec.status().code(), absl::StrCat(path, ": ", spec.status().message()));
   }

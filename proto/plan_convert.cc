@@ -1,6 +1,7 @@
 #include "proto/plan_convert.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace shard {
 
@@ -28,7 +29,7 @@ absl::StatusOr<Manifest> FromProto(const v1::Manifest& manifest) {
     out.params.push_back(ParamSpec{p.name(), {p.shape().begin(), p.shape().end()}, *dtype,
                                    p.requires_grad()});
   }
-  if (absl::Status valid = ValidateManifest(out); !valid.ok()) return valid;
+  SHARD_RETURN_IF_ERROR(ValidateManifest(out));
   return out;
 }
 
@@ -60,11 +61,10 @@ v1::PlanSpec ToPlanSpec(const Plan& plan, int64_t version, int64_t generation) {
 }
 
 absl::StatusOr<PlanOptions> PlanOptionsFromSpec(const v1::PlanSpec& spec) {
-  absl::StatusOr<ShardMode> mode = FromProto(spec.mode());
-  if (!mode.ok()) return mode.status();
+  SHARD_ASSIGN_OR_RETURN(ShardMode mode, FromProto(spec.mode()));
   PlanOptions options;
   options.world_size = spec.world_size();
-  options.mode = *mode;
+  options.mode = mode;
   options.bucket_cap_bytes = spec.bucket_cap_bytes();
   options.first_bucket_cap_bytes = spec.first_bucket_cap_bytes();
   options.alignment_bytes = spec.alignment_bytes();

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/fault.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace shard {
@@ -27,8 +28,7 @@ absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(
   std::unique_ptr<CheckpointManager> manager(
       new CheckpointManager(std::move(options), store, storage, generation));
   absl::MutexLock lock(&manager->mu_);
-  absl::StatusOr<bool> loaded = store->Load(kCatalogRecord, &manager->catalog_);
-  if (!loaded.ok()) return loaded.status();
+  SHARD_RETURN_IF_ERROR(store->Load(kCatalogRecord, &manager->catalog_).status());
   // Keep what is committed and still there; drop the rest of the catalog.
   v1::CheckpointCatalog kept = manager->catalog_;
   kept.clear_checkpoints();
@@ -58,7 +58,7 @@ absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(
     changed = true;
   }
   if (changed) {
-    if (absl::Status saved = manager->PersistLocked(); !saved.ok()) return saved;
+    SHARD_RETURN_IF_ERROR(manager->PersistLocked());
   }
   // Directories of checkpoints that never committed: without a manifest. One with a manifest
   // that the catalog does not list is complete (another state directory's, or one whose commit
@@ -156,7 +156,7 @@ void CheckpointManager::FailLocked(const std::string& id, const std::string& err
 
 absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
                                                     const PlanView& plan, absl::Time now) {
-  if (absl::Status id = ValidateCheckpointId(report.id); !id.ok()) return id;
+  SHARD_RETURN_IF_ERROR(ValidateCheckpointId(report.id));
   const int world = plan.plan->options.world_size;
   if (report.rank < 0 || report.rank >= world) {
     return absl::InvalidArgumentError(absl::StrCat("shard report of rank ", report.rank, " for ",
@@ -247,7 +247,7 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
                pending.max_write_ms);
   pending_.erase(report.id);
   ApplyRetentionLocked();
-  if (absl::Status saved = PersistLocked(); !saved.ok()) return saved;
+  SHARD_RETURN_IF_ERROR(PersistLocked());
   return true;
 }
 
@@ -307,7 +307,7 @@ absl::StatusOr<v1::CheckpointRecord> CheckpointManager::FindLocked(const std::st
     }
     return *catalog_.checkpoints().rbegin();
   }
-  if (absl::Status valid = ValidateCheckpointId(id); !valid.ok()) return valid;
+  SHARD_RETURN_IF_ERROR(ValidateCheckpointId(id));
   for (const v1::CheckpointRecord& record : catalog_.checkpoints()) {
     if (record.id() == id) return record;
   }
@@ -327,33 +327,32 @@ absl::StatusOr<CheckpointManifest> CheckpointManager::ReadManifest(
 
 absl::Status CheckpointManager::Delete(const std::string& id) {
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<v1::CheckpointRecord> record = FindLocked(id);
-  if (!record.ok()) return record.status();
-  if (start_.checkpoint_id == record->id()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint ", record->id(), " is where the job's training restarts; restore another "
-        "first"));
+  SHARD_ASSIGN_OR_RETURN(v1::CheckpointRecord record, FindLocked(id));
+  if (start_.checkpoint_id == record.id()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint ", record.id(),
+                     " is where the job's training restarts; restore another "
+                     "first"));
   }
   auto* list = catalog_.mutable_checkpoints();
   for (auto it = list->begin(); it != list->end(); ++it) {
-    if (it->id() == record->id()) {
+    if (it->id() == record.id()) {
       list->erase(it);
       break;
     }
   }
-  if (absl::Status saved = PersistLocked(); !saved.ok()) return saved;
-  storage_->Remove(record->dir(), "deleted by an operator");
+  SHARD_RETURN_IF_ERROR(PersistLocked());
+  storage_->Remove(record.dir(), "deleted by an operator");
   return absl::OkStatus();
 }
 
 absl::StatusOr<TrainingStartPoint> CheckpointManager::SetRestorePoint(const std::string& id) {
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<v1::CheckpointRecord> record = FindLocked(id);
-  if (!record.ok()) return record.status();
-  start_ = TrainingStartPoint{record->id(), record->dir(), record->step()};
+  SHARD_ASSIGN_OR_RETURN(v1::CheckpointRecord record, FindLocked(id));
+  start_ = TrainingStartPoint{record.id(), record.dir(), record.step()};
   restore_requested_ = true;
-  if (absl::Status saved = PersistLocked(); !saved.ok()) return saved;
-  spdlog::info("training restarts from checkpoint {} (step {})", record->id(), record->step());
+  SHARD_RETURN_IF_ERROR(PersistLocked());
+  spdlog::info("training restarts from checkpoint {} (step {})", record.id(), record.step());
   return start_;
 }
 

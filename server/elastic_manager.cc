@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "shard/v1/state.pb.h"
 #include "spdlog/spdlog.h"
 
@@ -16,15 +17,14 @@ absl::StatusOr<std::unique_ptr<ElasticManager>> ElasticManager::Create(StateStor
                                                                        bool recover) {
   std::unique_ptr<ElasticManager> manager(new ElasticManager(store));
   v1::ReshapeRecord record;
-  absl::StatusOr<bool> loaded = store->Load(kReshapeRecord, &record);
-  if (!loaded.ok()) return loaded.status();
+  SHARD_ASSIGN_OR_RETURN(bool loaded, store->Load(kReshapeRecord, &record));
   absl::MutexLock lock(&manager->mu_);
-  if (*loaded && recover && record.generation() > 0) {
+  if (loaded && recover && record.generation() > 0) {
     manager->in_flight_ = InFlightReshape{record.generation(), record.request(),
                                           record.description(),
                                           absl::FromUnixMillis(record.since_unix_ms())};
-  } else if (*loaded && record.generation() > 0) {
-    if (absl::Status saved = manager->PersistLocked(); !saved.ok()) return saved;
+  } else if (loaded && record.generation() > 0) {
+    SHARD_RETURN_IF_ERROR(manager->PersistLocked());
   }
   return manager;
 }

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace shard {
 
@@ -68,7 +69,7 @@ absl::Status KvStoreManager::Set(const KvScope& scope, const std::string& key, s
   std::vector<Waiter> ready;
   {
     absl::MutexLock lock(&mu_);
-    if (absl::Status valid = CheckScope(scope); !valid.ok()) return valid;
+    SHARD_RETURN_IF_ERROR(CheckScope(scope));
     auto it = values_.find(key);
     const size_t old_bytes = it == values_.end() ? 0 : key.size() + it->second.size();
     const size_t new_bytes = scope_bytes_ - old_bytes + key.size() + value.size();
@@ -89,7 +90,7 @@ absl::Status KvStoreManager::Set(const KvScope& scope, const std::string& key, s
 absl::StatusOr<std::string> KvStoreManager::Get(const KvScope& scope,
                                                 const std::string& key) const {
   absl::ReaderMutexLock lock(&mu_);
-  if (absl::Status valid = CheckScope(scope); !valid.ok()) return valid;
+  SHARD_RETURN_IF_ERROR(CheckScope(scope));
   auto it = values_.find(key);
   if (it == values_.end()) {
     return absl::NotFoundError(absl::StrCat("rendezvous key '", key, "' is not set in generation ",

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "shard/v1/state.pb.h"
 #include "spdlog/spdlog.h"
 
@@ -44,9 +45,8 @@ void PlanManager::PersistLocked() const {
 absl::Status PlanManager::Recover(int64_t generation) {
   if (store_ == nullptr) return absl::OkStatus();
   v1::PlanRecord record;
-  absl::StatusOr<bool> loaded = store_->Load(kPlanRecord, &record);
-  if (!loaded.ok()) return loaded.status();
-  if (!*loaded) return absl::OkStatus();
+  SHARD_ASSIGN_OR_RETURN(bool loaded, store_->Load(kPlanRecord, &record));
+  if (!loaded) return absl::OkStatus();
   absl::StatusOr<Manifest> manifest = ParseManifestJson(record.manifest_json());
   if (!manifest.ok()) {
     return absl::DataLossError(absl::StrCat("the state directory's plan record holds a bad "
@@ -68,9 +68,8 @@ absl::Status PlanManager::Recover(int64_t generation) {
   options.first_bucket_cap_bytes = config_.first_bucket_cap_bytes;
   options.alignment_bytes = config_.alignment_bytes;
   options.gradient_order.assign(record.plan_order().begin(), record.plan_order().end());
-  absl::StatusOr<Plan> plan = MakePlan(*manifest_, options);
-  if (!plan.ok()) return plan.status();
-  plan_ = std::make_shared<const Plan>(std::move(*plan));
+  SHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(*manifest_, options));
+  plan_ = std::make_shared<const Plan>(std::move(plan));
   for (const auto& [rank, version] : record.acked()) acked_[rank] = version;
   spdlog::info("plan v{} of generation {} taken back from the state directory (hash {}, overlap "
                "status {})",
@@ -120,9 +119,8 @@ absl::Status PlanManager::EnsurePlanLocked(int world_size) {
   options.first_bucket_cap_bytes = config_.first_bucket_cap_bytes;
   options.alignment_bytes = config_.alignment_bytes;
   if (rebuilt_order_.has_value()) options.gradient_order = *rebuilt_order_;
-  absl::StatusOr<Plan> plan = MakePlan(*manifest_, options);
-  if (!plan.ok()) return plan.status();
-  plan_ = std::make_shared<const Plan>(std::move(*plan));
+  SHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(*manifest_, options));
+  plan_ = std::make_shared<const Plan>(std::move(plan));
   ++version_;
   acked_.clear();
   PersistLocked();
@@ -149,9 +147,9 @@ PlanView PlanManager::ViewLocked() const {
 
 absl::StatusOr<PlanView> PlanManager::RegisterManifest(const MemberRef& member,
                                                        const Manifest& manifest) {
-  if (absl::Status valid = ValidateManifest(manifest); !valid.ok()) return valid;
+  SHARD_RETURN_IF_ERROR(ValidateManifest(manifest));
   absl::MutexLock lock(&mu_);
-  if (absl::Status current = CheckGeneration(member); !current.ok()) return current;
+  SHARD_RETURN_IF_ERROR(CheckGeneration(member));
   if (manifest_ != nullptr) {
     absl::Status same =
         CompareManifests(*manifest_, manifest, absl::StrCat("worker ", member.worker_id));
@@ -166,7 +164,7 @@ absl::StatusOr<PlanView> PlanManager::RegisterManifest(const MemberRef& member,
     spdlog::info("job manifest registered by worker {}: {} parameters, hash {}", member.worker_id,
                  manifest.params.size(), ManifestHash(manifest));
   }
-  if (absl::Status made = EnsurePlanLocked(member.world_size); !made.ok()) return made;
+  SHARD_RETURN_IF_ERROR(EnsurePlanLocked(member.world_size));
   rank_workers_[member.rank] = member.worker_id;
   return ViewLocked();
 }
@@ -174,7 +172,7 @@ absl::StatusOr<PlanView> PlanManager::RegisterManifest(const MemberRef& member,
 absl::StatusOr<PlanView> PlanManager::AckPlan(const MemberRef& member, int64_t version,
                                               const std::string& hash) {
   absl::MutexLock lock(&mu_);
-  if (absl::Status current = CheckGeneration(member); !current.ok()) return current;
+  SHARD_RETURN_IF_ERROR(CheckGeneration(member));
   if (plan_ == nullptr) {
     return absl::FailedPreconditionError("no plan yet in this generation; register a manifest");
   }
@@ -217,7 +215,7 @@ void PlanManager::RecordDisagreementLocked(int rank, const std::vector<int>& ord
 
 absl::Status PlanManager::CheckOrderLocked(const MemberRef& member, int64_t plan_version,
                                           const std::vector<int>& order) const {
-  if (absl::Status current = CheckGeneration(member); !current.ok()) return current;
+  SHARD_RETURN_IF_ERROR(CheckGeneration(member));
   if (plan_ == nullptr || manifest_ == nullptr) {
     return absl::FailedPreconditionError("register a manifest before reporting an order");
   }
@@ -306,7 +304,7 @@ void PlanManager::CloseWaits(const absl::Status& reason) {
 
 absl::Status PlanManager::ReportStepStats(const MemberRef& member, StepReport report) {
   absl::MutexLock lock(&mu_);
-  if (absl::Status current = CheckGeneration(member); !current.ok()) return current;
+  SHARD_RETURN_IF_ERROR(CheckGeneration(member));
   std::deque<StepReport>& window = stats_[member.rank];
   window.push_back(std::move(report));
   while (window.size() > stats_window_) window.pop_front();

@@ -7,9 +7,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
 #include "proto/control_convert.h"
 #include "proto/job_convert.h"
-#include "common/logging.h"
 #include "spdlog/spdlog.h"
 #include "worker/dataplane/self_check.h"
 #include "worker/dataplane/trainer.h"
@@ -282,11 +283,9 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
   // Also after this worker finished: a new generation means the job is not finished (a rank
   // died before it reported the end), and every rank trains again from the restore point.
   if (job.has_value()) {
-    if (absl::Status trained = Train(*job, world.rank, world.generation); !trained.ok()) {
-      return trained;
-    }
+    SHARD_RETURN_IF_ERROR(Train(*job, world.rank, world.generation));
   } else if (options_.manifest.has_value()) {
-    if (absl::Status planned = ApplyPlan(); !planned.ok()) return planned;
+    SHARD_RETURN_IF_ERROR(ApplyPlan());
   }
   return absl::OkStatus();
 }
@@ -435,8 +434,7 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
 absl::Status WorkerAgent::ApplyPlan() {
   PlanSession session(client_.get(), options_.worker_id, incarnation_,
                       options_.collective_timeout);
-  absl::StatusOr<AppliedPlan> applied = session.Initial(*options_.manifest);
-  if (!applied.ok()) return applied.status();
+  SHARD_ASSIGN_OR_RETURN(AppliedPlan applied, session.Initial(*options_.manifest));
   auto describe = [](const AppliedPlan& p, int rank) {
     const RankOwnership& mine = p.plan->ranks[rank];
     return absl::StrCat("plan v", p.version, " (hash ", p.plan->hash, "): ",
@@ -450,14 +448,13 @@ absl::Status WorkerAgent::ApplyPlan() {
     absl::MutexLock lock(&mu_);
     rank = world_.rank;
   }
-  spdlog::info("applied {}", describe(*applied, rank));
-  if (applied->rebuilt) return absl::OkStatus();
+  spdlog::info("applied {}", describe(applied, rank));
+  if (applied.rebuilt) return absl::OkStatus();
   // No model runs in this worker, so the first iteration's gradients become ready in the
   // order a sequential backward produces: the plan's default, reverse registration order.
-  absl::StatusOr<AppliedPlan> rebuilt =
-      session.Rebuild(applied->version, applied->plan->options.gradient_order);
-  if (!rebuilt.ok()) return rebuilt.status();
-  spdlog::info("applied rebuilt {}", describe(*rebuilt, rank));
+  SHARD_ASSIGN_OR_RETURN(AppliedPlan rebuilt,
+                         session.Rebuild(applied.version, applied.plan->options.gradient_order));
+  spdlog::info("applied rebuilt {}", describe(rebuilt, rank));
   return absl::OkStatus();
 }
 
@@ -499,7 +496,7 @@ void WorkerAgent::ReportGenerationFailed(const WorldSnapshot& world, const absl:
 }
 
 absl::Status WorkerAgent::Run() {
-  if (absl::Status joined = JoinWithRetry(); !joined.ok()) return joined;
+  SHARD_RETURN_IF_ERROR(JoinWithRetry());
   std::thread heartbeat([this] { HeartbeatLoop(); });
   int64_t attempted_generation = 0;
   while (true) {

@@ -1,9 +1,10 @@
 #include "worker/coordinator_client.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
-#include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
 
 namespace shard {
 
@@ -45,11 +46,10 @@ absl::StatusOr<std::string> RendezvousClient::Get(const std::string& key) {
   v1::KvGetRequest request;
   *request.mutable_scope() = scope_;
   request.set_key(key);
-  absl::StatusOr<v1::KvGetResponse> response =
-      Call(&v1::Rendezvous::Stub::Get, request, rpc_timeout_,
-           absl::StrCat("rendezvous get '", key, "' at ", address_));
-  if (!response.ok()) return response.status();
-  return std::move(*response->mutable_value());
+  SHARD_ASSIGN_OR_RETURN(v1::KvGetResponse response,
+                         Call(&v1::Rendezvous::Stub::Get, request, rpc_timeout_,
+                              absl::StrCat("rendezvous get '", key, "' at ", address_)));
+  return std::move(*response.mutable_value());
 }
 
 absl::Status RendezvousClient::Wait(const std::vector<std::string>& keys,

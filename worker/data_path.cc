@@ -3,6 +3,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "worker/dataplane/cpu_device.h"
 #include "worker/dataplane/gloo_communicator.h"
 
@@ -25,9 +26,9 @@ class HostDataPath final : public DataPath {
     gloo.size = size;
     gloo.hostname = host_;
     gloo.timeout = timeout_;
-    absl::StatusOr<std::unique_ptr<GlooCommunicator>> created = CreateGlooCommunicator(store, gloo);
-    if (!created.ok()) return created.status();
-    return std::unique_ptr<Communicator>(std::move(*created));
+    SHARD_ASSIGN_OR_RETURN(std::unique_ptr<GlooCommunicator> created,
+                           CreateGlooCommunicator(store, gloo));
+    return std::unique_ptr<Communicator>(std::move(created));
   }
 
  private:

@@ -1,6 +1,7 @@
 #include "worker/plan_session.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "proto/plan_convert.h"
 
 namespace shard {
@@ -14,9 +15,8 @@ PlanSession::PlanSession(CoordinatorClient* client, std::string worker_id, uint6
 
 absl::StatusOr<AppliedPlan> PlanSession::Apply(const v1::PlanResponse& response) {
   const v1::PlanSpec& spec = response.plan();
-  absl::StatusOr<PlanOptions> options = PlanOptionsFromSpec(spec);
-  if (!options.ok()) return options.status();
-  absl::StatusOr<Plan> plan = MakePlan(manifest_, *options);
+  SHARD_ASSIGN_OR_RETURN(PlanOptions options, PlanOptionsFromSpec(spec));
+  absl::StatusOr<Plan> plan = MakePlan(manifest_, options);
   if (!plan.ok()) {
     return absl::Status(plan.status().code(), absl::StrCat("cannot compute plan v", spec.version(),
                                                            ": ", plan.status().message()));
@@ -27,10 +27,9 @@ absl::StatusOr<AppliedPlan> PlanSession::Apply(const v1::PlanResponse& response)
   ack.set_version(spec.version());
   ack.set_hash(plan->hash);
   // A hash that differs is refused by the coordinator with the details.
-  absl::StatusOr<v1::PlanResponse> acked = client_->AckPlan(ack);
-  if (!acked.ok()) return acked.status();
+  SHARD_ASSIGN_OR_RETURN(v1::PlanResponse acked, client_->AckPlan(ack));
   return AppliedPlan{std::make_shared<const Plan>(std::move(*plan)), spec.version(),
-                     acked->status() != v1::OVERLAP_STATUS_UNINITIALIZED};
+                     acked.status() != v1::OVERLAP_STATUS_UNINITIALIZED};
 }
 
 absl::StatusOr<AppliedPlan> PlanSession::Initial(const Manifest& manifest) {
@@ -45,9 +44,8 @@ absl::StatusOr<AppliedPlan> PlanSession::Initial(const Manifest& manifest) {
   constexpr int kAttempts = 3;
   absl::StatusOr<AppliedPlan> applied;
   for (int attempt = 0; attempt < kAttempts; ++attempt) {
-    absl::StatusOr<v1::PlanResponse> response = client_->RegisterManifest(request);
-    if (!response.ok()) return response.status();
-    applied = Apply(*response);
+    SHARD_ASSIGN_OR_RETURN(v1::PlanResponse response, client_->RegisterManifest(request));
+    applied = Apply(response);
     if (!absl::IsAborted(applied.status())) return applied;
   }
   return applied;
@@ -61,9 +59,8 @@ absl::StatusOr<AppliedPlan> PlanSession::Rebuild(int64_t version,
   request.set_plan_version(version);
   for (int p : order) request.add_order(p);
   request.set_wait_ms(absl::ToInt64Milliseconds(rebuild_wait_));
-  absl::StatusOr<v1::PlanResponse> response = client_->ReportGradientOrder(request);
-  if (!response.ok()) return response.status();
-  return Apply(*response);
+  SHARD_ASSIGN_OR_RETURN(v1::PlanResponse response, client_->ReportGradientOrder(request));
+  return Apply(response);
 }
 
 }  // namespace shard

@@ -19,7 +19,7 @@ double Milliseconds(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(Manifest manifest,
                                                       Communicator* communicator,
                                                       PlanProvider* plans, EngineOptions options) {
-  if (absl::Status valid = ValidateManifest(manifest); !valid.ok()) return valid;
+  SHARD_RETURN_IF_ERROR(ValidateManifest(manifest));
   for (const ParamSpec& param : manifest.params) {
     if (param.dtype != DataType::kFloat32) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -32,12 +32,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(Manifest manifest,
     return absl::InvalidArgumentError(
         absl::StrCat("ZeRO stage must be 0, 1 or 2, got ", options.zero_stage));
   }
-  absl::StatusOr<AppliedPlan> initial = plans->Initial(manifest);
-  if (!initial.ok()) return initial.status();
-  if (initial->plan->options.world_size != communicator->size()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the plan is for ", initial->plan->options.world_size, " ranks but the communicator has ",
-        communicator->size()));
+  SHARD_ASSIGN_OR_RETURN(AppliedPlan initial, plans->Initial(manifest));
+  if (initial.plan->options.world_size != communicator->size()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the plan is for ", initial.plan->options.world_size,
+                     " ranks but the communicator has ", communicator->size()));
   }
   std::optional<LossScaler> scaler;
   if (options.loss_scaling.has_value()) {
@@ -48,7 +47,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(Manifest manifest,
   engine->scaler_ = std::move(scaler);
   SHARD_RETURN_IF_ERROR(engine->device_->BindThread());
   SHARD_RETURN_IF_ERROR(engine->Allocate());
-  SHARD_RETURN_IF_ERROR(engine->Apply(std::move(*initial), /*carry_gradients=*/false));
+  SHARD_RETURN_IF_ERROR(engine->Apply(std::move(initial), /*carry_gradients=*/false));
   if (engine->options_.overlap) {
     engine->communication_thread_ = std::thread([e = engine.get()] { e->CommunicationLoop(); });
   }
@@ -172,11 +171,8 @@ float* Engine::grad(int index) {
 
 absl::Status Engine::BroadcastParameters() {
   for (BucketState& bucket : buckets_) {
-    if (absl::Status s = communicator_->Broadcast(bucket.params.data(), bucket.params.size(),
-                                                  DataType::kFloat32, 0);
-        !s.ok()) {
-      return s;
-    }
+    SHARD_RETURN_IF_ERROR(communicator_->Broadcast(bucket.params.data(), bucket.params.size(),
+                                                   DataType::kFloat32, 0));
   }
   for (DeviceArray& frozen : frozen_) {
     if (frozen.size() == 0) continue;
@@ -331,7 +327,7 @@ absl::Status Engine::Step(StepTimings* timings) {
   } else {
     for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
       const absl::Time start = absl::Now();
-      if (absl::Status s = ReduceBucket(b); !s.ok()) return s;
+      SHARD_RETURN_IF_ERROR(ReduceBucket(b));
       spans.push_back({start, absl::Now()});
     }
   }
@@ -351,19 +347,15 @@ absl::Status Engine::Step(StepTimings* timings) {
   if (!rebuilt_) {
     // Every rank holds the full reduced gradients (the first step all-reduces), so the rebuilt
     // layout can take over right here, before any optimizer state exists.
-    absl::StatusOr<AppliedPlan> rebuilt = plans_->Rebuild(plan_version_, ready_order_);
-    if (!rebuilt.ok()) return rebuilt.status();
-    if (rebuilt->plan->options.world_size != communicator_->size()) {
+    SHARD_ASSIGN_OR_RETURN(AppliedPlan rebuilt, plans_->Rebuild(plan_version_, ready_order_));
+    if (rebuilt.plan->options.world_size != communicator_->size()) {
       return absl::FailedPreconditionError("the rebuilt plan is for another world size");
     }
-    SHARD_RETURN_IF_ERROR(Apply(std::move(*rebuilt), /*carry_gradients=*/true));
+    SHARD_RETURN_IF_ERROR(Apply(std::move(rebuilt), /*carry_gradients=*/true));
     timings->rebuilt = true;
     if (pending_state_ != nullptr) {
       // Imported optimizer state, now into the final layout (still before any update).
-      if (absl::Status read = ReadOwned(*pending_state_, /*params=*/false, /*states=*/true);
-          !read.ok()) {
-        return read;
-      }
+      SHARD_RETURN_IF_ERROR(ReadOwned(*pending_state_, /*params=*/false, /*states=*/true));
       pending_state_.reset();
     }
   }
@@ -374,7 +366,7 @@ absl::Status Engine::Step(StepTimings* timings) {
     timings->skipped = !update;
   }
   if (update && options_.grad_clip_norm > 0) {
-    if (absl::Status s = ClipGradients(timings); !s.ok()) return s;
+    SHARD_RETURN_IF_ERROR(ClipGradients(timings));
   }
   const absl::Time update_start = absl::Now();
   if (update) {
@@ -385,7 +377,7 @@ absl::Status Engine::Step(StepTimings* timings) {
   // A skipped update changed no parameter: every rank still holds the gathered ones.
   if (update && options_.zero_stage > 0) {
     const absl::Time gather_start = absl::Now();
-    if (absl::Status s = GatherParameters(); !s.ok()) return s;
+    SHARD_RETURN_IF_ERROR(GatherParameters());
     timings->gather_ms = Milliseconds(absl::Now() - gather_start);
   }
 
@@ -454,11 +446,9 @@ absl::Status Engine::Restore(CheckpointReader& checkpoint) {
     return absl::FailedPreconditionError(
         "restoring needs the rebuilt plan (the checkpoint's gradient order)");
   }
-  if (absl::Status read = ReadOwned(checkpoint, /*params=*/true, /*states=*/true); !read.ok()) {
-    return read;
-  }
+  SHARD_RETURN_IF_ERROR(ReadOwned(checkpoint, /*params=*/true, /*states=*/true));
   if (options_.zero_stage > 0) {
-    if (absl::Status gathered = GatherParameters(); !gathered.ok()) return gathered;
+    SHARD_RETURN_IF_ERROR(GatherParameters());
   }
   steps_done_ = saved.step;
   return ContinueCounters(saved.counters.value_or(TrainingCounters{.optimizer_step = saved.step}));
@@ -521,11 +511,9 @@ absl::Status Engine::ReadInto(StateSource& source, int param, int array, int64_t
 
 absl::Status Engine::LoadState(std::unique_ptr<StateSource> source, bool with_state,
                                int64_t steps_done, const TrainingCounters& counters) {
-  if (absl::Status read = ReadOwned(*source, /*params=*/true, with_state && rebuilt_); !read.ok()) {
-    return read;
-  }
+  SHARD_RETURN_IF_ERROR(ReadOwned(*source, /*params=*/true, with_state && rebuilt_));
   if (options_.zero_stage > 0) {
-    if (absl::Status gathered = GatherParameters(); !gathered.ok()) return gathered;
+    SHARD_RETURN_IF_ERROR(GatherParameters());
   }
   steps_done_ = steps_done;
   SHARD_RETURN_IF_ERROR(ContinueCounters(counters));

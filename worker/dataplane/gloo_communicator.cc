@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "gloo/common/error.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/store.h"
@@ -334,7 +335,7 @@ class GlooCommunicator::Impl {
       const Block& block = blocks[received_block(k)];
       for (const Segment& s : Segments(block.count, dtype)) {
         const size_t j = s.offset / seg_elems;
-        if (absl::Status got = WaitRecv(received[p][j]); !got.ok()) return got;
+        SHARD_RETURN_IF_ERROR(WaitRecv(received[p][j]));
         const char* own = send + (block.offset + s.offset) * esize;
         const char* incoming = received_data[p] + j * seg_bytes;
         if (k + 1 == steps) {
@@ -342,7 +343,7 @@ class GlooCommunicator::Impl {
           continue;
         }
         if (partial_pending[p][j]) {
-          if (absl::Status sent = WaitSend(partial[p][j]); !sent.ok()) return sent;
+          SHARD_RETURN_IF_ERROR(WaitSend(partial[p][j]));
         }
         ReduceBuffers(dtype, op, partial_data[p] + j * seg_bytes, own, incoming, s.count);
         partial[p][j]->send(Right(), kSlotPrefix + k + 1, 0, s.count * esize);
@@ -350,12 +351,12 @@ class GlooCommunicator::Impl {
       }
     }
     for (UnboundBuffer* buffer : first_sends) {
-      if (absl::Status sent = WaitSend(buffer); !sent.ok()) return sent;
+      SHARD_RETURN_IF_ERROR(WaitSend(buffer));
     }
     for (int p = 0; p < 2; ++p) {
       for (size_t j = 0; j < max_segments; ++j) {
         if (!partial_pending[p][j]) continue;
-        if (absl::Status sent = WaitSend(partial[p][j]); !sent.ok()) return sent;
+        SHARD_RETURN_IF_ERROR(WaitSend(partial[p][j]));
       }
     }
     return absl::OkStatus();
@@ -392,7 +393,7 @@ class GlooCommunicator::Impl {
       if (k + 1 < steps) post_receives(k + 1);
       const int b = Mod(r - k - 1);
       for (size_t j = 0; j < layout[b].size(); ++j) {
-        if (absl::Status got = WaitRecv(segments[b][j]); !got.ok()) return got;
+        SHARD_RETURN_IF_ERROR(WaitRecv(segments[b][j]));
         if (k + 1 < steps) {
           segments[b][j]->send(Right(), kSlotPrefix + k + 1, 0, layout[b][j].count * esize);
         }
@@ -402,7 +403,7 @@ class GlooCommunicator::Impl {
     for (int i = 0; i < size(); ++i) {
       if (i == Mod(r - steps)) continue;
       for (UnboundBuffer* buffer : segments[i]) {
-        if (absl::Status sent = WaitSend(buffer); !sent.ok()) return sent;
+        SHARD_RETURN_IF_ERROR(WaitSend(buffer));
       }
     }
     return absl::OkStatus();
@@ -438,14 +439,14 @@ class GlooCommunicator::Impl {
     for (size_t j = 0; j < layout.size(); ++j) {
       const size_t offset = layout[j].offset * esize;
       if (!first) {
-        if (absl::Status got = WaitRecv(received[j]); !got.ok()) return got;
+        SHARD_RETURN_IF_ERROR(WaitRecv(received[j]));
         ReduceBuffers(dtype, op, last ? recv + offset : partial + offset, send + offset,
                       incoming + offset, layout[j].count);
       }
       if (!last) sent[j]->send(Right(), kSlotPrefix, 0, layout[j].count * esize);
     }
     for (UnboundBuffer* buffer : sent) {
-      if (absl::Status done = WaitSend(buffer); !done.ok()) return done;
+      SHARD_RETURN_IF_ERROR(WaitSend(buffer));
     }
     return absl::OkStatus();
   }
@@ -468,13 +469,13 @@ class GlooCommunicator::Impl {
     }
     for (size_t j = 0; j < layout.size(); ++j) {
       if (position != 0) {
-        if (absl::Status got = WaitRecv(segments[j]); !got.ok()) return got;
+        SHARD_RETURN_IF_ERROR(WaitRecv(segments[j]));
       }
       if (!last) segments[j]->send(Right(), kSlotPrefix, 0, layout[j].count * esize);
     }
     if (!last) {
       for (UnboundBuffer* buffer : segments) {
-        if (absl::Status sent = WaitSend(buffer); !sent.ok()) return sent;
+        SHARD_RETURN_IF_ERROR(WaitSend(buffer));
       }
     }
     return absl::OkStatus();
@@ -555,7 +556,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
   // Connecting is not collective: a rank may finish while a peer still completes its side of
   // the handshake. A barrier makes creation collective, as NCCL's init is, so a rank that
   // returns (and perhaps exits at once) never breaks a peer's connection half-way.
-  if (absl::Status ready = communicator->Barrier(); !ready.ok()) return ready;
+  SHARD_RETURN_IF_ERROR(communicator->Barrier());
   return communicator;
 }
 

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "common/manifest.h"
 #include "common/plan.h"
+#include "common/status_macros.h"
 
 namespace shard {
 
@@ -37,18 +38,16 @@ class LocalPlanProvider : public PlanProvider {
 
   absl::StatusOr<AppliedPlan> Initial(const Manifest& manifest) override {
     manifest_ = manifest;
-    absl::StatusOr<Plan> plan = MakePlan(manifest_, options_);
-    if (!plan.ok()) return plan.status();
-    return AppliedPlan{std::make_shared<const Plan>(std::move(*plan)), 1,
+    SHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(manifest_, options_));
+    return AppliedPlan{std::make_shared<const Plan>(std::move(plan)), 1,
                        !options_.gradient_order.empty()};
   }
 
   absl::StatusOr<AppliedPlan> Rebuild(int64_t version, const std::vector<int>& order) override {
     PlanOptions options = options_;
     options.gradient_order = order;
-    absl::StatusOr<Plan> plan = MakePlan(manifest_, options);
-    if (!plan.ok()) return plan.status();
-    return AppliedPlan{std::make_shared<const Plan>(std::move(*plan)), version + 1, true};
+    SHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(manifest_, options));
+    return AppliedPlan{std::make_shared<const Plan>(std::move(plan)), version + 1, true};
   }
 
  private:

@@ -28,9 +28,9 @@ class SafetensorsStateSource : public StateSource {
                             float* out) override {
     const ParamSpec& spec = manifest_.params[param];
     const std::string name = array < 0 ? spec.name : spec.name + "." + state_names_[array];
-    absl::StatusOr<const TensorInfo*> tensor = file_->Expect(name, DataType::kFloat32, spec.shape);
-    if (!tensor.ok()) return tensor.status();
-    return file_->ReadElements(**tensor, begin, count, out);
+    SHARD_ASSIGN_OR_RETURN(const TensorInfo* tensor,
+                           file_->Expect(name, DataType::kFloat32, spec.shape));
+    return file_->ReadElements(*tensor, begin, count, out);
   }
 
  private:
@@ -63,25 +63,25 @@ absl::StatusOr<int64_t> InitializeParameters(const JobConfig& job, Engine& engin
     for (size_t i = 0; i < values.size(); ++i) {
       SHARD_RETURN_IF_ERROR(engine.SetParamValues(static_cast<int>(i), values[i].data()));
     }
-    if (absl::Status synced = engine.BroadcastParameters(); !synced.ok()) return synced;
+    SHARD_RETURN_IF_ERROR(engine.BroadcastParameters());
     return 0;
   }
-  absl::StatusOr<std::unique_ptr<SafetensorsReader>> init = SafetensorsReader::Open(job.init_path);
-  if (!init.ok()) return init.status();
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> init,
+                         SafetensorsReader::Open(job.init_path));
   std::vector<std::string> state_names;
   int64_t steps_done = 0;
   TrainingCounters counters;
-  if (HoldsOptimizerState(**init, manifest, engine.optimizer_state_names())) {
+  if (HoldsOptimizerState(*init, manifest, engine.optimizer_state_names())) {
     state_names = engine.optimizer_state_names();
-    auto step = (*init)->metadata().find("step");
-    if (step == (*init)->metadata().end() || !absl::SimpleAtoi(step->second, &steps_done)) {
+    auto step = init->metadata().find("step");
+    if (step == init->metadata().end() || !absl::SimpleAtoi(step->second, &steps_done)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "init file '", job.init_path,
           "' holds optimizer state but no \"step\" in its metadata (Adam's bias correction needs "
           "the step count)"));
     }
     absl::StatusOr<TrainingCounters> saved =
-        TrainingCountersFromMetadata((*init)->metadata(), steps_done);
+        TrainingCountersFromMetadata(init->metadata(), steps_done);
     if (!saved.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("init file '", job.init_path, "': ", saved.status().message()));
@@ -90,12 +90,9 @@ absl::StatusOr<int64_t> InitializeParameters(const JobConfig& job, Engine& engin
   }
   // Without optimizer state in the file, the optimizer starts fresh (step 0).
   const bool with_state = !state_names.empty();
-  if (absl::Status loaded = engine.LoadState(
-          std::make_unique<SafetensorsStateSource>(std::move(*init), manifest, state_names),
-          with_state, steps_done, counters);
-      !loaded.ok()) {
-    return loaded;
-  }
+  SHARD_RETURN_IF_ERROR(engine.LoadState(
+      std::make_unique<SafetensorsStateSource>(std::move(init), manifest, state_names), with_state,
+      steps_done, counters));
   return steps_done;
 }
 
@@ -123,9 +120,8 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     return absl::InvalidArgumentError(absl::StrCat("global batch ", job.global_batch,
                                                    " does not divide over ", world, " workers"));
   }
-  absl::StatusOr<std::unique_ptr<MlpBatchReader>> data =
-      MlpBatchReader::Open(job.data_path, job.widths.front());
-  if (!data.ok()) return data.status();
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<MlpBatchReader> data,
+                         MlpBatchReader::Open(job.data_path, job.widths.front()));
   Device& device = options.device != nullptr ? *options.device : HostDevice();
   SHARD_RETURN_IF_ERROR(device.BindThread());  // the model's memory lives on this thread's device
   SHARD_ASSIGN_OR_RETURN(const DataType precision, ParsePrecision(job.precision));
@@ -141,27 +137,25 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
   engine_options.device = &device;
   // fp16's range needs the loss scaled (bf16 has fp32's exponent and needs no scaling).
   if (precision == DataType::kFloat16) engine_options.loss_scaling = LossScalerOptions{};
-  absl::StatusOr<std::unique_ptr<Engine>> engine =
-      Engine::Create(MlpManifest(job.widths), &communicator, &plans, engine_options);
-  if (!engine.ok()) return engine.status();
+  SHARD_ASSIGN_OR_RETURN(
+      std::unique_ptr<Engine> engine,
+      Engine::Create(MlpManifest(job.widths), &communicator, &plans, engine_options));
   int64_t start_step = 0;
   if (!options.restore_dir.empty()) {
-    absl::StatusOr<std::unique_ptr<CheckpointReader>> checkpoint =
-        CheckpointReader::Open(options.restore_dir);
-    if (!checkpoint.ok()) return checkpoint.status();
-    if (absl::Status restored = (*engine)->Restore(**checkpoint); !restored.ok()) return restored;
-    start_step = (*checkpoint)->manifest().step;
+    SHARD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> checkpoint,
+                           CheckpointReader::Open(options.restore_dir));
+    SHARD_RETURN_IF_ERROR(engine->Restore(*checkpoint));
+    start_step = checkpoint->manifest().step;
   } else {
-    absl::StatusOr<int64_t> initialized = InitializeParameters(job, **engine);
-    if (!initialized.ok()) return initialized.status();
-    start_step = *initialized;
+    SHARD_ASSIGN_OR_RETURN(int64_t initialized, InitializeParameters(job, *engine));
+    start_step = initialized;
   }
   CheckpointSaver saver([&options](const SavedShard& saved) {
     if (options.on_checkpoint) options.on_checkpoint(saved);
   });
   int64_t satisfied_request = 0;
 
-  const int parameters = static_cast<int>((*engine)->manifest().params.size());
+  const int parameters = static_cast<int>(engine->manifest().params.size());
   std::vector<float> x;
   std::vector<int64_t> y;
   std::vector<const float*> params(parameters);
@@ -177,13 +171,10 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
       return absl::CancelledError(absl::StrCat("training stopped before step ", step + 1));
     }
     const absl::Time start = absl::Now();
-    if (absl::Status read = (*data)->Read(step, job.global_batch, rank, world, &x, &y);
-        !read.ok()) {
-      return read;
-    }
+    SHARD_RETURN_IF_ERROR(data->Read(step, job.global_batch, rank, world, &x, &y));
     for (int i = 0; i < parameters; ++i) {
-      params[i] = (*engine)->param(i);
-      grads[i] = (*engine)->grad(i);
+      params[i] = engine->param(i);
+      grads[i] = engine->grad(i);
     }
     // A bad label surfaces at Forward on the host, at LossSum on a GPU.
     auto in_data = [&](const absl::Status& status) {
@@ -193,12 +184,12 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     if (absl::Status forward = model->Forward(params, x.data(), y.data(), rows); !forward.ok()) {
       return in_data(forward);
     }
-    (*engine)->StartBackward();
-    Engine* e = engine->get();
-    SHARD_RETURN_IF_ERROR(model->Backward(params, grads, scale * (*engine)->loss_scale(),
+    engine->StartBackward();
+    Engine* e = engine.get();
+    SHARD_RETURN_IF_ERROR(model->Backward(params, grads, scale * engine->loss_scale(),
                                           [e](int index) { e->MarkGradReady(index); }));
     StepRecord record;
-    if (absl::Status stepped = (*engine)->Step(&record.timings); !stepped.ok()) return stepped;
+    SHARD_RETURN_IF_ERROR(engine->Step(&record.timings));
     absl::StatusOr<double> loss_sum = model->LossSum();
     if (!loss_sum.ok()) return in_data(loss_sum.status());
     // The global mean loss: every rank's share of the sum over the global batch.
@@ -208,7 +199,7 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     record.step = step + 1;
     record.loss = loss;
     record.step_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
-    record.plan_version = (*engine)->plan_version();
+    record.plan_version = engine->plan_version();
     if (step == start_step) {
       result.first_loss = loss;
       steady_start = absl::Now();
@@ -234,16 +225,16 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     if (boundary.save) {
       const absl::Time pause_start = absl::Now();
       std::vector<char> bytes = saver.TakeBuffer();
-      if (absl::Status copied = (*engine)->CopyOwnedState(&bytes); !copied.ok()) return copied;
+      SHARD_RETURN_IF_ERROR(engine->CopyOwnedState(&bytes));
       SavedShard saved;
       saved.id = CheckpointIdForStep(step + 1, options.checkpoint_tag);
       saved.dir = CheckpointDirectory(job.checkpoint_dir, job.name, saved.id);
       saved.step = step + 1;
       saved.request = boundary.request;
       saved.rank = rank;
-      saved.plan = (*engine)->plan_pointer();
-      saved.plan_version = (*engine)->plan_version();
-      saved.counters = (*engine)->counters();
+      saved.plan = engine->plan_pointer();
+      saved.plan_version = engine->plan_version();
+      saved.counters = engine->counters();
       saved.pause_ms = absl::ToDoubleMilliseconds(absl::Now() - pause_start);
       result.max_checkpoint_pause_ms = std::max(result.max_checkpoint_pause_ms, saved.pause_ms);
       ++result.checkpoints_saved;
@@ -263,20 +254,18 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
         (job.steps - start_step - 1) / absl::ToDoubleSeconds(absl::Now() - steady_start);
     result.hidden_fraction = reduction_ms > 0 ? hidden_ms / reduction_ms : 0;
   }
-  result.optimizer_state_bytes = (*engine)->optimizer_state_bytes();
+  result.optimizer_state_bytes = engine->optimizer_state_bytes();
   if (options.consolidate_to_rank >= 0) {
     if (absl::Status consolidated =
-            (*engine)->ConsolidateStateDict(options.consolidate_to_rank, options.consolidate_path);
+            engine->ConsolidateStateDict(options.consolidate_to_rank, options.consolidate_path);
         !consolidated.ok()) {
       return consolidated;
     }
   }
   if (rank == 0) {
-    if (absl::Status made = MakeDirectories(job.output_dir); !made.ok()) return made;
+    SHARD_RETURN_IF_ERROR(MakeDirectories(job.output_dir));
     result.output_path = (std::filesystem::path(job.output_dir) / "final.safetensors").string();
-    if (absl::Status written = WriteParameters(**engine, result.output_path); !written.ok()) {
-      return written;
-    }
+    SHARD_RETURN_IF_ERROR(WriteParameters(*engine, result.output_path));
   }
   return result;
 }
