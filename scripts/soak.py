@@ -492,12 +492,14 @@ class Soak:
                     pass
         return None
 
+    # The coordinator keeps its latest 1000 events (WorldOptions::max_events); older ones go.
+    EVENTS_KEPT = 1000
+
     def lost_events(self, before, after):
-        """The events of `before` that `after` no longer lists as they were. The coordinator
-        keeps only its latest events (1000), so the oldest may go: nothing before the first
-        sequence `after` lists counts as lost."""
+        """The events of `before` that `after` no longer lists as they were. Once `after` holds
+        as many events as the coordinator keeps, those before its first may have gone."""
         now = {e["sequence"]: e for e in after}
-        first = min(now) if now else 1
+        first = min(now) if len(now) >= self.EVENTS_KEPT else 1
         key = lambda e: tuple(e.get(k) for k in self.EVENT_KEY)  # noqa: E731
         return [e for e in before
                 if e["sequence"] >= first and (e["sequence"] not in now
