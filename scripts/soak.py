@@ -14,13 +14,19 @@ It passes (exit 0) only if:
     for longer than --hang-after while the script was not injecting faults;
   - no worker exited on its own with an error;
   - the job finished on its own (the coordinator exited 0 after "training finished");
-  - every checkpoint in the coordinator's catalog verifies (`shardctl checkpoint verify`);
+  - every checkpoint in the coordinator's catalog (`shardctl checkpoint list --json`)
+    verifies (`shardctl checkpoint verify`);
+  - the event history (`shardctl events --json`) survives every coordinator restart: the
+    events listed before a kill are listed again, unchanged, after the restart and at the end;
   - the final parameters are bitwise equal to a reference run without faults that restores
     the checkpoint the final world restored, on the same world size (the bound the chaos
     tests use; with no restore, a run from scratch on that size).
 It also compares with an undisturbed run from scratch on the original world size (the
 largest difference is information, not a pass/fail) and prints a table: faults survived,
 hangs, time lost per fault, steps, checkpoints verified, the reference comparison.
+
+It reads the coordinator's history only through shardctl, never from the state directory's
+files (see Soak.inspect_state for the end of a finished job, whose coordinator has exited).
 
 Every process it starts is tracked by pid and killed on every exit path (and, through
 PR_SET_PDEATHSIG, if this script itself is killed). Everything lives in one temporary
@@ -292,7 +298,9 @@ class Monitor(threading.Thread):
         'shard_job_state{state="running"}': "running",
     }
 
-    WORKER_UP = re.compile(r'shard_worker_up\{worker="([^"]*)",rank="([^"]*)"\}')
+    # shard_worker_up{rank="R",worker="ID"}: labels in any order (prometheus-cpp sorts them).
+    WORKER_UP = re.compile(r'shard_worker_up\{([^}]*)\}')
+    LABEL = re.compile(r'(\w+)="([^"]*)"')
 
     def __init__(self, url, interval=0.2):
         super().__init__(daemon=True)
@@ -323,7 +331,9 @@ class Monitor(threading.Thread):
                         sample[self.FIELDS[name]] = float(value)
                     up = self.WORKER_UP.fullmatch(name)
                     if up and float(value) == 1:
-                        sample["ranks_by_worker"][up.group(1)] = up.group(2)
+                        labels = dict(self.LABEL.findall(up.group(1)))
+                        if "worker" in labels:
+                            sample["ranks_by_worker"][labels["worker"]] = labels.get("rank", "")
             except Exception:  # the coordinator is down or restarting
                 sample = None
             now = time.time()
@@ -387,6 +397,12 @@ class Soak:
         self.failures = []
         self.finished = False
         self.results = {}
+        # The coordinator's event history, read only through `shardctl events --json`:
+        self.events_seen = {}  # sequence -> event, every event any read returned
+        self.final_events = None  # the whole history at the end (None: not read)
+        self.history_checks = 0  # coordinator restarts after which the history was compared
+        self.events_before_kill = None  # read just before a coordinator fault's moment
+        self.coordinator_restarts = 0
 
     # -- output --------------------------------------------------------------------------------
 
@@ -403,9 +419,11 @@ class Soak:
         self.procs.append(proc)
         return proc
 
-    def shardctl(self, *argv, timeout=15):
-        """shardctl against the coordinator; (exit status, stdout, stderr), never raises."""
-        command = [os.path.join(self.bin, "shardctl"), "--coordinator", f"127.0.0.1:{self.port}",
+    def shardctl(self, *argv, timeout=15, port=None):
+        """shardctl against the coordinator (or the one on `port`); (exit status, stdout,
+        stderr), never raises."""
+        command = [os.path.join(self.bin, "shardctl"), "--coordinator",
+                   f"127.0.0.1:{port or self.port}",
                    "--timeout", "5s", *argv]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
@@ -436,6 +454,127 @@ class Soak:
                     pass
             time.sleep(0.2)
         return None
+
+    # -- history: the event log and the checkpoint catalog, through shardctl only -------------
+
+    EVENT_KEY = ("sequence", "generation", "kind", "worker_id", "rank", "detail")
+
+    def read_events(self, port=None, tries=3):
+        """`shardctl events --json` (one object per line), oldest first; None if the coordinator
+        did not answer. Every event read is remembered (by sequence) in events_seen."""
+        for attempt in range(tries):
+            if attempt:
+                time.sleep(0.3)
+            code, out, _ = self.shardctl("events", "--json", port=port, timeout=15)
+            if code != 0:
+                continue
+            try:
+                events = [json.loads(line) for line in out.splitlines() if line.strip()]
+            except ValueError:
+                continue
+            if port is None:
+                for event in events:
+                    self.events_seen.setdefault(event["sequence"], event)
+            return events
+        return None
+
+    def read_catalog(self, port=None):
+        """`shardctl checkpoint list --json`: the committed checkpoints; None without an
+        answer."""
+        for attempt in range(3):
+            if attempt:
+                time.sleep(0.3)
+            code, out, _ = self.shardctl("checkpoint", "list", "--json", port=port, timeout=15)
+            if code == 0:
+                try:
+                    return json.loads(out)
+                except ValueError:
+                    pass
+        return None
+
+    # The coordinator keeps its latest 1000 events (WorldOptions::max_events); older ones go.
+    EVENTS_KEPT = 1000
+
+    def lost_events(self, before, after):
+        """The events of `before` that `after` no longer lists as they were. Once `after` holds
+        as many events as the coordinator keeps, those before its first may have gone."""
+        now = {e["sequence"]: e for e in after}
+        first = min(now) if len(now) >= self.EVENTS_KEPT else 1
+        key = lambda e: tuple(e.get(k) for k in self.EVENT_KEY)  # noqa: E731
+        return [e for e in before
+                if e["sequence"] >= first and (e["sequence"] not in now
+                                               or key(now[e["sequence"]]) != key(e))]
+
+    def check_history_kept(self, before, why):
+        """After a coordinator restart: every event listed before it is listed again, with the
+        same sequence number (the event log is persisted in the state directory)."""
+        if before is None:
+            self.say(f"event history not compared {why}: it could not be read before")
+            return
+        after = self.read_events(tries=10)
+        if after is None:
+            self.failures.append(f"shardctl events did not answer {why}")
+            return
+        lost = self.lost_events(before, after)
+        self.history_checks += 1
+        if lost:
+            self.failures.append(f"the event history lost {len(lost)} of {len(before)} events "
+                                 f"{why}, e.g. {json.dumps(lost[0])}")
+            self.say(f"FAILED: {self.failures[-1]}")
+        else:
+            self.say(f"event history kept {why}: {len(before)} events before, {len(after)} now")
+
+    def inspect_state(self):
+        """The finished job's whole event history and checkpoint catalog. Its coordinator exits
+        once the job finishes, so another is started, with no workers, on a copy of the state
+        directory (the run's own stays as it was left) and asked with shardctl. A finished job
+        is not taken back, so it gets a job spec: the same job, with its checkpoint directory
+        pointing at an empty folder (the start-up cleaning of uncommitted checkpoints then
+        touches nothing of the run's). Returns (events, catalog, forgotten): `forgotten` are
+        the catalog entries the new coordinator dropped because their directory has no
+        manifest (it logs them), which count as checkpoints that do not verify."""
+        work = self.path("inspect")
+        state = os.path.join(work, "state")
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(self.path("state"), state, ignore=shutil.ignore_patterns("LOCK"))
+        job = self.write_job("job-inspect", self.args.workers, self.args.min_workers, 0,
+                             os.path.join(work, "out"), os.path.join(work, "checkpoints"),
+                             self.args.keep_last)
+        port_file = os.path.join(work, "port")
+        argv = [os.path.join(self.bin, "shard-coordinator"), "--listen", "127.0.0.1:0",
+                "--port-file", port_file, "--job", job, "--state-dir", state,
+                "--lease", "60s", "--reform-grace", "60s"]
+        log = os.path.join(work, "coordinator.log")
+        started_ms = time.time() * 1000
+        coordinator = self.start(Proc, "inspect-coordinator", "coordinator", argv, log, self.env,
+                                 work)
+        try:
+            port = 0
+            give_up = time.time() + 20
+            while time.time() < give_up and coordinator.alive() and port == 0:
+                try:
+                    with open(port_file) as handle:
+                        port = int(handle.read().strip() or 0)
+                except (OSError, ValueError):
+                    time.sleep(0.05)
+            if port == 0:
+                self.failures.append("could not read the history: a coordinator on a copy of "
+                                     "the state did not start:\n" + tail(log, 10))
+                return None, None, []
+            events = self.read_events(port=port)
+            catalog = self.read_catalog(port=port)
+        finally:
+            coordinator.signal(signal.SIGKILL)
+            coordinator.wait(5)
+        forgotten = re.findall(r"checkpoint (\S+) is in the catalog but (\S+) has no manifest",
+                               read_text(log))
+        if events is None or catalog is None:
+            self.failures.append("could not read the history: shardctl events/checkpoint list "
+                                 "did not answer")
+        else:
+            # Its own start ("coordinator_started") is not the run's.
+            events = [e for e in events if e.get("unix_ms", 0) < started_ms]
+        return events, catalog, forgotten
 
     def start_coordinator(self):
         """Starts the coordinator on self.port (0 the first time) and waits for its port file;
@@ -722,6 +861,10 @@ class Soak:
             recovered = "(kept)" in self.coordinator.log() and "generation" in self.coordinator.log()
             self.say(f"coordinator restarted on 127.0.0.1:{self.port}"
                      + (" (world kept)" if recovered else ""))
+            self.coordinator_restarts += 1
+            self.check_history_kept(self.events_before_kill,
+                                    f"across coordinator restart {self.coordinator_restarts}")
+            self.events_before_kill = None
             self.last_action = time.time()
             return
         elif fault.kind == "resize":
@@ -806,7 +949,10 @@ class Soak:
             if self.coordinator_finished():
                 break
             if fault.timing == "reform":
-                self.sleep(fault.delay, f"waiting to inject fault {fault.index} during re-formation")
+                began = time.time()
+                self.before_fault(fault)
+                self.sleep(max(0.0, fault.delay - (time.time() - began)),
+                           f"waiting to inject fault {fault.index} during re-formation")
             else:
                 self.monitor.mark()
                 self.pump(self.recovered, 1e9, f"waiting for the world to settle before fault "
@@ -817,6 +963,7 @@ class Soak:
                           f"waiting for step {settled + gap} for fault {fault.index}")
                 if self.coordinator_finished():
                     break
+                self.before_fault(fault)
                 if fault.timing == "save":
                     self.shardctl("checkpoint", "save", "--no-wait", timeout=10)
                     if fault.delay > 0:
@@ -828,6 +975,12 @@ class Soak:
             self.check_the_coordinator_finished()
             raise SoakFailure(f"the job finished after {len(done)} of {len(self.faults)} faults; "
                               "give it more --steps")
+
+    def before_fault(self, fault):
+        """Before a coordinator kill's moment (not in it: the read takes a shardctl call), the
+        event history it must keep."""
+        if fault.kind == "coordinator" and self.coordinator.alive():
+            self.events_before_kill = self.read_events()
 
     def check_the_coordinator_finished(self):
         """The coordinator exited on its own: it must have finished the job and exited 0."""
@@ -881,15 +1034,19 @@ class Soak:
 
     # -- checks at the end ---------------------------------------------------------------------
 
-    def catalog(self, state_dir):
-        try:
-            with open(os.path.join(state_dir, "checkpoints.json")) as handle:
-                return json.load(handle).get("checkpoints", [])
-        except (OSError, ValueError):
-            return []
-
     def verify_checkpoints(self):
-        kept = self.catalog(self.path("state"))
+        """Every checkpoint of the finished job's catalog (`shardctl checkpoint list --json`)
+        verifies (`shardctl checkpoint verify --path DIR`); also reads the whole event history
+        and checks it still holds every event read during the run."""
+        events, catalog, forgotten = self.inspect_state()
+        if events is not None:
+            self.final_events = events
+            lost = self.lost_events(sorted(self.events_seen.values(),
+                                           key=lambda e: e["sequence"]), events)
+            if lost:
+                self.failures.append(f"the final event history lost {len(lost)} events read "
+                                     f"during the run, e.g. {json.dumps(lost[0])}")
+        kept = catalog or []
 
         def verify(record):
             code, out, err = self.tool("checkpoint", "verify", "--path", record["dir"], "--json")
@@ -903,13 +1060,15 @@ class Soak:
         with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
             damaged = [d for d in pool.map(verify, kept) if d is not None]
         verified = len(kept) - len(damaged)
-        self.results["kept"] = len(kept)
+        damaged += [f"{cid}: in the catalog, but {where} has no manifest"
+                    for cid, where in forgotten]
+        self.results["kept"] = len(kept) + len(forgotten)
         self.results["verified"] = verified
-        if not kept:
+        if catalog is not None and not kept:
             self.failures.append("no checkpoint in the catalog")
         for line in damaged:
             self.failures.append(f"checkpoint does not verify: {line}")
-        self.say(f"checkpoints: {verified} of {len(kept)} kept verify")
+        self.say(f"checkpoints: {verified} of {self.results['kept']} kept verify")
 
     def final_segment(self):
         """(checkpoint id or None, world size) of the last stretch of training: the workers that
@@ -1061,11 +1220,12 @@ class Soak:
         return last_seen
 
     def events(self):
-        try:
-            with open(self.path("state", "membership.json")) as handle:
-                return json.load(handle).get("events", [])
-        except (OSError, ValueError):
-            return []
+        """The coordinator's event history: all of it when the job finished, else what was
+        read (the soak reads it before each coordinator kill, and before it stops
+        everything)."""
+        if self.final_events is not None:
+            return self.final_events
+        return sorted(self.events_seen.values(), key=lambda e: e["sequence"])
 
     def report(self, outcome):
         self.time_lost()
@@ -1103,7 +1263,6 @@ class Soak:
         stops = [f for f in fired if f.kind == "stop"]
         events = self.events()
         kinds = [e.get("kind", "") for e in events]
-        detail = [e.get("detail", "") for e in events]
         facts = [
             ("hangs", f"{self.hangs}" + (" (must be 0)" if self.hangs else "")),
             ("faults injected during", f"steps {timing['steps']}, saves {timing['save']}, "
@@ -1114,10 +1273,16 @@ class Soak:
                              f"{self.counts['replaced_late']}; same id {self.counts['same_id']}, "
                              f"new id {self.counts['new_id']}"),
             ("unexpected worker exits", str(len(self.unexpected_exits))),
-            ("coordinator events", f"{sum('DEAD' in k for k in kinds)} deaths, "
-                                   f"{sum('re-formed' in d for d in detail)} re-formations, "
-                                   f"{sum('RECOVERED' in k for k in kinds)} recoveries after a "
-                                   "restart"),
+            ("coordinator events", f"{kinds.count('dead')} deaths, "
+                                   f"{kinds.count('reformed') + kinds.count('resized')} "
+                                   f"re-formations, {kinds.count('coordinator_recovered')} "
+                                   "recoveries after a restart"
+                                   + (f" ({len(events)} events)" if self.final_events is not None
+                                      else f" (the {len(events)} events read; not all)")),
+            ("event history kept", f"across {self.history_checks} of "
+                                   f"{self.coordinator_restarts} coordinator restarts"
+                                   + (" and to the end" if self.final_events is not None
+                                      else "")),
             ("steps", f"{self.trained_steps(last_step)} of {self.args.steps}; job finished: "
                       f"{'yes' if self.finished else 'no'}"),
         ]
@@ -1287,6 +1452,9 @@ def main():
         if soak is not None:
             if soak.monitor is not None:
                 soak.monitor.stop_event.set()
+            if soak.final_events is None and soak.coordinator is not None \
+                    and soak.coordinator.alive():
+                soak.read_events(tries=1)  # for the report, while the coordinator still answers
             soak.kill_everything()
     if soak is None:
         print(f"soak: {outcome} (seed {args.seed})", flush=True)
