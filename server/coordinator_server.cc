@@ -2,12 +2,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "proto/job_convert.h"
+#include "server/access_guard.h"
 #include "spdlog/spdlog.h"
 
 namespace shard {
@@ -39,6 +41,36 @@ std::vector<std::string> ServedMethods() {
   return served;
 }
 
+// The hosts whose connections never leave the machine.
+bool IsLoopback(absl::string_view host) {
+  return host == "127.0.0.1" || host == "localhost" || host == "[::1]";
+}
+
+// The main port's credentials, with an AccessGuard on them when tokens are required. gRPC runs
+// an AuthMetadataProcessor only on secure credentials; for plaintext, LOCAL_TCP credentials
+// take one and still serve plaintext clients (their handshake sends nothing), but they accept
+// connections to loopback addresses only. Tokens sent in the clear beyond loopback would be
+// readable on the network anyway, so that combination is refused.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainPortCredentials(
+    const CoordinatorOptions& options, absl::string_view host, RpcMetrics* metrics) {
+  SHARD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                         LoadServerCredentials(options.tls));
+  if (options.job_token.empty() && options.admin_token.empty()) return credentials;
+  if (options.tls.cert.empty()) {
+    if (!IsLoopback(host)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tokens without TLS are accepted only on a loopback --listen (127.0.0.1, localhost, "
+          "[::1]), not '", options.listen_address,
+          "', where they would cross the network in the clear: add --tls-cert and --tls-key"));
+    }
+    credentials = grpc::experimental::LocalServerCredentials(LOCAL_TCP);
+  }
+  SHARD_ASSIGN_OR_RETURN(AccessTable table, AccessTableOf(*v1::Access_descriptor()->file()));
+  credentials->SetAuthMetadataProcessor(std::make_shared<AccessGuard>(
+      std::move(table), options.job_token, options.admin_token, metrics));
+  return credentials;
+}
+
 absl::Status CannotListen(const std::string& address, absl::string_view flag) {
   return absl::UnavailableError(absl::StrCat("cannot listen on '", address,
                                              "': the address is malformed or the port is in use; "
@@ -51,6 +83,12 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     const CoordinatorOptions& given) {
   auto server = std::unique_ptr<CoordinatorServer>(new CoordinatorServer());
   const absl::Time now = absl::Now();
+  // Flags that cannot work together fail before the state directory is touched.
+  const size_t colon = given.listen_address.rfind(':');
+  const std::string host = given.listen_address.substr(0, colon);
+  server->rpc_metrics_ = std::make_unique<RpcMetrics>(ServedMethods());
+  SHARD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                         MainPortCredentials(given, host, server->rpc_metrics_.get()));
   if (given.state_dir.empty()) {
     server->store_ = std::make_unique<InMemoryStateStore>();
   } else {
@@ -75,32 +113,25 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   const Clock clock = [] { return absl::Now(); };
   CoordinatorServer* self = server.get();
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      LoadServerCredentials(options.tls);
-  if (!credentials.ok()) return credentials.status();
-  server->guard_ = std::make_unique<AccessGuard>(options.job_token, options.admin_token);
   server->join_limiter_ = std::make_unique<RateLimiter>(
       options.max_joins_per_second, 2.0 * core_ptr->world().options().expected_world_size + 64);
   server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(
-      core_ptr, job_spec, clock, server->guard_.get(), server->join_limiter_.get());
-  server->rendezvous_service_ =
-      std::make_unique<RendezvousServiceImpl>(&core_ptr->kv(), clock, server->guard_.get());
+      core_ptr, job_spec, clock, server->join_limiter_.get());
+  server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(&core_ptr->kv(), clock);
   server->admin_service_ = std::make_unique<AdminServiceImpl>(
       core_ptr, clock, now,
       [self] {
         absl::MutexLock lock(&self->mu_);
         self->wake_ = true;
-      },
-      server->guard_.get());
+      });
 
   // Health (grpc.health.v1, SERVING once the state is loaded, which it is by now) and
   // reflection on the main port; health alone on the plaintext --health-listen port.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, *credentials, &server->port_);
+  builder.AddListeningPort(options.listen_address, credentials, &server->port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
-  server->rpc_metrics_ = std::make_unique<RpcMetrics>(ServedMethods());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(MakeRpcMetricsInterceptorFactory(server->rpc_metrics_.get()));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
@@ -134,14 +165,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     server->metrics_http_ = std::move(*http);
   }
   server->SetServing(true);
-  const size_t colon = options.listen_address.rfind(':');
-  const std::string host = options.listen_address.substr(0, colon);
-  if (options.tls.cert.empty() && host != "127.0.0.1" && host != "localhost" && host != "[::1]") {
+  if (options.tls.cert.empty() && !IsLoopback(host)) {
     spdlog::warn("*** listening on {} WITHOUT TLS: anyone who can reach this address can read "
-                 "the job's traffic{}. Give --tls-cert/--tls-key (and --tls-client-ca) on a "
-                 "shared network ***",
-                 options.listen_address,
-                 options.job_token.empty() ? ", join the job and change it" : " and its tokens");
+                 "the job's traffic, join the job and change it. Give --tls-cert/--tls-key (and "
+                 "--tls-client-ca) on a shared network ***",
+                 options.listen_address);
   }
   server->host_ = host;
   server->housekeeping_interval_ = options.housekeeping_interval;

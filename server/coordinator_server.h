@@ -15,7 +15,6 @@
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server.h"
 #include "proto/channel_security.h"
-#include "server/access_guard.h"
 #include "server/checkpoint_storage.h"
 #include "server/coordinator_core.h"
 #include "server/coordinator_service.h"
@@ -41,6 +40,7 @@ struct CoordinatorOptions {
   // TLS on the gRPC port (mutual with a client CA); none: plaintext.
   ServerSecurityFiles tls;
   // Tokens workers and admin clients must present (see AccessGuard); empty: not required.
+  // Without TLS they are accepted only on a loopback listen address.
   std::string job_token;
   std::string admin_token;
   // A plaintext port serving only grpc.health.v1.Health (for kubelet probes); empty: none.
@@ -87,7 +87,6 @@ class CoordinatorServer {
   std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;
-  std::unique_ptr<AccessGuard> guard_;
   std::unique_ptr<RpcMetrics> rpc_metrics_;  // outlives server_
   std::unique_ptr<RateLimiter> join_limiter_;
   std::unique_ptr<grpc::Server> server_;

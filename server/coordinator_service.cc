@@ -18,13 +18,6 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl
   return reactor;
 }
 
-// The reply refusing a call `guard` does not let through, or nullptr.
-grpc::ServerUnaryReactor* Refuse(const AccessGuard& guard, grpc::CallbackServerContext* context,
-                                 Access access) {
-  absl::Status allowed = guard.Check(*context, access);
-  return allowed.ok() ? nullptr : Reply(context, allowed);
-}
-
 // A reactor finished later, when the core answers.
 struct Pending {
   grpc::ServerUnaryReactor* reactor;
@@ -43,7 +36,6 @@ void FillPlan(const PlanView& view, v1::PlanResponse* response) {
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::Join(grpc::CallbackServerContext* context,
                                                        const v1::JoinRequest* request,
                                                        v1::JoinResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   if (!join_limiter_->Allow(clock_())) {
     return Reply(context, absl::UnavailableError(
                               "too many joins at once; the coordinator bounds their rate "
@@ -72,7 +64,6 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Join(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::Heartbeat(grpc::CallbackServerContext* context,
                                                             const v1::HeartbeatRequest* request,
                                                             v1::HeartbeatResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   // Answered when the world changes or the wait runs out; the core calls back once.
   const Pending pending = Later(context);
   const std::string job = core_->world().options().job;
@@ -96,7 +87,6 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Heartbeat(grpc::CallbackServer
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportSelfCheck(
     grpc::CallbackServerContext* context, const v1::ReportSelfCheckRequest* request,
     v1::ReportSelfCheckResponse* /*response*/) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   const Pending pending = Later(context);
   core_->ReportSelfCheck(request->worker_id(), request->incarnation(), request->generation(),
                          request->passed(), request->detail(), clock_(),
@@ -107,7 +97,6 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportSelfCheck(
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::Leave(grpc::CallbackServerContext* context,
                                                         const v1::LeaveRequest* request,
                                                         v1::LeaveResponse* /*response*/) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   const Pending pending = Later(context);
   core_->Leave(request->worker_id(), request->incarnation(), request->reason(), clock_(),
                [pending](absl::Status status) { pending.Finish(status); });
@@ -117,7 +106,6 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Leave(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::RegisterManifest(
     grpc::CallbackServerContext* context, const v1::RegisterManifestRequest* request,
     v1::PlanResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   absl::StatusOr<Manifest> manifest = FromProto(request->manifest());
   if (!manifest.ok()) return Reply(context, manifest.status());
   absl::StatusOr<PlanView> view =
@@ -129,7 +117,6 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::RegisterManifest(
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::AckPlan(grpc::CallbackServerContext* context,
                                                           const v1::AckPlanRequest* request,
                                                           v1::PlanResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   absl::StatusOr<PlanView> view = core_->AckPlan(request->worker_id(), request->incarnation(),
                                                  request->version(), request->hash());
   if (view.ok()) FillPlan(*view, response);
@@ -139,7 +126,6 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::AckPlan(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportGradientOrder(
     grpc::CallbackServerContext* context, const v1::ReportGradientOrderRequest* request,
     v1::PlanResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   const Pending pending = Later(context);
   core_->ReportGradientOrder(
       request->worker_id(), request->incarnation(), request->plan_version(),
@@ -155,7 +141,6 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportGradientOrder(
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportStepStats(
     grpc::CallbackServerContext* context, const v1::ReportStepStatsRequest* request,
     v1::ReportStepStatsResponse* /*response*/) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   return Reply(context, core_->ReportStepStats(request->worker_id(), request->incarnation(),
                                                FromProto(request->stats())));
 }
@@ -163,7 +148,6 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportStepStats(
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportCheckpointShard(
     grpc::CallbackServerContext* context, const v1::ReportCheckpointShardRequest* request,
     v1::ReportCheckpointShardResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   absl::StatusOr<bool> committed = core_->ReportCheckpointShard(FromProto(*request), clock_());
   if (committed.ok()) response->set_committed(*committed);
   return Reply(context, committed.status());
@@ -172,7 +156,6 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportCheckpointShard(
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportTrainingDone(
     grpc::CallbackServerContext* context, const v1::ReportTrainingDoneRequest* request,
     v1::ReportTrainingDoneResponse* /*response*/) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   std::string summary = absl::StrCat(request->steps(), " steps, final loss ", request->final_loss());
   if (!request->output_path().empty()) absl::StrAppend(&summary, ", parameters in ", request->output_path());
   const Pending pending = Later(context);
@@ -184,7 +167,6 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportTrainingDone(
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Set(grpc::CallbackServerContext* context,
                                                      const v1::KvSetRequest* request,
                                                      v1::KvSetResponse* /*response*/) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   return Reply(context, kv_->Set(KvScope{request->scope().job(), request->scope().generation()},
                                  request->key(), request->value()));
 }
@@ -192,7 +174,6 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Set(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Get(grpc::CallbackServerContext* context,
                                                      const v1::KvGetRequest* request,
                                                      v1::KvGetResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   absl::StatusOr<std::string> value =
       kv_->Get(KvScope{request->scope().job(), request->scope().generation()}, request->key());
   if (value.ok()) response->set_value(std::move(*value));
@@ -202,7 +183,6 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Get(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Wait(grpc::CallbackServerContext* context,
                                                       const v1::KvWaitRequest* request,
                                                       v1::KvWaitResponse* /*response*/) {
-  if (auto* refused = Refuse(*guard_, context, Access::kWorker)) return refused;
   // The reply is sent when the keys arrive, the wait times out or the generation ends; the
   // manager calls back exactly once.
   const Pending pending = Later(context);
@@ -216,7 +196,6 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Wait(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContext* context,
                                                       const v1::GetStatusRequest* /*request*/,
                                                       v1::GetStatusResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   const absl::Time now = clock_();
   const StatusSnapshot snapshot = core_->Status(now);
   response->set_job(snapshot.job);
@@ -230,7 +209,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* AdminServiceImpl::GetPlan(grpc::CallbackServerContext* context,
                                                     const v1::GetPlanRequest* /*request*/,
                                                     v1::PlanSummary* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   std::optional<PlanView> view = core_->plan().Current();
   if (!view.has_value()) {
     return Reply(context, absl::NotFoundError("no plan yet: no worker has registered a manifest "
@@ -243,7 +221,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetPlan(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* AdminServiceImpl::GetStats(grpc::CallbackServerContext* context,
                                                      const v1::GetStatsRequest* /*request*/,
                                                      v1::GetStatsResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   const PlanStats stats = core_->plan().Stats();
   response->set_status(ToProto(stats.status));
   response->set_plan_version(stats.plan_version);
@@ -276,7 +253,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStats(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* AdminServiceImpl::SaveCheckpoint(
     grpc::CallbackServerContext* context, const v1::SaveCheckpointRequest* /*request*/,
     v1::SaveCheckpointResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   absl::StatusOr<int64_t> request = core_->SaveCheckpoint();
   if (request.ok()) response->set_request(*request);
   return Reply(context, request.status());
@@ -285,7 +261,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::SaveCheckpoint(
 grpc::ServerUnaryReactor* AdminServiceImpl::GetSaveProgress(
     grpc::CallbackServerContext* context, const v1::GetSaveProgressRequest* request,
     v1::GetSaveProgressResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   absl::StatusOr<CheckpointManager*> checkpoints = core_->Checkpoints();
   if (!checkpoints.ok()) return Reply(context, checkpoints.status());
   *response = ToProto((*checkpoints)->Progress(request->request()));
@@ -295,7 +270,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetSaveProgress(
 grpc::ServerUnaryReactor* AdminServiceImpl::ListCheckpoints(
     grpc::CallbackServerContext* context, const v1::ListCheckpointsRequest* /*request*/,
     v1::ListCheckpointsResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   absl::StatusOr<CheckpointManager*> checkpoints = core_->Checkpoints();
   if (!checkpoints.ok()) return Reply(context, checkpoints.status());
   for (const v1::CheckpointRecord& record : (*checkpoints)->List()) {
@@ -308,7 +282,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListCheckpoints(
 grpc::ServerUnaryReactor* AdminServiceImpl::GetCheckpoint(grpc::CallbackServerContext* context,
                                                           const v1::GetCheckpointRequest* request,
                                                           v1::CheckpointInfo* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   absl::StatusOr<CheckpointManager*> checkpoints = core_->Checkpoints();
   if (!checkpoints.ok()) return Reply(context, checkpoints.status());
   absl::StatusOr<v1::CheckpointRecord> record = (*checkpoints)->Find(request->id());
@@ -326,7 +299,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetCheckpoint(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* AdminServiceImpl::DeleteCheckpoint(
     grpc::CallbackServerContext* context, const v1::DeleteCheckpointRequest* request,
     v1::DeleteCheckpointResponse* /*response*/) {
-  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   absl::StatusOr<CheckpointManager*> checkpoints = core_->Checkpoints();
   if (!checkpoints.ok()) return Reply(context, checkpoints.status());
   return Reply(context, (*checkpoints)->Delete(request->id()));
@@ -335,7 +307,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::DeleteCheckpoint(
 grpc::ServerUnaryReactor* AdminServiceImpl::RestoreCheckpoint(
     grpc::CallbackServerContext* context, const v1::RestoreCheckpointRequest* request,
     v1::RestoreCheckpointResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   const Pending pending = Later(context);
   core_->RestoreCheckpoint(
       request->id(), clock_(),
@@ -352,7 +323,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::RestoreCheckpoint(
 grpc::ServerUnaryReactor* AdminServiceImpl::Stop(grpc::CallbackServerContext* context,
                                                  const v1::StopRequest* request,
                                                  v1::StopResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   const Pending pending = Later(context);
   const std::string job = core_->world().options().job;
   core_->Stop(request->reason().empty() ? "shardctl stop" : request->reason(), clock_(),
@@ -367,7 +337,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::Stop(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* AdminServiceImpl::Resize(grpc::CallbackServerContext* context,
                                                    const v1::ResizeRequest* request,
                                                    v1::ResizeResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   const Pending pending = Later(context);
   const std::string job = core_->world().options().job;
   core_->Resize(request->world_size(), clock_(),
@@ -384,7 +353,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::Resize(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* AdminServiceImpl::Drain(grpc::CallbackServerContext* context,
                                                   const v1::DrainRequest* request,
                                                   v1::DrainResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kAdmin)) return refused;
   const Pending pending = Later(context);
   const std::string job = core_->world().options().job;
   core_->Drain(request->worker_id(), clock_(),
@@ -401,7 +369,6 @@ grpc::ServerUnaryReactor* AdminServiceImpl::Drain(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* AdminServiceImpl::ListEvents(grpc::CallbackServerContext* context,
                                                        const v1::ListEventsRequest* request,
                                                        v1::ListEventsResponse* response) {
-  if (auto* refused = Refuse(*guard_, context, Access::kRead)) return refused;
   const Pending pending = Later(context);
   // Held until an event is recorded; capped so that a client learns of a dead coordinator.
   const absl::Duration wait =

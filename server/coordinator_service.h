@@ -1,12 +1,12 @@
 // Thin gRPC handlers: convert the request (proto/control_convert.h), call CoordinatorCore,
-// convert its answer and reply exactly once. Every rule lives in the core's managers.
+// convert its answer and reply exactly once. Every rule lives in the core's managers; who may
+// call them is checked before they run, by the AccessGuard on the server's credentials.
 #pragma once
 
 #include <functional>
 #include <optional>
 
 #include "common/rate_limiter.h"
-#include "server/access_guard.h"
 #include "server/coordinator_core.h"
 #include "shard/v1/coordinator.grpc.pb.h"
 
@@ -18,9 +18,8 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
  public:
   // `job_spec`: the training job handed to every joining worker, if any.
   CoordinatorServiceImpl(CoordinatorCore* core, std::optional<v1::JobSpec> job_spec, Clock clock,
-                         const AccessGuard* guard, RateLimiter* join_limiter)
-      : guard_(guard),
-        join_limiter_(join_limiter),
+                         RateLimiter* join_limiter)
+      : join_limiter_(join_limiter),
         core_(core),
         job_spec_(std::move(job_spec)),
         clock_(std::move(clock)) {}
@@ -57,7 +56,6 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
       v1::ReportCheckpointShardResponse* response) override;
 
  private:
-  const AccessGuard* guard_;
   RateLimiter* join_limiter_;  // joins persist state: bounded
   CoordinatorCore* core_;
   std::optional<v1::JobSpec> job_spec_;
@@ -66,8 +64,7 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
 
 class RendezvousServiceImpl final : public v1::Rendezvous::CallbackService {
  public:
-  RendezvousServiceImpl(KvStoreManager* kv, Clock clock, const AccessGuard* guard)
-      : guard_(guard), kv_(kv), clock_(clock) {}
+  RendezvousServiceImpl(KvStoreManager* kv, Clock clock) : kv_(kv), clock_(clock) {}
 
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KvSetRequest* request,
@@ -80,7 +77,6 @@ class RendezvousServiceImpl final : public v1::Rendezvous::CallbackService {
                                  v1::KvWaitResponse* response) override;
 
  private:
-  const AccessGuard* guard_;
   KvStoreManager* kv_;
   Clock clock_;
 };
@@ -90,9 +86,8 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
   // `on_change` runs after a stop, resize or drain was accepted (the server uses it to wake its
   // housekeeping, which carries the change out).
   AdminServiceImpl(CoordinatorCore* core, Clock clock, absl::Time started,
-                   std::function<void()> on_change, const AccessGuard* guard)
-      : guard_(guard),
-        core_(core),
+                   std::function<void()> on_change)
+      : core_(core),
         clock_(std::move(clock)),
         started_(started),
         on_change_(std::move(on_change)) {}
@@ -138,7 +133,6 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
                                        v1::ListEventsResponse* response) override;
 
  private:
-  const AccessGuard* guard_;
   CoordinatorCore* core_;
   Clock clock_;
   absl::Time started_;

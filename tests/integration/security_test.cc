@@ -1,7 +1,7 @@
-// Operations and security with real processes on 127.0.0.1: job and admin tokens, TLS and
-// mutual TLS with certificates made by openssl for the test, the plaintext health port, the
-// metrics endpoint, flags from the environment, and the warning for a plaintext non-loopback
-// listener.
+// Operations and security with real processes on 127.0.0.1: job and admin tokens (over plaintext
+// on loopback and over TLS), TLS and mutual TLS with certificates made by openssl for the test,
+// the plaintext health port, the metrics endpoint, flags from the environment, and the warning
+// for a plaintext non-loopback listener.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -141,8 +141,10 @@ int HealthStatus(const std::string& address) {
 }
 
 TEST_F(SecurityTest, TokensKeepOutWorkersAndAdminsWithoutTheRightOne) {
+  const int metrics_port = FreePort();
   StartCoordinator({"--job-token-file", File("job.token"), "--admin-token-file",
-                    File("admin.token")});
+                    File("admin.token"), "--metrics-listen",
+                    absl::StrCat("127.0.0.1:", metrics_port)});
   // A worker without the job token, or with the admin's, is refused and says why.
   Process anonymous = cluster_->StartWorker("anonymous");
   const std::optional<int> anonymous_exit = anonymous.Wait(absl::Seconds(20));
@@ -199,6 +201,27 @@ TEST_F(SecurityTest, TokensKeepOutWorkersAndAdminsWithoutTheRightOne) {
     }
   }
   EXPECT_GE(methods, 20);
+  // A method the contract does not have needs the admin token before it is found missing;
+  // health stays open, as on the health port.
+  EXPECT_EQ(RawCall(address, "/shard.v1.Admin/NoSuchMethod", "").first.error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(
+      RawCall(address, "/shard.v1.Admin/NoSuchMethod", "", "admin-9a1e6b").first.error_code(),
+      grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(HealthStatus(address), 1);
+  // Refused calls never reach a handler, but they are counted: Drain was called once, refused.
+  httplib::Client metrics("127.0.0.1", metrics_port);
+  httplib::Result page = metrics.Get("/metrics");
+  ASSERT_TRUE(page && page->status == 200);
+  EXPECT_NE(page->body.find("\nshard_rpc_requests_total{code=\"UNAUTHENTICATED\","
+                            "method=\"shard.v1.Admin/Drain\"} 1\n"),
+            std::string::npos)
+      << page->body;
+  const std::string denied_stops =
+      "\nshard_rpc_requests_total{code=\"PERMISSION_DENIED\",method=\"shard.v1.Admin/Stop\"} ";
+  const size_t denied_at = page->body.find(denied_stops);
+  ASSERT_NE(denied_at, std::string::npos) << page->body;
+  EXPECT_GE(std::stoll(page->body.substr(denied_at + denied_stops.size())), 2) << page->body;
   // The refused calls changed nothing.
   const nlohmann::json after = nlohmann::json::parse(
       Shardctl(admin, {"status", "--json"}).output, nullptr, false);
@@ -251,6 +274,57 @@ TEST_F(SecurityTest, MutualTlsAdmitsOnlyClientsWithACertificateFromTheClientCa) 
   EXPECT_NE(cluster_->coordinator().Log().find("training finished (60 steps"), std::string::npos)
       << cluster_->coordinator().Log();
   EXPECT_TRUE(std::filesystem::exists(File("out/final.safetensors")));
+}
+
+TEST_F(SecurityTest, TokensGuardCallsOverTlsOnANonLoopbackListener) {
+  MakeCertificates();
+  const absl::Status started = cluster_->StartCoordinator(
+      {"--world-size", "1", "--state-dir", File("state"), "--tls-cert", File("server.crt"),
+       "--tls-key", File("server.key"), "--job-token-file", File("job.token"),
+       "--admin-token-file", File("admin.token")},
+      0, "coordinator.log", {}, /*host=*/"0.0.0.0");
+  ASSERT_TRUE(started.ok()) << started;
+  const std::vector<std::string> tls = {"--timeout", "5s", "--tls-ca", File("ca.crt")};
+  std::vector<std::string> admin = tls;
+  admin.insert(admin.end(), {"--admin-token-file", File("admin.token")});
+  std::vector<std::string> as_worker = tls;
+  as_worker.insert(as_worker.end(), {"--admin-token-file", File("job.token")});
+
+  CommandResult anonymous = Shardctl(tls, {"status"});
+  EXPECT_NE(anonymous.exit_code, 0);
+  EXPECT_NE(anonymous.output.find("--admin-token-file"), std::string::npos) << anonymous.output;
+  Process tokenless = cluster_->StartWorker("tokenless", {"--tls-ca", File("ca.crt")});
+  const std::optional<int> tokenless_exit = tokenless.Wait(absl::Seconds(20));
+  ASSERT_TRUE(tokenless_exit.has_value()) << "still running: " << tokenless.Log();
+  EXPECT_NE(*tokenless_exit, 0);
+  EXPECT_NE(tokenless.Log().find("job token"), std::string::npos) << tokenless.Log();
+
+  Process worker = cluster_->StartWorker(
+      "w0", {"--tls-ca", File("ca.crt"), "--job-token-file", File("job.token")});
+  CommandResult ready = Shardctl(admin, {"wait", "--wait-timeout", "30s"});
+  ASSERT_EQ(ready.exit_code, 0) << ready.output << cluster_->coordinator().Log();
+  EXPECT_EQ(Shardctl(as_worker, {"status"}).exit_code, 0);
+  CommandResult stop_as_worker = Shardctl(as_worker, {"stop", "--no-wait"});
+  EXPECT_NE(stop_as_worker.exit_code, 0);
+  EXPECT_NE(stop_as_worker.output.find("not valid"), std::string::npos) << stop_as_worker.output;
+  EXPECT_EQ(Shardctl(admin, {"stop"}).exit_code, 0);
+  EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(30)), 0) << cluster_->coordinator().Log();
+  EXPECT_EQ(worker.Wait(absl::Seconds(10)), 0) << worker.Log();
+}
+
+TEST_F(SecurityTest, TokensWithoutTlsBeyondLoopbackAreRefused) {
+  // They would cross the network in the clear, and gRPC can check them on plaintext only for
+  // loopback connections.
+  CommandResult started = RunCommand(
+      {BinaryPath("shard-coordinator"), "--world-size", "1", "--state-dir", File("state"),
+       "--listen", "0.0.0.0:0", "--job-token-file", File("job.token"), "--admin-token-file",
+       File("admin.token")},
+      absl::Seconds(20));
+  EXPECT_EQ(started.exit_code, 2) << started.output;
+  EXPECT_NE(started.output.find("--tls-cert"), std::string::npos) << started.output;
+  EXPECT_NE(started.output.find("loopback"), std::string::npos) << started.output;
+  EXPECT_EQ(started.output.find("job-4f7d2c"), std::string::npos) << started.output;
+  EXPECT_EQ(started.output.find("admin-9a1e6b"), std::string::npos) << started.output;
 }
 
 TEST_F(SecurityTest, AJobTokenWithoutAnAdminTokenIsRefused) {
