@@ -1,39 +1,44 @@
-// shard-bench-control-plane: the coordinator's control plane at scale (issue 6). Starts a real
-// shard-coordinator process with --world-size N and simulates N workers (default 1000) from this
-// one process with gRPC's callback API over a few channels: no thread per worker.
+// shard-bench-control-plane: the coordinator's control plane at scale (issue 6), against the
+// product's targets. Starts a real shard-coordinator process (a job of N workers whose
+// min_world_size is N-1) and simulates N workers (default 1000) from this one process with gRPC's
+// callback API over a few channels: no thread per worker. Phases, in order:
 //
-//   formation  every worker joins at once (or --join-rate per second), then long-polls its
-//              heartbeat as shard-worker does;
-//              measured: first join sent -> a reply shows the world RUNNING with N workers
-//              (join-to-world-formed), -> every worker has seen it, and the join latencies.
-//   longpoll   what shard-worker does: one heartbeat always pending, wait_ms = the heartbeat
-//              interval (a quarter lease), sent again as soon as it is answered.
-//   paced      wait_ms = 0, one heartbeat per worker per interval (the rate at which real workers
-//              renew their lease: one per 2.5 s per worker with the default 10s lease, so 400/s
-//              for 1000 workers), spread evenly.
-//   saturate   wait_ms = 0 as fast as the coordinator answers, --max-in-flight pending, workers
-//              round-robin: the coordinator's heartbeat capacity.
+//   formation    every worker joins at once (or --join-rate per second), then long-polls its
+//                heartbeat as shard-worker does (worker/agent.cc: one heartbeat always pending,
+//                wait = the heartbeat interval the join reply gives, a quarter lease, sent again
+//                as soon as it is answered). Measured: first join sent -> a reply shows the world
+//                RUNNING with N workers (join-to-world-formed), -> every worker has seen it; the
+//                coordinator's CPU-seconds over that; the generation the world formed at (must be
+//                the first, 1); the size of the state directory's files (the membership journal).
+//   longpoll     the same long-polls for --seconds on the formed world: the coordinator's CPU as
+//                a fraction of one core, heartbeats/s, latencies.
+//   paced,       optional (--modes): wait_ms = 0 once per interval per worker, spread evenly; and
+//   saturate     wait_ms = 0 as fast as the coordinator answers (--max-in-flight pending): its
+//                heartbeat capacity.
+//   reformation  the holder of rank 0 stops heartbeating (dies); the survivors re-form after
+//                --reform-grace. Measured: its lease's expiry (a lease after its last heartbeat
+//                was sent) -> every survivor has seen the world RUNNING with N-1 workers, and the
+//                coordinator's CPU-seconds over that (raw: the re-formation's answers replace the
+//                held polls' expiry answers, so the steady rate is shown beside it, not
+//                subtracted). The survivors must all see the same new generation.
 //
-// Each heartbeat phase lasts --seconds. For every phase: answered heartbeats/s, latency p50/p99/
-// max, errors (must be 0), answers showing another generation (must be 0), the longest time
-// between two answered heartbeats of one worker (must stay under the lease), and the CPU of the
-// coordinator process (utime+stime from /proc/PID/stat) and of this client. At the end the Admin
-// GetStatus RPC must show all N workers live at the generation the world formed at.
+// Checks (exit 1 if one fails): no errors, no worker lost, no answer at another generation or
+// state outside the re-formation, no worker silent for a lease, the formed generation, the
+// re-formed generation and world size, and the coordinator's own status at the end (GetStatus:
+// N-1 live members and the victim dead). The product's targets are reported beside each figure
+// (met or missed) but do not fail the run: a shared machine's load can inflate wall times.
 //
-// The client runs on the same machine as the coordinator and competes with it for the cores, so
-// the throughput figures are a lower bound for a coordinator with the machine to itself.
-//
-// The coordinator rewrites and fsyncs its whole membership record (every member) on each join,
-// holding the world's lock. The state directory therefore goes on tmpfs (/dev/shm) by default,
-// which measures the coordinator's CPU; --dir on a real disk adds the disk's fsync to every join
-// (docs/control-plane.md has both, and where a real disk stops 1000 workers forming at once).
+// The state directory is on a real disk by default (a fresh directory under /var/tmp): the
+// membership is a journal appended to and fsynced in groups by the coordinator's writer thread
+// (server/store/state_store.h), so the disk's fsync is part of every acknowledged join. The
+// filesystem and device that hold it are printed. The client runs on the same machine as the
+// coordinator and competes with it for the cores: CPU-seconds are the robust figures, wall
+// times and rates are a lower bound for a coordinator with the machine to itself.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <linux/magic.h>
-#include <sys/stat.h>
-#include <sys/statfs.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -58,7 +63,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -68,13 +73,19 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/cli.h"
+#include "common/dtype.h"
+#include "common/files.h"
+#include "common/safetensors.h"
+#include "common/status_macros.h"
 #include "common/signal_watcher.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
+#include "google/protobuf/util/json_util.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "nlohmann/json.hpp"
 #include "proto/unary_call.h"
 #include "shard/v1/coordinator.grpc.pb.h"
+#include "shard/v1/job.pb.h"
 
 namespace shard {
 namespace {
@@ -83,29 +94,40 @@ namespace {
 // The coordinator process and what /proc says about it
 // ---------------------------------------------------------------------------------------------
 
-// utime + stime of process `pid` in seconds (fields 14 and 15 of /proc/PID/stat).
+// CPU-seconds process `pid` has used, all its threads (living or gone), to the nanosecond: its
+// CPU-time clock. /proc/PID/stat counts in clock ticks (10 ms), too coarse for a re-formation
+// that takes tens of milliseconds.
 std::optional<double> CpuSeconds(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
-  const std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  // The command name (field 2) is in parentheses and may hold spaces: count from the last ')'.
-  const size_t close = stat.rfind(')');
-  if (close == std::string::npos || close + 2 >= stat.size()) return std::nullopt;
-  const std::vector<absl::string_view> fields =
-      absl::StrSplit(absl::string_view(stat).substr(close + 2), ' ');
-  int64_t utime = 0, stime = 0;  // fields[0] is field 3
-  if (fields.size() < 13 || !absl::SimpleAtoi(fields[11], &utime) ||
-      !absl::SimpleAtoi(fields[12], &stime)) {
+  clockid_t clock;
+  timespec now {};
+  if (::clock_getcpuclockid(pid, &clock) != 0 || ::clock_gettime(clock, &now) != 0) {
     return std::nullopt;
   }
-  return static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  return static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) * 1e-9;
 }
 
-// What holds `path`: tmpfs (no disk behind fsync) or a disk's filesystem.
-std::string FilesystemOf(const std::string& path) {
-  struct statfs fs {};
-  if (::statfs(path.c_str(), &fs) != 0) return "unknown";
-  if (static_cast<uint64_t>(fs.f_type) == TMPFS_MAGIC) return "tmpfs";
-  return absl::StrFormat("disk (filesystem type 0x%x)", static_cast<uint64_t>(fs.f_type));
+// The filesystem that holds `path`, from the longest mount point above it in /proc/self/mounts:
+// its type and device (e.g. "ext4 on /dev/vda, mounted at /"); tmpfs has no disk behind fsync.
+struct Filesystem {
+  std::string type = "unknown";
+  std::string device;
+  std::string mount;
+  std::string Describe() const {
+    return absl::StrCat(type, " on ", device, ", mounted at ", mount);
+  }
+};
+
+Filesystem FilesystemOf(const std::string& path) {
+  std::error_code error;
+  const std::string absolute = std::filesystem::canonical(path, error).string();
+  Filesystem found;
+  std::ifstream in("/proc/self/mounts");
+  std::string device, mount, type, rest;
+  while (in >> device >> mount >> type && std::getline(in, rest)) {
+    const bool above = mount == "/" || absolute == mount || absl::StartsWith(absolute, mount + "/");
+    if (above && mount.size() >= found.mount.size()) found = {type, device, mount};
+  }
+  return found;
 }
 
 // A "Key:   1234 kB" line of /proc/PID/status, in KiB (-1 if absent).
@@ -442,19 +464,28 @@ struct SimWorker {
   // callback (and saturate may have two calls of one worker in flight), hence atomics.
   std::atomic<int64_t> known_generation{0};
   std::atomic<int> known_state{v1::JOB_STATE_UNSPECIFIED};
+  std::atomic<int> rank{-1};               // as its join reply said
   std::atomic<bool> informed{false};       // has seen the formed world
+  std::atomic<bool> reformed{false};       // has seen the world re-formed without the victim
+  std::atomic<bool> dead{false};           // the re-formation's victim: heartbeats no more
   std::atomic<int64_t> last_answer_us{0};  // last answered heartbeat or join (unix us)
+  std::atomic<int64_t> last_sent_us{0};    // last heartbeat sent (unix us)
 };
 
-// One phase's calls. Chains (a worker's sequence of heartbeats, or a saturation slot) hold
-// `chains` until they see `stopping`; the phase is over when none is left.
+// One phase's measurements: the calls answered while it records, and CPU use around it.
 struct Phase {
   std::string name;
+  bool world_may_move = false;  // the re-formation: answers at a new generation are expected
   Recorder calls;
+  Usage before, after;
+};
+
+// Call chains (a worker's sequence of heartbeats, or a saturation slot). Each counts in `count`
+// until it sees `stopping`; they are over when none is left.
+struct Chains {
   std::atomic<bool> stopping{false};
   absl::Mutex mu;
-  int chains ABSL_GUARDED_BY(mu) = 0;
-  Usage before, after;
+  int count ABSL_GUARDED_BY(mu) = 0;
 };
 
 struct Options {
@@ -544,6 +575,7 @@ class Fleet {
     call->context.set_deadline(
         absl::ToChronoTime(absl::Now() + absl::Milliseconds(wait_ms) + options_.rpc_timeout));
     call->sent = absl::Now();
+    worker.last_sent_us.store(absl::ToUnixMicros(call->sent));
     worker.stub->async()->Heartbeat(&call->context, &call->request, &call->response,
                                     [call, done = std::move(done)](grpc::Status status) {
                                       done(status, call->response, call->sent);
@@ -558,6 +590,13 @@ class Fleet {
                   options_.rpc_timeout, absl::StrCat("GetStatus at ", address_));
     *took = absl::Now() - start;
     return response;
+  }
+
+  // The membership history the coordinator keeps (its last 1,000 events).
+  absl::StatusOr<v1::ListEventsResponse> ListEvents() {
+    grpc::ClientContext context;
+    return UnaryCall(context, *admin_, &v1::Admin::Stub::ListEvents, v1::ListEventsRequest(),
+                     options_.rpc_timeout, absl::StrCat("ListEvents at ", address_));
   }
 
  private:
@@ -601,39 +640,52 @@ struct FormationResult {
   Usage before, after;
 };
 
+struct ReformResult {
+  bool reformed = false;
+  std::string victim;
+  int victim_rank = -1;
+  int survivors = 0;                   // workers that saw the re-formed world
+  std::map<int64_t, int> generations;  // generation of the re-formed world -> survivors told
+  absl::Time lease_expired;            // a lease after the victim's last heartbeat was sent
+  double expiry_to_reformed_ms = 0;    // -> every survivor has seen the re-formed world
+  Recorder::Summary heartbeats;
+  Usage at_expiry, at_reformed;
+};
+
 class Bench {
  public:
   Bench(const Options& options, Fleet* fleet, pid_t coordinator)
       : options_(options), fleet_(fleet), coordinator_(coordinator) {}
 
+  // Every worker joins, then long-polls its heartbeat as shard-worker does until Finish.
+  // Measured until every worker has seen the world running.
   FormationResult Form() {
     Phase* phase = NewPhase("formation");
+    recording_.store(phase);
     FormationResult result;
     const int n = fleet_->size();
+    Chains* chains = NewChains(n);
+    longpolls_ = chains;
     phase->before = Sample(coordinator_);
     first_join_ = absl::Now();
-    {
-      absl::MutexLock lock(&phase->mu);
-      phase->chains = n;
-    }
     for (int w = 0; w < n; ++w) {
       if (options_.join_rate <= 0) {
-        Join(phase, w);
+        Join(chains, w);
         continue;
       }
       // A ramp: worker w joins w / rate seconds after the first.
-      timers_.At(first_join_ + absl::Seconds(w / options_.join_rate), [this, phase, w] {
-        if (phase->stopping.load()) return EndChain(phase);
-        Join(phase, w);
+      timers_.At(first_join_ + absl::Seconds(w / options_.join_rate), [this, chains, w] {
+        if (chains->stopping.load()) return EndChain(chains);
+        Join(chains, w);
       });
     }
     // Formed when every worker has seen the world running, or impossible once a join failed.
     {
-      absl::MutexLock lock(&formation_mu_);
-      auto settled = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(formation_mu_) {
+      absl::MutexLock lock(&mu_);
+      auto settled = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return informed_ == n || (joins_answered_ == n && join_errors_ > 0) || phase_failed_;
       };
-      formation_mu_.AwaitWithTimeout(absl::Condition(&settled), options_.form_timeout);
+      mu_.AwaitWithTimeout(absl::Condition(&settled), options_.form_timeout);
       result.formed = formed_at_ != absl::InfinitePast();
       result.generation = formed_generation_.load();
       result.informed = informed_;
@@ -644,7 +696,6 @@ class Bench {
       result.last_join_ms = absl::ToDoubleMilliseconds(last_join_answer_ - first_join_);
     }
     phase->after = Sample(coordinator_);
-    Drain(phase);
     result.joins = joins_.Summarize();
     result.joins_ok = static_cast<int>(result.joins.ok);
     result.heartbeats = phase->calls.Summarize();
@@ -653,38 +704,91 @@ class Bench {
     return result;
   }
 
-  // One heartbeat phase of `seconds`; `mode` is longpoll, paced or saturate.
-  Phase* Run(const std::string& mode) {
-    Phase* phase = NewPhase(mode);
-    const int n = fleet_->size();
+  // The formed world's long-polls for --seconds: the steady state.
+  Phase* Steady() {
+    Phase* phase = NewPhase("longpoll");
     phase->before = Sample(coordinator_);
-    if (mode == "longpoll") {
-      {
-        absl::MutexLock lock(&phase->mu);
-        phase->chains = n;
-      }
-      for (int w = 0; w < n; ++w) LongPoll(phase, w);
-    } else if (mode == "paced") {
-      {
-        absl::MutexLock lock(&phase->mu);
-        phase->chains = n;
-      }
-      // Spread evenly over one interval, as independent workers' timers are.
-      const absl::Duration interval = absl::Milliseconds(fleet_->interval_ms());
-      for (int w = 0; w < n; ++w) Paced(phase, w, phase->before.at + interval * w / n);
-    } else {
-      const int slots = std::min(options_.max_in_flight, n);
-      {
-        absl::MutexLock lock(&phase->mu);
-        phase->chains = slots;
-      }
-      for (int s = 0; s < slots; ++s) Saturate(phase);
-    }
+    recording_.store(phase);
     absl::SleepFor(absl::Seconds(options_.seconds));
     phase->after = Sample(coordinator_);
     phase->calls.CloseWindow(phase->after.at);
-    Drain(phase);
     return phase;
+  }
+
+  // One extra heartbeat phase of --seconds instead of the long-polls: paced or saturate.
+  Phase* Run(const std::string& mode) {
+    if (longpolls_ != nullptr) Drain(longpolls_, "longpoll");
+    longpolls_ = nullptr;
+    Phase* phase = NewPhase(mode);
+    recording_.store(phase);
+    const int n = fleet_->size();
+    phase->before = Sample(coordinator_);
+    if (mode == "paced") {
+      Chains* chains = NewChains(n);
+      // Spread evenly over one interval, as independent workers' timers are.
+      const absl::Duration interval = absl::Milliseconds(fleet_->interval_ms());
+      for (int w = 0; w < n; ++w) Paced(phase, chains, w, phase->before.at + interval * w / n);
+      Sleep(phase, chains);
+    } else {
+      const int slots = std::min(options_.max_in_flight, n);
+      Chains* chains = NewChains(slots);
+      for (int s = 0; s < slots; ++s) Saturate(phase, chains);
+      Sleep(phase, chains);
+    }
+    return phase;
+  }
+
+  // The holder of rank 0 stops heartbeating (its process died) while the others long-poll.
+  // Measured from its lease's expiry until every survivor has seen the world re-formed without
+  // it. Returns once they have, or after the lease and --form-timeout.
+  ReformResult Reform() {
+    Phase* phase = NewPhase("reformation");
+    phase->world_may_move = true;
+    recording_.store(phase);
+    const int n = fleet_->size();
+    // After paced or saturate, the long-polls start again.
+    if (longpolls_ == nullptr) {
+      longpolls_ = NewChains(n);
+      for (int w = 0; w < n; ++w) LongPoll(longpolls_, w);
+    }
+    int victim = 0;
+    for (int w = 0; w < n; ++w) {
+      if (fleet_->worker(w).rank.load() == 0) victim = w;
+    }
+    ReformResult result;
+    result.victim = fleet_->worker(victim).id;
+    result.victim_rank = fleet_->worker(victim).rank.load();
+    {
+      absl::MutexLock lock(&mu_);
+      reform_size_ = n - 1;
+    }
+    fleet_->worker(victim).dead.store(true);
+    {
+      absl::MutexLock lock(&mu_);
+      auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return (reformed_ == reform_size_ && expiry_sampled_) || phase_failed_;
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&settled),
+                           options_.lease + absl::Milliseconds(fleet_->interval_ms()) +
+                               options_.form_timeout);
+      result.survivors = reformed_;
+      result.generations = reform_generations_;
+      result.lease_expired = lease_expired_;
+      result.reformed = reformed_ == reform_size_ && expiry_sampled_;
+      if (result.reformed) {
+        result.expiry_to_reformed_ms = absl::ToDoubleMilliseconds(reformed_at_ - lease_expired_);
+        result.at_expiry = at_expiry_;
+        result.at_reformed = at_reformed_;
+      }
+    }
+    result.heartbeats = phase->calls.Summarize();
+    return result;
+  }
+
+  // Ends the long-polls and waits until their last calls are answered.
+  void Finish() {
+    if (longpolls_ != nullptr) Drain(longpolls_, "longpoll");
+    longpolls_ = nullptr;
   }
 
  private:
@@ -694,63 +798,94 @@ class Bench {
     return phases_.back().get();
   }
 
-  void EndChain(Phase* phase) {
-    absl::MutexLock lock(&phase->mu);
-    --phase->chains;
+  Chains* NewChains(int count) {
+    chains_.push_back(std::make_unique<Chains>());
+    absl::MutexLock lock(&chains_.back()->mu);
+    chains_.back()->count = count;
+    return chains_.back().get();
+  }
+
+  void EndChain(Chains* chains) {
+    absl::MutexLock lock(&chains->mu);
+    --chains->count;
+  }
+
+  // Stops the chains and waits until their last call is answered.
+  void Drain(Chains* chains, const std::string& name) {
+    chains->stopping.store(true);
+    timers_.RunPendingNow();
+    absl::MutexLock lock(&chains->mu);
+    auto idle = [chains]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(chains->mu) {
+      return chains->count == 0;
+    };
+    if (!chains->mu.AwaitWithTimeout(absl::Condition(&idle),
+                                     options_.rpc_timeout + options_.lease)) {
+      std::fprintf(stderr, "shard-bench-control-plane: %d %s call chains did not end\n",
+                   chains->count, name.c_str());
+    }
+  }
+
+  // A paced or saturate phase: --seconds, then its chains drain.
+  void Sleep(Phase* phase, Chains* chains) {
+    absl::SleepFor(absl::Seconds(options_.seconds));
+    phase->after = Sample(coordinator_);
+    phase->calls.CloseWindow(phase->after.at);
+    Drain(chains, phase->name);
   }
 
   // One worker's join; once answered, it long-polls its heartbeat as shard-worker does.
-  void Join(Phase* phase, int w) {
-    fleet_->Join(w, [this, phase, w](const grpc::Status& status,
-                                     const v1::JoinResponse& response, absl::Time sent) {
+  void Join(Chains* chains, int w) {
+    fleet_->Join(w, [this, chains, w](const grpc::Status& status,
+                                      const v1::JoinResponse& response, absl::Time sent) {
       const absl::Time now = absl::Now();
       SimWorker& worker = fleet_->worker(w);
       {
-        absl::MutexLock lock(&formation_mu_);
+        absl::MutexLock lock(&mu_);
         ++joins_answered_;
         if (!status.ok()) ++join_errors_;
         last_join_answer_ = std::max(last_join_answer_, now);
       }
       if (!status.ok()) {
         joins_.Error(status, worker.id, sent, now);
-        EndChain(phase);
+        EndChain(chains);
         return;
       }
       joins_.Ok(sent, now, false);
       fleet_->set_interval_ms(response.heartbeat_interval_ms());
+      worker.rank.store(response.rank());
       worker.last_answer_us.store(absl::ToUnixMicros(now));
       Observe(w, response.world(), now);
-      LongPoll(phase, w);  // as shard-worker: heartbeat from the moment it has joined
+      LongPoll(chains, w);  // as shard-worker: heartbeat from the moment it has joined
     });
   }
 
-  // Stops the phase and waits until its last call is answered.
-  void Drain(Phase* phase) {
-    phase->stopping.store(true);
-    timers_.RunPendingNow();
-    absl::MutexLock lock(&phase->mu);
-    auto idle = [phase]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(phase->mu) { return phase->chains == 0; };
-    if (!phase->mu.AwaitWithTimeout(absl::Condition(&idle),
-                                    options_.rpc_timeout + options_.lease)) {
-      std::fprintf(stderr, "shard-bench-control-plane: %d %s call chains did not end\n",
-                   phase->chains, phase->name.c_str());
-    }
-  }
-
-  // What a worker learns from an answer; marks the world formed and the worker informed.
+  // What a worker learns from an answer; marks the world formed (or re-formed without the
+  // victim) and the worker told.
   void Observe(int w, const v1::WorldView& world, absl::Time now) {
     SimWorker& worker = fleet_->worker(w);
     worker.known_generation.store(world.generation());
     worker.known_state.store(world.state());
-    if (world.state() != v1::JOB_STATE_RUNNING || world.world_size() != fleet_->size()) return;
-    // Once formed and told, nothing to record: no lock on every later heartbeat.
-    if (worker.informed.load() && formed_generation_.load() >= 0) return;
-    absl::MutexLock lock(&formation_mu_);
-    if (formed_at_ == absl::InfinitePast()) {
-      formed_at_ = now;
-      formed_generation_.store(world.generation());
+    if (world.state() != v1::JOB_STATE_RUNNING) return;
+    const int n = fleet_->size();
+    if (world.world_size() == n) {
+      // Once told, nothing to record: no lock on every later heartbeat.
+      if (worker.informed.load()) return;
+      absl::MutexLock lock(&mu_);
+      if (formed_at_ == absl::InfinitePast()) {
+        formed_at_ = now;
+        formed_generation_.store(world.generation());
+      }
+      if (!worker.informed.exchange(true) && ++informed_ == n) all_informed_at_ = now;
+      return;
     }
-    if (!worker.informed.exchange(true) && ++informed_ == fleet_->size()) all_informed_at_ = now;
+    if (world.world_size() != n - 1 || worker.reformed.load()) return;
+    absl::MutexLock lock(&mu_);
+    if (reform_size_ == 0 || worker.reformed.exchange(true)) return;
+    ++reform_generations_[world.generation()];
+    if (++reformed_ == reform_size_) {
+      reformed_at_ = now;
+      at_reformed_ = Sample(coordinator_);
+    }
   }
 
   // Records an answered heartbeat; false when the worker's chain must end.
@@ -764,15 +899,16 @@ class Bench {
         // Declared dead or taken over: shard-worker would join again, bumping the
         // generation. The benchmark counts it as a failure and stops this worker.
         phase->calls.Lost();
-        absl::MutexLock lock(&formation_mu_);
+        absl::MutexLock lock(&mu_);
         phase_failed_ = true;
         return false;
       }
       return true;
     }
     const int64_t formed = formed_generation_.load();
-    const bool moved = formed >= 0 && (response.world().generation() != formed ||
-                                       response.world().state() != v1::JOB_STATE_RUNNING);
+    const bool moved = !phase->world_may_move && formed >= 0 &&
+                       (response.world().generation() != formed ||
+                        response.world().state() != v1::JOB_STATE_RUNNING);
     phase->calls.Ok(sent, now, moved);
     const int64_t now_us = absl::ToUnixMicros(now);
     const int64_t last = worker.last_answer_us.exchange(now_us);
@@ -782,49 +918,74 @@ class Bench {
   }
 
   // shard-worker's loop: one long-poll pending, sent again as soon as it is answered (after an
-  // interval on a transient error).
-  void LongPoll(Phase* phase, int w) {
-    if (phase->stopping.load()) return EndChain(phase);
+  // interval on a transient error). Answers count toward the phase recording now.
+  void LongPoll(Chains* chains, int w) {
+    if (chains->stopping.load()) return EndChain(chains);
+    if (fleet_->worker(w).dead.load()) return Die(chains, w);
     fleet_->Heartbeat(w, fleet_->interval_ms(),
-                      [this, phase, w](const grpc::Status& status,
-                                       const v1::HeartbeatResponse& response, absl::Time sent) {
-                        if (!Answered(phase, w, status, response, sent)) return EndChain(phase);
-                        if (status.ok() || phase->stopping.load()) return LongPoll(phase, w);
+                      [this, chains, w](const grpc::Status& status,
+                                        const v1::HeartbeatResponse& response, absl::Time sent) {
+                        if (!Answered(recording_.load(), w, status, response, sent)) {
+                          return EndChain(chains);
+                        }
+                        if (status.ok() || chains->stopping.load()) return LongPoll(chains, w);
                         timers_.At(absl::Now() + absl::Milliseconds(fleet_->interval_ms()),
-                                   [this, phase, w] { LongPoll(phase, w); });
+                                   [this, chains, w] { LongPoll(chains, w); });
                       });
   }
 
+  // The victim's chain ends. The coordinator renewed its lease when its last heartbeat arrived,
+  // just after it was sent: the lease runs out a lease after that, and the coordinator's CPU is
+  // sampled then.
+  void Die(Chains* chains, int w) {
+    const absl::Time expiry =
+        absl::FromUnixMicros(fleet_->worker(w).last_sent_us.load()) + options_.lease;
+    {
+      absl::MutexLock lock(&mu_);
+      lease_expired_ = expiry;
+    }
+    timers_.At(expiry, [this] {
+      const Usage usage = Sample(coordinator_);
+      absl::MutexLock lock(&mu_);
+      at_expiry_ = usage;
+      expiry_sampled_ = true;
+    });
+    EndChain(chains);
+  }
+
   // wait_ms = 0 once per interval, due at `due`; late if the previous answer came after it.
-  void Paced(Phase* phase, int w, absl::Time due) {
-    if (phase->stopping.load()) return EndChain(phase);
-    timers_.At(due, [this, phase, w, due] {
-      if (phase->stopping.load()) return EndChain(phase);
+  void Paced(Phase* phase, Chains* chains, int w, absl::Time due) {
+    if (chains->stopping.load()) return EndChain(chains);
+    timers_.At(due, [this, phase, chains, w, due] {
+      if (chains->stopping.load()) return EndChain(chains);
       fleet_->Heartbeat(w, 0,
-                        [this, phase, w, due](const grpc::Status& status,
-                                              const v1::HeartbeatResponse& response,
-                                              absl::Time sent) {
-                          if (!Answered(phase, w, status, response, sent)) return EndChain(phase);
+                        [this, phase, chains, w, due](const grpc::Status& status,
+                                                      const v1::HeartbeatResponse& response,
+                                                      absl::Time sent) {
+                          if (!Answered(phase, w, status, response, sent)) {
+                            return EndChain(chains);
+                          }
                           absl::Time next = due + absl::Milliseconds(fleet_->interval_ms());
                           const absl::Time now = absl::Now();
                           if (next < now) {
                             phase->calls.Late();
                             next = now;
                           }
-                          Paced(phase, w, next);
+                          Paced(phase, chains, w, next);
                         });
     });
   }
 
   // wait_ms = 0 as fast as answered; workers round-robin so every lease is renewed.
-  void Saturate(Phase* phase) {
-    if (phase->stopping.load()) return EndChain(phase);
+  void Saturate(Phase* phase, Chains* chains) {
+    if (chains->stopping.load()) return EndChain(chains);
     const int w = static_cast<int>(next_worker_.fetch_add(1) % fleet_->size());
     fleet_->Heartbeat(w, 0,
-                      [this, phase, w](const grpc::Status& status,
-                                       const v1::HeartbeatResponse& response, absl::Time sent) {
-                        if (!Answered(phase, w, status, response, sent)) return EndChain(phase);
-                        Saturate(phase);
+                      [this, phase, chains, w](const grpc::Status& status,
+                                               const v1::HeartbeatResponse& response,
+                                               absl::Time sent) {
+                        if (!Answered(phase, w, status, response, sent)) return EndChain(chains);
+                        Saturate(phase, chains);
                       });
   }
 
@@ -832,19 +993,30 @@ class Bench {
   Fleet* const fleet_;
   const pid_t coordinator_;
   std::vector<std::unique_ptr<Phase>> phases_;
+  std::vector<std::unique_ptr<Chains>> chains_;
+  std::atomic<Phase*> recording_{nullptr};  // where long-poll answers are recorded
+  Chains* longpolls_ = nullptr;             // while the workers long-poll
   std::atomic<uint64_t> next_worker_{0};
   absl::Time first_join_;
   Recorder joins_;
   std::atomic<int64_t> formed_generation_{-1};  // -1 until the world formed
 
-  absl::Mutex formation_mu_;
-  absl::Time formed_at_ ABSL_GUARDED_BY(formation_mu_) = absl::InfinitePast();
-  int informed_ ABSL_GUARDED_BY(formation_mu_) = 0;
-  absl::Time all_informed_at_ ABSL_GUARDED_BY(formation_mu_);
-  int joins_answered_ ABSL_GUARDED_BY(formation_mu_) = 0;
-  int join_errors_ ABSL_GUARDED_BY(formation_mu_) = 0;
-  absl::Time last_join_answer_ ABSL_GUARDED_BY(formation_mu_) = absl::InfinitePast();
-  bool phase_failed_ ABSL_GUARDED_BY(formation_mu_) = false;
+  absl::Mutex mu_;
+  absl::Time formed_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  int informed_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time all_informed_at_ ABSL_GUARDED_BY(mu_);
+  int joins_answered_ ABSL_GUARDED_BY(mu_) = 0;
+  int join_errors_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_join_answer_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  bool phase_failed_ ABSL_GUARDED_BY(mu_) = false;
+  int reform_size_ ABSL_GUARDED_BY(mu_) = 0;  // N-1 once the victim is chosen
+  int reformed_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<int64_t, int> reform_generations_ ABSL_GUARDED_BY(mu_);
+  absl::Time lease_expired_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Time reformed_at_ ABSL_GUARDED_BY(mu_);
+  bool expiry_sampled_ ABSL_GUARDED_BY(mu_) = false;
+  Usage at_expiry_ ABSL_GUARDED_BY(mu_);
+  Usage at_reformed_ ABSL_GUARDED_BY(mu_);
   // Last: destroyed first, so no timer fires into the phases and counters above.
   Timers timers_;
 };
@@ -878,13 +1050,83 @@ std::string Codes(const std::map<int, int64_t>& codes) {
   return absl::StrJoin(parts, ", ");
 }
 
+// The machine's load averages over 1, 5 and 15 minutes (the first three fields of /proc/loadavg):
+// the machine is shared, and its load inflates wall times.
+std::string LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  std::string one, five, fifteen;
+  in >> one >> five >> fifteen;
+  return absl::StrCat(one, " ", five, " ", fifteen);
+}
+
+// The regular files of `dir` and their sizes in bytes.
+std::map<std::string, int64_t> FilesIn(const std::string& dir) {
+  std::map<std::string, int64_t> files;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    std::error_code size_error;
+    if (!entry.is_regular_file(size_error)) continue;
+    const uintmax_t size = entry.file_size(size_error);
+    files[entry.path().filename().string()] = size_error ? -1 : static_cast<int64_t>(size);
+  }
+  return files;
+}
+
+std::string Describe(const std::map<std::string, int64_t>& files) {
+  std::vector<std::string> parts;
+  for (const auto& [name, bytes] : files) parts.push_back(absl::StrCat(name, " ", bytes));
+  return absl::StrJoin(parts, ", ");
+}
+
 struct Setup {
-  std::string binary;      // shard-coordinator
-  std::string lease;       // as given, passed to the coordinator
-  std::string log_level;   // the coordinator's
-  std::string scratch;     // holds the state directory, the port file and the log
+  std::string binary;        // shard-coordinator
+  std::string lease;         // as given, passed to the coordinator
+  std::string reform_grace;  // likewise
+  std::string log_level;     // the coordinator's
+  std::string scratch;       // holds the job, the state directory, the port file and the log
   std::vector<std::string> modes;
   bool json = false;
+};
+
+// The job the coordinator runs. Only a job spec sets min_world_size, here N-1 so that the
+// survivors of one death re-form without a replacement. Nothing trains (the simulated workers
+// never ask for a plan), so the model and the data are the smallest valid ones.
+absl::StatusOr<std::string> WriteJob(const std::string& dir, int workers) {
+  const std::string data = dir + "/data.safetensors";
+  const std::vector<float> x = {0, 0};
+  const std::vector<int64_t> y = {0};
+  SHARD_RETURN_IF_ERROR(WriteSafetensors(
+      data, {{"x", DataType::kFloat32, {1, 2}}, {"y", DataType::kInt64, {1}}},
+      {x.data(), y.data()}));
+  v1::JobSpec spec;
+  spec.set_name("bench");
+  spec.set_world_size(workers);
+  spec.set_min_world_size(workers - 1);
+  spec.mutable_model()->mutable_mlp()->add_widths(2);
+  spec.mutable_model()->mutable_mlp()->add_widths(2);
+  spec.mutable_data()->set_path(data);
+  spec.mutable_optimizer()->set_name("sgd");
+  spec.mutable_optimizer()->set_lr(0.1);
+  spec.set_global_batch(int64_t{workers} * (workers - 1));  // divides over N and N-1
+  spec.set_steps(1);
+  spec.set_output_dir(dir + "/output");
+  std::string json;
+  if (const auto printed = google::protobuf::util::MessageToJsonString(spec, &json);
+      !printed.ok()) {
+    return absl::InternalError(absl::StrCat("cannot write the benchmark's job spec: ",
+                                            printed.message().as_string()));
+  }
+  const std::string path = dir + "/job.json";
+  SHARD_RETURN_IF_ERROR(WriteFileAtomically(path, json));
+  return path;
+}
+
+// One figure against the product issue's target.
+struct Target {
+  std::string what;
+  std::string measured;
+  std::string target;
+  bool met = false;
 };
 
 // Runs the benchmark against a coordinator it starts and stops; prints the results. Returns
@@ -892,45 +1134,60 @@ struct Setup {
 absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
   const std::string state_dir = setup.scratch + "/state";
   const std::string port_file = setup.scratch + "/port";
+  const std::string load_before = LoadAverage();
+  SHARD_ASSIGN_OR_RETURN(const std::string job, WriteJob(setup.scratch, options.workers));
   absl::StatusOr<std::unique_ptr<CoordinatorProcess>> coordinator = CoordinatorProcess::Start(
       setup.binary,
-      {"--listen", "127.0.0.1:0", "--port-file", port_file, "--world-size",
-       std::to_string(options.workers), "--lease", setup.lease, "--state-dir", state_dir,
-       "--log-level", setup.log_level},
+      {"--listen", "127.0.0.1:0", "--port-file", port_file, "--job", job, "--lease", setup.lease,
+       "--reform-grace", setup.reform_grace, "--state-dir", state_dir, "--log-level",
+       setup.log_level},
       port_file, setup.scratch + "/coordinator.log", absl::Seconds(30));
   if (!coordinator.ok()) return coordinator.status();
   const pid_t pid = (*coordinator)->pid();
   Fleet fleet(options, absl::StrCat("127.0.0.1:", (*coordinator)->port()));
-  if (absl::Status connected = fleet.Connect(absl::Seconds(10)); !connected.ok()) {
-    return connected;
-  }
+  SHARD_RETURN_IF_ERROR(fleet.Connect(absl::Seconds(10)));
   const bool text = !setup.json;
-  const std::string filesystem = FilesystemOf(setup.scratch);
+  const Filesystem filesystem = FilesystemOf(state_dir);
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const int n = options.workers;
   if (text) {
     std::printf("# %d simulated workers on %d gRPC channels from one client process against "
-                "shard-coordinator pid %d (lease %s, heartbeat interval %lld ms)\n",
-                options.workers, options.channels, pid, setup.lease.c_str(),
-                static_cast<long long>(fleet.interval_ms()));
-    std::printf("# state dir %s on %s; joins %s\n", state_dir.c_str(), filesystem.c_str(),
+                "shard-coordinator pid %d (job of %d workers, min_world_size %d; lease %s, "
+                "heartbeat interval %lld ms, reform grace %s)\n",
+                n, options.channels, pid, n, n - 1, setup.lease.c_str(),
+                static_cast<long long>(fleet.interval_ms()), setup.reform_grace.c_str());
+    std::printf("# state dir %s on %s%s; joins %s\n", state_dir.c_str(),
+                filesystem.Describe().c_str(),
+                filesystem.type == "tmpfs" ? " (NOT a disk: the targets are for disk-backed state)"
+                                           : "",
                 options.join_rate > 0 ? absl::StrCat(options.join_rate, "/s").c_str()
                                       : "all at once");
-    std::printf("# client and coordinator share this machine's %u cores: the rates are a lower "
-                "bound for a coordinator with the machine to itself\n", cores);
+    std::printf("# load average before (1, 5, 15 min): %s; client and coordinator share this "
+                "machine's %u cores: CPU-seconds are the robust figures, wall times and rates a "
+                "lower bound\n", load_before.c_str(), cores);
     std::fflush(stdout);
   }
-  nlohmann::json out = {{"workers", options.workers},
+  nlohmann::json out = {{"workers", n},
                         {"channels", options.channels},
                         {"lease_ms", absl::ToInt64Milliseconds(options.lease)},
+                        {"reform_grace", setup.reform_grace},
                         {"heartbeat_interval_ms", fleet.interval_ms()},
                         {"join_rate", options.join_rate},
-                        {"state_dir_filesystem", filesystem},
-                        {"cores", cores}};
+                        {"state_dir", state_dir},
+                        {"state_dir_filesystem", {{"type", filesystem.type},
+                                                  {"device", filesystem.device},
+                                                  {"mount", filesystem.mount}}},
+                        {"cores", cores},
+                        {"loadavg_before", load_before}};
   std::vector<std::string> failures;
+  std::vector<Target> targets;
 
   // Formation.
   Bench bench(options, &fleet, pid);
   const FormationResult formed = bench.Form();
+  const std::map<std::string, int64_t> formed_files = FilesIn(state_dir);
+  const int64_t journal_bytes =
+      formed_files.count("membership.log") > 0 ? formed_files.at("membership.log") : -1;
   const double joins_per_s =
       formed.last_join_ms > 0 ? formed.joins_ok / formed.last_join_ms * 1e3 : 0;
   const nlohmann::json form_cpu = CpuJson(formed.before, formed.after);
@@ -946,9 +1203,10 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
                       {"join_latency", LatencyJson(formed.joins.latency_ms)},
                       {"heartbeats_ok", formed.heartbeats.ok},
                       {"heartbeat_errors", formed.heartbeats.errors},
-                      {"heartbeat_latency", LatencyJson(formed.heartbeats.latency_ms)},
                       {"workers_lost", formed.heartbeats.lost},
-                      {"cpu", form_cpu}};
+                      {"cpu", form_cpu},
+                      {"journal_bytes", journal_bytes},
+                      {"state_files", formed_files}};
   if (!formed.joins.first_error.empty()) {
     out["formation"]["first_join_error"] = formed.joins.first_error;
   }
@@ -956,58 +1214,66 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
     out["formation"]["first_heartbeat_error"] = formed.heartbeats.first_error;
   }
   if (text) {
-    std::printf("\nformation: %d joins sent %s, then shard-worker's long-poll heartbeats\n",
-                options.workers,
+    std::printf("\nformation: %d joins sent %s, then shard-worker's long-poll heartbeats\n", n,
                 options.join_rate > 0 ? absl::StrCat("at ", options.join_rate, "/s").c_str()
                                       : "at once");
     std::printf("  join-to-world-formed      %9.1f ms  (first join sent -> a reply shows RUNNING "
-                "with %d workers, generation %lld)\n",
-                formed.formed_ms, options.workers, static_cast<long long>(formed.generation));
+                "with %d workers)\n", formed.formed_ms, n);
     std::printf("  join-to-all-informed      %9.1f ms  (-> every worker has seen it: %d/%d)\n",
-                formed.all_informed_ms, formed.informed, options.workers);
+                formed.all_informed_ms, formed.informed, n);
+    std::printf("  generation formed at      %9lld     (must be the first, 1)\n",
+                static_cast<long long>(formed.generation));
     std::printf("  joins                     %9d ok, %lld errors, %.0f joins/s; latency p50 %.1f "
                 "ms, p99 %.1f ms, max %.1f ms\n",
                 formed.joins_ok, static_cast<long long>(formed.joins.errors), joins_per_s,
                 formed.joins.latency_ms.p50, formed.joins.latency_ms.p99,
                 formed.joins.latency_ms.max);
-    std::printf("  heartbeats while forming  %9lld ok, %lld errors, %lld workers lost; latency "
-                "(held up to %lld ms) p50 %.1f ms, p99 %.1f ms, max %.1f ms\n",
+    std::printf("  heartbeats while forming  %9lld ok, %lld errors, %lld workers lost\n",
                 static_cast<long long>(formed.heartbeats.ok),
                 static_cast<long long>(formed.heartbeats.errors),
-                static_cast<long long>(formed.heartbeats.lost),
-                static_cast<long long>(fleet.interval_ms()), formed.heartbeats.latency_ms.p50,
-                formed.heartbeats.latency_ms.p99, formed.heartbeats.latency_ms.max);
-    std::printf("  CPU over %.2f s           coordinator %.2f s (%.0f%% of a core), client %.0f%% "
+                static_cast<long long>(formed.heartbeats.lost));
+    std::printf("  CPU over %.2f s           coordinator %.3f s (%.0f%% of a core), client %.0f%% "
                 "of a core, machine %.0f%% of %u cores\n",
                 form_cpu["wall_s"].get<double>(), form_cpu["coordinator_cpu_s"].get<double>(),
                 form_cpu["coordinator_core_percent"].get<double>(),
                 form_cpu["client_core_percent"].get<double>(),
                 form_cpu["machine_percent"].get<double>(), cores);
+    std::printf("  state dir once formed     %s (bytes)\n", Describe(formed_files).c_str());
     if (!formed.joins.first_error.empty()) {
       std::printf("  first join error: %s (%s)\n", formed.joins.first_error.c_str(),
                   Codes(formed.joins.codes).c_str());
     }
     if (!formed.heartbeats.first_error.empty()) {
-      std::printf("  first heartbeat error: %s (%s); failed heartbeats were answered after p50 "
-                  "%.1f ms, max %.1f ms\n",
-                  formed.heartbeats.first_error.c_str(), Codes(formed.heartbeats.codes).c_str(),
-                  formed.heartbeats.error_latency_ms.p50, formed.heartbeats.error_latency_ms.max);
+      std::printf("  first heartbeat error: %s (%s)\n", formed.heartbeats.first_error.c_str(),
+                  Codes(formed.heartbeats.codes).c_str());
     }
     std::fflush(stdout);
   }
-  if (!formed.formed || formed.informed != options.workers) {
-    failures.push_back(absl::StrCat("the world did not form: ", formed.joins_ok, "/",
-                                    options.workers, " joins answered, ", formed.informed,
+  if (!formed.formed || formed.informed != n) {
+    failures.push_back(absl::StrCat("the world did not form: ", formed.joins_ok, "/", n,
+                                    " joins answered, ", formed.informed,
                                     " workers saw it running"));
+  } else if (formed.generation != 1) {
+    failures.push_back(absl::StrCat("the world formed at generation ", formed.generation,
+                                    ", not the first (1): joins ended generations"));
   }
   if (formed.joins.errors > 0 || formed.heartbeats.lost > 0) {
     failures.push_back(absl::StrCat("formation: ", formed.joins.errors, " join errors, ",
                                     formed.heartbeats.lost,
-                                    " workers lost (declared dead or taken over: NOT_FOUND or FAILED_PRECONDITION on heartbeat)"));
+                                    " workers lost (declared dead or taken over: NOT_FOUND or "
+                                    "FAILED_PRECONDITION on heartbeat)"));
   }
+  // The issue's two points (1,000 in 1 s, 10,000 in 10 s) as a rule: 1 s per 1,000, at least 1 s.
+  const int form_target_ms = std::max(1000, n);
+  targets.push_back({absl::StrCat("formation of ", n, " workers: join-to-world-formed"),
+                     absl::StrFormat("%.0f ms", formed.formed_ms),
+                     absl::StrCat("< ", form_target_ms, " ms (1 s per 1,000)"),
+                     formed.formed && formed.formed_ms < form_target_ms});
 
-  // Heartbeat phases, only on a formed world.
+  // Heartbeats: the steady long-polls, then the extra phases asked for.
   nlohmann::json rows = nlohmann::json::array();
+  double steady_core_fraction = NAN;
+  double steady_projected_percent = NAN;
   if (failures.empty()) {
     if (text) {
       std::printf("\n%-9s %6s %9s %11s %7s %7s %7s %6s %6s %7s %5s %9s %7s %7s %8s\n", "phase",
@@ -1015,11 +1281,25 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
                   "moved", "max_gap", "late", "coord_cpu", "coord%", "client%", "machine%");
       std::fflush(stdout);
     }
-    for (const std::string& mode : setup.modes) {
-      Phase* phase = bench.Run(mode);
+    std::vector<std::string> modes = {"longpoll"};
+    modes.insert(modes.end(), setup.modes.begin(), setup.modes.end());
+    for (const std::string& mode : modes) {
+      Phase* phase = mode == "longpoll" ? bench.Steady() : bench.Run(mode);
       const Recorder::Summary s = phase->calls.Summarize();
       const nlohmann::json cpu = CpuJson(phase->before, phase->after);
       const double rate = s.ok_in_window / cpu["wall_s"].get<double>();
+      // The coordinator's CPU per answered heartbeat (its fixed housekeeping included), and
+      // what one heartbeat per worker per interval would cost at that price. After formation
+      // the long-polls come in herds (every worker was told at once), so a window holds a whole
+      // number of herds; this projection does not depend on where the window falls.
+      const double cpu_per_heartbeat_s =
+          s.ok > 0 ? cpu["coordinator_cpu_s"].get<double>() / static_cast<double>(s.ok) : NAN;
+      const double projected_core_percent =
+          100 * cpu_per_heartbeat_s * n * 1e3 / static_cast<double>(fleet.interval_ms());
+      if (mode == "longpoll") {
+        steady_core_fraction = cpu["coordinator_core_percent"].get<double>() / 100;
+        steady_projected_percent = projected_core_percent;
+      }
       rows.push_back({{"mode", mode},
                       {"answered", s.ok},
                       {"heartbeats_per_s", rate},
@@ -1030,11 +1310,13 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
                       {"max_gap_ms", s.max_gap_ms},
                       {"late", s.late},
                       {"cpu", cpu},
+                      {"coordinator_cpu_us_per_heartbeat", 1e6 * cpu_per_heartbeat_s},
+                      {"coordinator_core_percent_at_one_per_interval", projected_core_percent},
                       {"coordinator_rss_mib", StatusKib(pid, "VmRSS") / 1024.0}});
       if (!s.first_error.empty()) rows.back()["first_error"] = s.first_error;
       if (text) {
-        std::printf("%-9s %6.1f %9lld %11.0f %7.2f %7.2f %7.1f %6lld %6lld %7.0f %5lld %9.2f "
-                    "%6.0f%% %6.0f%% %7.0f%%\n",
+        std::printf("%-9s %6.1f %9lld %11.0f %7.2f %7.2f %7.1f %6lld %6lld %7.0f %5lld %9.3f "
+                    "%6.1f%% %6.1f%% %7.0f%%\n",
                     mode.c_str(), cpu["wall_s"].get<double>(), static_cast<long long>(s.ok), rate,
                     s.latency_ms.p50, s.latency_ms.p99, s.latency_ms.max,
                     static_cast<long long>(s.errors), static_cast<long long>(s.world_moved),
@@ -1043,6 +1325,10 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
                     cpu["coordinator_core_percent"].get<double>(),
                     cpu["client_core_percent"].get<double>(),
                     cpu["machine_percent"].get<double>());
+        std::printf("          coordinator %.1f us per answered heartbeat: %.1f%% of a core at one "
+                    "heartbeat per worker per %lld ms\n",
+                    1e6 * cpu_per_heartbeat_s, projected_core_percent,
+                    static_cast<long long>(fleet.interval_ms()));
         if (!s.first_error.empty()) {
           std::printf("          first error: %s (%s)\n", s.first_error.c_str(),
                       Codes(s.codes).c_str());
@@ -1059,10 +1345,17 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
                                         " ms between answered heartbeats, more than the lease"));
       }
     }
+    targets.push_back({absl::StrCat(n, " workers long-polling at a ", setup.lease,
+                                    " lease: coordinator CPU"),
+                       absl::StrFormat("%.1f%% of a core (%.1f%% at 1/interval)",
+                                       100 * steady_core_fraction, steady_projected_percent),
+                       options.lease == absl::Seconds(10) ? "< 50% (10,000 at a 10s lease)"
+                                                          : "< 50% (stated for a 10s lease)",
+                       steady_core_fraction < 0.5});
   }
   out["phases"] = rows;
   // What N real workers need: one heartbeat each per interval, against the measured capacity.
-  const double needed = options.workers * 1e3 / static_cast<double>(fleet.interval_ms());
+  const double needed = n * 1e3 / static_cast<double>(fleet.interval_ms());
   out["heartbeats_needed_per_s"] = needed;
   for (const nlohmann::json& row : rows) {
     if (row["mode"] != "saturate") continue;
@@ -1071,12 +1364,121 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
     if (text) {
       std::printf("%d workers need %.0f heartbeats/s (one per %lld ms interval); saturate answered "
                   "%.0f/s: %.1fx that\n",
-                  options.workers, needed, static_cast<long long>(fleet.interval_ms()), capacity,
+                  n, needed, static_cast<long long>(fleet.interval_ms()), capacity,
                   capacity / needed);
     }
   }
 
-  // The coordinator's own view: all N live, at the generation the world formed at.
+  // Re-formation after one death.
+  std::optional<ReformResult> reform;
+  int64_t reformed_generation = -1;
+  if (failures.empty()) {
+    if (text) {
+      std::printf("\nre-formation: one worker stops heartbeating; the survivors re-form after "
+                  "the lease and the grace (%s)\n", setup.reform_grace.c_str());
+      std::fflush(stdout);
+    }
+    reform = bench.Reform();
+    const nlohmann::json cpu = CpuJson(reform->at_expiry, reform->at_reformed);
+    // Not net of the steady rate: the re-formation's answers take the place of the held polls'
+    // expiry answers over the window rather than adding to them, so subtracting the steady rate
+    // would take away work that did not happen (it goes negative once contention stretches the
+    // window). The raw figure is an upper bound; the steady rate over the window is context.
+    const double raw_cpu_s = cpu["coordinator_cpu_s"].get<double>();
+    const double steady_cpu_s = steady_core_fraction * cpu["wall_s"].get<double>();
+    if (reform->generations.size() == 1) reformed_generation = reform->generations.begin()->first;
+    // The coordinator's own account, to the millisecond: when it declared the victim dead and
+    // when the survivors' world formed.
+    double dead_ms = NAN, world_formed_ms = NAN;
+    if (absl::StatusOr<v1::ListEventsResponse> events = fleet.ListEvents(); events.ok()) {
+      const double expiry_ms = absl::ToDoubleMilliseconds(reform->lease_expired - absl::UnixEpoch());
+      for (const v1::Event& event : events->events()) {
+        if (event.kind() == "dead" && event.worker_id() == reform->victim) {
+          dead_ms = static_cast<double>(event.unix_ms()) - expiry_ms;
+        }
+        if (event.kind() == "world_formed" && event.generation() == reformed_generation) {
+          world_formed_ms = static_cast<double>(event.unix_ms()) - expiry_ms;
+        }
+      }
+    } else {
+      failures.push_back(std::string(events.status().message()));
+    }
+    out["reformation"] = {{"reformed", reform->reformed},
+                          {"victim", reform->victim},
+                          {"victim_rank", reform->victim_rank},
+                          {"survivors_informed", reform->survivors},
+                          {"generation", reformed_generation},
+                          {"expiry_to_all_informed_ms", reform->expiry_to_reformed_ms},
+                          {"coordinator_dead_event_after_expiry_ms", dead_ms},
+                          {"coordinator_world_formed_event_after_expiry_ms", world_formed_ms},
+                          {"coordinator_cpu_s", raw_cpu_s},
+                          {"steady_rate_cpu_s_over_window", steady_cpu_s},
+                          {"cpu", cpu},
+                          {"heartbeats_ok", reform->heartbeats.ok},
+                          {"heartbeat_errors", reform->heartbeats.errors},
+                          {"workers_lost", reform->heartbeats.lost},
+                          {"max_gap_ms", reform->heartbeats.max_gap_ms}};
+    if (text) {
+      std::printf("  victim                    %s (rank %d)\n", reform->victim.c_str(),
+                  reform->victim_rank);
+      std::printf("  lease expiry -> all told  %9.1f ms  (-> all %d/%d survivors have seen "
+                  "RUNNING with %d workers at generation %lld; includes the grace)\n",
+                  reform->expiry_to_reformed_ms, reform->survivors, n - 1, n - 1,
+                  static_cast<long long>(reformed_generation));
+      std::printf("  the coordinator's events  declared dead at expiry + %.0f ms, world formed "
+                  "at + %.0f ms\n", dead_ms, world_formed_ms);
+      std::printf("  coordinator CPU           %.3f s from expiry to all told (the steady long-poll "
+                  "rate, %.1f%% of a core, would be %.3f s over those %.0f ms); client %.0f%% of "
+                  "a core, machine %.0f%% of %u cores\n",
+                  raw_cpu_s, 100 * steady_core_fraction, steady_cpu_s,
+                  1e3 * cpu["wall_s"].get<double>(), cpu["client_core_percent"].get<double>(),
+                  cpu["machine_percent"].get<double>(), cores);
+      std::printf("  heartbeats                %lld ok, %lld errors, %lld workers lost, longest "
+                  "gap %.0f ms\n",
+                  static_cast<long long>(reform->heartbeats.ok),
+                  static_cast<long long>(reform->heartbeats.errors),
+                  static_cast<long long>(reform->heartbeats.lost), reform->heartbeats.max_gap_ms);
+      if (!reform->heartbeats.first_error.empty()) {
+        std::printf("  first heartbeat error: %s (%s)\n", reform->heartbeats.first_error.c_str(),
+                    Codes(reform->heartbeats.codes).c_str());
+      }
+      std::fflush(stdout);
+    }
+    if (!reform->reformed) {
+      failures.push_back(absl::StrCat("re-formation: ", reform->survivors, "/", n - 1,
+                                      " survivors saw the world RUNNING with ", n - 1,
+                                      " workers within the lease and --form-timeout"));
+    }
+    if (reform->generations.size() > 1 || reformed_generation != formed.generation + 1) {
+      std::vector<std::string> seen;
+      for (const auto& [generation, told] : reform->generations) {
+        seen.push_back(absl::StrCat(told, " at generation ", generation));
+      }
+      failures.push_back(absl::StrCat("re-formation: survivors saw ", absl::StrJoin(seen, ", "),
+                                      "; all must see generation ", formed.generation + 1));
+    }
+    if (reform->heartbeats.errors > 0) {
+      failures.push_back(absl::StrCat("re-formation: ", reform->heartbeats.errors,
+                                      " heartbeat errors (", reform->heartbeats.lost,
+                                      " workers lost)"));
+    }
+    if (reform->heartbeats.max_gap_ms >= absl::ToDoubleMilliseconds(options.lease)) {
+      failures.push_back(absl::StrCat("re-formation: a worker went ", reform->heartbeats.max_gap_ms,
+                                      " ms between answered heartbeats, more than the lease"));
+    }
+    targets.push_back({absl::StrCat("re-forming ", n - 1, " survivors after one death: "
+                                    "coordinator CPU"),
+                       absl::StrFormat("%.3f s (%.0f ms wall)", raw_cpu_s,
+                                       reform->expiry_to_reformed_ms),
+                       "< 1 s", reform->reformed && raw_cpu_s < 1});
+  }
+  bench.Finish();
+
+  // The coordinator's own view: every survivor live at the re-formed generation, the victim dead
+  // (or all N live at the formed one, when the run stopped before the re-formation).
+  const int expect_members = reform.has_value() ? n - 1 : n;
+  const int expect_dead = reform.has_value() ? 1 : 0;
+  const int64_t expect_generation = reform.has_value() ? formed.generation + 1 : formed.generation;
   absl::Duration status_took;
   absl::StatusOr<v1::GetStatusResponse> status = fleet.GetStatus(&status_took);
   nlohmann::json check;
@@ -1094,31 +1496,34 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
     }
     check = {{"state", v1::JobState_Name(status->world().state())},
              {"generation", status->world().generation()},
-             {"formed_generation", formed.generation},
+             {"world_size", status->world().world_size()},
              {"live_members", members},
              {"dead", dead},
              {"departed", departed},
              {"oldest_heartbeat_ms_ago", oldest_ms},
              {"get_status_ms", absl::ToDoubleMilliseconds(status_took)}};
-    if (members != options.workers || dead > 0 || departed > 0) {
-      failures.push_back(absl::StrCat("GetStatus: ", members, "/", options.workers,
-                                      " live members, ", dead, " dead, ", departed, " departed"));
+    if (members != expect_members || dead != expect_dead || departed != expect_dead ||
+        status->world().world_size() != expect_members) {
+      failures.push_back(absl::StrCat("GetStatus: ", members, " live members (world size ",
+                                      status->world().world_size(), "), ", dead, " dead, ",
+                                      departed, " departed; expected ", expect_members,
+                                      " live and ", expect_dead, " dead"));
     }
-    if (status->world().generation() != formed.generation ||
+    if (status->world().generation() != expect_generation ||
         status->world().state() != v1::JOB_STATE_RUNNING) {
       failures.push_back(absl::StrCat("GetStatus: the world is ",
                                       v1::JobState_Name(status->world().state()),
                                       " at generation ", status->world().generation(),
-                                      "; it formed at generation ", formed.generation));
+                                      "; expected RUNNING at ", expect_generation));
     }
     if (text) {
-      std::printf("\nGetStatus (%.1f ms): %s at generation %lld (formed at %lld), %d/%d live, %d "
+      std::printf("\nGetStatus (%.1f ms): %s at generation %lld with %d workers, %d live, %d "
                   "dead, %d departed, oldest heartbeat %lld ms ago\n",
                   absl::ToDoubleMilliseconds(status_took),
                   v1::JobState_Name(status->world().state()).c_str(),
                   static_cast<long long>(status->world().generation()),
-                  static_cast<long long>(formed.generation), members, options.workers, dead,
-                  departed, static_cast<long long>(oldest_ms));
+                  status->world().world_size(), members, dead, departed,
+                  static_cast<long long>(oldest_ms));
     }
   } else {
     failures.push_back(std::string(status.status().message()));
@@ -1127,23 +1532,33 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
 
   const int64_t hwm_kib = StatusKib(pid, "VmHWM");
   const double total_cpu = CpuSeconds(pid).value_or(NAN);
-  std::error_code size_error;
-  const uintmax_t membership_bytes =
-      std::filesystem::file_size(state_dir + "/membership.json", size_error);
+  const std::map<std::string, int64_t> final_files = FilesIn(state_dir);
+  const std::string load_after = LoadAverage();
   if (!(*coordinator)->running()) failures.push_back("the coordinator exited during the run");
   out["coordinator"] = {
-      {"peak_rss_mib", hwm_kib / 1024.0},
-      {"cpu_s_total", total_cpu},
-      {"membership_json_bytes", size_error ? -1 : static_cast<int64_t>(membership_bytes)}};
+      {"peak_rss_mib", hwm_kib / 1024.0}, {"cpu_s_total", total_cpu}, {"state_files", final_files}};
+  out["loadavg_after"] = load_after;
+  nlohmann::json target_rows = nlohmann::json::array();
+  for (const Target& target : targets) {
+    target_rows.push_back({{"what", target.what},
+                           {"measured", target.measured},
+                           {"target", target.target},
+                           {"met", target.met}});
+  }
+  out["targets"] = target_rows;
   const bool passed = failures.empty();
   out["passed"] = passed;
   out["failures"] = failures;
   if (text) {
-    std::printf("coordinator: peak RSS (VmHWM) %.1f MiB, %.2f CPU-seconds in all, "
-                "membership.json %lld bytes\n",
-                hwm_kib / 1024.0, total_cpu,
-                size_error ? -1LL : static_cast<long long>(membership_bytes));
-    std::printf("%s\n", passed ? "PASS" : "FAIL");
+    std::printf("coordinator: peak RSS (VmHWM) %.1f MiB, %.2f CPU-seconds in all; state dir %s "
+                "(bytes)\n", hwm_kib / 1024.0, total_cpu, Describe(final_files).c_str());
+    std::printf("load average after (1, 5, 15 min): %s\n", load_after.c_str());
+    std::printf("\ntargets (the product issue, on disk-backed state):\n");
+    for (const Target& target : targets) {
+      std::printf("  %-72s %-34s %-32s %s\n", target.what.c_str(), target.measured.c_str(),
+                  target.target.c_str(), target.met ? "met" : "MISSED");
+    }
+    std::printf("\n%s\n", passed ? "PASS" : "FAIL");
     for (const std::string& failure : failures) std::printf("  %s\n", failure.c_str());
   } else {
     std::printf("%s\n", out.dump(2).c_str());
@@ -1165,29 +1580,31 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "shard-bench-control-plane: the coordinator's control plane at scale. Starts a real "
-      "shard-coordinator (--world-size N) and simulates N workers from this process with gRPC's "
-      "callback API: join-to-world-formed time and join latency, then heartbeats for --seconds in "
-      "each mode (longpoll: as shard-worker, wait = a quarter lease; paced: wait_ms 0 every "
-      "quarter lease; saturate: wait_ms 0 as fast as answered): heartbeats/s, latency, errors, "
-      "the coordinator's CPU and peak RSS. Exit 1 if the world does not form, a worker is "
-      "declared dead or the generation moves.",
+      "shard-bench-control-plane: the coordinator's control plane at scale, against the product's "
+      "targets. Starts a real shard-coordinator (a job of N workers, min_world_size N-1, its "
+      "state on --dir) and simulates N workers from this process with gRPC's callback API: "
+      "formation (join-to-world-formed, the coordinator's CPU, the generation formed at, the "
+      "journal's size), heartbeats long-polled as shard-worker does for --seconds (the "
+      "coordinator's CPU as a fraction of a core), optional extra heartbeat phases (--modes), "
+      "and a re-formation after one worker dies (lease expiry to every survivor told, the "
+      "coordinator's CPU). Exit 1 if a check fails: errors, a worker declared dead or told "
+      "another generation, the formed or re-formed generation or world size.",
       "shard-bench-control-plane"};
   shard::Options options;
   shard::Setup setup;
   setup.lease = "10s";  // shard-coordinator's default
+  setup.reform_grace = "100ms";
   setup.log_level = "info";
   std::string rpc_timeout = "30s";
   std::string form_timeout = "60s";
-  std::string modes = "longpoll,paced,saturate";
-  // tmpfs where there is one: see --dir.
-  std::string dir = std::filesystem::is_directory("/dev/shm") && ::access("/dev/shm", W_OK) == 0
-                        ? "/dev/shm"
-                        : "/tmp";
+  std::string modes;
+  // A real disk: /dev/shm or a tmpfs /tmp would leave fsync out of every join.
+  std::string dir = "/var/tmp";
   bool keep = false;
-  app.add_option("--workers", options.workers, "simulated workers (the coordinator's world size)")
+  app.add_option("--workers", options.workers,
+                 "simulated workers (the job's world size; the survivors of one death re-form)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 100000));
+      ->check(CLI::Range(2, 100000));
   app.add_option("--seconds", options.seconds, "length of each heartbeat phase")
       ->capture_default_str()
       ->check(CLI::Range(0.1, 3600.0));
@@ -1195,7 +1612,15 @@ int main(int argc, char** argv) {
                  "the coordinator's --lease; workers heartbeat every quarter lease")
       ->capture_default_str()
       ->check(shard::DurationValidator());
-  app.add_option("--modes", modes, "heartbeat phases to run, in order: longpoll, paced, saturate")
+  app.add_option("--reform-grace", setup.reform_grace,
+                 "the coordinator's --reform-grace: how long it waits for a replacement before "
+                 "the survivors re-form (small, so the benchmark does not wait; 30s by default "
+                 "in production)")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
+  app.add_option("--modes", modes,
+                 "extra heartbeat phases after the long-poll one, in order: paced (wait_ms 0 every "
+                 "interval), saturate (wait_ms 0 as fast as answered: the capacity)")
       ->capture_default_str();
   app.add_option("--channels", options.channels,
                  "gRPC channels (TCP connections) the simulated workers share")
@@ -1207,14 +1632,15 @@ int main(int argc, char** argv) {
   app.add_option("--rpc-timeout", rpc_timeout, "deadline of every call (beyond its wait)")
       ->capture_default_str()
       ->check(shard::DurationValidator());
-  app.add_option("--form-timeout", form_timeout, "give up if the world has not formed by then")
+  app.add_option("--form-timeout", form_timeout,
+                 "give up if the world has not formed (or re-formed, after the lease) by then")
       ->capture_default_str()
       ->check(shard::DurationValidator());
   app.add_option("--dir", dir,
-                 "where the coordinator's temporary state directory is made. The coordinator "
-                 "rewrites and fsyncs its whole membership record on every join, so this disk is "
-                 "part of the join time: the default, tmpfs, measures the coordinator's CPU; pass "
-                 "a directory on a real disk to measure with its fsync (docs/control-plane.md)")
+                 "where a fresh directory for the job, the coordinator's state and its log is "
+                 "made. The coordinator fsyncs its membership journal before acknowledging a "
+                 "join, so this disk is part of the formation; the targets are for a real disk "
+                 "(tmpfs such as /dev/shm measures the coordinator's CPU alone)")
       ->capture_default_str();
   app.add_option("--join-rate", options.join_rate,
                  "joins per second, spread evenly (a ramp); 0: all workers join at once")
@@ -1224,16 +1650,16 @@ int main(int argc, char** argv) {
                  "shard-coordinator to start (default: the one next to this binary)");
   app.add_option("--coordinator-log-level", setup.log_level, "the coordinator's --log-level")
       ->capture_default_str();
-  app.add_flag("--keep", keep, "keep the state directory and the coordinator's log");
+  app.add_flag("--keep", keep, "keep the job, the state directory and the coordinator's log");
   app.add_flag("--json", setup.json, "print the results as one JSON object instead of tables");
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
   options.lease = shard::ParsedDuration(setup.lease);
   options.rpc_timeout = shard::ParsedDuration(rpc_timeout);
   options.form_timeout = shard::ParsedDuration(form_timeout);
   for (absl::string_view mode : absl::StrSplit(modes, ',', absl::SkipEmpty())) {
-    if (mode != "longpoll" && mode != "paced" && mode != "saturate") {
-      std::fprintf(stderr, "shard-bench-control-plane: unknown mode '%s' in --modes (longpoll, "
-                   "paced, saturate)\n", std::string(mode).c_str());
+    if (mode != "paced" && mode != "saturate") {
+      std::fprintf(stderr, "shard-bench-control-plane: unknown mode '%s' in --modes (paced, "
+                   "saturate; the long-poll phase always runs)\n", std::string(mode).c_str());
       return 2;
     }
     setup.modes.emplace_back(mode);
@@ -1245,8 +1671,8 @@ int main(int argc, char** argv) {
   }
   setup.scratch = (std::filesystem::path(dir) / "shard-bench-control-plane-XXXXXX").string();
   if (::mkdtemp(setup.scratch.data()) == nullptr) {
-    std::fprintf(stderr, "shard-bench-control-plane: cannot make a directory under %s: %s\n",
-                 dir.c_str(), std::strerror(errno));
+    std::fprintf(stderr, "shard-bench-control-plane: cannot make a directory under %s: %s; pass "
+                 "--dir with a writable directory on a disk\n", dir.c_str(), std::strerror(errno));
     return 1;
   }
   // Interrupted or timed out (scripts/bench-control-plane.sh bounds the run): kill the
@@ -1267,8 +1693,8 @@ int main(int argc, char** argv) {
                  std::string(passed.status().message()).c_str());
   }
   if (keep || !passed.ok() || !*passed) {
-    std::fprintf(stderr, "shard-bench-control-plane: the state directory and the coordinator's "
-                 "log are kept in %s\n", setup.scratch.c_str());
+    std::fprintf(stderr, "shard-bench-control-plane: the job, the state directory and the "
+                 "coordinator's log are kept in %s\n", setup.scratch.c_str());
   } else {
     std::filesystem::remove_all(setup.scratch);
   }
