@@ -6,6 +6,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
+#include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/client_interceptor.h"
@@ -100,23 +101,19 @@ absl::StatusOr<ClientSecurity> LoadClientSecurity(const ClientSecurityFiles& fil
     return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
   }
   if (!files.ca.empty()) {
-    absl::StatusOr<std::string> ca = ReadPem(files.ca, "--tls-ca");
-    if (!ca.ok()) return ca.status();
-    security.root_ca_pem = std::move(*ca);
+    SHARD_ASSIGN_OR_RETURN(std::string ca, ReadPem(files.ca, "--tls-ca"));
+    security.root_ca_pem = std::move(ca);
   }
   if (!files.cert.empty()) {
-    absl::StatusOr<std::string> cert = ReadPem(files.cert, "--tls-cert");
-    if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadPem(files.key, "--tls-key");
-    if (!key.ok()) return key.status();
-    security.cert_pem = std::move(*cert);
-    security.key_pem = std::move(*key);
+    SHARD_ASSIGN_OR_RETURN(std::string cert, ReadPem(files.cert, "--tls-cert"));
+    SHARD_ASSIGN_OR_RETURN(std::string key, ReadPem(files.key, "--tls-key"));
+    security.cert_pem = std::move(cert);
+    security.key_pem = std::move(key);
   }
   security.server_name = files.server_name;
   if (!files.token.empty()) {
-    absl::StatusOr<std::string> token = ReadTokenFile(files.token);
-    if (!token.ok()) return token.status();
-    security.token = std::move(*token);
+    SHARD_ASSIGN_OR_RETURN(std::string token, ReadTokenFile(files.token));
+    security.token = std::move(token);
   }
   return security;
 }
@@ -155,18 +152,15 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> LoadServerCredentials(
     }
     return grpc::InsecureServerCredentials();
   }
-  absl::StatusOr<std::string> cert = ReadPem(files.cert, "--tls-cert");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPem(files.key, "--tls-key");
-  if (!key.ok()) return key.status();
+  SHARD_ASSIGN_OR_RETURN(std::string cert, ReadPem(files.cert, "--tls-cert"));
+  SHARD_ASSIGN_OR_RETURN(std::string key, ReadPem(files.key, "--tls-key"));
   grpc::SslServerCredentialsOptions options(
       files.client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
                               : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  options.pem_key_cert_pairs.push_back({*key, *cert});
+  options.pem_key_cert_pairs.push_back({key, cert});
   if (!files.client_ca.empty()) {
-    absl::StatusOr<std::string> ca = ReadPem(files.client_ca, "--tls-client-ca");
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *ca;
+    SHARD_ASSIGN_OR_RETURN(std::string ca, ReadPem(files.client_ca, "--tls-client-ca"));
+    options.pem_root_certs = ca;
   }
   return grpc::SslServerCredentials(options);
 }

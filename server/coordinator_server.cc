@@ -101,10 +101,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   core_options.plan = given.plan;
   core_options.job = given.job;
   core_options.restore = given.restore;
-  absl::StatusOr<std::unique_ptr<CoordinatorCore>> core = CoordinatorCore::Create(
-      std::move(core_options), server->store_.get(), &server->checkpoint_storage_, now);
-  if (!core.ok()) return core.status();
-  server->core_ = std::move(*core);
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<CoordinatorCore> core,
+                         CoordinatorCore::Create(std::move(core_options), server->store_.get(),
+                                                 &server->checkpoint_storage_, now));
+  server->core_ = std::move(core);
   const CoordinatorOptions& options = given;
   CoordinatorCore* core_ptr = server->core_.get();
   const CoreOptions& settled = core_ptr->options();

@@ -107,7 +107,8 @@ int main(int argc, char** argv) {
   std::string admin_token_file;
   app.add_option("--job-token-file", job_token_file,
                  "file holding the token workers must present to join and report (one line); needs "
-                 "--admin-token-file too")
+                 "--admin-token-file too, and TLS (--tls-cert, --tls-key) unless --listen is a "
+                 "loopback address: tokens never cross a network in clear text")
       ->check(CLI::ExistingFile);
   app.add_option("--admin-token-file", admin_token_file,
                  "file holding the token shardctl must present for calls that change the job "

@@ -6,9 +6,10 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/names.h"
-#include "server/reshape.h"
 #include "common/logging.h"
+#include "common/names.h"
+#include "common/status_macros.h"
+#include "server/reshape.h"
 #include "spdlog/spdlog.h"
 
 namespace shard {
@@ -43,7 +44,7 @@ absl::Status ValidateJoinDescription(const JoinParams& params) {
         "characters or more than 16 capabilities"));
   }
   for (const std::string& capability : params.capabilities) {
-    if (absl::Status valid = ValidateName("capability", capability); !valid.ok()) return valid;
+    SHARD_RETURN_IF_ERROR(ValidateName("capability", capability));
   }
   return absl::OkStatus();
 }
@@ -391,8 +392,8 @@ std::string Transition(const Membership& membership, const MembershipRules& rule
 absl::StatusOr<int> Join(Membership& membership, const MembershipRules& rules,
                          const JoinParams& params, int64_t generation, absl::Time now,
                          Change* change) {
-  if (absl::Status valid = ValidateName("worker id", params.worker_id); !valid.ok()) return valid;
-  if (absl::Status valid = ValidateJoinDescription(params); !valid.ok()) return valid;
+  SHARD_RETURN_IF_ERROR(ValidateName("worker id", params.worker_id));
+  SHARD_RETURN_IF_ERROR(ValidateJoinDescription(params));
   if (membership.stop_requested) {
     return absl::FailedPreconditionError(absl::StrCat("job '", rules.job, "' is stopping (",
                                                       membership.stop_reason,
@@ -503,9 +504,8 @@ absl::Status Leave(Membership& membership, const MembershipRules& rules,
       gone != nullptr && gone->role == Role::kDeparted && gone->incarnation == incarnation) {
     return absl::OkStatus();  // a retried leave
   }
-  absl::StatusOr<Member*> found = membership.FindLive(worker_id, incarnation, rules.job);
-  if (!found.ok()) return found.status();
-  Member& member = **found;
+  SHARD_ASSIGN_OR_RETURN(Member * found, membership.FindLive(worker_id, incarnation, rules.job));
+  Member& member = *found;
   const bool held_rank = member.role == Role::kActive;
   change->events.push_back(
       MakeEvent(v1::MEMBERSHIP_EVENT_KIND_LEFT, worker_id, member.rank, reason, now));

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace shard {
 namespace {
@@ -55,13 +56,11 @@ void SetHeader(const std::string& job, const Membership& membership, int64_t gen
 
 absl::StatusOr<std::optional<v1::CoordinatorState>> MembershipLog::Load(StateStore* store,
                                                                        size_t max_events) {
-  absl::StatusOr<std::optional<Journal>> journal = store->LoadJournal(kMembershipRecord);
-  if (!journal.ok()) return journal.status();
+  SHARD_ASSIGN_OR_RETURN(std::optional<Journal> journal, store->LoadJournal(kMembershipRecord));
   v1::CoordinatorState record;
-  if (!journal->has_value()) {
-    absl::StatusOr<bool> legacy = store->Load(kMembershipRecord, &record);
-    if (!legacy.ok()) return legacy.status();
-    if (!*legacy) return std::nullopt;
+  if (!journal.has_value()) {
+    SHARD_ASSIGN_OR_RETURN(bool legacy, store->Load(kMembershipRecord, &record));
+    if (!legacy) return std::nullopt;
     if (record.format_version() != 1) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the state directory's membership record has format version ", record.format_version(),
@@ -69,8 +68,7 @@ absl::StatusOr<std::optional<v1::CoordinatorState>> MembershipLog::Load(StateSto
     }
     return record;
   }
-  if (!record.ParseFromString((*journal)->snapshot) ||
-      record.format_version() != kFormatVersion) {
+  if (!record.ParseFromString(journal->snapshot) || record.format_version() != kFormatVersion) {
     return absl::DataLossError(absl::StrCat(
         "the state directory's membership snapshot is unreadable or of another format (version ",
         record.format_version(), "; this shard-coordinator reads ", kFormatVersion, ")"));
@@ -78,9 +76,9 @@ absl::StatusOr<std::optional<v1::CoordinatorState>> MembershipLog::Load(StateSto
   std::map<std::string, v1::MemberRecord> members;
   for (const v1::MemberRecord& member : record.members()) members[member.id()] = member;
   std::vector<v1::MembershipEvent> events(record.events().begin(), record.events().end());
-  for (size_t i = 0; i < (*journal)->deltas.size(); ++i) {
+  for (size_t i = 0; i < journal->deltas.size(); ++i) {
     v1::CoordinatorState delta;
-    if (!delta.ParseFromString((*journal)->deltas[i])) {
+    if (!delta.ParseFromString(journal->deltas[i])) {
       return absl::DataLossError(
           absl::StrCat("membership journal entry ", i + 1, " does not parse"));
     }

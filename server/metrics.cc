@@ -17,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/status_macros.h"
 #include "httplib.h"
 #include "prometheus/text_serializer.h"
 #include "server/checkpoint_manager.h"
@@ -451,8 +452,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& listen, std::function<std::string()> render) {
   std::string host;
   int port = 0;
-  if (absl::Status parsed = ParseListen(listen, &host, &port); !parsed.ok()) return parsed;
-  if (absl::Status resolved = CheckResolves(host); !resolved.ok()) return resolved;
+  SHARD_RETURN_IF_ERROR(ParseListen(listen, &host, &port));
+  SHARD_RETURN_IF_ERROR(CheckResolves(host));
 
   auto impl = std::make_unique<Impl>();
   httplib::Server& server = impl->server;

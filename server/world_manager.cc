@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/names.h"
+#include "common/status_macros.h"
 #include "server/reshape.h"
 #include "spdlog/spdlog.h"
 
@@ -35,7 +36,7 @@ MembershipRules RulesFor(const WorldOptions& options) {
 }
 
 absl::Status ValidateOptions(const WorldOptions& options) {
-  if (absl::Status valid = ValidateName("job name", options.job); !valid.ok()) return valid;
+  SHARD_RETURN_IF_ERROR(ValidateName("job name", options.job));
   if (options.expected_world_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat("expected world size must be at least 1, got ",
                                                    options.expected_world_size));
@@ -62,26 +63,23 @@ absl::Status ValidateOptions(const WorldOptions& options) {
 absl::StatusOr<std::unique_ptr<WorldManager>> WorldManager::Create(WorldOptions options,
                                                                    StateStore* store,
                                                                    absl::Time now) {
-  if (absl::Status valid = ValidateOptions(options); !valid.ok()) return valid;
-  absl::StatusOr<std::optional<v1::CoordinatorState>> saved =
-      MembershipLog::Load(store, options.max_events);
-  if (!saved.ok()) return saved.status();
-  if (saved->has_value() && (*saved)->job() != options.job) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the state directory belongs to job '", (*saved)->job(),
-                     "' but this coordinator runs job '", options.job,
-                     "'; pass the matching job name or another state directory"));
+  SHARD_RETURN_IF_ERROR(ValidateOptions(options));
+  SHARD_ASSIGN_OR_RETURN(std::optional<v1::CoordinatorState> saved,
+                         MembershipLog::Load(store, options.max_events));
+  if (saved.has_value() && saved->job() != options.job) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the state directory belongs to job '", saved->job(), "' but this coordinator runs job '",
+        options.job, "'; pass the matching job name or another state directory"));
   }
-  const int64_t saved_generation = saved->has_value() ? (*saved)->generation() : 0;
-  const bool take_back = options.recover && saved->has_value() && !(*saved)->stop_requested() &&
-                         !(*saved)->members().empty();
+  const int64_t saved_generation = saved.has_value() ? saved->generation() : 0;
+  const bool take_back =
+      options.recover && saved.has_value() && !saved->stop_requested() && !saved->members().empty();
   const int target = options.expected_world_size;
   std::unique_ptr<WorldManager> manager;
   Change change;
   if (take_back) {
     // Every worker gets two leases to reach the new process: it may be backing off.
-    Membership membership =
-        RestoreMembership(**saved, target, now + options.lease, now);
+    Membership membership = RestoreMembership(*saved, target, now + options.lease, now);
     const bool complete = membership.held() == membership.ranks();
     // An intact world that had connected keeps its generation: its data path never depended on
     // the coordinator, so training goes on. Anything else reconnects at a new generation.
@@ -110,7 +108,7 @@ absl::StatusOr<std::unique_ptr<WorldManager>> WorldManager::Create(WorldOptions 
                                    saved_generation + 1));
   }
   absl::MutexLock lock(&manager->mu_);
-  if (saved->has_value()) manager->events_.Restore(**saved);
+  if (saved.has_value()) manager->events_.Restore(*saved);
   if (manager->kept_generation_) {
     // Every rank had finished training when the coordinator went down.
     manager->StopIfTrainingFinished("every rank had reported the end", now, &change);
@@ -125,10 +123,9 @@ absl::StatusOr<std::unique_ptr<WorldManager>> WorldManager::Create(WorldOptions 
 }
 
 absl::StatusOr<bool> WorldManager::HasLiveWorld(StateStore* store) {
-  absl::StatusOr<std::optional<v1::CoordinatorState>> saved =
-      MembershipLog::Load(store, /*max_events=*/0);
-  if (!saved.ok()) return saved.status();
-  return saved->has_value() && !(*saved)->stop_requested() && !(*saved)->members().empty();
+  SHARD_ASSIGN_OR_RETURN(std::optional<v1::CoordinatorState> saved,
+                         MembershipLog::Load(store, /*max_events=*/0));
+  return saved.has_value() && !saved->stop_requested() && !saved->members().empty();
 }
 
 WorldManager::WorldManager(WorldOptions options, StateStore* store, Membership membership,
@@ -286,10 +283,9 @@ absl::StatusOr<shard::Member*> WorldManager::GenerationMemberLocked(const std::s
 absl::StatusOr<HeartbeatOutcome> WorldManager::HeartbeatLocked(const std::string& worker_id,
                                                                uint64_t incarnation,
                                                                absl::Time now) {
-  absl::StatusOr<shard::Member*> member =
-      membership_.FindLive(worker_id, incarnation, options_.job);
-  if (!member.ok()) return member.status();
-  (*member)->last_heartbeat = now;
+  SHARD_ASSIGN_OR_RETURN(shard::Member * member,
+                         membership_.FindLive(worker_id, incarnation, options_.job));
+  member->last_heartbeat = now;
   return OutcomeLocked(worker_id, WorldLocked());
 }
 
@@ -371,26 +367,26 @@ void WorldManager::CloseWatches(const absl::Status& reason) {
 }
 
 absl::StatusOr<JoinOutcome> WorldManager::Join(const JoinParams& params, absl::Time now) {
-  return Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)
-                         -> absl::StatusOr<JoinOutcome> {
-    absl::StatusOr<int> rank =
-        shard::Join(membership_, rules_, params, generation_, now, change);
-    if (!rank.ok()) return rank.status();
+  return Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
+                    mu_) -> absl::StatusOr<JoinOutcome> {
+    SHARD_ASSIGN_OR_RETURN(int rank,
+                           shard::Join(membership_, rules_, params, generation_, now, change));
     World world = WorldLocked();
     if (change->bump) ++world.generation;  // CommitLocked ends the generation next
     if (!change->events.empty()) {
-      if (*rank >= 0) {
-        spdlog::info("worker {} joined as rank {} (host {}, device {}); generation {}, {}/{} "
-                     "ranks held",
-                     params.worker_id, *rank, params.host, params.device, world.generation,
-                     world.world_size, world.ranks);
+      if (rank >= 0) {
+        spdlog::info(
+            "worker {} joined as rank {} (host {}, device {}); generation {}, {}/{} "
+            "ranks held",
+            params.worker_id, rank, params.host, params.device, world.generation, world.world_size,
+            world.ranks);
       } else {
         spdlog::info("worker {} joined as a standby (host {}, device {}); the world has {} "
                      "ranks, target {}",
                      params.worker_id, params.host, params.device, world.ranks, world.expected_world_size);
       }
     }
-    return JoinOutcome{*rank, world};
+    return JoinOutcome{rank, world};
   });
 }
 
@@ -398,34 +394,31 @@ absl::Status WorldManager::ReportSelfCheck(const std::string& worker_id, uint64_
                                            int64_t generation, bool passed,
                                            const std::string& detail, absl::Time now) {
   return Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-    absl::StatusOr<shard::Member*> member = GenerationMemberLocked(worker_id, incarnation);
-    if (!member.ok()) return member.status();
+    SHARD_ASSIGN_OR_RETURN(shard::Member * member, GenerationMemberLocked(worker_id, incarnation));
     if (generation != generation_) {
       return absl::AbortedError(absl::StrCat("self-check was run at generation ", generation,
                                              " but the world is at generation ", generation_,
                                              "; check again"));
     }
-    (*member)->last_heartbeat = now;
-    (*member)->self_check =
-        SelfCheckRecord{passed ? SelfCheckState::kPassed : SelfCheckState::kFailed, generation,
-                        detail};
+    member->last_heartbeat = now;
+    member->self_check = SelfCheckRecord{passed ? SelfCheckState::kPassed : SelfCheckState::kFailed,
+                                         generation, detail};
     if (!passed) {
       spdlog::error("worker {} (rank {}) failed its self-check at generation {}: {}", worker_id,
-                    (*member)->rank, generation, detail);
+                    member->rank, generation, detail);
       // Its peers cannot use this generation's data path either: every rank reconnects at the
       // next one (after a death, only once the lease says who is gone).
-      if ((*member)->role == Role::kActive && WorldLocked().state == JobState::kRunning &&
+      if (member->role == Role::kActive && WorldLocked().state == JobState::kRunning &&
           !membership_.stop_requested) {
         change->bump = true;
         change->events.push_back(MakeEvent(
-            v1::MEMBERSHIP_EVENT_KIND_REFORMED, worker_id, (*member)->rank,
-            absl::StrCat("the data path of generation ", generation, " failed: ", detail),
-            now));
+            v1::MEMBERSHIP_EVENT_KIND_REFORMED, worker_id, member->rank,
+            absl::StrCat("the data path of generation ", generation, " failed: ", detail), now));
       }
       return absl::OkStatus();
     }
     spdlog::info("worker {} (rank {}) passed its self-check at generation {}: {}", worker_id,
-                 (*member)->rank, generation, detail);
+                 member->rank, generation, detail);
     // Once every rank has connected, a restarted coordinator can keep this generation.
     if (WorldLocked().state != JobState::kRunning ||
         membership_.connected_generation == generation) {
@@ -460,16 +453,15 @@ absl::Status WorldManager::Leave(const std::string& worker_id, uint64_t incarnat
 absl::Status WorldManager::ReportTrainingDone(const std::string& worker_id, uint64_t incarnation,
                                               const std::string& summary, absl::Time now) {
   return Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-    absl::StatusOr<shard::Member*> member =
-        membership_.FindLive(worker_id, incarnation, options_.job);
-    if (!member.ok()) return member.status();
-    (*member)->last_heartbeat = now;
-    if ((*member)->done_generation != generation_) {
+    SHARD_ASSIGN_OR_RETURN(shard::Member * member,
+                           membership_.FindLive(worker_id, incarnation, options_.job));
+    member->last_heartbeat = now;
+    if (member->done_generation != generation_) {
       // Acknowledged once durable: a restarted coordinator must still know it.
-      (*member)->done_generation = generation_;
+      member->done_generation = generation_;
       membership_.Touch(worker_id);
     }
-    spdlog::info("worker {} (rank {}) finished training: {}", worker_id, (*member)->rank, summary);
+    spdlog::info("worker {} (rank {}) finished training: {}", worker_id, member->rank, summary);
     StopIfTrainingFinished(summary, now, change);
     return absl::OkStatus();
   });
@@ -512,7 +504,7 @@ absl::Status WorldManager::SetTarget(int world_size, absl::Time now) {
           rules_.max_world_size, " (min_world_size..world_size of the job spec)"));
     }
     if (rules_.check_size) {
-      if (absl::Status allowed = rules_.check_size(world_size); !allowed.ok()) return allowed;
+      SHARD_RETURN_IF_ERROR(rules_.check_size(world_size));
     }
     if (world_size == membership_.target) return absl::OkStatus();
     const int from = membership_.target;
@@ -603,21 +595,20 @@ World WorldManager::RequestStop(const std::string& reason, absl::Time now) {
 absl::StatusOr<MemberRef> WorldManager::RunningMember(const std::string& worker_id,
                                                       uint64_t incarnation) {
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<shard::Member*> member = GenerationMemberLocked(worker_id, incarnation);
-  if (!member.ok()) return member.status();
+  SHARD_ASSIGN_OR_RETURN(shard::Member * member, GenerationMemberLocked(worker_id, incarnation));
   const World world = WorldLocked();
   // Both mean the caller's generation is over (it learns the next one from its heartbeat).
-  if ((*member)->role != Role::kActive) {
-    return absl::AbortedError(absl::StrCat(
-        "worker '", worker_id, "' holds no rank at generation ", world.generation, " (",
-        (*member)->role == Role::kStandby ? "a standby" : "leaving", ")"));
+  if (member->role != Role::kActive) {
+    return absl::AbortedError(
+        absl::StrCat("worker '", worker_id, "' holds no rank at generation ", world.generation,
+                     " (", member->role == Role::kStandby ? "a standby" : "leaving", ")"));
   }
   if (world.state != JobState::kRunning) {
     return absl::AbortedError(absl::StrCat(
         "the world is ", JobStateName(world.state), " at generation ", world.generation,
         "; it trains once it runs again"));
   }
-  return MemberRef{worker_id, (*member)->rank, world.generation, world.world_size};
+  return MemberRef{worker_id, member->rank, world.generation, world.world_size};
 }
 
 StatusSnapshot WorldManager::Status(absl::Time now) const {

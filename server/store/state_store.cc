@@ -11,8 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
 #include "common/journal.h"
-#include "google/protobuf/util/json_util.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
+#include "google/protobuf/util/json_util.h"
 #include "spdlog/spdlog.h"
 
 namespace shard {
@@ -70,7 +71,7 @@ uint64_t InMemoryStateStore::last_sequence() const {
 
 absl::StatusOr<std::unique_ptr<DirectoryStateStore>> DirectoryStateStore::Open(
     const std::string& dir) {
-  if (absl::Status made = MakeDirectories(dir); !made.ok()) return made;
+  SHARD_RETURN_IF_ERROR(MakeDirectories(dir));
   const std::string lock_path = absl::StrCat(dir, "/LOCK");
   const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
@@ -229,7 +230,7 @@ absl::Status DirectoryStateStore::WriteGroup(const std::vector<Write>& group) {
         ::close(open->second);
         journal_fds_.erase(open);
       }
-      if (absl::Status written = WriteFileAtomically(path, frames); !written.ok()) return written;
+      SHARD_RETURN_IF_ERROR(WriteFileAtomically(path, frames));
       continue;
     }
     auto open = journal_fds_.find(key);
