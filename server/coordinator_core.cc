@@ -33,16 +33,22 @@ void ApplyJob(const JobConfig& job, CoreOptions* options) {
 // Decides between taking back a live job kept in the store (a restart after a crash) and
 // starting a new world, and settles the job and world options accordingly.
 absl::Status SettleJob(StateStore* store, CoreOptions* options) {
-  absl::StatusOr<bool> live = WorldManager::HasLiveWorld(store);
-  if (!live.ok()) return live.status();
+  absl::StatusOr<WorldManager::SavedWorld> saved = WorldManager::FindSavedWorld(store);
+  if (!saved.ok()) return saved.status();
   v1::JobSpec stored;
   absl::StatusOr<bool> has_job = store->Load(kJobRecord, &stored);
   if (!has_job.ok()) return has_job.status();
-  const bool recover =
-      *live && options->restore.empty() && (*has_job || !options->job.has_value());
+  const bool same_job =
+      !options->job.has_value() ||
+      (*has_job && google::protobuf::util::MessageDifferencer::Equals(ToProto(*options->job),
+                                                                      stored));
+  // A finished job is taken back (to stop at once) only when started again as it was; another
+  // job spec, or --restore, is a new run.
+  const bool finished = *saved == WorldManager::SavedWorld::kFinished && same_job;
+  const bool recover = (*saved == WorldManager::SavedWorld::kLive || finished) &&
+                       options->restore.empty() && (*has_job || !options->job.has_value());
   if (recover && *has_job) {
-    if (options->job.has_value() &&
-        !google::protobuf::util::MessageDifferencer::Equals(ToProto(*options->job), stored)) {
+    if (!same_job) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the state directory holds job '", stored.name(), "', still live (its workers may be "
           "running), with another job spec; start without --job (or with the same file) to take "

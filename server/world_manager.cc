@@ -4,6 +4,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/names.h"
@@ -12,7 +13,15 @@
 #include "spdlog/spdlog.h"
 
 namespace shard {
+
 namespace {
+
+// How a stop after the end of training reads; a restarted coordinator recognizes it.
+constexpr char kTrainingFinished[] = "training finished";
+
+bool TrainingFinished(const v1::CoordinatorState& saved) {
+  return saved.stop_requested() && absl::StartsWith(saved.stop_reason(), kTrainingFinished);
+}
 
 // The job-level fields a change may touch without touching a member or recording an event.
 auto Header(const Membership& m) {
@@ -97,6 +106,19 @@ absl::StatusOr<std::unique_ptr<WorldManager>> WorldManager::Create(WorldOptions 
     manager->kept_generation_ = keep;
     spdlog::info("recovered job '{}' from the state directory at generation {}: {}",
                  manager->options_.job, manager->generation_, summary);
+  } else if (options.recover && saved.has_value() && TrainingFinished(*saved)) {
+    // Nothing to run: the world comes back stopped and the coordinator exits.
+    change.events.push_back(MakeEvent(v1::MEMBERSHIP_EVENT_KIND_COORDINATOR_RECOVERED, "", -1,
+                                      absl::StrCat("the job had finished (", saved->stop_reason(),
+                                                   "): nothing to run"),
+                                      now));
+    manager.reset(new WorldManager(std::move(options), store, Membership(target, target),
+                                   saved_generation));
+    manager->recovered_ = true;
+    shard::RequestStop(manager->membership_, saved->stop_reason(), now, &change);
+    spdlog::info("job '{}' had finished ({}); nothing to run: start with --restore to train "
+                 "again from a checkpoint, or on another --state-dir for a new run",
+                 manager->options_.job, saved->stop_reason());
   } else {
     // A new world: whatever existed before is gone, and its generation numbers stay used.
     change.events.push_back(MakeEvent(
@@ -122,10 +144,13 @@ absl::StatusOr<std::unique_ptr<WorldManager>> WorldManager::Create(WorldOptions 
   return manager;
 }
 
-absl::StatusOr<bool> WorldManager::HasLiveWorld(StateStore* store) {
+absl::StatusOr<WorldManager::SavedWorld> WorldManager::FindSavedWorld(StateStore* store) {
   SHARD_ASSIGN_OR_RETURN(std::optional<v1::CoordinatorState> saved,
                          MembershipLog::Load(store, /*max_events=*/0));
-  return saved.has_value() && !saved->stop_requested() && !saved->members().empty();
+  if (!saved.has_value()) return SavedWorld::kNone;
+  if (TrainingFinished(*saved)) return SavedWorld::kFinished;
+  return !saved->stop_requested() && !saved->members().empty() ? SavedWorld::kLive
+                                                                : SavedWorld::kNone;
 }
 
 WorldManager::WorldManager(WorldOptions options, StateStore* store, Membership membership,
@@ -473,7 +498,8 @@ void WorldManager::StopIfTrainingFinished(const std::string& summary, absl::Time
   for (const std::string& id : membership_.holders()) {
     if (membership_.Find(id)->done_generation != generation_) return;
   }
-  shard::RequestStop(membership_, absl::StrCat("training finished (", summary, ")"), now, change);
+  shard::RequestStop(membership_, absl::StrCat(kTrainingFinished, " (", summary, ")"), now,
+                     change);
 }
 
 std::vector<std::string> WorldManager::ExpireLeases(absl::Time now) {

@@ -60,16 +60,19 @@ class WorldManager {
   // `options.job`; generations continue from the saved one. With `options.recover`, a saved
   // world whose job had not stopped is taken back: its live workers stay members (each with a
   // fresh lease) and, if every rank was held and had connected its data path, the generation
-  // is kept so that training goes on undisturbed.
+  // is kept so that training goes on undisturbed; a job whose training had finished comes back
+  // stopped.
   static absl::StatusOr<std::unique_ptr<WorldManager>> Create(WorldOptions options,
                                                               StateStore* store, absl::Time now);
   // Whether Create took back a saved world, and whether it kept its generation (an intact,
   // connected world that goes on training).
   bool recovered() const { return recovered_; }
   bool kept_generation() const { return kept_generation_; }
-  // Whether `store` holds a world whose job had not stopped (its coordinator crashed), and so
-  // would be taken back.
-  static absl::StatusOr<bool> HasLiveWorld(StateStore* store);
+  // What `store` holds: no world, a world whose job had not stopped (its coordinator crashed,
+  // so it is taken back), or a job whose training finished (a coordinator started again on it
+  // has nothing to run: it stops at once instead of training the job over).
+  enum class SavedWorld { kNone, kLive, kFinished };
+  static absl::StatusOr<SavedWorld> FindSavedWorld(StateStore* store);
 
   // Called under the manager's lock whenever the generation changes; must not call back.
   void set_generation_listener(std::function<void(int64_t)> listener);

@@ -301,6 +301,34 @@ TEST_F(WorldManagerTest, ANewWorldContinuesTheGenerationsOfTheStateDirectory) {
   EXPECT_NE(wrong.status().message().find("job1"), absl::string_view::npos);
 }
 
+// A coordinator killed after its job's training finished (while the workers leave) and started
+// again has nothing to run: the world comes back stopped, instead of a new run waiting for
+// workers that have exited (the simulation's seeds 18514, 19020 and 19751).
+TEST_F(WorldManagerTest, AFinishedJobComesBackStoppedAfterARestart) {
+  int64_t generation = 0;
+  {
+    auto world = Make(2);
+    for (const char* id : {"a", "b"}) ASSERT_TRUE(world->Join(Params(id), now_).ok());
+    generation = world->world().generation;
+    for (const char* id : {"a", "b"}) {
+      ASSERT_TRUE(world->ReportTrainingDone(id, 1, "10 steps", now_).ok());
+    }
+    ASSERT_EQ(world->world().state, JobState::kStopping);
+  }  // killed before the workers left
+  ASSERT_EQ(*WorldManager::FindSavedWorld(&store_), WorldManager::SavedWorld::kFinished);
+  auto again = Make(2);
+  EXPECT_TRUE(again->recovered());
+  EXPECT_EQ(again->world().state, JobState::kStopped);
+  EXPECT_EQ(again->world().generation, generation);
+  EXPECT_EQ(again->Heartbeat("a", 1, now_).status().code(), absl::StatusCode::kNotFound);
+
+  // Started as a new run instead, it expects workers again.
+  WorldOptions fresh = Options(2);
+  fresh.recover = false;
+  auto rerun = Make(fresh);
+  EXPECT_EQ(rerun->world().state, JobState::kForming);
+}
+
 TEST_F(WorldManagerTest, AMembershipRecordOfAnUnknownFormatIsRefused) {
   v1::CoordinatorState future;
   future.set_format_version(9);
