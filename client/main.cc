@@ -1,4 +1,6 @@
 // shardctl: the admin client of a Shard job.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
@@ -17,6 +19,7 @@
 #include "common/manifest.h"
 #include "common/mlp_data.h"
 #include "common/plan.h"
+#include "common/status_macros.h"
 #include "common/tensor_compare.h"
 #include "nlohmann/json.hpp"
 #include "proto/plan_convert.h"
@@ -93,6 +96,35 @@ int WaitForStop(shard::AdminClient& admin, absl::Duration timeout) {
                    "; run 'shardctl status' to see which workers are still live")));
 }
 
+// `shardctl status --watch`: the status every `interval` until the job stops or the coordinator
+// exits; redrawn in place on a terminal, else a block (or with --json a line) per refresh.
+int WatchStatus(shard::AdminClient& admin, absl::Duration interval, bool json) {
+  const bool terminal = ::isatty(STDOUT_FILENO) != 0;
+  bool answered = false;
+  while (true) {
+    absl::StatusOr<shard::v1::GetStatusResponse> status = admin.GetStatus();
+    if (!status.ok()) {
+      if (answered &&
+          (absl::IsUnavailable(status.status()) || absl::IsCancelled(status.status()))) {
+        std::cerr << "the coordinator has exited\n";
+        return 0;
+      }
+      return Fail(status.status());
+    }
+    answered = true;
+    if (json) {
+      std::cout << shard::StatusToJson(*status).dump() << "\n";
+    } else {
+      // Home and clear the screen, so the status stays in one place.
+      std::cout << (terminal ? "\x1b[H\x1b[2J" : "") << shard::StatusTable(*status)
+                << (terminal ? "" : "\n");
+    }
+    std::cout << std::flush;
+    if (status->world().state() == shard::v1::JOB_STATE_STOPPED) return 0;
+    std::this_thread::sleep_for(absl::ToChronoNanoseconds(interval));
+  }
+}
+
 // Waits until the world is formed and every member passed its self-check (and, with
 // `initialized`, every worker applied the rebuilt plan).
 int WaitForReady(shard::AdminClient& admin, absl::Duration timeout, bool initialized) {
@@ -144,16 +176,14 @@ int WaitForReady(shard::AdminClient& admin, absl::Duration timeout, bool initial
 // `shardctl plan --manifest FILE ...`: the plan computed here, with the coordinator's code.
 absl::StatusOr<shard::v1::PlanSummary> OfflinePlan(const std::string& manifest_file,
                                                    const shard::PlanOptions& options) {
-  absl::StatusOr<std::string> text = shard::ReadFile(manifest_file);
-  if (!text.ok()) return text.status();
-  absl::StatusOr<shard::Manifest> manifest = shard::ParseManifestJson(*text);
+  SHARD_ASSIGN_OR_RETURN(const std::string text, shard::ReadFile(manifest_file));
+  absl::StatusOr<shard::Manifest> manifest = shard::ParseManifestJson(text);
   if (!manifest.ok()) {
     return absl::Status(manifest.status().code(),
                         absl::StrCat(manifest_file, ": ", manifest.status().message()));
   }
-  absl::StatusOr<shard::Plan> plan = shard::MakePlan(*manifest, options);
-  if (!plan.ok()) return plan.status();
-  return shard::ToPlanSummary(*plan, *manifest, /*version=*/0, /*generation=*/0);
+  SHARD_ASSIGN_OR_RETURN(const shard::Plan plan, shard::MakePlan(*manifest, options));
+  return shard::ToPlanSummary(plan, *manifest, /*version=*/0, /*generation=*/0);
 }
 
 }  // namespace
@@ -172,8 +202,19 @@ int main(int argc, char** argv) {
       ->check(shard::DurationValidator());
 
   bool json = false;
-  CLI::App* status_cmd = app.add_subcommand("status", "the job's state and its workers");
+  bool watch = false;
+  std::string watch_interval = "1s";
+  CLI::App* status_cmd = app.add_subcommand(
+      "status",
+      "the job's state, its training (step, loss, steps/s, ETA, last checkpoint, "
+      "overlap), the transition in progress, and its workers");
   status_cmd->add_flag("--json", json, "print JSON for scripts");
+  status_cmd->add_flag("--watch", watch,
+                       "refresh until the job stops or the coordinator exits: in place on a "
+                       "terminal, else a block per refresh (with --json, one object per line)");
+  status_cmd->add_option("--interval", watch_interval, "how often --watch refreshes")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
   CLI::App* workers_cmd = app.add_subcommand("workers", "the workers table");
   workers_cmd->add_flag("--json", json, "print the workers as a JSON array");
   std::string reason = "shardctl stop";
@@ -345,6 +386,9 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  if (status_cmd->parsed() && watch) {
+    return WatchStatus(admin, shard::ParsedDuration(watch_interval), json);
+  }
   if (status_cmd->parsed() || workers_cmd->parsed()) {
     absl::StatusOr<shard::v1::GetStatusResponse> status = admin.GetStatus();
     if (!status.ok()) return Fail(status.status());

@@ -29,6 +29,34 @@ std::string Ago(int64_t ms) {
   return absl::StrFormat("%.1fs ago", ms / 1000.0);
 }
 
+// "42s", "3m05s", "2h07m": as precise as a person reading a status needs.
+std::string Span(int64_t ms) {
+  const int64_t s = (ms + 500) / 1000;
+  if (s < 60) return absl::StrCat(s, "s");
+  if (s < 3600) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  return absl::StrFormat("%dh%02dm", s / 3600, (s % 3600) / 60);
+}
+
+template <typename T>
+nlohmann::json OrNull(bool has, T value) {
+  return has ? nlohmann::json(value) : nlohmann::json(nullptr);
+}
+
+nlohmann::json ProgressToJson(const v1::TrainingProgress& progress) {
+  return {
+      {"step", progress.step()},
+      {"steps", progress.steps()},
+      {"loss", OrNull(progress.has_loss(), progress.loss())},
+      {"steps_per_second", progress.steps_per_second()},
+      {"eta_ms", OrNull(progress.has_eta_ms(), progress.eta_ms())},
+      {"last_checkpoint", OrNull(!progress.last_checkpoint().empty(), progress.last_checkpoint())},
+      {"last_checkpoint_step", progress.last_checkpoint_step()},
+      {"last_checkpoint_age_ms",
+       OrNull(progress.has_last_checkpoint_age_ms(), progress.last_checkpoint_age_ms())},
+      {"overlap_fraction", progress.overlap_fraction()},
+  };
+}
+
 }  // namespace
 
 std::string RenderTable(const std::vector<std::vector<std::string>>& rows) {
@@ -84,6 +112,7 @@ nlohmann::json StatusToJson(const v1::GetStatusResponse& status) {
       {"state", JobState(status.world())},
       {"lease_ms", status.lease_ms()},
       {"uptime_ms", status.uptime_ms()},
+      {"progress", ProgressToJson(status.progress())},
       {"workers", workers},
   };
 }
@@ -117,11 +146,37 @@ std::string WorldLine(const v1::GetStatusResponse& status) {
   return line;
 }
 
+std::string ProgressLines(const v1::GetStatusResponse& status) {
+  const v1::TrainingProgress& progress = status.progress();
+  if (progress.steps() == 0) return "";  // a world without a job
+  std::string training = absl::StrFormat("training: step %d/%d", progress.step(), progress.steps());
+  if (progress.has_loss()) {
+    absl::StrAppend(&training, absl::StrFormat(", loss %.6g", progress.loss()));
+  }
+  if (progress.steps_per_second() > 0) {
+    absl::StrAppend(&training, absl::StrFormat(", %.3g steps/s", progress.steps_per_second()));
+  }
+  if (progress.has_eta_ms()) absl::StrAppend(&training, ", ETA ", Span(progress.eta_ms()));
+  if (progress.overlap_fraction() > 0) {
+    absl::StrAppend(&training, absl::StrFormat(", %.0f%% of communication hidden",
+                                               100 * progress.overlap_fraction()));
+  }
+  std::string saved = "last checkpoint: none yet";
+  if (!progress.last_checkpoint().empty()) {
+    saved = absl::StrCat("last checkpoint: ", progress.last_checkpoint(), " (step ",
+                         progress.last_checkpoint_step(), ")");
+    if (progress.has_last_checkpoint_age_ms()) {
+      absl::StrAppend(&saved, ", ", Span(progress.last_checkpoint_age_ms()), " ago");
+    }
+  }
+  return absl::StrCat(training, "\n", saved, "\n");
+}
+
 std::string StatusTable(const v1::GetStatusResponse& status) {
-  return absl::StrCat(WorldLine(status),
-                      absl::StrFormat("\nlease %dms, up %.1fs\n", status.lease_ms(),
-                                      status.uptime_ms() / 1000.0),
-                      WorkersTable(status));
+  return absl::StrCat(
+      WorldLine(status), "\n", ProgressLines(status),
+      absl::StrFormat("lease %dms, up %.1fs\n", status.lease_ms(), status.uptime_ms() / 1000.0),
+      WorkersTable(status));
 }
 
 }  // namespace shard

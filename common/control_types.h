@@ -135,6 +135,22 @@ struct SelfCheckRecord {
   bool operator==(const SelfCheckRecord&) const = default;
 };
 
+// What an operator asks first about training (shardctl status): where it is, how fast it goes,
+// what is saved.
+struct TrainingProgress {
+  int64_t step = 0;   // the latest step a rank finished (the restored checkpoint's before any)
+  int64_t steps = 0;  // the job's total; 0 when the coordinator runs no job
+  std::optional<double> loss;   // global loss at `step`, once this coordinator heard of a step
+  double steps_per_second = 0;  // over the last reports of this generation; 0 until two
+  std::optional<absl::Duration> eta;  // at that rate
+  std::string last_checkpoint;        // the newest committed checkpoint; empty if none
+  int64_t last_checkpoint_step = 0;
+  std::optional<absl::Duration> last_checkpoint_age;
+  double overlap_fraction = 0;  // communication hidden behind backward over the last steps
+
+  bool operator==(const TrainingProgress&) const = default;
+};
+
 struct WorkerSnapshot {
   std::string id;
   int rank = -1;  // -1 once departed

@@ -21,14 +21,10 @@ absl::StatusOr<std::unique_ptr<MlpBatchReader>> MlpBatchReader::Open(const std::
   }
   reader->samples_ = x->shape[0];
   reader->width_ = input_width;
-  absl::StatusOr<const TensorInfo*> checked_x =
-      reader->file_->Expect("x", DataType::kFloat32, {reader->samples_, input_width});
-  if (!checked_x.ok()) return checked_x.status();
-  absl::StatusOr<const TensorInfo*> checked_y =
-      reader->file_->Expect("y", DataType::kInt64, {reader->samples_});
-  if (!checked_y.ok()) return checked_y.status();
-  reader->x_ = *checked_x;
-  reader->y_ = *checked_y;
+  SHARD_ASSIGN_OR_RETURN(
+      reader->x_, reader->file_->Expect("x", DataType::kFloat32, {reader->samples_, input_width}));
+  SHARD_ASSIGN_OR_RETURN(reader->y_,
+                         reader->file_->Expect("y", DataType::kInt64, {reader->samples_}));
   return reader;
 }
 

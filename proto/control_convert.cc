@@ -311,6 +311,38 @@ WorkerSnapshot FromProto(const v1::WorkerStatus& status) {
   return worker;
 }
 
+v1::TrainingProgress ToProto(const TrainingProgress& progress) {
+  v1::TrainingProgress out;
+  out.set_step(progress.step);
+  out.set_steps(progress.steps);
+  if (progress.loss.has_value()) out.set_loss(*progress.loss);
+  out.set_steps_per_second(progress.steps_per_second);
+  if (progress.eta.has_value()) out.set_eta_ms(absl::ToInt64Milliseconds(*progress.eta));
+  out.set_last_checkpoint(progress.last_checkpoint);
+  out.set_last_checkpoint_step(progress.last_checkpoint_step);
+  if (progress.last_checkpoint_age.has_value()) {
+    out.set_last_checkpoint_age_ms(absl::ToInt64Milliseconds(*progress.last_checkpoint_age));
+  }
+  out.set_overlap_fraction(progress.overlap_fraction);
+  return out;
+}
+
+TrainingProgress FromProto(const v1::TrainingProgress& progress) {
+  TrainingProgress out;
+  out.step = progress.step();
+  out.steps = progress.steps();
+  if (progress.has_loss()) out.loss = progress.loss();
+  out.steps_per_second = progress.steps_per_second();
+  if (progress.has_eta_ms()) out.eta = absl::Milliseconds(progress.eta_ms());
+  out.last_checkpoint = progress.last_checkpoint();
+  out.last_checkpoint_step = progress.last_checkpoint_step();
+  if (progress.has_last_checkpoint_age_ms()) {
+    out.last_checkpoint_age = absl::Milliseconds(progress.last_checkpoint_age_ms());
+  }
+  out.overlap_fraction = progress.overlap_fraction();
+  return out;
+}
+
 v1::Event ToApiEvent(const v1::MembershipEvent& event) {
   v1::Event out;
   out.set_sequence(event.sequence());

@@ -57,6 +57,10 @@ SelfCheckRecord FromProto(const v1::SelfCheck& check);
 v1::WorkerStatus ToProto(const WorkerSnapshot& worker);
 WorkerSnapshot FromProto(const v1::WorkerStatus& status);
 
+// Durations travel as whole milliseconds.
+v1::TrainingProgress ToProto(const TrainingProgress& progress);
+TrainingProgress FromProto(const v1::TrainingProgress& progress);
+
 // The history as shardctl shows it ("joined", "dead", ...).
 v1::Event ToApiEvent(const v1::MembershipEvent& event);
 

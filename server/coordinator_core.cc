@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "proto/job_convert.h"
 #include "spdlog/spdlog.h"
@@ -33,21 +34,18 @@ void ApplyJob(const JobConfig& job, CoreOptions* options) {
 // Decides between taking back a live job kept in the store (a restart after a crash) and
 // starting a new world, and settles the job and world options accordingly.
 absl::Status SettleJob(StateStore* store, CoreOptions* options) {
-  absl::StatusOr<WorldManager::SavedWorld> saved = WorldManager::FindSavedWorld(store);
-  if (!saved.ok()) return saved.status();
+  SHARD_ASSIGN_OR_RETURN(const WorldManager::SavedWorld saved, WorldManager::FindSavedWorld(store));
   v1::JobSpec stored;
-  absl::StatusOr<bool> has_job = store->Load(kJobRecord, &stored);
-  if (!has_job.ok()) return has_job.status();
+  SHARD_ASSIGN_OR_RETURN(const bool has_job, store->Load(kJobRecord, &stored));
   const bool same_job =
-      !options->job.has_value() ||
-      (*has_job && google::protobuf::util::MessageDifferencer::Equals(ToProto(*options->job),
-                                                                      stored));
+      !options->job.has_value() || (has_job && google::protobuf::util::MessageDifferencer::Equals(
+                                                   ToProto(*options->job), stored));
   // A finished job is taken back (to stop at once) only when started again as it was; another
   // job spec, or --restore, is a new run.
-  const bool finished = *saved == WorldManager::SavedWorld::kFinished && same_job;
-  const bool recover = (*saved == WorldManager::SavedWorld::kLive || finished) &&
-                       options->restore.empty() && (*has_job || !options->job.has_value());
-  if (recover && *has_job) {
+  const bool finished = saved == WorldManager::SavedWorld::kFinished && same_job;
+  const bool recover = (saved == WorldManager::SavedWorld::kLive || finished) &&
+                       options->restore.empty() && (has_job || !options->job.has_value());
+  if (recover && has_job) {
     if (!same_job) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the state directory holds job '", stored.name(), "', still live (its workers may be "
@@ -55,16 +53,12 @@ absl::Status SettleJob(StateStore* store, CoreOptions* options) {
           "it back, pass --restore to start a new run from a checkpoint, or use another "
           "--state-dir"));
     }
-    absl::StatusOr<JobConfig> job = JobConfigFromProto(stored, "");
-    if (!job.ok()) return job.status();
-    options->job = std::move(*job);
+    SHARD_ASSIGN_OR_RETURN(options->job, JobConfigFromProto(stored, ""));
   }
   if (options->job.has_value()) {
     ApplyJob(*options->job, options);
     if (!recover) {
-      if (absl::Status saved = store->Save(kJobRecord, ToProto(*options->job)); !saved.ok()) {
-        return saved;
-      }
+      SHARD_RETURN_IF_ERROR(store->Save(kJobRecord, ToProto(*options->job)));
     }
   } else if (options->world.expected_world_size < 1) {
     return absl::InvalidArgumentError(
@@ -97,22 +91,19 @@ absl::Status CheckRestorable(const JobConfig& job, const CheckpointManifest& man
 
 absl::StatusOr<std::unique_ptr<CoordinatorCore>> CoordinatorCore::Create(
     CoreOptions options, StateStore* store, CheckpointStorage* storage, absl::Time now) {
-  if (absl::Status settled = SettleJob(store, &options); !settled.ok()) return settled;
+  SHARD_RETURN_IF_ERROR(SettleJob(store, &options));
   std::unique_ptr<CoordinatorCore> core(new CoordinatorCore(options, store));
-  auto world = WorldManager::Create(options.world, store, now);
-  if (!world.ok()) return world.status();
-  core->world_ = std::move(*world);
+  SHARD_ASSIGN_OR_RETURN(core->world_, WorldManager::Create(options.world, store, now));
   const int64_t generation = core->world_->world().generation;
   const bool recovered = core->world_->recovered();
   core->kv_ = std::make_unique<KvStoreManager>(options.world.job, generation);
   core->plan_ = std::make_unique<PlanManager>(options.plan, store);
   core->plan_->OnGeneration(generation);
   if (recovered) {
-    if (absl::Status plan = core->plan_->Recover(generation); !plan.ok()) return plan;
+    SHARD_RETURN_IF_ERROR(core->plan_->Recover(generation));
   }
-  auto elastic = ElasticManager::Create(store, recovered && core->world_->kept_generation());
-  if (!elastic.ok()) return elastic.status();
-  core->elastic_ = std::move(*elastic);
+  SHARD_ASSIGN_OR_RETURN(
+      core->elastic_, ElasticManager::Create(store, recovered && core->world_->kept_generation()));
   if (options.job.has_value()) {
     const JobConfig& job = *options.job;
     CheckpointOptions checkpoint_options;
@@ -123,22 +114,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorCore>> CoordinatorCore::Create(
     checkpoint_options.optimizer = job.optimizer;
     checkpoint_options.state_names = OptimizerStateNames(job.optimizer);
     checkpoint_options.recover = recovered;
-    auto checkpoints = CheckpointManager::Create(checkpoint_options, store, storage, generation,
-                                                 core->world_->kept_generation());
-    if (!checkpoints.ok()) return checkpoints.status();
-    core->checkpoints_ = std::move(*checkpoints);
+    SHARD_ASSIGN_OR_RETURN(core->checkpoints_,
+                           CheckpointManager::Create(checkpoint_options, store, storage, generation,
+                                                     core->world_->kept_generation()));
     if (!options.restore.empty()) {
-      absl::StatusOr<v1::CheckpointRecord> record = core->checkpoints_->Find(options.restore);
-      if (!record.ok()) return record.status();
-      absl::StatusOr<CheckpointManifest> manifest = core->checkpoints_->ReadManifest(*record);
-      if (!manifest.ok()) return manifest.status();
-      if (absl::Status usable = CheckRestorable(job, *manifest); !usable.ok()) return usable;
-      if (absl::StatusOr<TrainingStartPoint> start =
-              core->checkpoints_->SetRestorePoint(record->id());
-          !start.ok()) {
-        return start.status();
-      }
-      core->plan_->SeedRebuiltOrder(manifest->plan.gradient_order);
+      SHARD_ASSIGN_OR_RETURN(const v1::CheckpointRecord record,
+                             core->checkpoints_->Find(options.restore));
+      SHARD_ASSIGN_OR_RETURN(const CheckpointManifest manifest,
+                             core->checkpoints_->ReadManifest(record));
+      SHARD_RETURN_IF_ERROR(CheckRestorable(job, manifest));
+      SHARD_RETURN_IF_ERROR(core->checkpoints_->SetRestorePoint(record.id()).status());
+      core->plan_->SeedRebuiltOrder(manifest.plan.gradient_order);
     }
   } else if (!options.restore.empty()) {
     return absl::InvalidArgumentError("--restore needs --job");
@@ -211,17 +197,15 @@ void CoordinatorCore::Leave(const std::string& worker_id, uint64_t incarnation,
 absl::StatusOr<PlanView> CoordinatorCore::RegisterManifest(const std::string& worker_id,
                                                            uint64_t incarnation,
                                                            const Manifest& manifest) {
-  absl::StatusOr<MemberRef> member = world_->RunningMember(worker_id, incarnation);
-  if (!member.ok()) return member.status();
-  return plan_->RegisterManifest(*member, manifest);
+  SHARD_ASSIGN_OR_RETURN(const MemberRef member, world_->RunningMember(worker_id, incarnation));
+  return plan_->RegisterManifest(member, manifest);
 }
 
 absl::StatusOr<PlanView> CoordinatorCore::AckPlan(const std::string& worker_id,
                                                   uint64_t incarnation, int64_t version,
                                                   const std::string& hash) {
-  absl::StatusOr<MemberRef> member = world_->RunningMember(worker_id, incarnation);
-  if (!member.ok()) return member.status();
-  return plan_->AckPlan(*member, version, hash);
+  SHARD_ASSIGN_OR_RETURN(const MemberRef member, world_->RunningMember(worker_id, incarnation));
+  return plan_->AckPlan(member, version, hash);
 }
 
 void CoordinatorCore::ReportGradientOrder(const std::string& worker_id, uint64_t incarnation,
@@ -237,11 +221,16 @@ void CoordinatorCore::ReportGradientOrder(const std::string& worker_id, uint64_t
 }
 
 absl::Status CoordinatorCore::ReportStepStats(const std::string& worker_id, uint64_t incarnation,
-                                              StepReport report) {
-  absl::StatusOr<MemberRef> member = world_->RunningMember(worker_id, incarnation);
-  if (!member.ok()) return member.status();
+                                              int64_t generation, StepReport report,
+                                              absl::Time now) {
+  SHARD_ASSIGN_OR_RETURN(MemberRef member, world_->RunningMember(worker_id, incarnation));
+  if (generation != member.generation) {
+    return absl::AbortedError(absl::StrCat("step ", report.step, " was trained in generation ",
+                                           generation, "; the world is at generation ",
+                                           member.generation));
+  }
   if (checkpoints_ != nullptr) checkpoints_->NoteTrainingStarted();
-  return plan_->ReportStepStats(*member, std::move(report));
+  return plan_->ReportStepStats(member, std::move(report), now);
 }
 
 void CoordinatorCore::ReportTrainingDone(const std::string& worker_id, uint64_t incarnation,
@@ -252,17 +241,16 @@ void CoordinatorCore::ReportTrainingDone(const std::string& worker_id, uint64_t 
 }
 
 absl::StatusOr<bool> CoordinatorCore::ReportCheckpointShard(ShardReport report, absl::Time now) {
-  absl::StatusOr<CheckpointManager*> checkpoints = Checkpoints();
-  if (!checkpoints.ok()) return checkpoints.status();
-  absl::StatusOr<MemberRef> member = world_->RunningMember(report.worker_id, report.incarnation);
-  if (!member.ok()) return member.status();
+  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, Checkpoints());
+  SHARD_ASSIGN_OR_RETURN(const MemberRef member,
+                         world_->RunningMember(report.worker_id, report.incarnation));
   std::optional<PlanView> plan = plan_->Current();
   if (!plan.has_value()) {
     return absl::FailedPreconditionError("no plan in this generation");
   }
-  report.rank = member->rank;
-  report.record.rank = member->rank;
-  return (*checkpoints)->ReportShard(report, *plan, now);
+  report.rank = member.rank;
+  report.record.rank = member.rank;
+  return checkpoints->ReportShard(report, *plan, now);
 }
 
 // --- Operators ----------------------------------------------------------------------------------
@@ -273,6 +261,28 @@ StatusSnapshot CoordinatorCore::Status(absl::Time now) const {
     snapshot.world.transition = std::move(transition);
   }
   return snapshot;
+}
+
+TrainingProgress CoordinatorCore::Progress(absl::Time now) const {
+  TrainingProgress progress;
+  if (options_.job.has_value()) progress.steps = options_.job->steps;
+  if (checkpoints_ != nullptr) {
+    progress.step = checkpoints_->start().step;  // until a step is reported
+    if (absl::StatusOr<v1::CheckpointRecord> latest = checkpoints_->Find("latest"); latest.ok()) {
+      progress.last_checkpoint = latest->id();
+      progress.last_checkpoint_step = latest->step();
+      progress.last_checkpoint_age = now - absl::FromUnixMillis(latest->committed_unix_ms());
+    }
+  }
+  const ProgressMeter meter = plan_->progress();
+  if (meter.has_step()) {
+    progress.step = meter.step();
+    progress.loss = meter.loss();
+    progress.steps_per_second = meter.steps_per_second();
+    if (progress.steps > 0) progress.eta = meter.Remaining(progress.steps);
+  }
+  progress.overlap_fraction = plan_->Stats().overlap_fraction;
+  return progress;
 }
 
 void CoordinatorCore::Stop(const std::string& reason, absl::Time now, Callback<World> done) {
@@ -307,14 +317,13 @@ absl::StatusOr<CheckpointManager*> CoordinatorCore::Checkpoints() {
 }
 
 absl::StatusOr<int64_t> CoordinatorCore::SaveCheckpoint() {
-  absl::StatusOr<CheckpointManager*> checkpoints = Checkpoints();
-  if (!checkpoints.ok()) return checkpoints.status();
+  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, Checkpoints());
   const World world = world_->world();
   if (world.state != JobState::kRunning) {
     return absl::FailedPreconditionError(
         "the world is not running; a checkpoint is saved by its workers");
   }
-  absl::StatusOr<int64_t> request = (*checkpoints)->RequestSave(world.generation);
+  absl::StatusOr<int64_t> request = checkpoints->RequestSave(world.generation);
   if (request.ok()) world_->WakeWatches();  // workers learn of the request at once
   return request;
 }
@@ -323,20 +332,15 @@ void CoordinatorCore::RestoreCheckpoint(
     const std::string& id, absl::Time now,
     Callback<absl::StatusOr<std::pair<TrainingStartPoint, World>>> done) {
   auto restore = [&]() -> absl::StatusOr<std::pair<TrainingStartPoint, World>> {
-    absl::StatusOr<CheckpointManager*> checkpoints = Checkpoints();
-    if (!checkpoints.ok()) return checkpoints.status();
-    absl::StatusOr<v1::CheckpointRecord> record = (*checkpoints)->Find(id);
-    if (!record.ok()) return record.status();
-    absl::StatusOr<CheckpointManifest> manifest = (*checkpoints)->ReadManifest(*record);
-    if (!manifest.ok()) return manifest.status();
-    if (absl::Status usable = CheckRestorable(*options_.job, *manifest); !usable.ok()) {
-      return usable;
-    }
-    absl::StatusOr<TrainingStartPoint> start = (*checkpoints)->SetRestorePoint(record->id());
-    if (!start.ok()) return start.status();
-    plan_->SeedRebuiltOrder(manifest->plan.gradient_order);
-    const World world = world_->Reform(absl::StrCat("restore from checkpoint ", record->id()), now);
-    return std::make_pair(*start, world);
+    SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, Checkpoints());
+    SHARD_ASSIGN_OR_RETURN(const v1::CheckpointRecord record, checkpoints->Find(id));
+    SHARD_ASSIGN_OR_RETURN(const CheckpointManifest manifest, checkpoints->ReadManifest(record));
+    SHARD_RETURN_IF_ERROR(CheckRestorable(*options_.job, manifest));
+    SHARD_ASSIGN_OR_RETURN(const TrainingStartPoint start,
+                           checkpoints->SetRestorePoint(record.id()));
+    plan_->SeedRebuiltOrder(manifest.plan.gradient_order);
+    const World world = world_->Reform(absl::StrCat("restore from checkpoint ", record.id()), now);
+    return std::make_pair(start, world);
   };
   absl::StatusOr<std::pair<TrainingStartPoint, World>> reply = restore();
   Acknowledge([done = std::move(done), reply = std::move(reply)]() mutable {
@@ -346,7 +350,8 @@ void CoordinatorCore::RestoreCheckpoint(
 
 void CoordinatorCore::ListEvents(int64_t after, absl::Duration wait, absl::Time now,
                                  EventsCallback done) {
-  auto durable = [this, done = std::move(done)](std::vector<v1::MembershipEvent> events) {
+  auto durable = [this,
+                  done = std::move(done)](absl::StatusOr<std::vector<v1::MembershipEvent>> events) {
     Acknowledge([done, events = std::move(events)]() mutable { done(std::move(events)); });
   };
   if (wait <= absl::ZeroDuration()) {

@@ -84,14 +84,17 @@ class CoordinatorCore {
   void ReportGradientOrder(const std::string& worker_id, uint64_t incarnation,
                            int64_t plan_version, std::vector<int> order, absl::Duration wait,
                            absl::Time now, PlanManager::PlanCallback done);
+  // `generation`: the step's; a report that outlived it (queued across a re-formation) is
+  // refused, so that a restore's earlier steps are not hidden by the old generation's.
   absl::Status ReportStepStats(const std::string& worker_id, uint64_t incarnation,
-                               StepReport report);
+                               int64_t generation, StepReport report, absl::Time now);
   void ReportTrainingDone(const std::string& worker_id, uint64_t incarnation,
                           const std::string& summary, absl::Time now, Callback<absl::Status> done);
   absl::StatusOr<bool> ReportCheckpointShard(ShardReport report, absl::Time now);
 
   // --- Operators ---
   StatusSnapshot Status(absl::Time now) const;
+  TrainingProgress Progress(absl::Time now) const;
   void Stop(const std::string& reason, absl::Time now, Callback<World> done);
   void Resize(int world_size, absl::Time now, Callback<absl::StatusOr<World>> done);
   void Drain(const std::string& worker_id, absl::Time now, Callback<absl::StatusOr<World>> done);

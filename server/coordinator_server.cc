@@ -92,9 +92,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (given.state_dir.empty()) {
     server->store_ = std::make_unique<InMemoryStateStore>();
   } else {
-    auto store = DirectoryStateStore::Open(given.state_dir);
-    if (!store.ok()) return store.status();
-    server->store_ = std::move(*store);
+    SHARD_ASSIGN_OR_RETURN(server->store_, DirectoryStateStore::Open(given.state_dir));
   }
   CoreOptions core_options;
   core_options.world = given.world;
@@ -158,11 +156,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     const CoordinatorMetricsSources sources{&core_ptr->world(), &core_ptr->plan(),
                                             core_ptr->checkpoints(), server->rpc_metrics_.get(),
                                             now};
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http = MetricsHttpServer::Start(
-        options.metrics_listen,
-        [sources] { return RenderCoordinatorMetrics(sources, absl::Now()); });
-    if (!http.ok()) return http.status();
-    server->metrics_http_ = std::move(*http);
+    SHARD_ASSIGN_OR_RETURN(server->metrics_http_,
+                           MetricsHttpServer::Start(options.metrics_listen, [sources] {
+                             return RenderCoordinatorMetrics(sources, absl::Now());
+                           }));
   }
   server->SetServing(true);
   if (options.tls.cert.empty() && !IsLoopback(host)) {

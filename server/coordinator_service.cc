@@ -142,7 +142,8 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportStepStats(
     grpc::CallbackServerContext* context, const v1::ReportStepStatsRequest* request,
     v1::ReportStepStatsResponse* /*response*/) {
   return Reply(context, core_->ReportStepStats(request->worker_id(), request->incarnation(),
-                                               FromProto(request->stats())));
+                                               request->generation(), FromProto(request->stats()),
+                                               clock_()));
 }
 
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportCheckpointShard(
@@ -203,6 +204,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
   response->set_lease_ms(absl::ToInt64Milliseconds(snapshot.lease));
   response->set_uptime_ms(absl::ToInt64Milliseconds(now - started_));
   for (const WorkerSnapshot& worker : snapshot.workers) *response->add_workers() = ToProto(worker);
+  *response->mutable_progress() = ToProto(core_->Progress(now));
   return Reply(context, absl::OkStatus());
 }
 
@@ -374,8 +376,9 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListEvents(grpc::CallbackServerConte
   const absl::Duration wait =
       std::min(absl::Milliseconds(std::max<int64_t>(0, request->wait_ms())), absl::Minutes(1));
   core_->ListEvents(request->after_sequence(), wait, clock_(),
-                    [pending, response](std::vector<v1::MembershipEvent> events) {
-                      for (const v1::MembershipEvent& event : events) {
+                    [pending, response](absl::StatusOr<std::vector<v1::MembershipEvent>> events) {
+                      if (!events.ok()) return pending.Finish(events.status());
+                      for (const v1::MembershipEvent& event : *events) {
                         *response->add_events() = ToApiEvent(event);
                       }
                       pending.Finish(absl::OkStatus());

@@ -48,14 +48,16 @@ std::vector<EventLog::Answer> EventLog::TakeAnswered() {
 std::vector<EventLog::Answer> EventLog::TakeExpired(absl::Time now) {
   std::vector<Answer> answers;
   for (Watcher& watcher : watchers_.TakeExpired(now)) {
-    answers.push_back(Answer{std::move(watcher.done), {}});
+    answers.push_back(Answer{std::move(watcher.done), std::vector<v1::MembershipEvent>()});
   }
   return answers;
 }
 
-std::vector<EventLog::Answer> EventLog::TakeAll() {
+std::vector<EventLog::Answer> EventLog::TakeAll(const absl::Status& reason) {
   std::vector<Answer> answers;
-  for (Watcher& watcher : watchers_.TakeAll()) answers.push_back(Answer{std::move(watcher.done), {}});
+  for (Watcher& watcher : watchers_.TakeAll()) {
+    answers.push_back(Answer{std::move(watcher.done), reason});
+  }
   return answers;
 }
 

@@ -20,7 +20,7 @@ class EventLog {
   // An answer to deliver once the lock is released.
   struct Answer {
     EventsCallback done;
-    std::vector<v1::MembershipEvent> events;
+    absl::StatusOr<std::vector<v1::MembershipEvent>> events;
   };
 
   explicit EventLog(size_t max_events) : max_events_(max_events) {}
@@ -41,7 +41,8 @@ class EventLog {
   // The watches that have news now, and those whose deadline passed (with no events).
   std::vector<Answer> TakeAnswered();
   std::vector<Answer> TakeExpired(absl::Time now);
-  std::vector<Answer> TakeAll();
+  // Every watch, answered with `reason` (at shutdown).
+  std::vector<Answer> TakeAll(const absl::Status& reason);
 
  private:
   struct Watcher {

@@ -243,6 +243,8 @@ void PlanManager::ReportGradientOrder(const MemberRef& member, int64_t plan_vers
     } else if (rebuilt_order_.has_value()) {
       RecordDisagreementLocked(member.rank, order);
       result = ViewLocked();
+    } else if (!closed_.ok()) {
+      result = closed_;  // nothing would answer a held wait
     } else if (member.rank != 0) {
       // Rank 0's order decides; wait for it.
       reported_orders_[member.rank] = std::move(order);
@@ -297,19 +299,27 @@ void PlanManager::CloseWaits(const absl::Status& reason) {
   std::vector<Answer> answers;
   {
     absl::MutexLock lock(&mu_);
+    closed_ = reason;
     answers = TakeWaitersLocked(reason);
   }
   for (Answer& answer : answers) answer.done(std::move(answer.result));
 }
 
-absl::Status PlanManager::ReportStepStats(const MemberRef& member, StepReport report) {
+absl::Status PlanManager::ReportStepStats(const MemberRef& member, StepReport report,
+                                          absl::Time now) {
   absl::MutexLock lock(&mu_);
   SHARD_RETURN_IF_ERROR(CheckGeneration(member));
+  progress_.Note(member.generation, report.step, report.loss, now);
   std::deque<StepReport>& window = stats_[member.rank];
   window.push_back(std::move(report));
   while (window.size() > stats_window_) window.pop_front();
   rank_workers_[member.rank] = member.worker_id;
   return absl::OkStatus();
+}
+
+ProgressMeter PlanManager::progress() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return progress_;
 }
 
 std::optional<PlanView> PlanManager::Current() const {

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "common/manifest.h"
 #include "common/plan.h"
+#include "common/progress_meter.h"
 #include "server/store/state_store.h"
 #include "server/types.h"
 #include "server/wait_list.h"
@@ -89,9 +90,13 @@ class PlanManager {
   void ReportGradientOrder(const MemberRef& member, int64_t plan_version, std::vector<int> order,
                            absl::Duration wait, absl::Time now, PlanCallback done);
   void ExpireWaits(absl::Time now);
+  // Answers every held wait with `reason`, and from now on every new one at once (at shutdown).
   void CloseWaits(const absl::Status& reason);
 
-  absl::Status ReportStepStats(const MemberRef& member, StepReport report);
+  // A rank finished a step of its generation at `now` (statistics and progress).
+  absl::Status ReportStepStats(const MemberRef& member, StepReport report, absl::Time now);
+  // The job's progress as the step reports tell it (it spans generations).
+  ProgressMeter progress() const;
 
   std::optional<PlanView> Current() const;
   PlanStats Stats() const;
@@ -135,7 +140,9 @@ class PlanManager {
   std::map<int, std::vector<int>> reported_orders_ ABSL_GUARDED_BY(mu_);
   std::vector<OrderDisagreement> disagreements_ ABSL_GUARDED_BY(mu_);
   WaitList<PlanCallback> waiters_ ABSL_GUARDED_BY(mu_);  // ranks waiting for rank 0's order
+  absl::Status closed_ ABSL_GUARDED_BY(mu_);  // why waits are no longer held, once closed
   std::map<int, std::deque<StepReport>> stats_ ABSL_GUARDED_BY(mu_);
+  ProgressMeter progress_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace shard

@@ -57,7 +57,8 @@ struct Reshape {
   std::string reason;  // resize, drain, standbys
 };
 
-using EventsCallback = std::function<void(std::vector<v1::MembershipEvent>)>;
+// The events after a watch's sequence number (none if its wait ran out), or why the watch ended.
+using EventsCallback = std::function<void(absl::StatusOr<std::vector<v1::MembershipEvent>>)>;
 
 // The current plan of a generation, as workers and checkpoints use it.
 struct PlanView {

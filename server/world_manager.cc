@@ -199,8 +199,12 @@ auto WorldManager::Mutate(Rule rule) -> decltype(rule(std::declval<Change*>())) 
 }
 
 void WorldManager::NoteRunningLocked() {
+  if (WorldLocked().state != JobState::kRunning) return;
   // Once a world runs, workers may connect at its generation: a change of hands ends it.
-  if (WorldLocked().state == JobState::kRunning) membership_.ran = true;
+  membership_.ran = true;
+  // However it became whole (joins, a resize while forming, a restart), a world that runs has
+  // formed: a rank it loses goes to a standby, or the survivors re-form after the grace.
+  membership_.formed = true;
 }
 
 std::set<std::string> WorldManager::CommitLocked(Change change) {
@@ -333,7 +337,10 @@ void WorldManager::WatchHeartbeat(const HeartbeatParams& params, absl::Time now,
     }
     const absl::Duration wait = std::min(params.wait, options_.lease / 4);
     Watch watch{params.worker_id, params.known_generation, params.known_state, std::move(done)};
-    if (outcome.ok() && wait > absl::ZeroDuration() && !WatchFires(outcome->world, watch)) {
+    if (!closed_.ok()) {
+      // Closed: nothing would answer a held heartbeat, and the server could not drain.
+      answers.heartbeats.emplace_back(std::move(watch.done), closed_);
+    } else if (outcome.ok() && wait > absl::ZeroDuration() && !WatchFires(outcome->world, watch)) {
       // One held heartbeat per worker: an older one (a retry after a lost reply) is answered.
       if (auto it = watch_of_.find(params.worker_id); it != watch_of_.end()) {
         if (std::optional<Watch> older = watches_.Take(it->second)) {
@@ -384,9 +391,10 @@ void WorldManager::CloseWatches(const absl::Status& reason) {
   Answers answers;
   {
     absl::MutexLock lock(&mu_);
+    closed_ = reason;
     for (Watch& watch : watches_.TakeAll()) answers.heartbeats.emplace_back(std::move(watch.done), reason);
     watch_of_.clear();
-    answers.events = events_.TakeAll();
+    answers.events = events_.TakeAll(reason);
   }
   Deliver(std::move(answers));
 }
@@ -605,7 +613,11 @@ void WorldManager::WatchEvents(int64_t after, absl::Time deadline, EventsCallbac
   Answers answers;
   {
     absl::MutexLock lock(&mu_);
-    answers.events = events_.Watch(after, deadline, std::move(done));
+    if (closed_.ok()) {
+      answers.events = events_.Watch(after, deadline, std::move(done));
+    } else {
+      answers.events.push_back(EventLog::Answer{std::move(done), closed_});
+    }
   }
   Deliver(std::move(answers));
 }

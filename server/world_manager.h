@@ -90,7 +90,8 @@ class WorldManager {
   void ExpireWatches(absl::Time now);
   // Answers every heartbeat now (something outside the membership changed, e.g. a save request).
   void WakeWatches();
-  // Answers every heartbeat with `reason` and every event watch empty (at shutdown).
+  // Answers every heartbeat and event watch with `reason`, and from now on every new one at once
+  // (at shutdown: a client that asks again must not hold the server open).
   void CloseWatches(const absl::Status& reason);
   // A check of the current generation; a failed one (a rank could not use the data path) ends
   // the generation of a running world, so that every rank reconnects at the next.
@@ -167,7 +168,8 @@ class WorldManager {
   auto Mutate(Rule rule) -> decltype(rule(std::declval<Change*>()));
   // Ends the generation if the change asks to, numbers its events, journals what it touched.
   // Returns the members it recorded.
-  // Marks the world as having run at this generation if it runs now (see Membership::ran).
+  // Marks the world as having run at this generation, and as formed, if it runs now (see
+  // Membership::ran and Membership::formed).
   void NoteRunningLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::set<std::string> CommitLocked(Change change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The heartbeats a change of the world from `before` concerns, and event watches with news.
@@ -204,6 +206,7 @@ class WorldManager {
   std::function<void(int64_t)> generation_listener_ ABSL_GUARDED_BY(mu_);
   WaitList<Watch> watches_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, WaitList<Watch>::Id> watch_of_ ABSL_GUARDED_BY(mu_);  // by worker
+  absl::Status closed_ ABSL_GUARDED_BY(mu_);  // why watches are no longer held, once closed
 };
 
 }  // namespace shard

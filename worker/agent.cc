@@ -368,6 +368,7 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     v1::ReportStepStatsRequest report;
     report.set_worker_id(options_.worker_id);
     report.set_incarnation(incarnation_);
+    report.set_generation(generation);
     *report.mutable_stats() =
         ToProto(StepReport{record.step, record.step_ms, t.backward_ms, t.communication_ms,
                            t.hidden_ms, t.bucket_bytes, record.loss});

@@ -41,8 +41,11 @@ void StatsReporter::Loop() {
       report = std::move(queue_.front());
       queue_.pop_front();
     }
-    // Statistics are best effort: one warning per outage, not one per step.
-    if (absl::Status sent = client_->ReportStepStats(report); !sent.ok()) {
+    // Statistics are best effort: one warning per outage, not one per step; reports that
+    // outlived their generation (a re-formation) are expected to be refused.
+    if (absl::Status sent = client_->ReportStepStats(report); absl::IsAborted(sent)) {
+      continue;
+    } else if (!sent.ok()) {
       if (failed_in_a_row_++ == 0) {
         spdlog::warn("could not report step {}: {} (further failures are not logged until a "
                      "report gets through)",

@@ -793,13 +793,22 @@ void Simulation::Step(int64_t generation) {
   if (stepped) {
     ++group.step;
     group.hash = Mix(group.hash, group.step);
-    // Every rank reports its step; the coordinator notes that training started.
+    // Every rank reports its step; the coordinator notes that training started, and its status
+    // shows the step the ranks are at.
     if (core_ != nullptr) {
+      bool heard = false;
       for (const auto& [rank, index] : group.members) {
         StepReport report;
         report.step = group.step;
         report.step_ms = absl::ToDoubleMilliseconds(step_time_);
-        (void)core_->ReportStepStats(workers_[index]->id, workers_[index]->incarnation, report);
+        heard |= core_
+                     ->ReportStepStats(workers_[index]->id, workers_[index]->incarnation,
+                                       generation, report, now_)
+                     .ok();
+      }
+      if (const int64_t shown = core_->Progress(now_).step; heard && shown != group.step) {
+        failure_.Set(absl::StrCat("status shows step ", shown, " while generation ", generation,
+                                  " trained step ", group.step));
       }
     }
     // The ranks agree on the newest orders of this generation any of them knows.

@@ -121,6 +121,21 @@ TEST(ControlConvertTest, StatusAndProgressRoundTrip) {
   worker.self_check = SelfCheckRecord{SelfCheckState::kPassed, 6, "all-reduce of 65536 ok"};
   worker.joined_generation = 6;
   EXPECT_EQ(FromProto(ToProto(worker)), worker);
+
+  TrainingProgress progress_now;
+  progress_now.step = 812;
+  progress_now.steps = 1000;
+  progress_now.loss = 0.25;
+  progress_now.steps_per_second = 12.5;
+  progress_now.eta = absl::Milliseconds(15040);
+  progress_now.last_checkpoint = "step-00000800-g3";
+  progress_now.last_checkpoint_step = 800;
+  progress_now.last_checkpoint_age = absl::Milliseconds(960);
+  progress_now.overlap_fraction = 0.75;
+  EXPECT_EQ(FromProto(ToProto(progress_now)), progress_now);
+  // Unknown stays unknown: no loss, ETA or checkpoint reads back as such, not as zero.
+  EXPECT_EQ(FromProto(ToProto(TrainingProgress{})), TrainingProgress{});
+  EXPECT_FALSE(ToProto(TrainingProgress{}).has_loss());
 }
 
 TEST(ControlConvertTest, EventsReadAsLowercaseKinds) {

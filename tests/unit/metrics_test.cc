@@ -284,8 +284,8 @@ TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
       report.hidden_ms = 3;
       report.bucket_bytes = {1000, 24};
       report.loss = 0.5;
-      auto reported = plans.ReportStepStats(
-          MemberRef{absl::StrCat("w", rank), rank, generation, 2}, report);
+      auto reported = plans.ReportStepStats(MemberRef{absl::StrCat("w", rank), rank, generation, 2},
+                                            report, absl::Now());
       ASSERT_TRUE(reported.ok()) << reported;
     }
   }

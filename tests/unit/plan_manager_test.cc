@@ -129,6 +129,24 @@ TEST_F(PlanManagerTest, AWaiterTimesOutWhenRankZeroNeverReports) {
   EXPECT_EQ(answer->status().code(), absl::StatusCode::kDeadlineExceeded);
 }
 
+// A wait that arrives after the coordinator closed (a retry racing its shutdown) is answered at
+// once: nothing would answer it later, and the server could not drain.
+TEST_F(PlanManagerTest, AfterClosingHeldAndNewWaitsAreAnsweredWithTheReason) {
+  RegisterAll();
+  std::optional<absl::StatusOr<PlanView>> held;
+  plans_.ReportGradientOrder(Member(1), 1, {3, 2, 1, 0}, absl::Seconds(5), now_,
+                             [&held](absl::StatusOr<PlanView> v) { held = std::move(v); });
+  ASSERT_FALSE(held.has_value());
+  plans_.CloseWaits(absl::UnavailableError("shutting down"));
+  ASSERT_TRUE(held.has_value());
+  EXPECT_EQ(held->status().code(), absl::StatusCode::kUnavailable);
+
+  auto late = Report(2, 1, {3, 2, 1, 0});
+  ASSERT_TRUE(late.has_value()) << "a wait after closing must not be held";
+  EXPECT_EQ(late->status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(plans_.pending_waiters(), 0u);
+}
+
 TEST_F(PlanManagerTest, BadOrdersAndStaleRequestsAreRefused) {
   RegisterAll();
   auto duplicate = Report(0, 1, {0, 0, 1, 2});
@@ -182,7 +200,7 @@ TEST_F(PlanManagerTest, StepStatisticsAreAggregated) {
       report.communication_ms = 4;
       report.hidden_ms = rank == 0 ? 3 : 1;
       report.bucket_bytes = {100, 200};
-      ASSERT_TRUE(plans_.ReportStepStats(Member(rank), report).ok());
+      ASSERT_TRUE(plans_.ReportStepStats(Member(rank), report, now_).ok());
     }
   }
   PlanStats stats = plans_.Stats();
