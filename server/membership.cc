@@ -547,7 +547,9 @@ std::vector<std::string> ExpireLeases(Membership& membership, const MembershipRu
     }
     membership.Depart(member, WorkerState::kDead, detail, now);
   }
-  if (!membership.stop_requested && membership.formed && membership.held() < membership.ranks()) {
+  // A free rank goes to a waiting standby, whether the world lost its holder or never had one (a
+  // world forming after a restart or a resize may hold standbys that no join would place).
+  if (!membership.stop_requested && membership.held() < membership.ranks()) {
     if (PromoteStandbys(membership, now, change) > 0) MarkFormedIfComplete(membership, now, change);
   }
   // Past the grace period, re-form with the survivors (as many as an allowed size takes).

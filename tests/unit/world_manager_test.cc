@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
+#include "server/membership.h"
 #include "server/membership_log.h"
 
 namespace shard {
@@ -671,6 +672,29 @@ TEST_F(ElasticWorldTest, AWorldMadeWholeByARestartGivesALostRankToAStandby) {
   EXPECT_EQ(RankOf(status, "w1"), -1);
   EXPECT_GE(RankOf(status, "spare"), 0);
   EXPECT_EQ(world->world().state, JobState::kRunning);
+}
+
+// A world still forming with a free rank and a standby waiting (seed 98626: a coordinator restarted
+// after a resize took back only a standby, and three joins filled three of four ranks) gives the
+// standby the rank at the next pass, instead of waiting for a join nobody will make.
+TEST(MembershipRulesTest, AFormingWorldGivesAFreeRankToAWaitingStandby) {
+  const absl::Time now = absl::FromUnixSeconds(1700000000);
+  Membership membership(3, 3);
+  membership.Activate(membership.Upsert("a"), 0);
+  membership.Activate(membership.Upsert("b"), 1);
+  membership.MakeStandby(membership.Upsert("spare"), now);
+  for (const char* id : {"a", "b", "spare"}) membership.Mutable(id)->last_heartbeat = now;
+  ASSERT_FALSE(membership.formed);
+  MembershipRules rules;
+  rules.max_world_size = 3;
+  rules.max_standbys = 3;
+  Change change;
+  EXPECT_TRUE(ExpireLeases(membership, rules, now, &change).empty());
+  EXPECT_EQ(membership.Find("spare")->role, Role::kActive);
+  EXPECT_EQ(membership.Find("spare")->rank, 2);
+  EXPECT_TRUE(membership.formed);
+  ASSERT_FALSE(change.events.empty());
+  EXPECT_EQ(change.events.back().kind(), v1::MEMBERSHIP_EVENT_KIND_WORLD_FORMED);
 }
 
 TEST_F(ElasticWorldTest, ResizeAndDrainTellTheWorkersThatLeave) {
