@@ -185,24 +185,28 @@ int Restore(const CheckpointCommands& c, AdminClient& admin) {
   while (absl::Now() < give_up) {
     absl::StatusOr<v1::GetStatusResponse> status = admin.GetStatus();
     if (!status.ok()) return Fail(status.status());
-    absl::StatusOr<v1::GetStatsResponse> stats = admin.GetStats();
-    if (!stats.ok()) return Fail(stats.status());
-    const int world = status->world().expected_world_size();
-    if (bar == nullptr) bar = std::make_unique<ProgressBar>("restoring", world, "workers");
-    // A worker has restored once it reports a step after the checkpoint's.
-    int restored_ranks = 0;
-    for (const v1::RankStats& rank : stats->ranks()) {
-      if (rank.has_last() && rank.last().step() > start.step()) ++restored_ranks;
-    }
-    bar->Update(restored_ranks);
-    if (restored_ranks == world) {
-      bar->Finish();
-      return 0;
-    }
-    if (status->world().state() == v1::JOB_STATE_STOPPING ||
-        status->world().state() == v1::JOB_STATE_STOPPED) {
+    const v1::WorldView& world = status->world();
+    if (world.state() == v1::JOB_STATE_STOPPING || world.state() == v1::JOB_STATE_STOPPED) {
       std::cout << "\nthe job finished\n";
       return 0;
+    }
+    // The world that trains from the checkpoint: the one running at the restore's generation or
+    // later, with as many ranks as it has (fewer than the target while workers are missing).
+    if (world.state() == v1::JOB_STATE_RUNNING && world.generation() >= restored->generation()) {
+      absl::StatusOr<v1::GetStatsResponse> stats = admin.GetStats();
+      if (!stats.ok()) return Fail(stats.status());
+      if (bar == nullptr)
+        bar = std::make_unique<ProgressBar>("restoring", world.ranks(), "workers");
+      // A worker has restored once it reports a step after the checkpoint's.
+      int restored_ranks = 0;
+      for (const v1::RankStats& rank : stats->ranks()) {
+        if (rank.has_last() && rank.last().step() > start.step()) ++restored_ranks;
+      }
+      bar->Update(restored_ranks);
+      if (restored_ranks >= world.ranks()) {
+        bar->Finish();
+        return 0;
+      }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }

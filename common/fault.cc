@@ -2,6 +2,7 @@
 
 #include <signal.h>
 
+#include <atomic>
 #include <cstdlib>
 
 namespace shard {
@@ -9,6 +10,12 @@ namespace shard {
 void FaultPoint(absl::string_view name) {
   const char* fault = std::getenv("SHARD_FAULT");
   if (fault != nullptr && name == fault) ::raise(SIGKILL);
+}
+
+void StallPoint(absl::string_view name) {
+  static std::atomic<bool> stalled{false};
+  const char* stall = std::getenv("SHARD_STALL");
+  if (stall != nullptr && name == stall && !stalled.exchange(true)) ::raise(SIGSTOP);
 }
 
 }  // namespace shard

@@ -3,6 +3,11 @@
 // killer would. Points: "shard-before-sync" (a worker wrote its checkpoint shard but has not
 // synced or renamed it), "manifest-before-write" (every shard is on disk, no manifest yet),
 // "manifest-before-rename" (the manifest is written under its temporary name).
+//
+// Stall points, for tests of hung processes: when SHARD_STALL names a point, the process stops
+// itself (SIGSTOP) the first time it reaches it, as a hung pod would, heartbeats included; the
+// test resumes it with SIGCONT. Points: "before-restore" (a worker of a generation is about to
+// read the checkpoint it restores).
 #pragma once
 
 #include "absl/strings/string_view.h"
@@ -10,5 +15,6 @@
 namespace shard {
 
 void FaultPoint(absl::string_view name);
+void StallPoint(absl::string_view name);
 
 }  // namespace shard

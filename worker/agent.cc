@@ -477,6 +477,33 @@ void WorkerAgent::Leave() {
   }
 }
 
+bool WorkerAgent::GenerationStillMine(int64_t generation) {
+  HeartbeatParams params;
+  params.worker_id = options_.worker_id;
+  params.incarnation = incarnation_;
+  params.known_generation = generation;
+  absl::Duration backoff = absl::Milliseconds(50);
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_ || !fatal_.ok()) return true;  // the process ends either way
+      params.paused_generation = paused_generation_;
+    }
+    absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(ToProto(params));
+    if (absl::IsNotFound(beat.status())) return false;  // declared dead: the heartbeat rejoins
+    if (beat.ok()) {
+      absl::MutexLock lock(&mu_);
+      UpdateWorld(beat->world(), beat->rank());
+      return world_.generation == generation;
+    }
+    if (!IsTransient(beat.status())) return true;
+    absl::MutexLock lock(&mu_);
+    auto gone = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !fatal_.ok(); };
+    mu_.AwaitWithTimeout(absl::Condition(&gone), backoff);
+    backoff = std::min(2 * backoff, heartbeat_interval_);
+  }
+}
+
 void WorkerAgent::ReportGenerationFailed(const WorldSnapshot& world, const absl::Status& why) {
   {
     absl::MutexLock lock(&mu_);
@@ -531,9 +558,12 @@ absl::Status WorkerAgent::Run() {
       if (stop_ || !fatal_.ok()) break;
       continue;
     }
+    // An error of a generation that is over (its restore point since removed by retention,
+    // say) ends that generation, not the process.
+    const bool mine = GenerationStillMine(target.generation);
     absl::MutexLock lock(&mu_);
     if (stop_) break;
-    if (world_.generation != target.generation) {
+    if (!mine || world_.generation != target.generation) {
       spdlog::info("generation {} ended ({}); waiting for the next", target.generation,
                    connected.message());
       continue;

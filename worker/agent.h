@@ -70,6 +70,11 @@ class WorkerAgent {
   // Tells the coordinator that the data path of `world`'s generation failed with `why`, so that
   // it ends the generation (a failed self-check does); nothing if it is over already.
   void ReportGenerationFailed(const WorldSnapshot& world, const absl::Status& why);
+  // Whether `generation` is still this worker's, asked of the coordinator now (a heartbeat that
+  // does not wait): right after a long SIGSTOP the heartbeat thread may not have heard yet that
+  // the worker was declared dead and the world moved on. While the coordinator does not answer
+  // it asks again, until it does or the heartbeat thread gives up on it.
+  bool GenerationStillMine(int64_t generation);
   void SetStop(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Fail(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Leave();

@@ -53,15 +53,15 @@ class ChaosTest : public ::testing::Test {
   // `every` steps into DIR/checkpoints, writing its parameters to DIR/`out`. The global batch
   // 96 divides over 1, 2, 3 and 4 workers.
   std::string WriteJob(const std::string& name, int world, int min, int steps, int every,
-                       const std::string& out) {
+                       const std::string& out, int keep = 100) {
     const std::string path = absl::StrCat(dir_, "/", name, ".json");
     std::ofstream(path) << absl::StrCat(
         R"({"name": "chaos", "worldSize": )", world, R"(, "minWorldSize": )", min, R"(,
         "model": {"mlp": {"widths": [32, 64, 10]}}, "data": {"path": "data.safetensors"},
         "seed": 11, "optimizer": {"name": "adam", "lr": 0.002}, "globalBatch": 96,
         "steps": )", steps, R"(, "zeroStage": 2, "bucketCapMb": 0.004,
-        "checkpoint": {"dir": "checkpoints", "everySteps": )", every, R"(, "keepLast": 100},
-        "outputDir": ")", out, R"("})");
+        "checkpoint": {"dir": "checkpoints", "everySteps": )", every,
+        R"(, "keepLast": )", keep, R"(}, "outputDir": ")", out, R"("})");
     return path;
   }
 
@@ -224,6 +224,65 @@ TEST_F(ChaosTest, AReplacementIsFoldedInAtTheNextCheckpointAndTheWorldGrowsBackT
   EXPECT_NE(workers[0].Log().find("training paused after step"), std::string::npos);
   EXPECT_NE(replacement.Log().find("restoring from checkpoint"), std::string::npos)
       << replacement.Log();
+}
+
+// A worker hung just before it restores (a stalled pod) is declared dead; the world re-forms
+// without it, an operator restores the newest checkpoint, and retention removes the one the
+// stalled worker was about to read (no longer the restore point). Resumed, it finds that
+// checkpoint gone before its heartbeat has told it the generation is over: the end of that
+// generation, not of the worker, which joins again and is folded in (simulation seed 159852).
+TEST_F(ChaosTest, AWorkerResumedAfterItsGenerationEndedJoinsAgainInsteadOfFailing) {
+  StartCoordinator(WriteJob("first", 2, 1, 1000000, 5, "out", /*keep=*/1));
+  {
+    std::vector<Process> workers = StartWorkers({"w0", "w1"});
+    WaitForCheckpoints(1);
+    ASSERT_EQ(cluster_->Shardctl({"stop"}, absl::Seconds(60)).exit_code, 0);
+    for (Process& worker : workers) ASSERT_EQ(worker.Wait(absl::Seconds(20)), 0) << worker.Log();
+    ASSERT_EQ(cluster_->coordinator().Wait(absl::Seconds(20)), 0);
+  }
+  StartCoordinator(WriteJob("second", 2, 1, 1000000, 5, "out", /*keep=*/1), {"--restore", "latest"},
+                   0, "second-coordinator.log");
+  Process w0 = cluster_->StartWorker("w0-again");
+  Process w1 = cluster_->StartWorker("w1-again", {}, {"SHARD_STALL=before-restore"});
+  std::string restoring;
+  ASSERT_TRUE(Eventually(
+      [&] {
+        const std::string log = w1.Log();
+        const size_t at = log.find("restoring from checkpoint ");
+        if (at == std::string::npos) return false;
+        restoring = log.substr(at + 26, log.find(' ', at + 26) - at - 26);
+        return true;
+      },
+      absl::Seconds(60)))
+      << w1.Log();
+  WaitForWorld(1);
+  ASSERT_TRUE(Eventually([&] { return cluster_->Checkpoints().size() >= 2; }, absl::Seconds(60)));
+  const CommandResult restored =
+      cluster_->Shardctl({"checkpoint", "restore", "latest"}, absl::Seconds(60));
+  ASSERT_EQ(restored.exit_code, 0) << restored.output;
+  // Training went on without it, and retention removed the checkpoint it was restoring.
+  std::vector<nlohmann::json> kept;
+  ASSERT_TRUE(Eventually(
+      [&] {
+        kept = cluster_->Checkpoints();
+        return !kept.empty() &&
+               std::none_of(kept.begin(), kept.end(),
+                            [&](const nlohmann::json& c) { return c["id"] == restoring; });
+      },
+      absl::Seconds(60)))
+      << restoring << " " << nlohmann::json(kept).dump();
+  w1.Signal(SIGCONT);
+  WaitForWorld(2);
+  ASSERT_EQ(cluster_->Shardctl({"stop"}, absl::Seconds(60)).exit_code, 0);
+  EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(30)), 0) << cluster_->coordinator().Log();
+  EXPECT_EQ(w0.Wait(absl::Seconds(20)), 0) << w0.Log();
+  EXPECT_EQ(w1.Wait(absl::Seconds(20)), 0) << w1.Log();
+  // It read no manifest where its restore point had been, and waited for the next generation.
+  const std::string log = w1.Log();
+  const size_t ended = log.find("generation 2 ended (");
+  ASSERT_NE(ended, std::string::npos) << log;
+  EXPECT_NE(log.find("no manifest.json", ended), std::string::npos) << log;
+  EXPECT_TRUE(HasEvent("re-formed from 1 to 2 workers: 1 standby folded in"));
 }
 
 TEST_F(ChaosTest, ResizingFourToTwoToThreeLosesNoStep) {

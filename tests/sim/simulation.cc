@@ -164,6 +164,10 @@ class Simulation {
   void Leave(int index);
   void TryConnect(int index);
   void FailSession(int index, const absl::Status& status);
+  // worker/agent.cc GenerationStillMine(): before an error of `generation` ends the process, the
+  // worker asks the coordinator (a heartbeat that does not wait) whether that generation is still
+  // its own, again while the coordinator does not answer; it exits only if so.
+  void ExitUnlessMovedOn(int index, int64_t generation, const std::string& reason);
   // FailSession later, if the worker's session is still of `generation` by then.
   void FailSessionLater(int index, int64_t generation, absl::Duration delay, absl::Status status);
   void OnConnected(int index);
@@ -731,8 +735,17 @@ void Simulation::OnConnected(int index) {
                   group.hash = Mix(job_.seed, 0);
                 } else {
                   absl::StatusOr<CheckpointManifest> manifest = storage_.ReadManifest(start.dir);
+                  if (!manifest.ok()) {
+                    // Gone is the end of this generation if it is over (retention removed its
+                    // restore point while this worker was stopped); if not, the worker exits with
+                    // the error and the seed fails.
+                    FailSession(index, absl::NotFoundError(absl::StrCat(
+                                           "cannot restore checkpoint ", start.checkpoint_id, ": ",
+                                           manifest.status().message())));
+                    return;
+                  }
                   uint64_t hash = 0;
-                  if (!manifest.ok() || manifest->shards.empty() ||
+                  if (manifest->shards.empty() ||
                       !absl::SimpleHexAtoi(manifest->shards[0].xxh3, &hash)) {
                     failure_.Set(absl::StrCat("generation ", generation,
                                               " cannot restore checkpoint ", start.checkpoint_id,
@@ -951,6 +964,28 @@ void Simulation::FailSessionLater(int index, int64_t generation, absl::Duration 
   });
 }
 
+void Simulation::ExitUnlessMovedOn(int index, int64_t generation, const std::string& reason) {
+  const Worker& worker = *workers_[index];
+  const std::string id = worker.id;
+  const uint64_t incarnation = worker.incarnation;
+  Call(
+      index,
+      [this, id, incarnation, generation, reason](CoordinatorCore& core, Deliver deliver) {
+        absl::StatusOr<HeartbeatOutcome> beat = core.world().Heartbeat(id, incarnation, now_);
+        const bool mine = !absl::IsNotFound(beat.status()) &&
+                          (!beat.ok() || beat->world.generation == generation);
+        deliver([this, mine, generation, reason](Worker& w) {
+          if (mine && w.known_generation == generation) Exit(w, reason, true);
+        });
+      },
+      [this, index, generation, reason](Worker& w) {
+        if (w.known_generation != generation) return;
+        ForWorker(index, absl::Milliseconds(100), [this, index, generation, reason](Worker&) {
+          ExitUnlessMovedOn(index, generation, reason);
+        });
+      });
+}
+
 void Simulation::FailSession(int index, const absl::Status& status) {
   Worker& worker = *workers_[index];
   if (!worker.session.has_value()) return;
@@ -976,7 +1011,8 @@ void Simulation::FailSession(int index, const absl::Status& status) {
   const bool transient = absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
   if (!absl::IsAborted(status) && !transient) {
     if (worker.known_generation == generation) {
-      Exit(worker, absl::StrCat("generation ", generation, " failed: ", status.ToString()), true);
+      ExitUnlessMovedOn(index, generation,
+                        absl::StrCat("generation ", generation, " failed: ", status.ToString()));
     }
     return;
   }

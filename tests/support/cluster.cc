@@ -45,11 +45,12 @@ absl::Status LocalCluster::StartCoordinator(const std::vector<std::string>& args
   return absl::OkStatus();
 }
 
-Process LocalCluster::StartWorker(const std::string& id, const std::vector<std::string>& extra) {
+Process LocalCluster::StartWorker(const std::string& id, const std::vector<std::string>& extra,
+                                  const std::vector<std::string>& env) {
   std::vector<std::string> argv = {BinaryPath("shard-worker"), "--coordinator", address_, "--id",
                                    id, "--collective-timeout", "10s"};
   argv.insert(argv.end(), extra.begin(), extra.end());
-  absl::StatusOr<Process> process = Process::Start(argv, absl::StrCat(dir_, "/", id, ".log"));
+  absl::StatusOr<Process> process = Process::Start(argv, absl::StrCat(dir_, "/", id, ".log"), env);
   EXPECT_TRUE(process.ok()) << process.status();
   return std::move(*process);
 }

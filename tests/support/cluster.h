@@ -31,8 +31,10 @@ class LocalCluster {
   const std::string& address() const { return address_; }
   int port() const { return port_; }
 
-  // shard-worker --coordinator ADDRESS --id `id` `extra`, logging to DIR/`id`.log.
-  Process StartWorker(const std::string& id, const std::vector<std::string>& extra = {});
+  // shard-worker --coordinator ADDRESS --id `id` `extra`, logging to DIR/`id`.log, with `env`
+  // ("KEY=VALUE") added to its environment.
+  Process StartWorker(const std::string& id, const std::vector<std::string>& extra = {},
+                      const std::vector<std::string>& env = {});
 
   // shardctl --coordinator ADDRESS `args`.
   CommandResult Shardctl(const std::vector<std::string>& args,

@@ -5,6 +5,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/fault.h"
 #include "common/files.h"
 #include "common/mlp.h"
 #include "common/mlp_data.h"
@@ -142,6 +143,7 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
       Engine::Create(MlpManifest(job.widths), &communicator, &plans, engine_options));
   int64_t start_step = 0;
   if (!options.restore_dir.empty()) {
+    StallPoint("before-restore");
     SHARD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> checkpoint,
                            CheckpointReader::Open(options.restore_dir));
     SHARD_RETURN_IF_ERROR(engine->Restore(*checkpoint));
