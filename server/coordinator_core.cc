@@ -449,12 +449,14 @@ bool CoordinatorCore::Reconcile(absl::Time now) {
   return true;
 }
 
-void CoordinatorCore::Housekeep(absl::Time now) {
-  world_->ExpireLeases(now);
-  if (Reconcile(now)) world_->WakeWatches();
-  world_->ExpireWatches(now);
+bool CoordinatorCore::Housekeep(absl::Time now) {
+  // What this pass fires is answered in one batch at its end (see WorldManager::AnswerFired).
+  world_->ExpireLeases(now, /*fired_at_most=*/0);
+  if (Reconcile(now)) world_->WakeWatches(/*fired_at_most=*/0);
+  world_->ExpireWatches(now, /*fired_at_most=*/0);
   plan_->ExpireWaits(now);
   kv_->ExpireWaiters(now);
+  return world_->AnswerFired(WorldManager::kAnswersPerPass) > 0;
 }
 
 void CoordinatorCore::Close(const absl::Status& reason) {

@@ -108,8 +108,9 @@ class CoordinatorCore {
 
   // --- Housekeeping ---
   // Declares silent workers dead, runs the job's state machine (re-formations, pauses and
-  // their way out), and answers the long-polls whose wait ran out.
-  void Housekeep(absl::Time now);
+  // their way out), and answers the long-polls whose wait ran out. True if heartbeats it fired
+  // still wait for their answer: run it again at once.
+  bool Housekeep(absl::Time now);
   // Answers every long-poll with `reason` and refuses later rendezvous calls (at shutdown).
   void Close(const absl::Status& reason);
 

@@ -209,7 +209,10 @@ void CoordinatorServer::Housekeeping() {
       if (shutting_down_) return;
       wake_ = false;
     }
-    core_->Housekeep(absl::Now());
+    if (core_->Housekeep(absl::Now())) {
+      absl::MutexLock lock(&mu_);
+      wake_ = true;  // answers still wait: the next pass at once
+    }
     if (core_->world().world().state == JobState::kStopped && !stopped_.HasBeenNotified()) {
       spdlog::info("job '{}' stopped: every worker has left", core_->world().options().job);
       stopped_.Notify();

@@ -176,7 +176,8 @@ World WorldManager::world() const {
 }
 
 template <typename Rule>
-auto WorldManager::Mutate(Rule rule) -> decltype(rule(std::declval<Change*>())) {
+auto WorldManager::Mutate(Rule rule, size_t fired_at_most)
+    -> decltype(rule(std::declval<Change*>())) {
   Answers answers;
   decltype(rule(std::declval<Change*>())) result;
   {
@@ -194,7 +195,7 @@ auto WorldManager::Mutate(Rule rule) -> decltype(rule(std::declval<Change*>())) 
     }
     answers = TakeChangedWatchesLocked(before, touched);
   }
-  Deliver(std::move(answers));
+  Deliver(std::move(answers), fired_at_most);
   return result;
 }
 
@@ -286,16 +287,45 @@ WorldManager::Answers WorldManager::TakeChangedWatchesLocked(
       watch_of_.erase(it);
     }
   }
-  for (Watch& watch : fired) {
-    answers.heartbeats.emplace_back(std::move(watch.done), OutcomeLocked(watch.worker_id, world));
-  }
+  FireLocked(std::move(fired));
   answers.events = events_.TakeAnswered();
   return answers;
 }
 
-void WorldManager::Deliver(Answers answers) {
+void WorldManager::FireLocked(std::vector<Watch> fired) {
+  for (Watch& watch : fired) fired_.push_back(std::move(watch));
+}
+
+void WorldManager::Deliver(Answers answers, size_t fired_at_most) {
   for (auto& [done, outcome] : answers.heartbeats) done(std::move(outcome));
   for (EventLog::Answer& answer : answers.events) answer.done(std::move(answer.events));
+  AnswerFired(fired_at_most);
+}
+
+size_t WorldManager::AnswerFired(size_t at_most) {
+  // In chunks, so that the lock is not held across thousands of answers.
+  constexpr size_t kChunk = 256;
+  size_t answered = 0;
+  while (answered < at_most) {
+    std::vector<std::pair<HeartbeatCallback, absl::StatusOr<HeartbeatOutcome>>> chunk;
+    {
+      absl::MutexLock lock(&mu_);
+      const World world = WorldLocked();
+      while (!fired_.empty() && chunk.size() < kChunk && answered + chunk.size() < at_most) {
+        Watch& watch = fired_.front();
+        absl::StatusOr<HeartbeatOutcome> outcome = closed_.ok()
+                                                       ? OutcomeLocked(watch.worker_id, world)
+                                                       : absl::StatusOr<HeartbeatOutcome>(closed_);
+        chunk.emplace_back(std::move(watch.done), std::move(outcome));
+        fired_.pop_front();
+      }
+      if (chunk.empty()) return fired_.size();
+    }
+    answered += chunk.size();
+    for (auto& [done, outcome] : chunk) done(std::move(outcome));
+  }
+  absl::MutexLock lock(&mu_);
+  return fired_.size();
 }
 
 absl::StatusOr<shard::Member*> WorldManager::GenerationMemberLocked(const std::string& worker_id,
@@ -355,36 +385,30 @@ void WorldManager::WatchHeartbeat(const HeartbeatParams& params, absl::Time now,
   Deliver(std::move(answers));
 }
 
-void WorldManager::ExpireWatches(absl::Time now) {
+void WorldManager::ExpireWatches(absl::Time now, size_t fired_at_most) {
   Answers answers;
   {
     absl::MutexLock lock(&mu_);
-    const World world = WorldLocked();
-    for (Watch& watch : watches_.TakeExpired(now)) {
+    std::vector<Watch> expired = watches_.TakeExpired(now);
+    for (const Watch& watch : expired) {
       if (auto it = watch_of_.find(watch.worker_id);
           it != watch_of_.end() && !watches_.contains(it->second)) {
         watch_of_.erase(it);
       }
-      answers.heartbeats.emplace_back(std::move(watch.done),
-                                      OutcomeLocked(watch.worker_id, world));
     }
+    FireLocked(std::move(expired));
     answers.events = events_.TakeExpired(now);
   }
-  Deliver(std::move(answers));
+  Deliver(std::move(answers), fired_at_most);
 }
 
-void WorldManager::WakeWatches() {
-  Answers answers;
+void WorldManager::WakeWatches(size_t fired_at_most) {
   {
     absl::MutexLock lock(&mu_);
-    const World world = WorldLocked();
-    for (Watch& watch : watches_.TakeAll()) {
-      answers.heartbeats.emplace_back(std::move(watch.done),
-                                      OutcomeLocked(watch.worker_id, world));
-    }
+    FireLocked(watches_.TakeAll());
     watch_of_.clear();
   }
-  Deliver(std::move(answers));
+  AnswerFired(fired_at_most);
 }
 
 void WorldManager::CloseWatches(const absl::Status& reason) {
@@ -392,7 +416,7 @@ void WorldManager::CloseWatches(const absl::Status& reason) {
   {
     absl::MutexLock lock(&mu_);
     closed_ = reason;
-    for (Watch& watch : watches_.TakeAll()) answers.heartbeats.emplace_back(std::move(watch.done), reason);
+    FireLocked(watches_.TakeAll());  // answered with `reason` by Deliver
     watch_of_.clear();
     answers.events = events_.TakeAll(reason);
   }
@@ -510,10 +534,11 @@ void WorldManager::StopIfTrainingFinished(const std::string& summary, absl::Time
                      change);
 }
 
-std::vector<std::string> WorldManager::ExpireLeases(absl::Time now) {
-  return Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+std::vector<std::string> WorldManager::ExpireLeases(absl::Time now, size_t fired_at_most) {
+  auto expire = [&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return shard::ExpireLeases(membership_, rules_, now, change);
-  });
+  };
+  return Mutate(expire, fired_at_most);
 }
 
 World WorldManager::Reform(const std::string& reason, absl::Time now) {

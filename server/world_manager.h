@@ -13,7 +13,9 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -87,9 +89,18 @@ class WorldManager {
   // (ExpireWatches).
   void WatchHeartbeat(const HeartbeatParams& params, absl::Time now, HeartbeatCallback done);
   // Answers the heartbeats and event watches whose wait has run out.
-  void ExpireWatches(absl::Time now);
+  void ExpireWatches(absl::Time now, size_t fired_at_most = kAllFired);
   // Answers every heartbeat now (something outside the membership changed, e.g. a save request).
-  void WakeWatches();
+  void WakeWatches(size_t fired_at_most = kAllFired);
+  // Held heartbeats that a change or their deadline fired are answered in order with the world as
+  // it is when they are answered, not when they fired: a backlog (10,000 workers told of a death)
+  // that outlives the next change (the re-formation after the grace) carries the newer world, so
+  // those workers are answered once. Answers up to `at_most` of them and returns how many still
+  // wait. A change answers all it fired; the housekeeping pass answers kAnswersPerPass (and runs
+  // again at once while some wait), so that its timers (leases, the grace) stay on time.
+  size_t AnswerFired(size_t at_most);
+  static constexpr size_t kAllFired = std::numeric_limits<size_t>::max();
+  static constexpr size_t kAnswersPerPass = 1000;
   // Answers every heartbeat and event watch with `reason`, and from now on every new one at once
   // (at shutdown: a client that asks again must not hold the server open).
   void CloseWatches(const absl::Status& reason);
@@ -107,7 +118,7 @@ class WorldManager {
 
   // Declares every member whose lease has expired dead (returns their ids), fills free ranks
   // with standbys and, past the grace period, re-forms with the survivors.
-  std::vector<std::string> ExpireLeases(absl::Time now);
+  std::vector<std::string> ExpireLeases(absl::Time now, size_t fired_at_most = kAllFired);
 
   // Ends the generation with the same members (e.g. to restart training from a checkpoint):
   // every worker re-connects its data path.
@@ -153,7 +164,8 @@ class WorldManager {
     JobState known_state;
     HeartbeatCallback done;
   };
-  // Answers computed under the lock, delivered after it is released.
+  // Answers computed under the lock, delivered after it is released (heartbeats answered at once;
+  // the watches a change or an expiry fires are queued in fired_ instead).
   struct Answers {
     std::vector<std::pair<HeartbeatCallback, absl::StatusOr<HeartbeatOutcome>>> heartbeats;
     std::vector<EventLog::Answer> events;
@@ -165,7 +177,8 @@ class WorldManager {
   // Runs `rule` (which fills a Change) under the lock, then commits the change (generation,
   // events, journal) and answers the watches it concerns.
   template <typename Rule>
-  auto Mutate(Rule rule) -> decltype(rule(std::declval<Change*>()));
+  auto Mutate(Rule rule, size_t fired_at_most = kAllFired)
+      -> decltype(rule(std::declval<Change*>()));
   // Ends the generation if the change asks to, numbers its events, journals what it touched.
   // Returns the members it recorded.
   // Marks the world as having run at this generation, and as formed, if it runs now (see
@@ -175,7 +188,10 @@ class WorldManager {
   // The heartbeats a change of the world from `before` concerns, and event watches with news.
   Answers TakeChangedWatchesLocked(const World& before, const std::set<std::string>& touched)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static void Deliver(Answers answers);
+  // Delivers `answers`, then up to `fired_at_most` fired watches (see AnswerFired).
+  void Deliver(Answers answers, size_t fired_at_most = kAllFired);
+  // Queues fired watches, to be answered with the world as it is when they are answered.
+  void FireLocked(std::vector<Watch> fired) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<HeartbeatOutcome> OutcomeLocked(const std::string& worker_id,
                                                  const World& world) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -207,6 +223,7 @@ class WorldManager {
   WaitList<Watch> watches_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, WaitList<Watch>::Id> watch_of_ ABSL_GUARDED_BY(mu_);  // by worker
   absl::Status closed_ ABSL_GUARDED_BY(mu_);  // why watches are no longer held, once closed
+  std::deque<Watch> fired_ ABSL_GUARDED_BY(mu_);  // fired, not answered yet, oldest first
 };
 
 }  // namespace shard

@@ -297,9 +297,11 @@ void Simulation::CrashCoordinator() {
 
 void Simulation::Housekeep(uint64_t coordinator) {
   if (coordinator != coordinator_ || core_ == nullptr) return;
-  core_->Housekeep(now_);
+  // As the server's housekeeping thread: again at once while fired heartbeats wait for answers.
+  const bool more = core_->Housekeep(now_);
   ScheduleFlush();
-  After(kHousekeeping, [this, coordinator] { Housekeep(coordinator); });
+  After(more ? absl::ZeroDuration() : kHousekeeping,
+        [this, coordinator] { Housekeep(coordinator); });
 }
 
 void Simulation::ScheduleFlush() {

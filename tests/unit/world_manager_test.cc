@@ -1,5 +1,6 @@
 #include "server/world_manager.h"
 
+#include <map>
 #include <optional>
 #include <set>
 
@@ -559,6 +560,52 @@ TEST_F(ElasticWorldTest, SurvivorsReFormWithRenumberedRanksOnlyAfterTheGracePeri
       << "below its target, the world grows again once workers join: " << status.world.transition;
   // A survivor's heartbeat carries its new rank.
   EXPECT_EQ(world->Heartbeat("w3", 1, now_ + absl::Seconds(8))->rank, 1);
+}
+
+// Fired heartbeats are answered with the world as it is when they are answered: a backlog that
+// outlives the next change carries that change, so those workers hear once. At 10,000 workers the
+// housekeeping pass answers a batch at a time; survivors not yet told of the death when the grace
+// ends hear of the re-formed world directly.
+TEST_F(ElasticWorldTest, FiredHeartbeatsCarryTheWorldAsItIsWhenAnswered) {
+  auto world = Formed(/*min=*/2, absl::Seconds(1));
+  const World formed = world->world();
+  std::map<std::string, std::vector<World>> heard;
+  auto hold = [&](const std::string& id, absl::Time t) {
+    HeartbeatParams params;
+    params.worker_id = id;
+    params.incarnation = 1;
+    params.known_generation = formed.generation;
+    params.known_state = JobState::kRunning;
+    params.wait = absl::Milliseconds(500);
+    world->WatchHeartbeat(params, t, [&heard, id](absl::StatusOr<HeartbeatOutcome> o) {
+      ASSERT_TRUE(o.ok()) << o.status();
+      heard[id].push_back(o->world);
+    });
+  };
+  // w3 falls silent; the others hold heartbeats when its lease runs out.
+  const absl::Time expiry = now_ + absl::Milliseconds(2100);
+  for (const char* id : {"w0", "w1", "w2"}) {
+    ASSERT_TRUE(world->Heartbeat(id, 1, expiry).ok());
+    hold(id, expiry);
+  }
+  world->ExpireLeases(expiry, /*fired_at_most=*/0);
+  EXPECT_TRUE(heard.empty()) << "fired, not answered yet";
+  EXPECT_EQ(world->AnswerFired(1), 2u) << "one answered, two wait";
+  ASSERT_EQ(heard["w0"].size(), 1u);
+  EXPECT_EQ(heard["w0"][0].state, JobState::kForming) << "told of the death";
+
+  // The grace ends before the rest are answered: they hear of the re-formed world directly.
+  const absl::Time regrace = expiry + absl::Milliseconds(1100);
+  for (const char* id : {"w0", "w1", "w2"}) ASSERT_TRUE(world->Heartbeat(id, 1, regrace).ok());
+  world->ExpireLeases(regrace, /*fired_at_most=*/0);
+  ASSERT_EQ(world->world().state, JobState::kRunning);
+  EXPECT_EQ(world->AnswerFired(WorldManager::kAllFired), 0u);
+  for (const char* id : {"w1", "w2"}) {
+    ASSERT_EQ(heard[id].size(), 1u) << id << " is answered once";
+    EXPECT_EQ(heard[id][0].state, JobState::kRunning) << id;
+    EXPECT_EQ(heard[id][0].ranks, 3) << id;
+    EXPECT_GT(heard[id][0].generation, formed.generation) << id;
+  }
 }
 
 TEST_F(ElasticWorldTest, AReplacementWithinTheGracePeriodKeepsTheWorldSize) {
