@@ -171,7 +171,7 @@ class Fault:
 # Steps a fault costs besides its gap: training runs on while the script polls, calls shardctl,
 # restarts the coordinator and waits for the world to settle (more on a fast machine, fewer on a
 # loaded one). The default --steps allows this many per fault; Soak.fitted_gap measures it.
-LATENCY_STEPS = 150
+LATENCY_STEPS = 400
 
 
 def tail_steps(args):
