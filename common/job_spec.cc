@@ -50,13 +50,8 @@ PlanOptions PlanOptionsForJob(const JobConfig& job) {
   return plan;
 }
 
-absl::Status ValidateJobConfig(const JobConfig& job) {
-  SHARD_RETURN_IF_ERROR(ValidateName("job spec: name", job.name));
-  if (job.world_size < 1) return Invalid("world_size", "must be at least 1");
-  if (job.min_world_size < 1 || job.min_world_size > job.world_size) {
-    return Invalid("min_world_size", absl::StrCat("must be in [1, world_size = ", job.world_size,
-                                                  "], got ", job.min_world_size));
-  }
+// The built-in MLP's widths and data file.
+absl::Status ValidateMlp(const JobConfig& job) {
   if (job.widths.size() < 2) {
     return Invalid("model.mlp.widths", "needs at least an input and an output width");
   }
@@ -76,6 +71,24 @@ absl::Status ValidateJobConfig(const JobConfig& job) {
                                                     model.message()));
   }
   if (job.data_path.empty()) return Invalid("data.path", "is required");
+  return absl::OkStatus();
+}
+
+absl::Status ValidateJobConfig(const JobConfig& job) {
+  SHARD_RETURN_IF_ERROR(ValidateName("job spec: name", job.name));
+  if (job.world_size < 1) return Invalid("world_size", "must be at least 1");
+  if (job.min_world_size < 1 || job.min_world_size > job.world_size) {
+    return Invalid("min_world_size", absl::StrCat("must be in [1, world_size = ", job.world_size,
+                                                  "], got ", job.min_world_size));
+  }
+  if (job.external_model) {
+    if (!job.widths.empty()) return Invalid("model", "is either mlp or external, not both");
+    if (job.precision != "fp32") {
+      return Invalid("precision", "an external model trains in fp32 (its parameters are fp32)");
+    }
+  } else {
+    SHARD_RETURN_IF_ERROR(ValidateMlp(job));
+  }
   if (job.output_dir.empty()) return Invalid("output_dir", "is required");
   const OptimizerConfig& o = job.optimizer;
   if (!(o.lr > 0) || !std::isfinite(o.lr)) return Invalid("optimizer.lr", "must be positive");

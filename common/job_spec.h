@@ -36,8 +36,10 @@ struct JobConfig {
   std::string name;
   int world_size = 1;
   int min_world_size = 1;
-  std::vector<int64_t> widths;  // the built-in MLP, input to output
-  std::string data_path;
+  // The model the workers bring registers its own manifest; the built-in MLP is `widths`.
+  bool external_model = false;
+  std::vector<int64_t> widths;  // the built-in MLP, input to output (empty for an external model)
+  std::string data_path;        // the MLP's data; an external model reads its own
   std::string init_path;  // empty: seeded init
   uint64_t seed = 0;
   OptimizerConfig optimizer;

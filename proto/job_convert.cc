@@ -47,11 +47,14 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
   if (spec.world_size() == 0) return Missing("world_size");
   job.world_size = spec.world_size();
   job.min_world_size = spec.has_min_world_size() ? spec.min_world_size() : spec.world_size();
-  if (!spec.has_model() || !spec.model().has_mlp() || spec.model().mlp().widths().empty()) {
-    return Missing("model.mlp.widths");
+  if (spec.model().has_external()) {
+    job.external_model = true;
+  } else if (!spec.model().has_mlp() || spec.model().mlp().widths().empty()) {
+    return Missing("model.mlp.widths (or model.external for a model the workers bring)");
+  } else {
+    job.widths.assign(spec.model().mlp().widths().begin(), spec.model().mlp().widths().end());
+    if (spec.data().path().empty()) return Missing("data.path");
   }
-  job.widths.assign(spec.model().mlp().widths().begin(), spec.model().mlp().widths().end());
-  if (spec.data().path().empty()) return Missing("data.path");
   job.data_path = Resolve(spec.data().path(), base_dir);
   job.init_path = Resolve(spec.init().path(), base_dir);
   job.seed = spec.seed();
@@ -126,7 +129,11 @@ v1::JobSpec ToProto(const JobConfig& job) {
   spec.set_name(job.name);
   spec.set_world_size(job.world_size);
   spec.set_min_world_size(job.min_world_size);
-  for (int64_t w : job.widths) spec.mutable_model()->mutable_mlp()->add_widths(w);
+  if (job.external_model) {
+    spec.mutable_model()->mutable_external();
+  } else {
+    for (int64_t w : job.widths) spec.mutable_model()->mutable_mlp()->add_widths(w);
+  }
   spec.mutable_data()->set_path(job.data_path);
   spec.mutable_init()->set_path(job.init_path);
   spec.set_seed(job.seed);

@@ -69,14 +69,23 @@ absl::Status SettleJob(StateStore* store, CoreOptions* options) {
   return absl::OkStatus();
 }
 
-// A checkpoint `--restore` or `shardctl checkpoint restore` may start the job from.
-absl::Status CheckRestorable(const JobConfig& job, const CheckpointManifest& manifest) {
-  if (absl::Status same = CompareManifests(MlpManifest(job.widths), manifest.model(),
-                                           absl::StrCat("checkpoint ", manifest.id));
-      !same.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cannot restore checkpoint ", manifest.id, ": it is of a different model (",
-        same.message(), ")"));
+// A checkpoint `--restore` or `shardctl checkpoint restore` may start the job from. `registered`
+// is the manifest the workers registered, if they have: an external model is known only by it
+// (before that, a worker's restore refuses a checkpoint of another model).
+absl::Status CheckRestorable(const JobConfig& job, const Manifest* registered,
+                             const CheckpointManifest& manifest) {
+  const std::optional<Manifest> model =
+      job.external_model ? (registered != nullptr ? std::optional<Manifest>(*registered)
+                                                  : std::nullopt)
+                         : std::optional<Manifest>(MlpManifest(job.widths));
+  if (model.has_value()) {
+    if (absl::Status same =
+            CompareManifests(*model, manifest.model(), absl::StrCat("checkpoint ", manifest.id));
+        !same.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot restore checkpoint ", manifest.id, ": it is of a different model (",
+          same.message(), ")"));
+    }
   }
   if (manifest.state_names != OptimizerStateNames(job.optimizer)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -122,7 +131,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorCore>> CoordinatorCore::Create(
                              core->checkpoints_->Find(options.restore));
       SHARD_ASSIGN_OR_RETURN(const CheckpointManifest manifest,
                              core->checkpoints_->ReadManifest(record));
-      SHARD_RETURN_IF_ERROR(CheckRestorable(job, manifest));
+      SHARD_RETURN_IF_ERROR(CheckRestorable(job, /*registered=*/nullptr, manifest));
       SHARD_RETURN_IF_ERROR(core->checkpoints_->SetRestorePoint(record.id()).status());
       core->plan_->SeedRebuiltOrder(manifest.plan.gradient_order);
     }
@@ -335,7 +344,10 @@ void CoordinatorCore::RestoreCheckpoint(
     SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, Checkpoints());
     SHARD_ASSIGN_OR_RETURN(const v1::CheckpointRecord record, checkpoints->Find(id));
     SHARD_ASSIGN_OR_RETURN(const CheckpointManifest manifest, checkpoints->ReadManifest(record));
-    SHARD_RETURN_IF_ERROR(CheckRestorable(*options_.job, manifest));
+    const std::optional<PlanView> plan = plan_->Current();
+    SHARD_RETURN_IF_ERROR(CheckRestorable(
+        *options_.job, plan.has_value() && plan->manifest != nullptr ? plan->manifest.get() : nullptr,
+        manifest));
     SHARD_ASSIGN_OR_RETURN(const TrainingStartPoint start,
                            checkpoints->SetRestorePoint(record.id()));
     plan_->SeedRebuiltOrder(manifest.plan.gradient_order);

@@ -72,6 +72,9 @@ TEST(JobSpecTest, BadSpecsAreClearErrors) {
       // Found by fuzzing (docs/fuzzing.md): each width in range, the layer 2^48 elements.
       {"[8, 16, 4]", "[16777216, 16777216, 4]", "too large"},
       {"\"steps\": 10", "\"steps\": \"many\"", "steps"},
+      {"{\"mlp\": {\"widths\": [8, 16, 4]}}", "{}", "model.external"},
+      {"{\"mlp\": {\"widths\": [8, 16, 4]}}", "{\"external\": {}}, \"precision\": \"bf16\"",
+       "external model trains in fp32"},
   };
   for (const Case& c : cases) {
     std::string json = kJob;
@@ -86,6 +89,34 @@ TEST(JobSpecTest, BadSpecsAreClearErrors) {
     EXPECT_NE(job.status().message().find(c.expected), absl::string_view::npos)
         << "expected '" << c.expected << "' in " << job.status();
   }
+}
+
+// kJob with `from` replaced by `to`.
+std::string JobWith(const std::string& from, const std::string& to) {
+  std::string json = kJob;
+  json.replace(json.find(from), from.size(), to);
+  return json;
+}
+
+TEST(JobSpecTest, AnExternalModelNeedsNoWidthsAndNoDataAndConvertsBack) {
+  const std::string mlp = R"("mlp": {"widths": [8, 16, 4]})";
+  const std::string data = R"("data": {"path": "data.safetensors"},)";
+  std::string json = JobWith(mlp, R"("external": {})");
+  json.replace(json.find(data), data.size(), "");
+  auto spec = ParseJobSpecJson(json);
+  ASSERT_TRUE(spec.ok()) << spec.status() << json;
+  auto job = JobConfigFromProto(*spec, "/jobs");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_TRUE(job->external_model);
+  EXPECT_TRUE(job->widths.empty());
+  EXPECT_TRUE(job->data_path.empty());
+  auto again = JobConfigFromProto(ToProto(*job), "");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->external_model);
+  // The built-in MLP still needs its data.
+  spec = ParseJobSpecJson(JobWith(data, ""));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_FALSE(JobConfigFromProto(*spec, "").ok());
 }
 
 TEST(JobSpecTest, TheDataFileIsCheckedAgainstTheModel) {
