@@ -161,9 +161,6 @@ int main(int argc, char** argv) {
   absl::Mutex agent_mu;
   shard::WorkerAgent* running_agent = nullptr;
   std::string early_stop;
-  // A peer that dies mid-transfer must fail the collective (EPIPE), not end this process:
-  // Gloo writes with writev, which cannot ask for MSG_NOSIGNAL.
-  ::signal(SIGPIPE, SIG_IGN);
   shard::SignalWatcher signals([&](int signal, int /*count*/) {
     spdlog::info("received {}: leaving the job", strsignal(signal));
     const std::string reason = absl::StrCat("worker received ", strsignal(signal));

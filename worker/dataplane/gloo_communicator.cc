@@ -1,8 +1,11 @@
 #include "worker/dataplane/gloo_communicator.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -525,8 +528,26 @@ class GlooCommunicator::Impl {
   std::vector<UnboundBuffer*> in_flight_ ABSL_GUARDED_BY(mu_);
 };
 
+namespace {
+
+// A peer that dies mid-transfer must fail the collective (EPIPE), not end the process: Gloo
+// writes with writev, which cannot ask for MSG_NOSIGNAL. So SIGPIPE is ignored, unless the
+// program installed a handler of its own (Python, for one, ignores it already).
+void IgnoreSigpipeUnlessHandled() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current = {};
+    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      ::signal(SIGPIPE, SIG_IGN);
+    }
+  });
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
     KeyValueStore* store, const GlooOptions& options) {
+  IgnoreSigpipeUnlessHandled();
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", options.rank,
                                                    " is not in a world of size ", options.size));
