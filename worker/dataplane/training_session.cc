@@ -1,0 +1,243 @@
+#include "worker/dataplane/training_session.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/fault.h"
+#include "common/files.h"
+#include "common/safetensors.h"
+#include "common/status_macros.h"
+#include "common/step_boundary.h"
+#include "worker/dataplane/cpu_device.h"
+
+namespace shard {
+namespace {
+
+// A consolidated safetensors file (an export, or ConsolidateStateDict's output) as a source of
+// parameters and optimizer state (<name>.<state>).
+class SafetensorsStateSource : public StateSource {
+ public:
+  SafetensorsStateSource(std::unique_ptr<SafetensorsReader> file, const Manifest& manifest,
+                         std::vector<std::string> state_names)
+      : file_(std::move(file)), manifest_(manifest), state_names_(std::move(state_names)) {}
+
+  absl::Status ReadElements(int param, int array, int64_t begin, int64_t count,
+                            float* out) override {
+    const ParamSpec& spec = manifest_.params[param];
+    const std::string name = array < 0 ? spec.name : spec.name + "." + state_names_[array];
+    SHARD_ASSIGN_OR_RETURN(const TensorInfo* tensor,
+                           file_->Expect(name, DataType::kFloat32, spec.shape));
+    return file_->ReadElements(*tensor, begin, count, out);
+  }
+
+ private:
+  std::unique_ptr<SafetensorsReader> file_;
+  const Manifest& manifest_;
+  std::vector<std::string> state_names_;
+};
+
+// Whether `file` holds every optimizer state tensor of every trainable parameter.
+bool HoldsOptimizerState(const SafetensorsReader& file, const Manifest& manifest,
+                         const std::vector<std::string>& state_names) {
+  if (state_names.empty()) return false;
+  for (const ParamSpec& spec : manifest.params) {
+    if (!spec.requires_grad) continue;
+    for (const std::string& state : state_names) {
+      if (file.Find(spec.name + "." + state) == nullptr) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::Status WriteParameters(Engine& engine, const std::string& path) {
+  const Manifest& manifest = engine.manifest();
+  std::vector<TensorDecl> tensors;
+  std::vector<const void*> data;
+  std::vector<std::vector<float>> values(manifest.params.size());
+  for (size_t i = 0; i < manifest.params.size(); ++i) {
+    const ParamSpec& param = manifest.params[i];
+    tensors.push_back(TensorDecl{param.name, param.dtype, param.shape});
+    SHARD_ASSIGN_OR_RETURN(values[i], engine.ParamValues(static_cast<int>(i)));
+    data.push_back(values[i].data());
+  }
+  return WriteSafetensors(path, tensors, data, {{"format", "pt"}, {"producer", "shard"}});
+}
+
+TrainingSession::TrainingSession(const JobConfig& job, Communicator& communicator, Device& device,
+                                 const TrainerOptions& options)
+    : job_(job),
+      communicator_(communicator),
+      device_(device),
+      options_(options),
+      saver_([on_checkpoint = options.on_checkpoint](const SavedShard& saved) {
+        if (on_checkpoint) on_checkpoint(saved);
+      }) {}
+
+absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
+    const JobConfig& job, Manifest manifest, Communicator& communicator, PlanProvider& plans,
+    const TrainerOptions& options) {
+  if (job.global_batch % communicator.size() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("global batch ", job.global_batch,
+                                                   " does not divide over ", communicator.size(),
+                                                   " workers"));
+  }
+  Device& device = options.device != nullptr ? *options.device : HostDevice();
+  SHARD_RETURN_IF_ERROR(device.BindThread());  // the engine's memory lives on this thread's device
+  SHARD_ASSIGN_OR_RETURN(const DataType precision, ParsePrecision(job.precision));
+  std::unique_ptr<TrainingSession> session(
+      new TrainingSession(job, communicator, device, options));
+  EngineOptions engine_options;
+  engine_options.zero_stage = job.zero_stage;
+  engine_options.overlap = job.overlap;
+  engine_options.optimizer = job.optimizer;
+  engine_options.grad_clip_norm = job.grad_clip_norm;
+  engine_options.device = &device;
+  // fp16's range needs the loss scaled (bf16 has fp32's exponent and needs no scaling).
+  if (precision == DataType::kFloat16) engine_options.loss_scaling = LossScalerOptions{};
+  SHARD_ASSIGN_OR_RETURN(session->engine_, Engine::Create(std::move(manifest), &communicator,
+                                                          &plans, engine_options));
+  if (!options.restore_dir.empty()) {
+    StallPoint("before-restore");
+    SHARD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> checkpoint,
+                           CheckpointReader::Open(options.restore_dir));
+    SHARD_RETURN_IF_ERROR(session->engine_->Restore(*checkpoint));
+    session->restored_ = true;
+    session->next_step_ = checkpoint->manifest().step;
+  }
+  session->result_.start_step = session->next_step_;
+  return session;
+}
+
+bool TrainingSession::stop_requested() const {
+  return options_.stop != nullptr && options_.stop->load();
+}
+
+absl::StatusOr<bool> TrainingSession::LoadInitFile() {
+  if (job_.init_path.empty()) return false;
+  const Manifest& manifest = engine_->manifest();
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> init,
+                         SafetensorsReader::Open(job_.init_path));
+  std::vector<std::string> state_names;
+  int64_t steps_done = 0;
+  TrainingCounters counters;
+  if (HoldsOptimizerState(*init, manifest, engine_->optimizer_state_names())) {
+    state_names = engine_->optimizer_state_names();
+    auto step = init->metadata().find("step");
+    if (step == init->metadata().end() || !absl::SimpleAtoi(step->second, &steps_done)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "init file '", job_.init_path,
+          "' holds optimizer state but no \"step\" in its metadata (Adam's bias correction needs "
+          "the step count)"));
+    }
+    absl::StatusOr<TrainingCounters> saved =
+        TrainingCountersFromMetadata(init->metadata(), steps_done);
+    if (!saved.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("init file '", job_.init_path, "': ", saved.status().message()));
+    }
+    counters = *saved;
+  }
+  // Without optimizer state in the file, the optimizer starts fresh (step 0).
+  const bool with_state = !state_names.empty();
+  SHARD_RETURN_IF_ERROR(engine_->LoadState(
+      std::make_unique<SafetensorsStateSource>(std::move(init), manifest, state_names), with_state,
+      steps_done, counters));
+  next_step_ = steps_done;
+  result_.start_step = steps_done;
+  return true;
+}
+
+absl::Status TrainingSession::BroadcastInitialValues() { return engine_->BroadcastParameters(); }
+
+absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_share,
+                                                                   const StepTimings& timings,
+                                                                   absl::Time started) {
+  const int64_t step = next_step_;
+  double loss = loss_share;
+  SHARD_RETURN_IF_ERROR(
+      device_.AllReduceHostValues(communicator_, &loss, 1, DataType::kFloat64, ReduceOp::kSum));
+  StepRecord record;
+  record.step = step + 1;
+  record.loss = loss;
+  record.timings = timings;
+  record.step_ms = absl::ToDoubleMilliseconds(absl::Now() - started);
+  record.plan_version = engine_->plan_version();
+  if (step == result_.start_step) {
+    result_.first_loss = loss;
+    steady_start_ = absl::Now();
+  } else {
+    hidden_ms_ += timings.hidden_ms;
+    reduction_ms_ += timings.communication_ms;
+  }
+  result_.last_loss = loss;
+  result_.steps = step + 1;
+  next_step_ = step + 1;
+
+  // Checkpoint at this step boundary if it is due or requested anywhere; the ranks agree on
+  // the newest save and pause requests any of them knows.
+  StepOrders known = options_.orders ? options_.orders() : StepOrders{};
+  if (known.generation != options_.generation) known = StepOrders{};
+  int64_t requests[2] = {known.save_request, known.pause_request};
+  if (options_.orders) {
+    SHARD_RETURN_IF_ERROR(device_.AllReduceHostValues(communicator_, requests, 2,
+                                                      DataType::kInt64, ReduceOp::kMax));
+  }
+  const StepBoundary boundary =
+      DecideStepBoundary(step + 1, job_.steps, job_.checkpoint_every,
+                         StepOrders{options_.generation, requests[0], requests[1]},
+                         &satisfied_request_);
+  if (boundary.save) {
+    const absl::Time pause_start = absl::Now();
+    std::vector<char> bytes = saver_.TakeBuffer();
+    SHARD_RETURN_IF_ERROR(engine_->CopyOwnedState(&bytes));
+    SavedShard saved;
+    saved.id = CheckpointIdForStep(step + 1, options_.checkpoint_tag);
+    saved.dir = CheckpointDirectory(job_.checkpoint_dir, job_.name, saved.id);
+    saved.step = step + 1;
+    saved.request = boundary.request;
+    saved.rank = communicator_.rank();
+    saved.plan = engine_->plan_pointer();
+    saved.plan_version = engine_->plan_version();
+    saved.counters = engine_->counters();
+    saved.pause_ms = absl::ToDoubleMilliseconds(absl::Now() - pause_start);
+    result_.max_checkpoint_pause_ms = std::max(result_.max_checkpoint_pause_ms, saved.pause_ms);
+    ++result_.checkpoints_saved;
+    record.checkpoint_pause_ms = saved.pause_ms;
+    saver_.Start(std::move(saved), communicator_.size(), std::move(bytes));
+  }
+  if (options_.on_step) options_.on_step(record);
+  if (boundary.pause) {
+    saver_.WaitIdle();  // the shard must be reported before the world re-forms from it
+    result_.paused_at = step + 1;
+    return Boundary::kPaused;
+  }
+  return finished() ? Boundary::kFinished : Boundary::kContinue;
+}
+
+absl::StatusOr<TrainResult> TrainingSession::Finish() {
+  saver_.WaitIdle();
+  const int64_t trained = job_.steps - result_.start_step;
+  if (trained > 1) {
+    result_.steps_per_second =
+        (trained - 1) / absl::ToDoubleSeconds(absl::Now() - steady_start_);
+    result_.hidden_fraction = reduction_ms_ > 0 ? hidden_ms_ / reduction_ms_ : 0;
+  }
+  result_.optimizer_state_bytes = engine_->optimizer_state_bytes();
+  if (options_.consolidate_to_rank >= 0) {
+    SHARD_RETURN_IF_ERROR(
+        engine_->ConsolidateStateDict(options_.consolidate_to_rank, options_.consolidate_path));
+  }
+  if (communicator_.rank() == 0) {
+    SHARD_RETURN_IF_ERROR(MakeDirectories(job_.output_dir));
+    result_.output_path =
+        (std::filesystem::path(job_.output_dir) / "final.safetensors").string();
+    SHARD_RETURN_IF_ERROR(WriteParameters(*engine_, result_.output_path));
+  }
+  return result_;
+}
+
+}  // namespace shard

@@ -1,0 +1,158 @@
+// One generation of a job's training on one rank, whatever the model: the engine over the job's
+// optimizer and ZeRO stage, where training starts (a checkpoint, an init file, or the values the
+// model holds), and the step boundary every trainer shares: the global loss, the checkpoint
+// orders the ranks agree on, saving, pausing for a re-formation, and at the end the export.
+// The built-in MLP (trainer.h) and a model that lives elsewhere (a PyTorch module through
+// capi/) drive the same session:
+//
+//   session = TrainingSession::Create(job, manifest, communicator, plans, options);
+//   if (!session->restored() && !session->LoadInitFile()) {
+//     write initial values into engine.param(i); session->BroadcastInitialValues();
+//   }
+//   while (!session->finished()) {
+//     forward, engine.StartBackward(), backward + MarkGradReady, engine.Step(&timings)
+//     if (session->EndStep(loss share, timings, start) == kPaused) return session->result();
+//   }
+//   return session->Finish();
+//
+// Thread-compatible: one thread drives the session and its engine.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/control_types.h"
+#include "common/job_spec.h"
+#include "common/manifest.h"
+#include "worker/dataplane/checkpoint_saver.h"
+#include "worker/dataplane/communicator.h"
+#include "worker/dataplane/device.h"
+#include "worker/dataplane/engine.h"
+#include "worker/dataplane/plan_provider.h"
+
+namespace shard {
+
+struct StepRecord {
+  int64_t step = 0;       // 1-based
+  double loss = 0;        // mean loss over the global batch
+  double step_ms = 0;     // wall time of the whole step on this rank
+  StepTimings timings;
+  int64_t plan_version = 0;
+  double checkpoint_pause_ms = 0;  // when this step ended with a checkpoint
+};
+
+struct TrainResult {
+  int64_t start_step = 0;  // steps already done before this run (restored from a checkpoint)
+  int64_t steps = 0;
+  double first_loss = 0;
+  double last_loss = 0;
+  // Over steps 2..N (the first step also plans and rebuilds the buckets).
+  double steps_per_second = 0;
+  double hidden_fraction = 0;  // of gradient-reduction time that overlapped backward
+  int64_t optimizer_state_bytes = 0;  // on this rank
+  std::string output_path;            // rank 0 only
+  int checkpoints_saved = 0;
+  int64_t paused_at = 0;  // the step after which training paused for a re-formation; 0: it did not
+  double max_checkpoint_pause_ms = 0;  // the longest training stall of a save
+};
+
+struct TrainerOptions {
+  // Where the model, its buffers and the update run (not owned; null: the host); the
+  // communicator's buffers must be its memory. The job's precision must be one it runs.
+  Device* device = nullptr;
+  // Called after every step (e.g. to log and report to the coordinator).
+  std::function<void(const StepRecord&)> on_step;
+  // Polled between steps; training stops with Cancelled once it is set.
+  const std::atomic<bool>* stop = nullptr;
+
+  // Checkpoints (see common/checkpoint.h). Restore from this committed checkpoint directory
+  // before training: training continues with the step after the checkpoint's.
+  std::string restore_dir;
+  // The orders from the coordinator this rank knows of now (common/control_types.h), polled at
+  // every step boundary; only orders of `generation` count. All ranks save at the first
+  // boundary at which any of them knows a request newer than the last one saved, and pause
+  // after a pausing one (they agree through one small all-reduce per step; common/
+  // step_boundary.h decides). A pause returns with TrainResult::paused_at: the world is about
+  // to re-form and restore that checkpoint. Periodic saves need no orders.
+  std::function<StepOrders()> orders;
+  int64_t generation = 0;
+  // Appended to checkpoint ids (e.g. "g7"), so that a restored run never reuses an id.
+  std::string checkpoint_tag;
+  // Called from the writer thread when this rank's shard is on disk (or failed).
+  std::function<void(const SavedShard&)> on_checkpoint;
+  // After the last step: consolidate parameters and optimizer state onto this rank, which
+  // writes them to `consolidate_path` (Engine::ConsolidateStateDict). -1: no.
+  int consolidate_to_rank = -1;
+  std::string consolidate_path;
+};
+
+class TrainingSession {
+ public:
+  enum class Boundary { kContinue, kPaused, kFinished };
+
+  // Creates the engine for `manifest` with the job's optimizer, stage and clipping (and loss
+  // scaling for fp16), and restores `options.restore_dir` if it is set.
+  static absl::StatusOr<std::unique_ptr<TrainingSession>> Create(const JobConfig& job,
+                                                                 Manifest manifest,
+                                                                 Communicator& communicator,
+                                                                 PlanProvider& plans,
+                                                                 const TrainerOptions& options);
+
+  Engine& engine() { return *engine_; }
+  Communicator& communicator() { return communicator_; }
+  Device& device() { return device_; }
+  const JobConfig& job() const { return job_; }
+  // Whether training starts from options.restore_dir.
+  bool restored() const { return restored_; }
+  // Steps done so far: the 0-based index of the step to run next.
+  int64_t next_step() const { return next_step_; }
+  bool finished() const { return next_step_ >= job_.steps; }
+  // Whether a stop was requested (options.stop).
+  bool stop_requested() const;
+
+  // Loads the job's init file (job.init_path) when it names one: its parameters, and with them
+  // its optimizer state and step count when it holds them (an export with state, or a
+  // consolidated file). False when the job has none: the caller writes initial values.
+  absl::StatusOr<bool> LoadInitFile();
+  // After the caller wrote initial values into the parameters: every rank takes rank 0's.
+  absl::Status BroadcastInitialValues();
+
+  // The boundary after engine().Step(): `loss_share` is this rank's share of the global batch's
+  // mean loss (the ranks' shares are summed), `started` when the step began. Reports the step
+  // (options.on_step), saves when a checkpoint is due or asked for, and says whether training
+  // goes on, paused for a re-formation, or did its last step.
+  absl::StatusOr<Boundary> EndStep(double loss_share, const StepTimings& timings,
+                                   absl::Time started);
+  // After the last step: waits for checkpoint writes, consolidates if asked, and rank 0 writes
+  // the parameters to job.output_dir/final.safetensors. Collective.
+  absl::StatusOr<TrainResult> Finish();
+  // What this run did so far (after a pause: paused_at is set).
+  const TrainResult& result() const { return result_; }
+
+ private:
+  TrainingSession(const JobConfig& job, Communicator& communicator, Device& device,
+                  const TrainerOptions& options);
+
+  const JobConfig job_;
+  Communicator& communicator_;
+  Device& device_;
+  const TrainerOptions options_;
+  std::unique_ptr<Engine> engine_;
+  CheckpointSaver saver_;
+  bool restored_ = false;
+  int64_t next_step_ = 0;
+  int64_t satisfied_request_ = 0;
+  TrainResult result_;
+  absl::Time steady_start_;  // end of this run's first step
+  double hidden_ms_ = 0;
+  double reduction_ms_ = 0;
+};
+
+// Writes the model's parameters (full tensors, manifest names) as safetensors.
+absl::Status WriteParameters(Engine& engine, const std::string& path);
+
+}  // namespace shard
