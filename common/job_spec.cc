@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/names.h"
+#include "common/param_groups.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 
@@ -31,6 +32,23 @@ std::vector<std::string> OptimizerStateNames(const OptimizerConfig& optimizer) {
                                   : std::vector<std::string>{};
   }
   return {"exp_avg", "exp_avg_sq"};
+}
+
+absl::string_view LrDecayName(LrDecay decay) {
+  switch (decay) {
+    case LrDecay::kConstant: return "constant";
+    case LrDecay::kCosine: return "cosine";
+    case LrDecay::kLinear: return "linear";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<LrDecay> ParseLrDecay(absl::string_view name) {
+  for (LrDecay decay : {LrDecay::kConstant, LrDecay::kCosine, LrDecay::kLinear}) {
+    if (name == LrDecayName(decay)) return decay;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", name, "' is not a decay; use constant, cosine or linear"));
 }
 
 absl::StatusOr<DataType> ParsePrecision(const std::string& precision) {
@@ -74,6 +92,66 @@ absl::Status ValidateMlp(const JobConfig& job) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateOptimizerConfig(const OptimizerConfig& o) {
+  auto invalid = [](absl::string_view field, absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer.", field, " ", why));
+  };
+  if (!(o.lr > 0) || !std::isfinite(o.lr)) return invalid("lr", "must be positive");
+  if (!(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1)) {
+    return invalid("betas", "must be two numbers in [0, 1)");
+  }
+  if (!(o.eps > 0)) return invalid("eps", "must be positive");
+  if (!(o.weight_decay >= 0)) return invalid("weight_decay", "must be >= 0");
+  if (!(o.momentum >= 0 && o.momentum < 1)) return invalid("momentum", "must be in [0, 1)");
+  if (o.nesterov && (o.kind != OptimizerKind::kSgd || o.momentum <= 0)) {
+    return invalid("nesterov", "needs sgd with momentum > 0");
+  }
+  for (size_t g = 0; g < o.param_groups.size(); ++g) {
+    const ParamGroup& group = o.param_groups[g];
+    const std::string field = absl::StrCat("param_groups[", g, "]");
+    if (group.match.empty()) {
+      return invalid(absl::StrCat(field, ".match"),
+                     "needs at least one parameter name pattern, e.g. \"*.bias\"");
+    }
+    for (size_t k = 0; k < group.match.size(); ++k) {
+      if (group.match[k].empty()) {
+        return invalid(absl::StrCat(field, ".match[", k, "]"), "is an empty pattern");
+      }
+      if (group.match[k].find('\0') != std::string::npos) {
+        return invalid(absl::StrCat(field, ".match[", k, "]"), "contains a NUL character");
+      }
+    }
+    if (group.weight_decay.has_value() &&
+        !(*group.weight_decay >= 0 && std::isfinite(*group.weight_decay))) {
+      return invalid(absl::StrCat(field, ".weight_decay"), "must be a finite number >= 0");
+    }
+    if (!(group.lr_scale > 0) || !std::isfinite(o.lr * group.lr_scale)) {
+      return invalid(absl::StrCat(field, ".lr_scale"),
+                     "must be > 0 (and lr x lr_scale finite); default 1");
+    }
+  }
+  const LrSchedule& schedule = o.schedule;
+  if (schedule.warmup_steps < 0) return invalid("schedule.warmup_steps", "must be >= 0");
+  if (!(schedule.min_lr >= 0 && schedule.min_lr <= o.lr)) {
+    return invalid("schedule.min_lr", absl::StrCat("must be in [0, lr = ", o.lr, "]"));
+  }
+  if (schedule.min_lr != 0 && schedule.decay == LrDecay::kConstant) {
+    return invalid("schedule.min_lr", "needs decay cosine or linear (the lr decays to it)");
+  }
+  if (o.total_steps < 0) return invalid("total_steps", "must be >= 0");
+  if (schedule.decay != LrDecay::kConstant && o.total_steps < 1) {
+    return invalid("total_steps",
+                   absl::StrCat("must be set for decay ", LrDecayName(schedule.decay),
+                                " (the job's steps: the decay ends there)"));
+  }
+  if (o.total_steps > 0 && schedule.warmup_steps > o.total_steps) {
+    return invalid("schedule.warmup_steps", absl::StrCat("is ", schedule.warmup_steps,
+                                                         ", more than the ", o.total_steps,
+                                                         " steps the schedule spans"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateJobConfig(const JobConfig& job) {
   SHARD_RETURN_IF_ERROR(ValidateName("job spec: name", job.name));
   if (job.world_size < 1) return Invalid("world_size", "must be at least 1");
@@ -90,16 +168,8 @@ absl::Status ValidateJobConfig(const JobConfig& job) {
     SHARD_RETURN_IF_ERROR(ValidateMlp(job));
   }
   if (job.output_dir.empty()) return Invalid("output_dir", "is required");
-  const OptimizerConfig& o = job.optimizer;
-  if (!(o.lr > 0) || !std::isfinite(o.lr)) return Invalid("optimizer.lr", "must be positive");
-  if (!(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1)) {
-    return Invalid("optimizer.betas", "must be two numbers in [0, 1)");
-  }
-  if (!(o.eps > 0)) return Invalid("optimizer.eps", "must be positive");
-  if (!(o.weight_decay >= 0)) return Invalid("optimizer.weight_decay", "must be >= 0");
-  if (!(o.momentum >= 0 && o.momentum < 1)) return Invalid("optimizer.momentum", "must be in [0, 1)");
-  if (o.nesterov && (o.kind != OptimizerKind::kSgd || o.momentum <= 0)) {
-    return Invalid("optimizer.nesterov", "needs sgd with momentum > 0");
+  if (absl::Status optimizer = ValidateOptimizerConfig(job.optimizer); !optimizer.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: ", optimizer.message()));
   }
   if (job.global_batch < 1) return Invalid("global_batch", "must be at least 1");
   if (job.global_batch % job.world_size != 0) {
@@ -113,6 +183,27 @@ absl::Status ValidateJobConfig(const JobConfig& job) {
                                                 job.min_world_size));
   }
   if (job.steps < 1) return Invalid("steps", "must be at least 1");
+  const LrSchedule& schedule = job.optimizer.schedule;
+  if (job.optimizer.total_steps != 0 && job.optimizer.total_steps != job.steps) {
+    return Invalid("optimizer.total_steps",
+                   absl::StrCat("is ", job.optimizer.total_steps, " but the job has ", job.steps,
+                                " steps; the schedule spans the job's steps"));
+  }
+  if (schedule.warmup_steps > job.steps) {
+    return Invalid("optimizer.schedule.warmup_steps",
+                   absl::StrCat("is ", schedule.warmup_steps, ", more than the job's ", job.steps,
+                                " steps"));
+  }
+  if (!job.external_model) {
+    // The built-in MLP's parameters are known now: a group that takes none of them is an
+    // error before any worker starts. (An external model's are checked when its engine is
+    // created.)
+    if (absl::Status groups =
+            AssignParamGroups(job.optimizer, MlpManifest(job.widths)).status();
+        !groups.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("job spec: ", groups.message()));
+    }
+  }
   if (job.zero_stage < 0 || job.zero_stage > 2) {
     return Invalid("zero_stage", absl::StrCat("must be 0, 1 or 2, got ", job.zero_stage));
   }

@@ -4,16 +4,41 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/manifest.h"
 #include "common/plan.h"
 
 namespace shard {
 
 enum class OptimizerKind { kAdam, kAdamW, kSgd };
+
+// Settings for the parameters whose names match, as one of torch.optim's param groups. The
+// first group with a matching pattern takes a parameter; unmatched parameters use the
+// optimizer's own settings. common/param_groups.h assigns and resolves them.
+struct ParamGroup {
+  // fnmatch(3) patterns (no flags: `*` also matches '.', `?` one character, `[...]` a class)
+  // over the manifest's parameter names, e.g. "*.bias".
+  std::vector<std::string> match;
+  std::optional<double> weight_decay;  // unset: the optimizer's weight_decay
+  double lr_scale = 1;                 // this group's lr is lr_scale x the scheduled lr
+};
+
+enum class LrDecay { kConstant, kCosine, kLinear };
+
+// The learning rate over the run (common/param_groups.h LearningRateAt has the formula): a
+// linear warm-up over the first warmup_steps updates, then constant, or a cosine or linear
+// decay to min_lr at the job's last step.
+struct LrSchedule {
+  int64_t warmup_steps = 0;
+  LrDecay decay = LrDecay::kConstant;
+  double min_lr = 0;
+};
 
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kAdam;
@@ -24,9 +49,17 @@ struct OptimizerConfig {
   double weight_decay = 0;
   double momentum = 0;
   bool nesterov = false;
+  std::vector<ParamGroup> param_groups;
+  LrSchedule schedule;
+  // The updates the schedule spans: the job's `steps` (JobConfigFromProto fills it in), where a
+  // decay reaches min_lr. 0 = unknown, allowed only without a decay.
+  int64_t total_steps = 0;
 };
 
 absl::string_view OptimizerKindName(OptimizerKind kind);
+absl::string_view LrDecayName(LrDecay decay);
+// "constant", "cosine" or "linear"; InvalidArgument naming the accepted values otherwise.
+absl::StatusOr<LrDecay> ParseLrDecay(absl::string_view name);
 
 // The optimizer's state tensors per parameter element, by PyTorch's names: exp_avg and
 // exp_avg_sq for Adam/AdamW, momentum_buffer for SGD with momentum, none for plain SGD.
@@ -58,8 +91,14 @@ struct JobConfig {
   int checkpoint_keep_last = 3;
 };
 
-// Every rule that needs no file: names, sizes, ranges, the optimizer's hyper-parameters, and
-// that the global batch splits evenly over the world size. InvalidArgument naming the field.
+// The optimizer's hyper-parameters, groups and schedule on their own (what the engine checks):
+// InvalidArgument naming the field, e.g. "optimizer.param_groups[1].lr_scale must be > 0".
+// Whether each group takes a parameter depends on the model: param_groups.h AssignParamGroups.
+absl::Status ValidateOptimizerConfig(const OptimizerConfig& optimizer);
+
+// Every rule that needs no file: names, sizes, ranges, the optimizer's hyper-parameters, groups
+// and schedule (for the built-in MLP, also that every group takes a parameter of its model),
+// and that the global batch splits evenly over the world size. InvalidArgument naming the field.
 absl::Status ValidateJobConfig(const JobConfig& job);
 
 // How the job's parameters are planned at its full world size: shard mode and bucket caps.

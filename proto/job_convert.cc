@@ -85,11 +85,29 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
   job.optimizer.weight_decay = WithoutNegativeZero(o.weight_decay());
   job.optimizer.momentum = WithoutNegativeZero(o.momentum());
   job.optimizer.nesterov = o.nesterov();
+  for (const v1::ParamGroupSpec& g : o.param_groups()) {
+    ParamGroup group;
+    group.match.assign(g.match().begin(), g.match().end());
+    if (g.has_weight_decay()) group.weight_decay = WithoutNegativeZero(g.weight_decay());
+    if (g.has_lr_scale()) group.lr_scale = g.lr_scale();
+    job.optimizer.param_groups.push_back(std::move(group));
+  }
+  job.optimizer.schedule.warmup_steps = o.schedule().warmup_steps();
+  if (!o.schedule().decay().empty()) {
+    absl::StatusOr<LrDecay> decay = ParseLrDecay(o.schedule().decay());
+    if (!decay.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job spec: optimizer.schedule.decay ", decay.status().message()));
+    }
+    job.optimizer.schedule.decay = *decay;
+  }
+  job.optimizer.schedule.min_lr = WithoutNegativeZero(o.schedule().min_lr());
 
   if (spec.global_batch() == 0) return Missing("global_batch");
   job.global_batch = spec.global_batch();
   if (spec.steps() == 0) return Missing("steps");
   job.steps = spec.steps();
+  job.optimizer.total_steps = job.steps;  // the schedule spans the job
   if (spec.has_zero_stage()) job.zero_stage = spec.zero_stage();
   if (!spec.shard_mode().empty()) {
     absl::StatusOr<ShardMode> mode = ParseShardMode(spec.shard_mode());
@@ -146,6 +164,16 @@ v1::JobSpec ToProto(const JobConfig& job) {
   o->set_weight_decay(job.optimizer.weight_decay);
   o->set_momentum(job.optimizer.momentum);
   o->set_nesterov(job.optimizer.nesterov);
+  for (const ParamGroup& group : job.optimizer.param_groups) {
+    v1::ParamGroupSpec* g = o->add_param_groups();
+    for (const std::string& pattern : group.match) g->add_match(pattern);
+    // Explicit: a group without its own weight decay has the optimizer's.
+    g->set_weight_decay(group.weight_decay.value_or(job.optimizer.weight_decay));
+    g->set_lr_scale(group.lr_scale);
+  }
+  o->mutable_schedule()->set_warmup_steps(job.optimizer.schedule.warmup_steps);
+  o->mutable_schedule()->set_decay(std::string(LrDecayName(job.optimizer.schedule.decay)));
+  o->mutable_schedule()->set_min_lr(job.optimizer.schedule.min_lr);
   spec.set_global_batch(job.global_batch);
   spec.set_steps(job.steps);
   spec.set_zero_stage(job.zero_stage);
@@ -174,7 +202,9 @@ absl::StatusOr<JobConfig> LoadJobFile(const std::string& path) {
   if (!job.ok()) {
     return absl::Status(job.status().code(), absl::StrCat(path, ": ", job.status().message()));
   }
-  if (absl::Status data = CheckJobData(*job); !data.ok()) {
+  // An external model reads its own data.
+  if (absl::Status data = job->external_model ? absl::OkStatus() : CheckJobData(*job);
+      !data.ok()) {
     return absl::Status(data.code(), absl::StrCat(path, ": ", data.message()));
   }
   return job;

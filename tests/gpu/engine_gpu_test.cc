@@ -291,6 +291,34 @@ TEST(GpuEngineTest, TwoStagedRanksOnOneGpuTrainLikeTheCpu) {
   }
 }
 
+// Param groups and a warm-up + cosine schedule: the engine cuts owned spans where the group
+// changes (in range mode a shard starts inside a bucket of several groups), the GPU steps each
+// group's spans with one launch of its own settings, and training matches the host's.
+TEST(GpuEngineTest, ParamGroupsAndAScheduleTrainLikeTheCpu) {
+  SHARD_REQUIRE_GPU();
+  const auto with_groups = [](JobConfig job) {
+    job.optimizer.kind = OptimizerKind::kAdamW;
+    job.optimizer.weight_decay = 0.1;
+    job.optimizer.param_groups = {ParamGroup{{"*.bias"}, 0.0, 1.0},
+                                  ParamGroup{{"layers.1.*"}, 0.02, 0.5}};
+    job.optimizer.schedule.warmup_steps = 3;
+    job.optimizer.schedule.decay = LrDecay::kCosine;
+    job.optimizer.schedule.min_lr = 1e-4;
+    job.optimizer.total_steps = job.steps;
+    return job;
+  };
+  const std::string root = Root("param-groups");
+  const JobConfig cpu_job = with_groups(Job(root + "/cpu", 2, 2, ShardMode::kRange));
+  const Training cpu = Train(cpu_job, Backend::kHost);
+  ASSERT_NO_FATAL_FAILURE(AssertTrained(cpu, cpu_job));
+  const JobConfig gpu_job = with_groups(Job(root + "/gpu", 2, 2, ShardMode::kRange));
+  const Training gpu = Train(gpu_job, Backend::kStagedGpu);
+  ASSERT_NO_FATAL_FAILURE(AssertTrained(gpu, gpu_job));
+  ExpectLossesMatch(gpu, cpu);
+  // The same bound as without groups: each group's lr is at most the job's 1e-3.
+  EXPECT_LT(MaxDifference(FinalParameters(gpu_job), FinalParameters(cpu_job)), kParameterBound);
+}
+
 // A world of one NCCL rank with a GpuDevice: the communicator the worker builds for one GPU.
 // The self-check passes through it, then TrainMlp matches one host rank.
 TEST(GpuEngineTest, NcclWorldOfOneTrainsLikeTheCpu) {

@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "common/mlp_data.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "proto/job_convert.h"
 
@@ -75,6 +76,34 @@ TEST(JobSpecTest, BadSpecsAreClearErrors) {
       {"{\"mlp\": {\"widths\": [8, 16, 4]}}", "{}", "model.external"},
       {"{\"mlp\": {\"widths\": [8, 16, 4]}}", "{\"external\": {}}, \"precision\": \"bf16\"",
        "external model trains in fp32"},
+      // Parameter groups and the schedule.
+      {"\"weightDecay\": 0.1", "\"weightDecay\": 0.1, \"paramGroups\": [{\"weightDecay\": 0}]",
+       "optimizer.param_groups[0].match needs at least one parameter name pattern"},
+      {"\"weightDecay\": 0.1", "\"weightDecay\": 0.1, \"paramGroups\": [{\"match\": [\"\"]}]",
+       "optimizer.param_groups[0].match[0] is an empty pattern"},
+      {"\"weightDecay\": 0.1",
+       "\"weightDecay\": 0.1, \"paramGroups\": [{\"match\": [\"*.bias\"], \"weightDecay\": -1}]",
+       "optimizer.param_groups[0].weight_decay must be a finite number >= 0"},
+      {"\"weightDecay\": 0.1",
+       "\"weightDecay\": 0.1, \"paramGroups\": [{\"match\": [\"*.bias\"], \"lrScale\": 0}]",
+       "optimizer.param_groups[0].lr_scale must be > 0"},
+      {"\"weightDecay\": 0.1",
+       "\"weightDecay\": 0.1, \"paramGroups\": [{\"match\": [\"*.bias\"]}, "
+       "{\"match\": [\"*norm*\", \"*.ln_*\"], \"weightDecay\": 0}]",
+       "optimizer.param_groups[1] (match [\"*norm*\", \"*.ln_*\"]) matches no parameter"},
+      {"\"weightDecay\": 0.1", "\"weightDecay\": 0.1, \"schedule\": {\"decay\": \"exponential\"}",
+       "optimizer.schedule.decay 'exponential' is not a decay; use constant, cosine or linear"},
+      {"\"weightDecay\": 0.1", "\"weightDecay\": 0.1, \"schedule\": {\"warmupSteps\": -1}",
+       "optimizer.schedule.warmup_steps must be >= 0"},
+      {"\"weightDecay\": 0.1", "\"weightDecay\": 0.1, \"schedule\": {\"warmupSteps\": 11}",
+       "optimizer.schedule.warmup_steps is 11, more than the 10 steps"},
+      {"\"weightDecay\": 0.1",
+       "\"weightDecay\": 0.1, \"schedule\": {\"decay\": \"cosine\", \"minLr\": 0.01}",
+       "optimizer.schedule.min_lr must be in [0, lr = 0.001]"},
+      {"\"weightDecay\": 0.1", "\"weightDecay\": 0.1, \"schedule\": {\"minLr\": 0.0001}",
+       "optimizer.schedule.min_lr needs decay cosine or linear"},
+      {"\"weightDecay\": 0.1", "\"weightDecay\": 0.1, \"paramGroups\": {\"match\": 1}",
+       "(optimizer.param_groups.match): invalid value 1"},
   };
   for (const Case& c : cases) {
     std::string json = kJob;
@@ -117,6 +146,72 @@ TEST(JobSpecTest, AnExternalModelNeedsNoWidthsAndNoDataAndConvertsBack) {
   spec = ParseJobSpecJson(JobWith(data, ""));
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_FALSE(JobConfigFromProto(*spec, "").ok());
+}
+
+TEST(JobSpecTest, ParamGroupsAndTheScheduleConvertAndRoundTrip) {
+  const std::string json = JobWith(
+      "\"weightDecay\": 0.1",
+      R"("weightDecay": 0.1, "betas": [0.9, 0.95],
+         "paramGroups": [{"match": ["*.bias", "*norm*", "*.ln_*"], "weightDecay": 0.0},
+                         {"match": ["layers.1.*"], "lrScale": 0.5}],
+         "schedule": {"warmupSteps": 3, "decay": "cosine", "minLr": 0.0001})");
+  auto spec = ParseJobSpecJson(json);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  auto job = JobConfigFromProto(*spec, "/jobs");
+  ASSERT_TRUE(job.ok()) << job.status();
+  const OptimizerConfig& o = job->optimizer;
+  ASSERT_EQ(o.param_groups.size(), 2u);
+  EXPECT_EQ(o.param_groups[0].match, (std::vector<std::string>{"*.bias", "*norm*", "*.ln_*"}));
+  EXPECT_EQ(o.param_groups[0].weight_decay, 0.0);
+  EXPECT_EQ(o.param_groups[0].lr_scale, 1.0);
+  EXPECT_EQ(o.param_groups[1].match, (std::vector<std::string>{"layers.1.*"}));
+  EXPECT_FALSE(o.param_groups[1].weight_decay.has_value()) << "the optimizer's";
+  EXPECT_EQ(o.param_groups[1].lr_scale, 0.5);
+  EXPECT_EQ(o.schedule.warmup_steps, 3);
+  EXPECT_EQ(o.schedule.decay, LrDecay::kCosine);
+  EXPECT_EQ(o.schedule.min_lr, 0.0001);
+  EXPECT_EQ(o.total_steps, 10) << "the schedule spans the job's steps";
+
+  // What workers receive is explicit (the second group's decay is the optimizer's, written
+  // out) and gives the same job, through the message and through its JSON.
+  const v1::JobSpec explicit_spec = ToProto(*job);
+  ASSERT_EQ(explicit_spec.optimizer().param_groups_size(), 2);
+  EXPECT_TRUE(explicit_spec.optimizer().param_groups(1).has_weight_decay());
+  EXPECT_EQ(explicit_spec.optimizer().param_groups(1).weight_decay(), 0.1);
+  EXPECT_EQ(explicit_spec.optimizer().schedule().decay(), "cosine");
+  std::string text;
+  ASSERT_TRUE(google::protobuf::util::MessageToJsonString(explicit_spec, &text).ok());
+  auto reparsed = ParseJobSpecJson(text);
+  ASSERT_TRUE(reparsed.ok()) << reparsed.status() << text;
+  auto again = JobConfigFromProto(*reparsed, "");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(ToProto(*again).SerializeAsString(), explicit_spec.SerializeAsString());
+  EXPECT_EQ(again->optimizer.param_groups[1].weight_decay, 0.1);
+  EXPECT_EQ(again->optimizer.schedule.min_lr, 0.0001);
+  EXPECT_EQ(again->optimizer.total_steps, 10);
+
+  // Without them: no groups, a constant lr, and the explicit spec says so.
+  auto plain = JobConfigFromProto(*ParseJobSpecJson(kJob), "");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE(plain->optimizer.param_groups.empty());
+  EXPECT_EQ(plain->optimizer.schedule.decay, LrDecay::kConstant);
+  EXPECT_EQ(plain->optimizer.schedule.warmup_steps, 0);
+  EXPECT_EQ(ToProto(*plain).optimizer().schedule().decay(), "constant");
+}
+
+TEST(JobSpecTest, AnExternalModelsGroupsAreCheckedByItsEngine) {
+  // Its parameter names are not known to the coordinator: any pattern passes here.
+  const std::string mlp = R"("mlp": {"widths": [8, 16, 4]})";
+  const std::string data = R"("data": {"path": "data.safetensors"},)";
+  std::string json = JobWith(mlp, R"("external": {})");
+  json.replace(json.find(data), data.size(), "");
+  json.replace(json.find("\"weightDecay\": 0.1"), 18,
+               R"("weightDecay": 0.1, "paramGroups": [{"match": ["*norm*"], "weightDecay": 0}])");
+  auto spec = ParseJobSpecJson(json);
+  ASSERT_TRUE(spec.ok()) << spec.status() << json;
+  auto job = JobConfigFromProto(*spec, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer.param_groups.size(), 1u);
 }
 
 TEST(JobSpecTest, TheDataFileIsCheckedAgainstTheModel) {

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/mlp.h"
+#include "common/param_groups.h"
 #include "worker/dataplane/optimizer.h"
 
 namespace shard {
@@ -19,8 +20,14 @@ class CpuSpanKernels final : public SpanKernels {
       : optimizer_(config), spans_(std::move(spans)) {}
 
   absl::Status OptimizerStep(int64_t step) override {
+    const OptimizerConfig& config = optimizer_.config();
+    // Index 0 is the optimizer's own settings (group -1), g + 1 group g's.
+    hyper_.clear();
+    for (int g = -1; g < static_cast<int>(config.param_groups.size()); ++g) {
+      hyper_.push_back(GroupHyperParameters(config, g, step));
+    }
     for (const OwnedSpan& span : spans_) {
-      optimizer_.Update(step, span.param, span.grad, span.state.data(),
+      optimizer_.Update(step, hyper_[span.group + 1], span.param, span.grad, span.state.data(),
                         static_cast<size_t>(span.count));
     }
     return absl::OkStatus();
@@ -50,6 +57,7 @@ class CpuSpanKernels final : public SpanKernels {
  private:
   const OptimizerKernel optimizer_;
   const std::vector<OwnedSpan> spans_;
+  std::vector<StepHyperParameters> hyper_;  // this step's, by group + 1
 };
 
 class CpuMlpRunner final : public MlpRunner {
@@ -103,6 +111,13 @@ absl::Status CpuDevice::Copy(const float* from, float* to, int64_t count) {
 
 absl::StatusOr<std::unique_ptr<SpanKernels>> CpuDevice::PrepareSpans(
     const OptimizerConfig& optimizer, std::vector<OwnedSpan> spans) {
+  for (const OwnedSpan& span : spans) {
+    if (span.group < -1 || span.group >= static_cast<int>(optimizer.param_groups.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("an owned span names param group ",
+                                                     span.group, " of ",
+                                                     optimizer.param_groups.size()));
+    }
+  }
   return std::make_unique<CpuSpanKernels>(optimizer, std::move(spans));
 }
 

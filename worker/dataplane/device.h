@@ -43,12 +43,14 @@ class DeviceArray {
 };
 
 // What a rank updates in one bucket: `count` parameters, their gradients and the optimizer's
-// state tensors (device pointers).
+// state tensors (device pointers), all of one parameter group. An owned range of a bucket that
+// covers parameters of different groups is cut into one span per run of a group.
 struct OwnedSpan {
   float* param = nullptr;
   float* grad = nullptr;
   std::vector<float*> state;
   int64_t count = 0;
+  int group = -1;  // index into the optimizer's param_groups; -1: the optimizer's own settings
 };
 
 // The per-step arithmetic over every owned span of a layout, prepared once per layout (a GPU
@@ -56,7 +58,9 @@ struct OwnedSpan {
 class SpanKernels {
  public:
   virtual ~SpanKernels() = default;
-  // Update number `step` (1-based) with the optimizer's rule (optimizer.h's arithmetic).
+  // Update number `step` (1-based) with the optimizer's rule (optimizer.h's arithmetic), each
+  // span with its group's learning rate and weight decay at that step (common/param_groups.h
+  // GroupHyperParameters).
   virtual absl::Status OptimizerStep(int64_t step) = 0;
   // The sum over every owned gradient of grad², in double. Waits for the device.
   virtual absl::StatusOr<double> GradSquaredSum() = 0;

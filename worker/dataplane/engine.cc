@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/param_groups.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 #include "worker/dataplane/cpu_device.h"
@@ -32,6 +33,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(Manifest manifest,
     return absl::InvalidArgumentError(
         absl::StrCat("ZeRO stage must be 0, 1 or 2, got ", options.zero_stage));
   }
+  SHARD_RETURN_IF_ERROR(ValidateOptimizerConfig(options.optimizer));
+  // A group that takes no parameter (a typo in a pattern) fails here, naming its patterns.
+  SHARD_ASSIGN_OR_RETURN(std::vector<int> param_groups,
+                         AssignParamGroups(options.optimizer, manifest));
   SHARD_ASSIGN_OR_RETURN(AppliedPlan initial, plans->Initial(manifest));
   if (initial.plan->options.world_size != communicator->size()) {
     return absl::FailedPreconditionError(
@@ -42,8 +47,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(Manifest manifest,
   if (options.loss_scaling.has_value()) {
     SHARD_ASSIGN_OR_RETURN(scaler, LossScaler::Create(*options.loss_scaling));
   }
-  std::unique_ptr<Engine> engine(
-      new Engine(std::move(manifest), communicator, plans, std::move(options)));
+  std::unique_ptr<Engine> engine(new Engine(std::move(manifest), communicator, plans,
+                                            std::move(options), std::move(param_groups)));
   engine->scaler_ = std::move(scaler);
   SHARD_RETURN_IF_ERROR(engine->device_->BindThread());
   SHARD_RETURN_IF_ERROR(engine->Allocate());
@@ -55,13 +60,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(Manifest manifest,
 }
 
 Engine::Engine(Manifest manifest, Communicator* communicator, PlanProvider* plans,
-               EngineOptions options)
+               EngineOptions options, std::vector<int> param_groups)
     : manifest_(std::move(manifest)),
       communicator_(communicator),
       plans_(plans),
       options_(std::move(options)),
       device_(options_.device != nullptr ? options_.device : &HostDevice()),
       optimizer_(options_.optimizer),
+      param_groups_(std::move(param_groups)),
       frozen_(manifest_.params.size()) {}
 
 absl::Status Engine::Allocate() {
@@ -101,14 +107,13 @@ absl::Status Engine::Apply(AppliedPlan applied, bool carry_gradients) {
       state.own_end = bucket.padded_numel;
     }
     const int64_t owned = state.own_end - state.own_begin;
-    OwnedSpan span{state.params.data() + state.own_begin, state.grads.data() + state.own_begin,
-                   {}, owned};
     for (size_t k = 0; k < optimizer_.state_names().size(); ++k) {
       SHARD_ASSIGN_OR_RETURN(DeviceArray array, device_->Allocate(owned));
-      span.state.push_back(array.data());
       state.state.push_back(std::move(array));
     }
-    if (owned > 0) spans.push_back(std::move(span));
+    if (owned > 0) {
+      for (OwnedSpan& span : SplitOwnedSpan(bucket, state)) spans.push_back(std::move(span));
+    }
     state.pending = static_cast<int>(bucket.entries.size());
   }
   SHARD_ASSIGN_OR_RETURN(std::unique_ptr<SpanKernels> kernels,
@@ -142,6 +147,40 @@ absl::Status Engine::Apply(AppliedPlan applied, bool carry_gradients) {
   reduce_spans_.clear();
   first_step_all_reduce_ = !rebuilt_;
   return absl::OkStatus();
+}
+
+std::vector<OwnedSpan> Engine::SplitOwnedSpan(const Bucket& bucket,
+                                              const BucketState& state) const {
+  // Where each parameter of the bucket starts, with its group. An element belongs to the group
+  // of the last parameter starting at or before it: alignment gaps and the padding go with the
+  // parameter before them (they hold zeros whatever the settings).
+  std::vector<std::pair<int64_t, int>> starts;
+  for (const BucketEntry& entry : bucket.entries) {
+    starts.push_back({entry.offset, param_groups_[entry.param]});
+  }
+  std::sort(starts.begin(), starts.end());
+  int group = starts.empty() ? -1 : starts.front().second;
+  for (const auto& [offset, g] : starts) {
+    if (offset <= state.own_begin) group = g;
+  }
+  std::vector<OwnedSpan> spans;
+  const auto add = [&](int64_t begin, int64_t end, int span_group) {
+    OwnedSpan span{state.params.data() + begin, state.grads.data() + begin, {}, end - begin,
+                   span_group};
+    for (const DeviceArray& array : state.state) {
+      span.state.push_back(array.data() + (begin - state.own_begin));
+    }
+    spans.push_back(std::move(span));
+  };
+  int64_t begin = state.own_begin;
+  for (const auto& [offset, g] : starts) {
+    if (offset <= state.own_begin || offset >= state.own_end || g == group) continue;
+    add(begin, offset, group);
+    begin = offset;
+    group = g;
+  }
+  add(begin, state.own_end, group);
+  return spans;
 }
 
 const float* Engine::ParamData(int index) const {

@@ -62,6 +62,10 @@ namespace shard {
 struct EngineOptions {
   int zero_stage = 1;
   bool overlap = true;  // reduce buckets during backward on the communication thread
+  // The update rule with its param groups, matched against the manifest's names by Create
+  // (InvalidArgument for a group that takes no parameter), and its learning-rate schedule over
+  // optimizer.total_steps updates, at the optimizer's step count (which checkpoints keep, so a
+  // restored run continues the schedule). common/param_groups.h.
   OptimizerConfig optimizer;
   double grad_clip_norm = 0;  // global L2 norm; 0 = off
   // Where the buffers live and the update runs (not owned; null: the host). The communicator's
@@ -154,7 +158,7 @@ class Engine {
   };
 
   Engine(Manifest manifest, Communicator* communicator, PlanProvider* plans,
-         EngineOptions options);
+         EngineOptions options, std::vector<int> param_groups);
 
   // Allocates the frozen parameters' arrays.
   absl::Status Allocate();
@@ -162,6 +166,9 @@ class Engine {
   // current layout when there is one.
   absl::Status Apply(AppliedPlan applied, bool carry_gradients);
   const float* ParamData(int index) const;
+  // The owned span of `state` (not empty) cut where the parameter group changes, with views of
+  // its parameters, gradients and optimizer state.
+  std::vector<OwnedSpan> SplitOwnedSpan(const Bucket& bucket, const BucketState& state) const;
   // Unscales the reduced gradients; false when the step must be skipped (an inf or NaN).
   absl::StatusOr<bool> UnscaleGradients(StepTimings* timings);
   // source.ReadElements into device memory at `out`.
@@ -182,6 +189,7 @@ class Engine {
   const EngineOptions options_;
   Device* const device_;
   const OptimizerKernel optimizer_;
+  const std::vector<int> param_groups_;  // by parameter: its optimizer param group, -1 for none
   std::optional<LossScaler> scaler_;
   std::unique_ptr<SpanKernels> kernels_;  // over the owned spans of the current layout
   std::vector<float> host_scratch_;       // restores on a device without host memory

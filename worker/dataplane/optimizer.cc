@@ -11,13 +11,15 @@ OptimizerKernel::OptimizerKernel(OptimizerConfig config)
 // -fno-math-errno), for AVX2 where the CPU has it; every expression keeps torch's operation
 // order, and without FMA contraction the wider vectors round exactly as scalar code does.
 __attribute__((target_clones("avx2", "default")))
-void OptimizerKernel::Update(int64_t step, float* __restrict param, const float* __restrict grad,
+void OptimizerKernel::Update(int64_t step, const StepHyperParameters& hyper,
+                             float* __restrict param, const float* __restrict grad,
                              float* const* state, size_t n) const {
   const OptimizerConfig& c = config_;
+  const double lr = hyper.lr;
   if (c.kind == OptimizerKind::kSgd) {
-    const float weight_decay = static_cast<float>(c.weight_decay);
+    const float weight_decay = static_cast<float>(hyper.weight_decay);
     const float momentum = static_cast<float>(c.momentum);
-    const float neg_lr = static_cast<float>(-c.lr);
+    const float neg_lr = static_cast<float>(-lr);
     if (c.momentum <= 0) {
       for (size_t i = 0; i < n; ++i) {
         const float d = weight_decay != 0 ? grad[i] + weight_decay * param[i] : grad[i];
@@ -40,7 +42,7 @@ void OptimizerKernel::Update(int64_t step, float* __restrict param, const float*
   // Adam / AdamW.
   const double bias_correction1 = 1.0 - std::pow(c.beta1, static_cast<double>(step));
   const double bias_correction2 = 1.0 - std::pow(c.beta2, static_cast<double>(step));
-  const float step_size_neg = static_cast<float>(-(c.lr / bias_correction1));
+  const float step_size_neg = static_cast<float>(-(lr / bias_correction1));
   const float bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
   const float one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
   // torch's lerp(self, end, w) is self + w * (end - self) for |w| < 0.5, else
@@ -51,8 +53,8 @@ void OptimizerKernel::Update(int64_t step, float* __restrict param, const float*
   const float one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
   const float eps = static_cast<float>(c.eps);
   const bool decoupled = c.kind == OptimizerKind::kAdamW;
-  const float l2 = decoupled ? 0.0f : static_cast<float>(c.weight_decay);
-  const float decay = static_cast<float>(1.0 - c.lr * c.weight_decay);
+  const float l2 = decoupled ? 0.0f : static_cast<float>(hyper.weight_decay);
+  const float decay = static_cast<float>(1.0 - lr * hyper.weight_decay);
   float* __restrict exp_avg = state[0];
   float* __restrict exp_avg_sq = state[1];
   for (size_t i = 0; i < n; ++i) {

@@ -1,7 +1,9 @@
 // Optimizer updates of a contiguous fp32 span, with exactly the arithmetic of PyTorch's
 // single-tensor torch.optim.Adam, AdamW and SGD (momentum, dampening 0, optional Nesterov):
 // the same operations in the same order, fp32 element math with the step's scalars computed
-// in double and rounded to fp32 as torch passes them.
+// in double and rounded to fp32 as torch passes them. The learning rate and weight decay come
+// per call (a param group's at a step of the schedule, common/param_groups.h), as torch reads
+// them from each group on every step.
 #pragma once
 
 #include <cstddef>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "common/job_spec.h"
+#include "common/param_groups.h"
 
 namespace shard {
 
@@ -21,10 +24,16 @@ class OptimizerKernel {
   // Adam/AdamW, momentum_buffer for SGD with momentum, none for plain SGD.
   const std::vector<std::string>& state_names() const { return state_names_; }
 
-  // Applies update number `step` (1-based) to param[0, n) with grad[0, n); state[k] points at
-  // the k-th state tensor's span (zero before the first step).
+  // Applies update number `step` (1-based) to param[0, n) with grad[0, n), with the learning
+  // rate and weight decay of `hyper` (the config's own are not read); state[k] points at the
+  // k-th state tensor's span (zero before the first step).
+  void Update(int64_t step, const StepHyperParameters& hyper, float* param, const float* grad,
+              float* const* state, size_t n) const;
+  // The same with the config's lr and weight_decay as they are: no group, no schedule.
   void Update(int64_t step, float* param, const float* grad, float* const* state,
-              size_t n) const;
+              size_t n) const {
+    Update(step, StepHyperParameters{config_.lr, config_.weight_decay}, param, grad, state, n);
+  }
 
   const OptimizerConfig& config() const { return config_; }
 

@@ -20,15 +20,33 @@ absl::Status WaitFor(cudaStream_t stream, absl::string_view what) {
   return CudaStatus(cudaStreamSynchronize(stream), what);
 }
 
+// The spans of one param group (common/param_groups.h), updated with its settings.
+struct GroupTensors {
+  int group = -1;
+  TensorList tensors;
+};
+
 class GpuSpanKernels final : public SpanKernels {
  public:
-  GpuSpanKernels(const OptimizerConfig& config, TensorList tensors, DeviceBuffer scalars,
+  // `tensors` holds every span. `groups` holds the spans of each param group when they are of
+  // more than one; otherwise it is empty and `tensors` are all of `only_group`.
+  GpuSpanKernels(const OptimizerConfig& config, TensorList tensors,
+                 std::vector<GroupTensors> groups, int only_group, DeviceBuffer scalars,
                  cudaStream_t stream)
-      : optimizer_(config), tensors_(std::move(tensors)), scalars_(std::move(scalars)),
-        stream_(stream) {}
+      : optimizer_(config), tensors_(std::move(tensors)), groups_(std::move(groups)),
+        only_group_(only_group), scalars_(std::move(scalars)), stream_(stream) {}
 
   absl::Status OptimizerStep(int64_t step) override {
-    return optimizer_.Step(step, tensors_, stream_);
+    const OptimizerConfig& config = optimizer_.config();
+    if (groups_.empty()) {
+      return optimizer_.Step(step, GroupHyperParameters(config, only_group_, step), tensors_,
+                             stream_);
+    }
+    for (const GroupTensors& group : groups_) {
+      SHARD_RETURN_IF_ERROR(optimizer_.Step(
+          step, GroupHyperParameters(config, group.group, step), group.tensors, stream_));
+    }
+    return absl::OkStatus();
   }
 
   absl::StatusOr<double> GradSquaredSum() override {
@@ -56,6 +74,8 @@ class GpuSpanKernels final : public SpanKernels {
  private:
   const FusedOptimizer optimizer_;
   const TensorList tensors_;
+  const std::vector<GroupTensors> groups_;
+  const int only_group_;
   DeviceBuffer scalars_;  // the norm (double) or the inf/NaN flag (float)
   const cudaStream_t stream_;
 };
@@ -191,20 +211,43 @@ absl::Status GpuDevice::Copy(const float* from, float* to, int64_t count) {
 
 absl::StatusOr<std::unique_ptr<SpanKernels>> GpuDevice::PrepareSpans(
     const OptimizerConfig& optimizer, std::vector<OwnedSpan> spans) {
+  // Slots of every span, and of each param group's spans.
+  const int group_count = static_cast<int>(optimizer.param_groups.size());
   std::vector<TensorSlot> slots;
+  std::vector<std::vector<TensorSlot>> group_slots(group_count + 1);  // by group + 1
   for (const OwnedSpan& span : spans) {
+    if (span.group < -1 || span.group >= group_count) {
+      return absl::InvalidArgumentError(absl::StrCat("an owned span names param group ",
+                                                     span.group, " of ", group_count));
+    }
     TensorSlot slot;
     slot.param = span.param;
     slot.grad = span.grad;
     for (size_t k = 0; k < span.state.size() && k < 2; ++k) slot.state[k] = span.state[k];
     slot.count = span.count;
     slots.push_back(slot);
+    group_slots[span.group + 1].push_back(slot);
   }
   SHARD_ASSIGN_OR_RETURN(TensorList tensors,
                          TensorList::Create(slots, DataType::kFloat32, stream()));
+  int present = 0;
+  int only_group = -1;
+  for (int g = -1; g < group_count; ++g) {
+    if (group_slots[g + 1].empty()) continue;
+    ++present;
+    only_group = g;
+  }
+  // Spans of one group only (no param groups at all, say): `tensors` is the one list.
+  std::vector<GroupTensors> groups;
+  for (int g = -1; g < group_count && present > 1; ++g) {
+    if (group_slots[g + 1].empty()) continue;
+    SHARD_ASSIGN_OR_RETURN(TensorList list,
+                           TensorList::Create(group_slots[g + 1], DataType::kFloat32, stream()));
+    groups.push_back(GroupTensors{g, std::move(list)});
+  }
   SHARD_ASSIGN_OR_RETURN(DeviceBuffer scalars, DeviceBuffer::Allocate(sizeof(double)));
-  return std::make_unique<GpuSpanKernels>(optimizer, std::move(tensors), std::move(scalars),
-                                          stream());
+  return std::make_unique<GpuSpanKernels>(optimizer, std::move(tensors), std::move(groups),
+                                          only_group, std::move(scalars), stream());
 }
 
 absl::Status GpuDevice::AllReduceHostValues(Communicator& communicator, void* values,

@@ -354,8 +354,8 @@ int FusedOptimizer::states() const {
   return config_.momentum > 0 ? 1 : 0;
 }
 
-absl::Status FusedOptimizer::Step(int64_t step, const TensorList& tensors,
-                                  cudaStream_t stream) const {
+absl::Status FusedOptimizer::Step(int64_t step, const StepHyperParameters& hyper,
+                                  const TensorList& tensors, cudaStream_t stream) const {
   if (step < 1) {
     return absl::InvalidArgumentError(absl::StrCat("optimizer step must be >= 1, got ", step));
   }
@@ -369,9 +369,9 @@ absl::Status FusedOptimizer::Step(int64_t step, const TensorList& tensors,
   const OptimizerConfig& c = config_;
   // The scalars exactly as OptimizerKernel::Update computes them (double, then fp32).
   if (c.kind == OptimizerKind::kSgd) {
-    const float weight_decay = static_cast<float>(c.weight_decay);
+    const float weight_decay = static_cast<float>(hyper.weight_decay);
     const float momentum = static_cast<float>(c.momentum);
-    const float neg_lr = static_cast<float>(-c.lr);
+    const float neg_lr = static_cast<float>(-hyper.lr);
     if (c.momentum <= 0) {
       return LaunchOptimizer(tensors,
                              SgdUpdate<false>{weight_decay, momentum, neg_lr, false, false},
@@ -383,7 +383,7 @@ absl::Status FusedOptimizer::Step(int64_t step, const TensorList& tensors,
   const double bias_correction1 = 1.0 - std::pow(c.beta1, static_cast<double>(step));
   const double bias_correction2 = 1.0 - std::pow(c.beta2, static_cast<double>(step));
   AdamUpdate update;
-  update.step_size_neg = static_cast<float>(-(c.lr / bias_correction1));
+  update.step_size_neg = static_cast<float>(-(hyper.lr / bias_correction1));
   update.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
   update.one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
   update.lerp_from_self = update.one_minus_beta1 < 0.5f;
@@ -392,8 +392,8 @@ absl::Status FusedOptimizer::Step(int64_t step, const TensorList& tensors,
   update.one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
   update.eps = static_cast<float>(c.eps);
   update.decoupled = c.kind == OptimizerKind::kAdamW;
-  update.l2 = update.decoupled ? 0.0f : static_cast<float>(c.weight_decay);
-  update.decay = static_cast<float>(1.0 - c.lr * c.weight_decay);
+  update.l2 = update.decoupled ? 0.0f : static_cast<float>(hyper.weight_decay);
+  update.decay = static_cast<float>(1.0 - hyper.lr * hyper.weight_decay);
   return LaunchOptimizer(tensors, update, stream);
 }
 

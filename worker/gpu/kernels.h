@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "common/job_spec.h"
+#include "common/param_groups.h"
 #include "worker/gpu/cuda_resources.h"
 
 namespace shard {
@@ -84,7 +85,13 @@ class FusedOptimizer {
   // step 1) to every tensor. Slots need param, grad and states() state pointers; with 16-bit
   // model copies those are written from the updated fp32 parameters (round to nearest even) in
   // the same pass. FailedPrecondition when the list lacks what the rule needs.
-  absl::Status Step(int64_t step, const TensorList& tensors, cudaStream_t stream) const;
+  absl::Status Step(int64_t step, const TensorList& tensors, cudaStream_t stream) const {
+    return Step(step, StepHyperParameters{config_.lr, config_.weight_decay}, tensors, stream);
+  }
+  // The same with the learning rate and weight decay of `hyper` (a param group's at a step of
+  // the schedule) instead of the config's.
+  absl::Status Step(int64_t step, const StepHyperParameters& hyper, const TensorList& tensors,
+                    cudaStream_t stream) const;
 
   const OptimizerConfig& config() const { return config_; }
 
