@@ -15,9 +15,11 @@
 # if every stage succeeded and every process it did not kill exited cleanly.
 #
 #   scripts/local-cluster.sh [--workers N] [--restore-workers M] [--steps N] [--lease DURATION]
-#                            [--grace DURATION] [--keep-logs]
+#                            [--grace DURATION] [--torch SCRIPT] [--keep-logs]
 #
-# --workers is at least 3 (default 4); --restore-workers defaults to N-1.
+# --workers is at least 3 (default 4); --restore-workers defaults to N-1. --torch runs the same
+# story with PyTorch workers: `python3 SCRIPT --data DATA` per rank (e.g. examples/torch/mlp.py,
+# the same MLP in torch) with the shard package of the build, the job's model being external.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +29,7 @@ STEPS=600
 LEASE=2s
 GRACE=2s
 KEEP_LOGS=0
+TORCH_SCRIPT=
 while [ $# -gt 0 ]; do
   case "$1" in
     --workers) WORKERS="$2"; shift 2 ;;
@@ -34,8 +37,9 @@ while [ $# -gt 0 ]; do
     --steps) STEPS="$2"; shift 2 ;;
     --lease) LEASE="$2"; shift 2 ;;
     --grace) GRACE="$2"; shift 2 ;;
+    --torch) TORCH_SCRIPT="$2"; shift 2 ;;
     --keep-logs) KEEP_LOGS=1; shift ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "local-cluster: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -51,6 +55,14 @@ RESIZED=$(( WORKERS / 2 ))
 scripts/setup.sh
 scripts/build.sh --target shard-coordinator shard-worker shardctl
 BIN="$PWD/${SHARD_BUILD_DIR:-build}/bin"
+MODEL='{"mlp": {"widths": [512, 1024, 1024, 64]}}'
+if [ -n "$TORCH_SCRIPT" ]; then
+  [ -f "$TORCH_SCRIPT" ] || { echo "local-cluster: --torch $TORCH_SCRIPT: no such file" >&2; exit 2; }
+  TORCH_SCRIPT=$(realpath "$TORCH_SCRIPT")
+  scripts/build.sh --target shard_python
+  PYTHON_PATH="$PWD/${SHARD_BUILD_DIR:-build}/python"
+  MODEL='{"external": {}}'
+fi
 
 RUN_DIR="$(mktemp -d -t shard-local-cluster.XXXXXX)"
 PIDS=()
@@ -86,7 +98,7 @@ cat >"$RUN_DIR/job-first.json" <<JSON
   "name": "demo",
   "worldSize": $WORKERS,
   "minWorldSize": $MIN_WORKERS,
-  "model": {"mlp": {"widths": [512, 1024, 1024, 64]}},
+  "model": $MODEL,
   "data": {"path": "data.safetensors"},
   "seed": 42,
   "optimizer": {"name": "adam", "lr": 0.001},
@@ -106,12 +118,20 @@ COORDINATOR_PID=
 WORKER_PIDS=()
 WORKER_NAMES=()
 SHARDCTL=()
-# start_worker NAME STAGE: one shard-worker; its loss, checkpoint and restore lines are shown.
+# start_worker NAME STAGE: one shard-worker (or torch script); its loss, checkpoint and restore
+# lines are shown.
 start_worker() {
   local name=$1 stage=$2
   : >"$RUN_DIR/$name-$stage.log"
-  "$BIN/shard-worker" --coordinator "127.0.0.1:$(cat "$RUN_DIR/port")" --id "$name" \
-    --compute-threads 1 >"$RUN_DIR/$name-$stage.log" 2>&1 &
+  if [ -n "$TORCH_SCRIPT" ]; then
+    SHARD_COORDINATOR="127.0.0.1:$(cat "$RUN_DIR/port")" SHARD_ID="$name" OMP_NUM_THREADS=1 \
+      PYTHONPATH="$PYTHON_PATH${PYTHONPATH:+:$PYTHONPATH}" \
+      /usr/bin/python3 "$TORCH_SCRIPT" --data "$RUN_DIR/data.safetensors" \
+      >"$RUN_DIR/$name-$stage.log" 2>&1 &
+  else
+    "$BIN/shard-worker" --coordinator "127.0.0.1:$(cat "$RUN_DIR/port")" --id "$name" \
+      --compute-threads 1 >"$RUN_DIR/$name-$stage.log" 2>&1 &
+  fi
   WORKER_PIDS+=("$!")
   WORKER_NAMES+=("$name")
   PIDS+=("$!")
@@ -141,7 +161,7 @@ start_job() {
     | sed -u 's/^/  [coordinator] /' &
   PIDS+=("$!")
 
-  say "$stage: starting $workers shard-worker processes"
+  say "$stage: starting $workers ${TORCH_SCRIPT:+torch }worker processes"
   WORKER_PIDS=()
   WORKER_NAMES=()
   for i in $(seq 0 $((workers - 1))); do start_worker "worker-$i" "$stage"; done

@@ -10,6 +10,8 @@ PACKAGES=(
   libcli11-dev nlohmann-json3-dev libxxhash-dev libopenblas-dev libcpp-httplib-dev
   prometheus-cpp-dev
   docker-compose
+  # The shard Python package's tests and examples: Debian's torch (CPU) for /usr/bin/python3.
+  python3-torch python3-numpy python3-pytest
 )
 
 missing=()

@@ -375,13 +375,18 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     reporter.Submit(std::move(report));
   };
   trainer.device = &data_path_->device();
-  spdlog::info("training job '{}': MLP {} in {} on {}, {} steps, global batch {}, {} with lr {}, "
+  spdlog::info("training job '{}': {} in {} on {}, {} steps, global batch {}, {} with lr {}, "
                "ZeRO stage {}, {} shards, overlap {}",
-               job.name, absl::StrJoin(job.widths, "x"), job.precision, trainer.device->name(),
+               job.name,
+               job.external_model ? "the training script's model"
+                                  : absl::StrCat("MLP ", absl::StrJoin(job.widths, "x")),
+               job.precision, trainer.device->name(),
                job.steps, job.global_batch, OptimizerKindName(job.optimizer.kind),
                job.optimizer.lr, job.zero_stage, ShardModeName(job.shard_mode),
                job.overlap ? "on" : "off");
-  absl::StatusOr<TrainResult> result = TrainMlp(job, *communicator, plans, trainer);
+  absl::StatusOr<TrainResult> result = options_.trainer
+                                           ? options_.trainer(job, *communicator, plans, trainer)
+                                           : TrainMlp(job, *communicator, plans, trainer);
   if (!result.ok()) {
     if (stop_requested_) return absl::CancelledError(result.status().message());
     if (absl::IsAborted(result.status())) {
@@ -525,6 +530,20 @@ void WorkerAgent::ReportGenerationFailed(const WorldSnapshot& world, const absl:
 
 absl::Status WorkerAgent::Run() {
   SHARD_RETURN_IF_ERROR(JoinWithRetry());
+  {
+    absl::MutexLock lock(&mu_);
+    if (job_.has_value() && job_->external_model && !options_.trainer) {
+      Fail(absl::FailedPreconditionError(absl::StrCat(
+          "job '", job_->name, "' trains a model its workers bring (model.external in the job "
+          "spec): start the training script (python3 train.py, with SHARD_COORDINATOR set to "
+          "the coordinator's address) in place of shard-worker")));
+    } else if (job_.has_value() && !job_->external_model && options_.trainer) {
+      Fail(absl::FailedPreconditionError(absl::StrCat(
+          "job '", job_->name, "' trains shard-worker's built-in MLP (model.mlp in the job spec), "
+          "not a model of its own: start shard-worker for it, or give the coordinator a job "
+          "spec with \"model\": {\"external\": {}}")));
+    }
+  }
   std::thread heartbeat([this] { HeartbeatLoop(); });
   int64_t attempted_generation = 0;
   while (true) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -17,6 +18,8 @@
 #include "worker/coordinator_client.h"
 #include "worker/data_path.h"
 #include "worker/dataplane/communicator.h"
+#include "worker/dataplane/plan_provider.h"
+#include "worker/dataplane/training_session.h"
 
 namespace shard {
 
@@ -33,6 +36,13 @@ struct WorkerOptions {
   // runs, so the gradient order reported after the "first iteration" is that of a sequential
   // backward.
   std::optional<Manifest> manifest;
+  // Trains one generation of a job on the agent's thread and returns trained, paused (with
+  // TrainResult::paused_at) or an error (Aborted: the generation ended). Unset: the built-in MLP
+  // (TrainMlp). A job whose model is external (model.external) needs one: GenerationHandoff
+  // (worker/generation_handoff.h) hands the generation to the thread that runs the model.
+  std::function<absl::StatusOr<TrainResult>(const JobConfig&, Communicator&, PlanProvider&,
+                                            const TrainerOptions&)>
+      trainer;
 };
 
 class WorkerAgent {

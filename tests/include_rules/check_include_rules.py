@@ -8,7 +8,7 @@ quoted path that exists next to the including file counts as that file) and, wit
 --link-graph, the direct link libraries of the product's CMake targets (the file
 tests/include_rules/CMakeLists.txt writes at configure time: target, its folder, linked item,
 the linked target's folder). A dependency is classified as a folder of the tree (common,
-proto, server, worker, worker/dataplane, worker/gpu, client, tests, bench), the generated
+proto, server, worker, worker/dataplane, worker/gpu, client, capi, tests, bench), the generated
 shard/v1 code, gRPC/protobuf, CUDA/NCCL, or anything else (allowed everywhere); RULES below say
 which folder may not depend on which.
 
@@ -23,7 +23,7 @@ import re
 import sys
 
 FOLDERS = ("common", "proto", "server", "worker/dataplane", "worker/gpu", "worker", "client",
-           "tests", "bench")
+           "capi", "tests", "bench")
 SHARD_V1 = "generated shard/v1 code"
 GRPC = "gRPC/protobuf"
 CUDA = "CUDA/NCCL"
@@ -46,7 +46,9 @@ RULES = (
          "shardctl reaches the coordinator only through proto/"),
     Rule(("worker/",), (), ("server", "client"), (),
          "the worker reaches the coordinator only through proto/"),
-    Rule(("common/", "proto/", "server/", "worker/", "client/"), (), ("tests", "bench"), (),
+    Rule(("capi/",), (), ("server", "client"), (),
+         "libshard is the worker as a C library: it reaches the coordinator only through proto/"),
+    Rule(("common/", "proto/", "server/", "worker/", "client/", "capi/"), (), ("tests", "bench"), (),
          "the product builds without its tests and benchmarks"),
     # tests/ and bench/ may otherwise depend on anything: they test and measure the layers
     # against each other. Only the GPU code and its own tests and benchmark (built only where

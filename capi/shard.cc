@@ -1,0 +1,467 @@
+// libshard's C functions (capi/shard.h) over the worker library: a WorkerAgent on its own thread
+// joins, heartbeats and connects each generation, then hands it over (GenerationHandoff) to the
+// caller's thread, which trains it through a TrainingSession, the path shard-worker's built-in
+// MLP takes too. Errors become codes plus a thread-local message here and nowhere else.
+#include "capi/shard.h"
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/cli.h"
+#include "common/logging.h"
+#include "common/manifest.h"
+#include "common/names.h"
+#include "common/status_macros.h"
+#include "google/protobuf/util/json_util.h"
+#include "nlohmann/json.hpp"
+#include "proto/channel_security.h"
+#include "proto/job_convert.h"
+#include "spdlog/spdlog.h"
+#include "worker/agent.h"
+#include "worker/coordinator_client.h"
+#include "worker/data_path.h"
+#include "worker/generation_handoff.h"
+
+struct shard_job {
+  shard::GenerationHandoff handoff;
+  std::unique_ptr<shard::WorkerAgent> agent;
+  std::thread agent_thread;
+  std::string worker_id;
+
+  // The generation taken from the handoff and not yet returned, and its session.
+  std::optional<shard::GenerationHandoff::Generation> generation;
+  std::unique_ptr<shard::TrainingSession> session;
+  std::optional<shard::Manifest> manifest;
+  int64_t layout_version = 0;
+  int64_t plan_version = 0;  // the engine's, when the layout was last counted
+  shard::StepTimings timings;
+  absl::Time step_started;
+  std::string info;         // shard_job_info's answer
+  std::string output_path;  // shard_generation_end's
+};
+
+namespace {
+
+thread_local std::string last_error;
+
+int Fail(const absl::Status& status) {
+  last_error = std::string(status.message());
+  return status.ok() ? static_cast<int>(absl::StatusCode::kUnknown) : static_cast<int>(status.code());
+}
+
+int Done(const absl::Status& status) {
+  if (status.ok()) {
+    last_error.clear();
+    return 0;
+  }
+  return Fail(status);
+}
+
+// Runs `body`, turning an exception that escapes it into an error: none crosses the C boundary.
+template <typename Body>
+int Guarded(Body body) {
+  try {
+    return Done(body());
+  } catch (const std::exception& e) {
+    return Fail(absl::InternalError(absl::StrCat("libshard: unexpected exception: ", e.what())));
+  } catch (...) {
+    return Fail(absl::InternalError("libshard: unexpected exception"));
+  }
+}
+
+absl::Status NeedsJob(shard_job* job) {
+  return job != nullptr ? absl::OkStatus()
+                        : absl::InvalidArgumentError("no job: call shard_join first");
+}
+
+absl::Status NeedsSession(shard_job* job) {
+  SHARD_RETURN_IF_ERROR(NeedsJob(job));
+  if (job->session == nullptr) {
+    return absl::FailedPreconditionError(
+        "no generation is being trained: call shard_generation_begin first");
+  }
+  return absl::OkStatus();
+}
+
+// A config field of the expected JSON type, or InvalidArgument naming it.
+template <typename T>
+absl::Status Read(const nlohmann::json& config, const char* key, T* out) {
+  auto it = config.find(key);
+  if (it == config.end() || it->is_null()) return absl::OkStatus();
+  try {
+    *out = it->get<T>();
+  } catch (const nlohmann::json::exception&) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard_join: config field \"", key, "\" has the wrong type (", it->dump(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Duration Seconds(double seconds) { return absl::Seconds(seconds); }
+
+absl::Status Join(const char* config_json, shard_job** out) {
+  if (out == nullptr) return absl::InvalidArgumentError("shard_join: no place for the job");
+  *out = nullptr;
+  if (config_json == nullptr) return absl::InvalidArgumentError("shard_join: no config");
+  const nlohmann::json config = nlohmann::json::parse(config_json, nullptr, false);
+  if (!config.is_object()) {
+    return absl::InvalidArgumentError("shard_join: the config is not a JSON object");
+  }
+  static const char* const kKnown[] = {
+      "coordinator", "worker_id", "host", "device", "coordinator_timeout_s",
+      "collective_timeout_s", "log_level", "tls_ca", "tls_cert", "tls_key", "tls_server_name",
+      "job_token_file"};
+  for (const auto& [key, value] : config.items()) {
+    if (std::find(std::begin(kKnown), std::end(kKnown), key) == std::end(kKnown)) {
+      return absl::InvalidArgumentError(absl::StrCat("shard_join: unknown config field \"", key,
+                                                     "\""));
+    }
+  }
+  std::string coordinator;
+  shard::WorkerOptions options;
+  double coordinator_timeout_s = 60;
+  double collective_timeout_s = 60;
+  std::string log_level = "info";
+  shard::ClientSecurityFiles files;
+  SHARD_RETURN_IF_ERROR(Read(config, "coordinator", &coordinator));
+  SHARD_RETURN_IF_ERROR(Read(config, "worker_id", &options.worker_id));
+  SHARD_RETURN_IF_ERROR(Read(config, "host", &options.host));
+  SHARD_RETURN_IF_ERROR(Read(config, "device", &options.device));
+  SHARD_RETURN_IF_ERROR(Read(config, "coordinator_timeout_s", &coordinator_timeout_s));
+  SHARD_RETURN_IF_ERROR(Read(config, "collective_timeout_s", &collective_timeout_s));
+  SHARD_RETURN_IF_ERROR(Read(config, "log_level", &log_level));
+  SHARD_RETURN_IF_ERROR(Read(config, "tls_ca", &files.ca));
+  SHARD_RETURN_IF_ERROR(Read(config, "tls_cert", &files.cert));
+  SHARD_RETURN_IF_ERROR(Read(config, "tls_key", &files.key));
+  SHARD_RETURN_IF_ERROR(Read(config, "tls_server_name", &files.server_name));
+  SHARD_RETURN_IF_ERROR(Read(config, "job_token_file", &files.token));
+  if (coordinator.empty()) {
+    return absl::InvalidArgumentError(
+        "shard_join: no coordinator address (\"coordinator\": \"host:port\", or "
+        "SHARD_COORDINATOR in the shard package)");
+  }
+  SHARD_RETURN_IF_ERROR(shard::ValidateName("worker id", options.worker_id));
+  if (!(coordinator_timeout_s > 0) || !(collective_timeout_s > 0)) {
+    return absl::InvalidArgumentError("shard_join: timeouts must be positive seconds");
+  }
+  int gpu = -1;
+  SHARD_RETURN_IF_ERROR(shard::ResolveBackend(options.device, "auto", &gpu).status());
+  if (gpu >= 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "shard_join: device ", options.device,
+        " is not supported by libshard yet; torch models train on cpu for now"));
+  }
+  SHARD_RETURN_IF_ERROR(
+      shard::ConfigureLogging(log_level, absl::StrCat("worker=", options.worker_id)));
+  SHARD_ASSIGN_OR_RETURN(const shard::ClientSecurity security, shard::LoadClientSecurity(files));
+  options.coordinator_timeout = Seconds(coordinator_timeout_s);
+  options.collective_timeout = Seconds(collective_timeout_s);
+
+  auto job = std::make_unique<shard_job>();
+  job->worker_id = options.worker_id;
+  shard_job* raw = job.get();
+  options.trainer = [raw](const shard::JobConfig& config, shard::Communicator& communicator,
+                          shard::PlanProvider& plans, const shard::TrainerOptions& trainer) {
+    return raw->handoff.Train(config, communicator, plans, trainer);
+  };
+  const absl::Duration collective_timeout = options.collective_timeout;
+  const std::string host = options.host;
+  job->agent = std::make_unique<shard::WorkerAgent>(
+      std::move(options),
+      std::make_unique<shard::CoordinatorClient>(coordinator, absl::Seconds(10), security),
+      shard::CpuDataPath(host, collective_timeout));
+  job->agent_thread = std::thread([raw] {
+    const absl::Status ran = raw->agent->Run();
+    if (!ran.ok()) spdlog::error("{}", ran.message());
+    raw->handoff.Close(ran);
+  });
+  // Joined once the first generation is handed over.
+  absl::StatusOr<std::optional<shard::GenerationHandoff::Generation>> first = job->handoff.Next();
+  absl::Status joined = first.status();
+  if (joined.ok() && !first->has_value()) {
+    joined = absl::FailedPreconditionError(
+        "the job ended before this worker was given a rank (it had finished or was stopped)");
+  }
+  if (!joined.ok()) {
+    shard_job_close(job.release());
+    return joined;
+  }
+  job->generation = **first;
+  *out = job.release();
+  return absl::OkStatus();
+}
+
+// Hands the generation back with `result` and drops its session first: the agent replaces the
+// communicator the engine's thread uses once it has it back.
+void Return(shard_job* job, absl::StatusOr<shard::TrainResult> result) {
+  job->session.reset();
+  job->generation.reset();
+  job->handoff.Return(std::move(result));
+}
+
+absl::Status BeginGeneration(shard_job* job, int* began, int* needs_init) {
+  SHARD_RETURN_IF_ERROR(NeedsJob(job));
+  if (began == nullptr || needs_init == nullptr) {
+    return absl::InvalidArgumentError("shard_generation_begin: null output");
+  }
+  if (job->session != nullptr) {
+    return absl::FailedPreconditionError(
+        "a generation is being trained: end it with shard_generation_end first");
+  }
+  if (!job->manifest.has_value()) {
+    return absl::FailedPreconditionError(
+        "no model registered: call shard_job_set_model (job.wrap(model)) first");
+  }
+  *began = 0;
+  *needs_init = 0;
+  while (true) {
+    if (!job->generation.has_value()) {
+      SHARD_ASSIGN_OR_RETURN(std::optional<shard::GenerationHandoff::Generation> next,
+                             job->handoff.Next());
+      if (!next.has_value()) return absl::OkStatus();  // the job is over
+      job->generation = *next;
+    }
+    const shard::GenerationHandoff::Generation& generation = *job->generation;
+    // A failure here ends this generation; the agent says whether there is a next one (the
+    // world moved on) or the job fails (then Next answers with the error).
+    absl::StatusOr<std::unique_ptr<shard::TrainingSession>> session =
+        shard::TrainingSession::Create(*generation.job, *job->manifest, *generation.communicator,
+                                       *generation.plans, *generation.options);
+    if (!session.ok()) {
+      Return(job, session.status());
+      continue;
+    }
+    job->session = std::move(*session);
+    bool loaded = job->session->restored();
+    if (!loaded) {
+      absl::StatusOr<bool> init = job->session->LoadInitFile();
+      if (!init.ok()) {
+        Return(job, init.status());
+        continue;
+      }
+      loaded = *init;
+    }
+    *began = 1;
+    *needs_init = loaded ? 0 : 1;
+    ++job->layout_version;
+    job->plan_version = job->session->engine().plan_version();
+    return absl::OkStatus();
+  }
+}
+
+absl::Status StepBegin(shard_job* job, int64_t* step) {
+  SHARD_RETURN_IF_ERROR(NeedsSession(job));
+  if (step == nullptr) return absl::InvalidArgumentError("shard_step_begin: null output");
+  shard::TrainingSession& session = *job->session;
+  if (session.finished()) {
+    *step = -1;
+    return absl::OkStatus();
+  }
+  if (session.stop_requested()) {
+    return absl::CancelledError(
+        absl::StrCat("training stopped before step ", session.next_step() + 1));
+  }
+  shard::Engine& engine = session.engine();
+  const shard::Manifest& manifest = engine.manifest();
+  for (size_t i = 0; i < manifest.params.size(); ++i) {
+    if (float* grad = engine.grad(static_cast<int>(i)); grad != nullptr) {
+      std::memset(grad, 0, sizeof(float) * static_cast<size_t>(manifest.params[i].numel()));
+    }
+  }
+  engine.StartBackward();
+  job->timings = shard::StepTimings{};
+  job->step_started = absl::Now();
+  *step = session.next_step();
+  return absl::OkStatus();
+}
+
+absl::Status GenerationEnd(shard_job* job, int code, const char* message,
+                           const char** output_path) {
+  SHARD_RETURN_IF_ERROR(NeedsSession(job));
+  job->output_path.clear();
+  if (output_path != nullptr) *output_path = job->output_path.c_str();
+  if (code != 0) {
+    Return(job, absl::Status(static_cast<absl::StatusCode>(code),
+                             message != nullptr ? message : "the training loop failed"));
+    return absl::OkStatus();
+  }
+  shard::TrainingSession& session = *job->session;
+  if (session.result().paused_at > 0) {
+    Return(job, session.result());
+    return absl::OkStatus();
+  }
+  if (!session.finished()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the generation is neither paused nor finished (step ", session.next_step(), " of ",
+        session.job().steps, "): end it with the error that stopped it"));
+  }
+  absl::StatusOr<shard::TrainResult> result = session.Finish();
+  if (result.ok()) job->output_path = result->output_path;
+  const absl::Status finished = result.status();
+  Return(job, std::move(result));
+  return finished;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* shard_last_error(void) { return last_error.c_str(); }
+
+int shard_join(const char* config_json, shard_job** job) {
+  return Guarded([&] { return Join(config_json, job); });
+}
+
+int shard_job_info(shard_job* job, const char** json) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsJob(job));
+    if (json == nullptr) return absl::InvalidArgumentError("shard_job_info: null output");
+    nlohmann::json info = {{"worker_id", job->worker_id}};
+    if (job->generation.has_value()) {
+      const shard::GenerationHandoff::Generation& generation = *job->generation;
+      info["rank"] = generation.communicator->rank();
+      info["world_size"] = generation.communicator->size();
+      info["generation"] = generation.options->generation;
+      std::string spec;
+      google::protobuf::util::JsonPrintOptions print;
+      print.preserve_proto_field_names = true;
+      const auto printed =
+          google::protobuf::util::MessageToJsonString(shard::ToProto(*generation.job), &spec, print);
+      if (!printed.ok()) return absl::InternalError(printed.message().as_string());
+      info["job"] = nlohmann::json::parse(spec);
+    }
+    job->info = info.dump();
+    *json = job->info.c_str();
+    return absl::OkStatus();
+  });
+}
+
+int shard_job_set_model(shard_job* job, const char* manifest_json) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsJob(job));
+    if (job->manifest.has_value()) {
+      return absl::FailedPreconditionError("the model is registered already (once per job)");
+    }
+    if (manifest_json == nullptr) return absl::InvalidArgumentError("no manifest");
+    SHARD_ASSIGN_OR_RETURN(shard::Manifest manifest, shard::ParseManifestJson(manifest_json));
+    SHARD_RETURN_IF_ERROR(shard::ValidateManifest(manifest));
+    for (const shard::ParamSpec& param : manifest.params) {
+      if (param.dtype != shard::DataType::kFloat32) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "parameter ", param.name, " is ", shard::DataTypeName(param.dtype),
+            "; Shard keeps fp32 parameters (convert the model with .float() before wrapping)"));
+      }
+    }
+    job->manifest = std::move(manifest);
+    return absl::OkStatus();
+  });
+}
+
+int shard_generation_begin(shard_job* job, int* began, int* needs_init) {
+  return Guarded([&] { return BeginGeneration(job, began, needs_init); });
+}
+
+int shard_generation_init(shard_job* job) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    return job->session->BroadcastInitialValues();
+  });
+}
+
+int shard_tensor(shard_job* job, int index, float** param, float** grad) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    shard::Engine& engine = job->session->engine();
+    if (index < 0 || index >= static_cast<int>(engine.manifest().params.size())) {
+      return absl::OutOfRangeError(absl::StrCat("parameter index ", index, " is not in [0, ",
+                                                engine.manifest().params.size(), ")"));
+    }
+    if (param != nullptr) *param = engine.param(index);
+    if (grad != nullptr) *grad = engine.grad(index);
+    return absl::OkStatus();
+  });
+}
+
+int shard_layout_version(shard_job* job, int64_t* version) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsJob(job));
+    if (version == nullptr) return absl::InvalidArgumentError("null output");
+    *version = job->layout_version;
+    return absl::OkStatus();
+  });
+}
+
+int shard_step_begin(shard_job* job, int64_t* step) {
+  return Guarded([&] { return StepBegin(job, step); });
+}
+
+void shard_mark_ready(shard_job* job, int index) {
+  if (job == nullptr || job->session == nullptr) return;
+  shard::Engine& engine = job->session->engine();
+  const shard::Manifest& manifest = engine.manifest();
+  if (index < 0 || index >= static_cast<int>(manifest.params.size())) return;
+  // Each rank's loss is the mean over its own samples, so the ranks' gradients are averaged,
+  // as DDP does: divided by the world size before the reduction sums them.
+  const int world = job->session->communicator().size();
+  if (float* grad = engine.grad(index); grad != nullptr && world > 1) {
+    const float divisor = static_cast<float>(world);
+    const int64_t numel = manifest.params[index].numel();
+    for (int64_t k = 0; k < numel; ++k) grad[k] /= divisor;
+  }
+  engine.MarkGradReady(index);
+}
+
+int shard_step(shard_job* job) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    shard::Engine& engine = job->session->engine();
+    const absl::Status stepped = engine.Step(&job->timings);
+    if (engine.plan_version() != job->plan_version) {  // the first step rebuilt the buckets
+      job->plan_version = engine.plan_version();
+      ++job->layout_version;
+    }
+    return stepped;
+  });
+}
+
+int shard_step_end(shard_job* job, double loss, int* boundary) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    if (boundary == nullptr) return absl::InvalidArgumentError("shard_step_end: null output");
+    shard::TrainingSession& session = *job->session;
+    // The global loss is the mean of the ranks' means: every rank has an equal share.
+    SHARD_ASSIGN_OR_RETURN(
+        const shard::TrainingSession::Boundary reached,
+        session.EndStep(loss / session.communicator().size(), job->timings, job->step_started));
+    switch (reached) {
+      case shard::TrainingSession::Boundary::kContinue: *boundary = SHARD_CONTINUE; break;
+      case shard::TrainingSession::Boundary::kPaused: *boundary = SHARD_PAUSED; break;
+      case shard::TrainingSession::Boundary::kFinished: *boundary = SHARD_FINISHED; break;
+    }
+    return absl::OkStatus();
+  });
+}
+
+int shard_generation_end(shard_job* job, int code, const char* message, const char** output_path) {
+  return Guarded([&] { return GenerationEnd(job, code, message, output_path); });
+}
+
+void shard_job_close(shard_job* job) {
+  if (job == nullptr) return;
+  if (job->session != nullptr || job->generation.has_value()) {
+    Return(job, absl::CancelledError("the training script closed the job"));
+  }
+  job->agent->RequestStop("the training script closed the job");
+  job->handoff.Close(absl::CancelledError("the training script closed the job"));
+  if (job->agent_thread.joinable()) job->agent_thread.join();
+  delete job;
+}
+
+}  // extern "C"

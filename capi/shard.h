@@ -1,0 +1,100 @@
+/* libshard: Shard's worker as a C library, for training loops that live outside C++ (the `shard`
+ * Python package drives it through ctypes). One process is one rank: it joins the coordinator,
+ * registers its model's parameter manifest, and for each generation of the world gets an engine
+ * whose flat buffers hold the parameters and gradients; the caller computes forward and backward
+ * in place in those buffers, marks gradients ready, and calls the sharded step. Checkpoints,
+ * pauses, restores and re-formations are the worker's, as for shard-worker.
+ *
+ *   shard_join(config, &job)                          blocks until the world is formed
+ *   shard_job_set_model(job, manifest_json)           once
+ *   while (shard_generation_begin(job, &began, &needs_init) == 0 && began) {
+ *     [needs_init: write initial values into the parameters; shard_generation_init(job)]
+ *     shard_tensor(job, i, &param, &grad)             views, again after every shard_step
+ *     while (shard_step_begin(job, &step) == 0 && step >= 0) {
+ *       forward; backward into grad, shard_mark_ready(job, i) as each gradient is complete
+ *       shard_step(job)                                ABORTED: the generation ended
+ *       shard_step_end(job, loss, &boundary)           CONTINUE, PAUSED or FINISHED
+ *     }
+ *     shard_generation_end(job, code, message, &path)  after PAUSED, FINISHED (rank 0 exports
+ *   }                                                   to path) or an error such as ABORTED
+ *   shard_job_close(job)                              began = 0: the job is over
+ *
+ * Every function but shard_mark_ready returns 0 on success or an error code (absl's status
+ * codes: 1 CANCELLED, 3 INVALID_ARGUMENT, 9 FAILED_PRECONDITION, 10 ABORTED, 14 UNAVAILABLE,
+ * ...) with the message in shard_last_error(). Calls for one job come from one thread, except
+ * shard_mark_ready (any thread, e.g. autograd's) and shard_job_close. No exception crosses this
+ * boundary. */
+#ifndef SHARD_CAPI_SHARD_H_
+#define SHARD_CAPI_SHARD_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct shard_job shard_job;
+
+enum shard_boundary { SHARD_CONTINUE = 0, SHARD_PAUSED = 1, SHARD_FINISHED = 2 };
+
+/* The message of this thread's last failed call (empty after a success), valid until the next
+ * call on this thread. */
+const char* shard_last_error(void);
+
+/* Joins the coordinator and blocks until the world is formed and this worker holds a rank.
+ * `config_json`: {"coordinator": "host:port", "worker_id": "...", "host": "127.0.0.1" (where
+ * peers reach this rank), "device": "cpu", "coordinator_timeout_s": 60,
+ * "collective_timeout_s": 60, "log_level": "info", "tls_ca", "tls_cert", "tls_key",
+ * "tls_server_name", "job_token_file" (paths)}; only "coordinator" is required. */
+int shard_join(const char* config_json, shard_job** job);
+
+/* {"worker_id", "rank", "world_size", "generation", "job": the job spec (protobuf JSON)} of the
+ * current generation; valid until the next call with this job. */
+int shard_job_info(shard_job* job, const char** json);
+
+/* The model's parameters in registration order (common/manifest.h's JSON: {"params": [{"name",
+ * "shape", "dtype": "f32", "requires_grad"}]}). Once, before the first generation; every
+ * worker of the job must register the same one. */
+int shard_job_set_model(shard_job* job, const char* manifest_json);
+
+/* Waits for the next generation and builds its engine (restoring the coordinator's restore
+ * point, or the job's init file). *began = 0 when the job is over. *needs_init = 1 when
+ * training starts from scratch: write the initial values into the parameters, then call
+ * shard_generation_init, which gives every rank rank 0's. */
+int shard_generation_begin(shard_job* job, int* began, int* needs_init);
+int shard_generation_init(shard_job* job);
+
+/* Where parameter `index` and its gradient live now (grad NULL for a frozen parameter); they
+ * move at the first step (the bucket rebuild) and with every generation. *version changes
+ * whenever they may have moved. */
+int shard_tensor(shard_job* job, int index, float** param, float** grad);
+int shard_layout_version(shard_job* job, int64_t* version);
+
+/* Starts a step: *step is its 0-based number, or -1 when the job's last step is done; the
+ * gradients are zeroed (backward accumulates into them). */
+int shard_step_begin(shard_job* job, int64_t* step);
+/* Gradient `index` is complete for this step; its bucket reduces once all of its are. */
+void shard_mark_ready(shard_job* job, int index);
+/* Waits for the reductions, clips, updates what this rank owns and gathers the parameters. */
+int shard_step(shard_job* job);
+/* The step boundary: `loss` is the mean loss over this rank's samples. *boundary is one of
+ * shard_boundary: go on, paused for a re-formation, or the job's last step done; after either of
+ * the latter, end the generation. */
+int shard_step_end(shard_job* job, double loss, int* boundary);
+
+/* Hands the generation back to the worker: code 0 after PAUSED or FINISHED, else the error that
+ * ended it (ABORTED when the world moved on). After FINISHED this first exports: rank 0 writes
+ * output_dir/final.safetensors under the manifest's names (*output_path, empty on other ranks;
+ * valid until the next call with this job; output_path may be NULL). The worker then reports
+ * the end of training; the next shard_generation_begin says whether the job is over (a rank
+ * that died before every rank finished means another generation). */
+int shard_generation_end(shard_job* job, int code, const char* message, const char** output_path);
+
+/* Leaves the job (if still in it) and frees everything. */
+void shard_job_close(shard_job* job);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SHARD_CAPI_SHARD_H_ */

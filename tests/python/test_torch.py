@@ -1,0 +1,540 @@
+"""shard.torch end to end: a real shard-coordinator on 127.0.0.1 and torch workers running
+examples/torch/mlp.py as separate processes, checked against plain torch computed here.
+
+Run by ctest (python_torch) with SHARD_BUILD_DIR and PYTHONPATH=build/python; by hand:
+    SHARD_BUILD_DIR=build PYTHONPATH=build/python /usr/bin/python3 -m pytest tests/python
+"""
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from shard.safetensors import load_file, save_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.path.abspath(os.environ.get("SHARD_BUILD_DIR", os.path.join(ROOT, "build")))
+BIN = os.path.join(BUILD, "bin")
+EXAMPLE = os.path.join(ROOT, "examples", "torch", "mlp.py")
+sys.path.insert(0, os.path.dirname(EXAMPLE))
+from mlp import Mlp  # noqa: E402  (the example's model, for the reference)
+
+WIDTHS = [16, 32, 8]
+SAMPLES = 512
+DEADLINE = 120  # seconds any one process may take: a hang fails the test instead of CI
+
+
+def wait_for(predicate, seconds, what):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {seconds}s waiting for {what}")
+
+
+class Cluster:
+    """A coordinator and its workers in `tmp`; every process is killed by pid at the end."""
+
+    def __init__(self, tmp):
+        self.tmp = tmp
+        self.procs = []
+        self.coordinator = None
+        self.port = None
+
+    def write_job(self, world, steps, min_world=None, every=0, model=None, out="out",
+                  file="job.json", **extra):
+        job = {"name": "torchjob", "worldSize": world, "minWorldSize": min_world or world,
+               "model": model or {"external": {}},
+               "optimizer": {"name": "adam", "lr": 0.01}, "globalBatch": 24, "steps": steps,
+               "zeroStage": 2, "bucketCapMb": 0.001, "firstBucketCapMb": 0.0005,
+               "checkpoint": {"everySteps": every, "keepLast": 100, "dir": "checkpoints"},
+               "outputDir": out}
+        job.update(extra)
+        path = os.path.join(self.tmp, file)
+        with open(path, "w") as f:
+            json.dump(job, f)
+        return path
+
+    def start_coordinator(self, job, *extra, log_name="coordinator.log"):
+        port_file = os.path.join(self.tmp, "port")
+        if os.path.exists(port_file):
+            os.remove(port_file)
+        log = open(os.path.join(self.tmp, log_name), "w")
+        self.coordinator = subprocess.Popen(
+            [os.path.join(BIN, "shard-coordinator"), "--job", job, "--listen", "127.0.0.1:0",
+             "--port-file", port_file, "--state-dir", os.path.join(self.tmp, "state"),
+             "--lease", "1s", "--reform-grace", "1s", *extra],
+            stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(self.coordinator)
+        def serving():
+            if self.coordinator.poll() is not None:
+                raise AssertionError("the coordinator exited: " + self.log(log_name))
+            return os.path.exists(port_file) and open(port_file).read().strip()
+
+        wait_for(serving, 30, "the coordinator's port")
+        self.port = int(open(port_file).read())
+
+    def start_worker(self, worker_id, script=EXAMPLE, args=None):
+        env = dict(os.environ, SHARD_COORDINATOR=f"127.0.0.1:{self.port}", SHARD_ID=worker_id,
+                   OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        argv = [sys.executable, script]
+        argv += args if args is not None else ["--data", self.data, "--widths",
+                                               ",".join(map(str, WIDTHS)), "--seed", "5"]
+        log = open(os.path.join(self.tmp, f"{worker_id}.log"), "w")
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc.log_path = log.name
+        self.procs.append(proc)
+        return proc
+
+    def log(self, proc_or_name):
+        name = proc_or_name if isinstance(proc_or_name, str) else proc_or_name.log_path
+        path = name if os.path.isabs(name) else os.path.join(self.tmp, name)
+        with open(path) as f:
+            return f.read()
+
+    def wait(self, proc):
+        try:
+            return proc.wait(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"process {proc.args} did not exit within {DEADLINE}s")
+
+    def shardctl(self, *argv):
+        return subprocess.run([os.path.join(BIN, "shardctl"), "--coordinator",
+                               f"127.0.0.1:{self.port}", *argv],
+                              capture_output=True, text=True, timeout=60)
+
+    def stop(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(str(tmp_path))
+    c.data = os.path.join(c.tmp, "data.safetensors")
+    generated = subprocess.run(
+        [os.path.join(BIN, "shardctl"), "data", "generate", "--widths", ",".join(map(str, WIDTHS)),
+         "--samples", str(SAMPLES), "--seed", "3", "--out", c.data],
+        capture_output=True, text=True, timeout=60)
+    assert generated.returncode == 0, generated.stdout + generated.stderr
+    yield c
+    c.stop()
+
+
+OPTIMIZERS = {  # the job spec's optimizer and torch's, with the same hyper-parameters
+    "adam": ({"name": "adam", "lr": 0.01}, torch.optim.Adam, {"lr": 0.01}),
+    "adamw": ({"name": "adamw", "lr": 0.01, "weightDecay": 0.1}, torch.optim.AdamW,
+              {"lr": 0.01, "weight_decay": 0.1}),
+    "sgd": ({"name": "sgd", "lr": 0.05, "momentum": 0.9}, torch.optim.SGD,
+            {"lr": 0.05, "momentum": 0.9}),
+}
+TRANSFORMER_ARGS = ["--vocab", "16", "--dim", "16", "--heads", "2", "--layers", "1",
+                    "--context", "8", "--sequences", "64"]
+
+
+def make_model_and_data(config):
+    """The example model of `config` ("mlp" or "transformer") as the workers build it, its inputs
+    and targets, and its loss."""
+    if config["model"] == "transformer":
+        sys.path.insert(0, os.path.dirname(EXAMPLE))
+        from transformer import Gpt, markov_sequences
+        data = markov_sequences(64, 8, 16, 0)
+        torch.manual_seed(0)
+        model = Gpt(16, 16, 2, 1, 8)
+        return (model, data[:, :-1], data[:, 1:],
+                lambda logits, t: torch.nn.functional.cross_entropy(logits.reshape(-1, 16),
+                                                                    t.reshape(-1)))
+    data = load_file(config["data"])
+    torch.manual_seed(5)
+    return Mlp(WIDTHS), data["x"], data["y"], torch.nn.functional.cross_entropy
+
+
+def torch_optimizer(config, params, zero=None):
+    """torch's optimizer for `config` (single-tensor code), or ZeroRedundancyOptimizer over it."""
+    _, optimizer_class, settings = OPTIMIZERS[config["optimizer"]]
+    settings = dict(settings, foreach=False)
+    if zero is not None:
+        return zero(params, optimizer_class=optimizer_class, **settings)
+    return optimizer_class(params, **settings)
+
+
+def reference(config):
+    """Plain torch in one process on the whole global batch of every step."""
+    torch.set_num_threads(1)
+    model, inputs, targets, loss_of = make_model_and_data(config)
+    optimizer = torch_optimizer(config, model.parameters())
+    batch = config["batch"]
+    for step in range(config["steps"]):
+        idx = torch.arange(step * batch, (step + 1) * batch) % len(inputs)
+        optimizer.zero_grad()
+        loss_of(model(inputs[idx]), targets[idx]).backward()
+        optimizer.step()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def mlp_config(cluster, steps):
+    return {"model": "mlp", "data": cluster.data, "optimizer": "adam", "steps": steps,
+            "batch": 24, "stage": 2}
+
+
+def exported(cluster, out="out"):
+    return load_file(os.path.join(cluster.tmp, out, "final.safetensors"))
+
+
+def max_difference(got, want):
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    return max(float((got[name] - want[name]).abs().max()) for name in want)
+
+
+def max_relative_difference(got, want):
+    """The largest difference in any tensor relative to that tensor's largest magnitude."""
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    return max(float((got[name] - want[name]).abs().max() / want[name].abs().max().clamp(min=1e-30))
+               for name in want)
+
+
+# Every ZeRO stage, shard mode and optimizer for the MLP, alternating 2 and 3 workers, and the
+# transformer with each optimizer; one case per model and optimizer is also run with torch's
+# DDP + ZeroRedundancyOptimizer.
+MATRIX = [
+    dict(model="mlp", stage=stage, mode=mode, optimizer=optimizer,
+         world=2 + (i % 2), ddp=(stage == 2 and mode == "range"))
+    for i, (stage, mode, optimizer) in enumerate(
+        (stage, mode, optimizer) for stage in (0, 1, 2) for mode in ("range", "param")
+        for optimizer in ("adam", "adamw", "sgd"))
+] + [
+    dict(model="transformer", stage=1, mode="param", optimizer="adam", world=3, ddp=True),
+    dict(model="transformer", stage=2, mode="range", optimizer="adamw", world=2, ddp=True),
+    dict(model="transformer", stage=0, mode="range", optimizer="sgd", world=3, ddp=True),
+]
+
+
+def case_id(case):
+    return f"{case['model']}-w{case['world']}-zero{case['stage']}-{case['mode']}-{case['optimizer']}"
+
+
+def ddp_reference(cluster, config, world):
+    """The parameters torch DDP + ZeroRedundancyOptimizer reach on `world` processes."""
+    out = os.path.join(cluster.tmp, "ddp.safetensors")
+    store = os.path.join(cluster.tmp, "ddp-store")
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                            "ddp_reference.py"),
+                               "--rank", str(r), "--world", str(world), "--store", store,
+                               "--config", json.dumps(config), "--out", out],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    cluster.procs.extend(procs)
+    for proc in procs:
+        output, _ = proc.communicate(timeout=DEADLINE)
+        assert proc.returncode == 0, output
+    return load_file(out)
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=case_id)
+def test_matches_single_process_torch_and_ddp(cluster, case):
+    steps = 20
+    config = dict(model=case["model"], data=cluster.data, optimizer=case["optimizer"],
+                  steps=steps, batch=24, stage=case["stage"])
+    cluster.start_coordinator(cluster.write_job(
+        world=case["world"], steps=steps, optimizer=OPTIMIZERS[case["optimizer"]][0],
+        zeroStage=case["stage"], shardMode=case["mode"]))
+    if case["model"] == "transformer":
+        script = os.path.join(os.path.dirname(EXAMPLE), "transformer.py")
+        workers = [cluster.start_worker(f"w{i}", script=script, args=TRANSFORMER_ARGS)
+                   for i in range(case["world"])]
+    else:
+        workers = [cluster.start_worker(f"w{i}") for i in range(case["world"])]
+    for worker in workers:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    got = exported(cluster)
+    difference = max_relative_difference(got, reference(config))
+    print(f"{case_id(case)}: against one torch process {difference:.3g}", end="")
+    assert difference <= 1e-5
+    if case["ddp"]:
+        difference = max_relative_difference(got, ddp_reference(cluster, config, case["world"]))
+        print(f", against DDP + ZeroRedundancyOptimizer {difference:.3g}", end="")
+        assert difference <= 1e-5
+    print()
+
+
+def test_saved_on_three_workers_restores_on_two(cluster):
+    # Ten steps on three workers end with a checkpoint at step 10; a new coordinator on the same
+    # state directory restores it on two workers and trains steps 11-20.
+    cluster.start_coordinator(cluster.write_job(world=3, steps=10, every=10))
+    first = [cluster.start_worker(f"w{i}") for i in range(3)]
+    for worker in first:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    assert cluster.wait(cluster.coordinator) == 0, cluster.log("coordinator.log")
+    cluster.start_coordinator(cluster.write_job(world=2, steps=20, every=10, file="two.json"),
+                              "--restore", "latest", log_name="restored-coordinator.log")
+    second = [cluster.start_worker(f"v{i}") for i in range(2)]
+    for worker in second:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    log = cluster.log(second[0]) + cluster.log(second[1])
+    assert "restoring from checkpoint step-00000010" in log, log
+    got = exported(cluster)
+    Mlp(WIDTHS).load_state_dict(got, strict=True)
+    difference = max_relative_difference(got, reference(mlp_config(cluster, 20)))
+    print(f"saved on 3, restored on 2: relative difference against one torch process "
+          f"{difference:.3g}")
+    assert difference <= 1e-5
+
+
+def test_frozen_parameters_stay_as_they_were(cluster):
+    script = os.path.join(cluster.tmp, "frozen.py")
+    with open(script, "w") as f:
+        f.write(FROZEN)
+    cluster.start_coordinator(cluster.write_job(world=2, steps=5))
+    workers = [cluster.start_worker(f"w{i}", script=script, args=[]) for i in range(2)]
+    for worker in workers:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    assert "frozen unchanged, trained moved" in cluster.log(workers[0]), cluster.log(workers[0])
+
+
+FROZEN = '''
+import torch
+import shard.torch as shard
+
+torch.manual_seed(1)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+model[0].weight.requires_grad_(False)
+frozen, trained = model[0].weight.detach().clone(), model[2].weight.detach().clone()
+job = shard.join()
+engine = job.wrap(model)
+x = torch.randn(64, 4, generator=torch.Generator().manual_seed(2))
+for step in job.steps():
+    idx = job.batch_indices(step, len(x))
+    model(x[idx]).pow(2).mean().backward()
+    engine.step()
+if torch.equal(model[0].weight, frozen) and not torch.equal(model[2].weight, trained):
+    print("frozen unchanged, trained moved")
+job.finish()
+'''
+
+
+def test_one_worker_trains_bit_for_bit_like_plain_torch(cluster):
+    cluster.start_coordinator(cluster.write_job(world=1, steps=30))
+    worker = cluster.start_worker("w0")
+    assert cluster.wait(worker) == 0, cluster.log(worker)
+    assert cluster.wait(cluster.coordinator) == 0, cluster.log("coordinator.log")
+    got, want = exported(cluster), reference(mlp_config(cluster, 30))
+    # The same torch forward and backward, a reduction over one rank, and Adam with torch 2.x's
+    # single-tensor arithmetic (exp_avg.lerp_): the same bits on torch 2. torch 1.13 updated
+    # exp_avg with mul_ and add_ instead, which rounds differently in the last bit.
+    if int(torch.__version__.split(".")[0]) >= 2:
+        for name in want:
+            assert torch.equal(got[name], want[name]), (name, max_difference(got, want))
+    else:
+        difference = max_difference(got, want)
+        print(f"one worker against torch {torch.__version__}: max |difference| {difference:.3g}")
+        assert difference < 1e-6
+
+
+def test_two_workers_equal_one_process_on_the_global_batch(cluster):
+    cluster.start_coordinator(cluster.write_job(world=2, steps=30))
+    workers = [cluster.start_worker("w0"), cluster.start_worker("w1")]
+    for worker in workers:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    assert cluster.wait(cluster.coordinator) == 0, cluster.log("coordinator.log")
+    log = cluster.log(workers[0]) + cluster.log(workers[1])
+    assert "parameters written to" in log
+    # Averaged gradients of two halves differ from one mean over the whole batch only by
+    # rounding; Adam's normalised steps keep that at float32 rounding level after 30 steps.
+    difference = max_difference(exported(cluster), reference(mlp_config(cluster, 30)))
+    print(f"two workers against one process: max |difference| {difference:.3g}")
+    assert difference < 1e-5
+
+
+def test_micro_batches_accumulate_and_reduce_once_per_step(cluster):
+    cluster.start_coordinator(cluster.write_job(world=2, steps=20))
+    args = ["--data", cluster.data, "--widths", ",".join(map(str, WIDTHS)), "--seed", "5",
+            "--micro-batches", "3"]
+    workers = [cluster.start_worker(f"w{i}", args=args) for i in range(2)]
+    for worker in workers:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    difference = max_difference(exported(cluster), reference(mlp_config(cluster, 20)))
+    print(f"3 micro-batches on two workers against one process: max |difference| {difference:.3g}")
+    assert difference < 1e-5
+
+
+def test_a_killed_worker_is_survived_and_the_result_equals_uninterrupted_training(cluster):
+    steps = 400
+    cluster.start_coordinator(cluster.write_job(world=3, min_world=2, steps=steps, every=20))
+    workers = [cluster.start_worker(f"w{i}") for i in range(3)]
+    checkpoints = os.path.join(cluster.tmp, "checkpoints", "torchjob")
+
+    def committed():
+        return os.path.isdir(checkpoints) and any(
+            os.path.exists(os.path.join(checkpoints, c, "manifest.json"))
+            for c in os.listdir(checkpoints))
+
+    wait_for(committed, 60, "a committed checkpoint")
+    victim = workers[1]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    survivors = [workers[0], workers[2]]
+    for worker in survivors:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    assert cluster.wait(cluster.coordinator) == 0, cluster.log("coordinator.log")
+    events = cluster.log("coordinator.log")
+    assert re.search(r"worker w1 \(rank \d\) declared dead", events), events
+    assert "re-forming with 2 of the 3 ranks" in events, events
+    restores = {m for w in survivors
+                for m in re.findall(r"restoring from checkpoint (\S+)", cluster.log(w))}
+    assert len(restores) == 1, restores
+    # The reference: a new run that restores the same checkpoint on two workers and trains to
+    # the end undisturbed. The re-formed run lost no step and repeated none: the same bits.
+    cluster.start_coordinator(
+        cluster.write_job(world=2, steps=steps, out="reference", file="reference.json"),
+        "--restore", restores.pop(), log_name="reference-coordinator.log")
+    references = [cluster.start_worker(f"ref{i}") for i in range(2)]
+    for worker in references:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    got, want = exported(cluster), exported(cluster, "reference")
+    for name in want:
+        assert torch.equal(got[name], want[name]), (name, max_difference(got, want))
+
+
+def test_the_transformer_with_groups_schedule_and_clipping_equals_plain_torch(cluster):
+    sys.path.insert(0, os.path.dirname(EXAMPLE))
+    from transformer import Gpt, markov_sequences
+    steps, lr, warmup, min_lr = 30, 0.003, 5, 0.0003
+    optimizer = {"name": "adamw", "lr": lr, "betas": [0.9, 0.95], "weightDecay": 0.1,
+                 "paramGroups": [{"match": ["*.bias", "*ln*", "*emb*"], "weightDecay": 0}],
+                 "schedule": {"warmupSteps": warmup, "decay": "cosine", "minLr": min_lr}}
+    cluster.start_coordinator(cluster.write_job(world=2, steps=steps, optimizer=optimizer,
+                                                gradClipNorm=0.5, globalBatch=8))
+    script = os.path.join(os.path.dirname(EXAMPLE), "transformer.py")
+    tiny = ["--vocab", "16", "--dim", "16", "--heads", "2", "--layers", "1", "--context", "8",
+            "--sequences", "64"]
+    workers = [cluster.start_worker(f"w{i}", script=script, args=tiny) for i in range(2)]
+    for worker in workers:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+
+    # Plain torch: AdamW with a no-decay group, LambdaLR with the same warm-up and cosine
+    # (docs/training.md), clip_grad_norm_, on the whole global batch.
+    torch.manual_seed(0)
+    model = Gpt(16, 16, 2, 1, 8)
+    data = markov_sequences(64, 8, 16, 0)
+    no_decay = [p for n, p in model.named_parameters()
+                if n.endswith(".bias") or "ln" in n or "emb" in n]
+    decay = [p for n, p in model.named_parameters()
+             if not (n.endswith(".bias") or "ln" in n or "emb" in n)]
+    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                               {"params": no_decay, "weight_decay": 0.0}],
+                              lr=lr, betas=(0.9, 0.95), foreach=False)
+
+    def factor(s):  # update s, 1-based
+        if s <= warmup:
+            return s / warmup
+        p = min(1.0, (s - warmup) / (steps - warmup))
+        m = min_lr / lr
+        return m + (1 - m) * (0.5 * (1 + math.cos(math.pi * p)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda c: factor(c + 1))
+    for step in range(steps):
+        batch = data[torch.arange(step * 8, (step + 1) * 8) % len(data)]
+        adamw.zero_grad()
+        logits = model(batch[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 16), batch[:, 1:].reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        adamw.step()
+        schedule.step()
+    got = exported(cluster)
+    shard_model = Gpt(16, 16, 2, 1, 8)
+    shard_model.load_state_dict(got, strict=True)
+    difference = max_difference(got, {n: p.detach() for n, p in model.named_parameters()})
+    print(f"transformer on two workers against plain torch: max |difference| {difference:.3g}")
+    assert difference < 1e-5
+
+
+def test_misuse_is_a_clear_error(cluster):
+    script = os.path.join(cluster.tmp, "misuse.py")
+    with open(script, "w") as f:
+        f.write(MISUSE)
+    cluster.start_coordinator(cluster.write_job(world=1, steps=3))
+    worker = cluster.start_worker("w0", script=script, args=[])
+    assert cluster.wait(worker) == 0, cluster.log(worker)
+    log = cluster.log(worker)
+    for expected in ("fp32 parameters", "wrap() was called already",
+                     "no longer Shard's buffer: do not call zero_grad(set_to_none=True)",
+                     "do not move or replace the model's parameters"):
+        assert expected in log, (expected, log)
+
+
+MISUSE = '''
+import torch
+import shard.torch as shard
+
+job = shard.join()
+try:
+    job.wrap(torch.nn.Linear(4, 2).double())
+except shard.ShardError as e:
+    print(e)
+model = torch.nn.Linear(4, 2)
+engine = job.wrap(model)
+try:
+    job.wrap(model)
+except shard.ShardError as e:
+    print(e)
+x = torch.ones(8, 4)
+for step in job.steps():
+    if step == 0:
+        saved = model.weight.data
+        model.weight.data = saved.clone()
+        model(x).sum().backward()
+        try:
+            engine.step()
+        except shard.ShardError as e:
+            print(e)
+        model.weight.data = saved
+        engine.step()
+    else:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        try:
+            engine.step()
+        except shard.ShardError as e:
+            print(e)
+        break
+job.close()
+'''
+
+
+def test_the_wrong_worker_for_the_job_says_what_to_start(cluster):
+    mlp = {"mlp": {"widths": WIDTHS}}
+    cluster.start_coordinator(cluster.write_job(world=1, steps=3, model=mlp,
+                                                data={"path": cluster.data}))
+    worker = cluster.start_worker("w0")
+    assert cluster.wait(worker) != 0
+    assert "built-in MLP" in cluster.log(worker), cluster.log(worker)
+    assert cluster.shardctl("stop").returncode == 0
+    assert cluster.wait(cluster.coordinator) == 0
+
+
+def test_the_export_loads_into_the_model_and_a_state_dict_starts_a_job(cluster):
+    init = os.path.join(cluster.tmp, "init.safetensors")
+    torch.manual_seed(99)
+    start = Mlp(WIDTHS)
+    save_file(start.state_dict(), init)
+    cluster.start_coordinator(cluster.write_job(world=1, steps=5, init={"path": init}))
+    worker = cluster.start_worker("w0")
+    assert cluster.wait(worker) == 0, cluster.log(worker)
+    model = Mlp(WIDTHS)
+    model.load_state_dict(exported(cluster), strict=True)
+    # Fine-tuning started from the saved state_dict, not from the script's seed: five small Adam
+    # steps stay close to it.
+    moved = max(float((a - b).abs().max())
+                for a, b in zip(model.state_dict().values(), start.state_dict().values()))
+    assert 0 < moved < 0.1, moved
