@@ -35,6 +35,7 @@ import ctypes
 import json
 import os
 import socket
+import warnings
 import weakref
 
 import torch
@@ -251,6 +252,12 @@ class Engine:
             self._params.append(param)
         if not self._params:
             raise ShardError(_lib.INVALID_ARGUMENT, "the model has no parameters")
+        buffers = [name for name, _ in model.named_buffers()]
+        if buffers:
+            warnings.warn(
+                f"shard.torch: the model's buffers ({', '.join(buffers[:4])}"
+                f"{', ...' if len(buffers) > 4 else ''}) are not broadcast from rank 0, "
+                "checkpointed or exported yet: each rank keeps its own", stacklevel=3)
         check(lib.shard_job_set_model(job._handle, json.dumps({"params": manifest}).encode()))
         # Where a generation that restores nothing starts: the values the model holds now.
         self._initial = [p.detach().clone() for p in self._params]

@@ -512,6 +512,17 @@ job.close()
 '''
 
 
+def test_workers_with_different_models_are_refused_naming_the_parameter(cluster):
+    cluster.start_coordinator(cluster.write_job(world=2, steps=5))
+    first = cluster.start_worker("w0")
+    # The same layers but a wider hidden layer: layers.0.weight is [48, 16], not [32, 16].
+    other = cluster.start_worker("w1", args=["--data", cluster.data, "--widths", "16,48,8"])
+    assert cluster.wait(other) != 0
+    log = cluster.log(other)
+    assert "every worker must run the same model" in log and "layers.0.weight" in log, log
+    first.kill()
+
+
 def test_the_wrong_worker_for_the_job_says_what_to_start(cluster):
     mlp = {"mlp": {"widths": WIDTHS}}
     cluster.start_coordinator(cluster.write_job(world=1, steps=3, model=mlp,
