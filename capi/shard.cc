@@ -286,7 +286,7 @@ absl::Status GenerationEnd(shard_job* job, int code, const char* message,
                            const char** output_path) {
   SHARD_RETURN_IF_ERROR(NeedsSession(job));
   job->output_path.clear();
-  if (output_path != nullptr) *output_path = job->output_path.c_str();
+  if (output_path != nullptr) *output_path = "";
   if (code != 0) {
     Return(job, absl::Status(static_cast<absl::StatusCode>(code),
                              message != nullptr ? message : "the training loop failed"));
@@ -303,7 +303,10 @@ absl::Status GenerationEnd(shard_job* job, int code, const char* message,
         session.job().steps, "): end it with the error that stopped it"));
   }
   absl::StatusOr<shard::TrainResult> result = session.Finish();
-  if (result.ok()) job->output_path = result->output_path;
+  if (result.ok()) {
+    job->output_path = result->output_path;
+    if (output_path != nullptr) *output_path = job->output_path.c_str();
+  }
   const absl::Status finished = result.status();
   Return(job, std::move(result));
   return finished;
@@ -395,6 +398,25 @@ int shard_layout_version(shard_job* job, int64_t* version) {
     if (version == nullptr) return absl::InvalidArgumentError("null output");
     *version = job->layout_version;
     return absl::OkStatus();
+  });
+}
+
+int shard_broadcast(shard_job* job, int index) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    shard::Engine& engine = job->session->engine();
+    const shard::Manifest& manifest = engine.manifest();
+    if (index < 0 || index >= static_cast<int>(manifest.params.size())) {
+      return absl::OutOfRangeError(absl::StrCat("tensor index ", index, " is not in [0, ",
+                                                manifest.params.size(), ")"));
+    }
+    const shard::ParamSpec& spec = manifest.params[index];
+    if (spec.requires_grad) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          spec.name, " is trained: its values are the engine's and the same on every rank"));
+    }
+    return job->session->communicator().Broadcast(engine.param(index), spec.numel(),
+                                                  shard::DataType::kFloat32, /*root=*/0);
   });
 }
 

@@ -70,6 +70,11 @@ int shard_generation_init(shard_job* job);
 int shard_tensor(shard_job* job, int index, float** param, float** grad);
 int shard_layout_version(shard_job* job, int64_t* version);
 
+/* Gives every rank rank 0's values of frozen tensor `index` (requires_grad false in the
+ * manifest), e.g. a module buffer such as BatchNorm's running statistics, as DDP's
+ * broadcast_buffers does before every forward pass. */
+int shard_broadcast(shard_job* job, int index);
+
 /* Starts a step: *step is its 0-based number, or -1 when the job's last step is done; the
  * gradients are zeroed (backward accumulates into them). */
 int shard_step_begin(shard_job* job, int64_t* step);

@@ -39,6 +39,7 @@ def _load():
         "shard_tensor": ([job, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
                           ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int),
         "shard_layout_version": ([job, ctypes.POINTER(ctypes.c_int64)], ctypes.c_int),
+        "shard_broadcast": ([job, ctypes.c_int], ctypes.c_int),
         "shard_step_begin": ([job, ctypes.POINTER(ctypes.c_int64)], ctypes.c_int),
         "shard_mark_ready": ([job, ctypes.c_int], None),
         "shard_step": ([job], ctypes.c_int),

@@ -190,10 +190,15 @@ class Job:
                 return
             self._loss = None
             self._failure = None
+            code = engine._buffers_in()
+            if code:
+                self._end_generation(code, lib.shard_last_error().decode())
+                return
             yield step.value
             if self._failure is not None:
                 self._end_generation(*self._failure)
                 return
+            engine._buffers_out()
             boundary = ctypes.c_int()
             loss = self._loss if self._loss is not None else 0.0
             code = lib.shard_step_end(self._handle, ctypes.c_double(loss), ctypes.byref(boundary))
@@ -213,6 +218,7 @@ class Job:
         if lib.shard_generation_end(self._handle, code, message.encode(), ctypes.byref(path)) == 0:
             if path.value:
                 self._output_path = path.value.decode()
+                self._engine._complete_export(self._output_path)
 
     def finish(self):
         """After steps() ended: leaves the job and returns the path of the exported parameters
@@ -252,17 +258,34 @@ class Engine:
             self._params.append(param)
         if not self._params:
             raise ShardError(_lib.INVALID_ARGUMENT, "the model has no parameters")
-        buffers = [name for name, _ in model.named_buffers()]
-        if buffers:
+        # Persistent buffers (BatchNorm's running statistics and batch count, ...) join the
+        # manifest as fp32 tensors without gradient: checkpointed and restored with the
+        # parameters, and rank 0's are broadcast before every step, as DDP's broadcast_buffers
+        # does. The module keeps its own tensors (of any dtype fp32 holds exactly: 16-bit floats,
+        # integers below 2^24, bools); they are copied in and out at the step's edges.
+        persistent = set(model.state_dict().keys())
+        self._buffer_names, self._unmanaged = [], []
+        for name, buffer in model.named_buffers():
+            if name not in persistent:
+                continue  # the module rebuilds it
+            if buffer.dtype in _EXACT_IN_FP32 and buffer.device.type == "cpu":
+                manifest.append({"name": name, "shape": list(buffer.shape) or [1], "dtype": "f32",
+                                 "requires_grad": False})
+                self._buffer_names.append(name)
+            else:
+                self._unmanaged.append(name)
+        if self._unmanaged:
             warnings.warn(
-                f"shard.torch: the model's buffers ({', '.join(buffers[:4])}"
-                f"{', ...' if len(buffers) > 4 else ''}) are not broadcast from rank 0, "
-                "checkpointed or exported yet: each rank keeps its own", stacklevel=3)
+                f"shard.torch: buffers {', '.join(self._unmanaged[:4])} are of a dtype Shard does "
+                "not keep: each rank keeps its own, they are not checkpointed, and the export "
+                "takes rank 0's", stacklevel=3)
         check(lib.shard_job_set_model(job._handle, json.dumps({"params": manifest}).encode()))
         # Where a generation that restores nothing starts: the values the model holds now.
-        self._initial = [p.detach().clone() for p in self._params]
+        self._initial = [p.detach().clone() for p in self._params] + [
+            model.get_buffer(name).detach().clone() for name in self._buffer_names]
         self._layout = None
         self._views = []  # (param view, grad view or None) by index
+        self._buffer_views = []  # by self._buffer_names
         self._hooks = []
         self._syncing = True  # False inside no_sync(): gradients accumulate, nothing reduces
         self._misuse = None  # what a gradient hook found wrong, raised by step()
@@ -319,8 +342,9 @@ class Engine:
         if not needs_init:
             return 0, ""
         with torch.no_grad():
-            for (param_view, _), initial in zip(self._views, self._initial):
-                param_view.copy_(initial.reshape(param_view.shape))
+            views = [param_view for param_view, _ in self._views] + self._buffer_views
+            for view, initial in zip(views, self._initial):
+                view.copy_(initial.reshape(view.shape))
         code = lib.shard_generation_init(self._job._handle)
         return code, (lib.shard_last_error().decode() if code else "")
 
@@ -335,6 +359,7 @@ class Engine:
                 param.data = param.data.clone()
                 param.grad = None
         self._views = []
+        self._buffer_views = []
         self._layout = None
 
     def _repoint(self):
@@ -355,7 +380,44 @@ class Engine:
                     param.grad = grad_view
             views.append((param_view, grad_view))
         self._views = views
+        self._buffer_views = []
+        for offset, name in enumerate(self._buffer_names):
+            address = ctypes.c_void_p()
+            check(lib.shard_tensor(self._job._handle, len(self._params) + offset,
+                                   ctypes.byref(address), None))
+            self._buffer_views.append(_view(address.value, self._model.get_buffer(name).shape))
         self._layout = version.value
+
+    def _buffers_in(self):
+        """Before a step: every rank takes rank 0's buffers (or, after a restore, the
+        checkpoint's). Returns the code of a failed broadcast, else 0."""
+        for offset, (name, view) in enumerate(zip(self._buffer_names, self._buffer_views)):
+            code = lib.shard_broadcast(self._job._handle, len(self._params) + offset)
+            if code:
+                return code
+            with torch.no_grad():
+                buffer = self._model.get_buffer(name)
+                buffer.copy_(view.reshape(buffer.shape))
+        return 0
+
+    def _buffers_out(self):
+        """After a step: the buffers as the step left them, for the checkpoint and export."""
+        with torch.no_grad():
+            for name, view in zip(self._buffer_names, self._buffer_views):
+                view.copy_(self._model.get_buffer(name).reshape(view.shape))
+
+    def _complete_export(self, path):
+        """Writes the buffers into rank 0's export in their own dtype and shape (Shard holds
+        them as fp32), and those it does not hold at all, so that the export loads with
+        load_state_dict(strict=True)."""
+        names = self._buffer_names + self._unmanaged
+        if not names:
+            return
+        from .safetensors import load_file, metadata, save_file
+        tensors = load_file(path)
+        for name in names:
+            tensors[name] = self._model.get_buffer(name)
+        save_file(tensors, path, metadata(path))
 
     def step(self):
         """Waits for the gradient reductions, clips, updates the part of the optimizer state this
@@ -377,6 +439,10 @@ class Engine:
             self._job._failure = (code, lib.shard_last_error().decode())
             return
         self._repoint()  # the first step rebuilds the buckets in the gradients' ready order
+
+
+_EXACT_IN_FP32 = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                  torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
 def _view(address, shape):

@@ -47,7 +47,7 @@ def main():
         loss_of(ddp(inputs[idx]), targets[idx]).backward()
         optimizer.step()
     if args.rank == 0:
-        save_file({n: p.detach() for n, p in model.named_parameters()}, args.out)
+        save_file(model.state_dict(), args.out)
     dist.destroy_process_group()
 
 

@@ -142,9 +142,25 @@ TRANSFORMER_ARGS = ["--vocab", "16", "--dim", "16", "--heads", "2", "--layers", 
                     "--context", "8", "--sequences", "64"]
 
 
+class BatchNormMlp(torch.nn.Module):
+    """The MLP with BatchNorm after its hidden layer: buffers (running statistics, the batch
+    count) that change every step."""
+
+    def __init__(self):
+        super().__init__()
+        # No bias before the norm, as usual: it would get no gradient (the norm removes the
+        # mean), and Adam would turn rounding noise into full-size steps.
+        self.hidden = torch.nn.Linear(WIDTHS[0], WIDTHS[1], bias=False)
+        self.norm = torch.nn.BatchNorm1d(WIDTHS[1])
+        self.out = torch.nn.Linear(WIDTHS[1], WIDTHS[2])
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.hidden(x))))
+
+
 def make_model_and_data(config):
-    """The example model of `config` ("mlp" or "transformer") as the workers build it, its inputs
-    and targets, and its loss."""
+    """The model of `config` ("mlp", "transformer" or "batchnorm") as the workers build it, its
+    inputs and targets, and its loss."""
     if config["model"] == "transformer":
         sys.path.insert(0, os.path.dirname(EXAMPLE))
         from transformer import Gpt, markov_sequences
@@ -156,7 +172,8 @@ def make_model_and_data(config):
                                                                     t.reshape(-1)))
     data = load_file(config["data"])
     torch.manual_seed(5)
-    return Mlp(WIDTHS), data["x"], data["y"], torch.nn.functional.cross_entropy
+    model = BatchNormMlp() if config["model"] == "batchnorm" else Mlp(WIDTHS)
+    return model, data["x"], data["y"], torch.nn.functional.cross_entropy
 
 
 def torch_optimizer(config, params, zero=None):
@@ -266,6 +283,74 @@ def test_matches_single_process_torch_and_ddp(cluster, case):
         print(f", against DDP + ZeroRedundancyOptimizer {difference:.3g}", end="")
         assert difference <= 1e-5
     print()
+
+
+def test_buffers_follow_rank_0_and_survive_a_restore_as_with_ddp(cluster):
+    # Ten steps on two workers end with a checkpoint; a new coordinator restores it on two
+    # workers for ten more. BatchNorm's running statistics are broadcast from rank 0 before every
+    # step, as DDP's broadcast_buffers does, and kept in the checkpoint.
+    config = dict(model="batchnorm", data=cluster.data, optimizer="adam", steps=20, batch=24,
+                  stage=2)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_worker.py")
+    args = ["--config", json.dumps(config)]
+    cluster.start_coordinator(cluster.write_job(world=2, steps=10, every=10))
+    for proc in [cluster.start_worker(f"w{i}", script=worker, args=args) for i in range(2)]:
+        assert cluster.wait(proc) == 0, cluster.log(proc)
+    assert cluster.wait(cluster.coordinator) == 0, cluster.log("coordinator.log")
+    cluster.start_coordinator(cluster.write_job(world=2, steps=20, every=10, file="more.json"),
+                              "--restore", "latest", log_name="restored-coordinator.log")
+    for proc in [cluster.start_worker(f"v{i}", script=worker, args=args) for i in range(2)]:
+        assert cluster.wait(proc) == 0, cluster.log(proc)
+    got = exported(cluster)
+    BatchNormMlp().load_state_dict(got, strict=True)
+    want = ddp_reference(cluster, config, 2)
+    assert int(got["norm.num_batches_tracked"]) == 20
+    del got["norm.num_batches_tracked"], want["norm.num_batches_tracked"]
+    difference = max_relative_difference(got, want)
+    print(f"BatchNorm on two workers, restored once, against DDP: {difference:.3g}")
+    assert difference <= 1e-5
+
+
+def test_rank_0s_buffers_are_broadcast_before_every_step(cluster):
+    script = os.path.join(cluster.tmp, "counter.py")
+    with open(script, "w") as f:
+        f.write(COUNTER)
+    cluster.start_coordinator(cluster.write_job(world=2, steps=6))
+    workers = [cluster.start_worker(f"w{i}", script=script, args=[]) for i in range(2)]
+    for worker in workers:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    # Each forward adds rank + 1 to the buffer. From rank 0's value before every step, rank 1
+    # ends at 5 * 1 + 2 = 7 (14 without the broadcast) and rank 0 at 6.
+    log = cluster.log(workers[0]) + cluster.log(workers[1])
+    assert "rank 0 counter 6.0" in log and "rank 1 counter 7.0" in log, log
+
+
+COUNTER = '''
+import torch
+import shard.torch as shard
+
+
+class Counting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.register_buffer("counter", torch.zeros(1))
+
+    def forward(self, x):
+        self.counter += job.rank + 1
+        return self.linear(x)
+
+
+model = Counting()
+job = shard.join()
+engine = job.wrap(model)
+x = torch.ones(8, 4)
+for step in job.steps():
+    model(x[job.batch_indices(step, len(x))]).sum().backward()
+    engine.step()
+print(f"rank {job.rank} counter {float(model.counter)}")
+job.finish()
+'''
 
 
 def test_saved_on_three_workers_restores_on_two(cluster):
