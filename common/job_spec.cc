@@ -182,6 +182,16 @@ absl::Status ValidateJobConfig(const JobConfig& job) {
                                                 " does not divide evenly over min_world_size ",
                                                 job.min_world_size));
   }
+  if (job.micro_batches < 1) {
+    return Invalid("micro_batches", absl::StrCat("must be at least 1, got ", job.micro_batches));
+  }
+  for (const int world : {job.world_size, job.min_world_size}) {
+    if (job.global_batch % (int64_t{world} * job.micro_batches) != 0) {
+      return Invalid("global_batch", absl::StrCat(job.global_batch, " does not split into ",
+                                                  job.micro_batches, " micro-batches on each of ",
+                                                  world, " workers"));
+    }
+  }
   if (job.steps < 1) return Invalid("steps", "must be at least 1");
   const LrSchedule& schedule = job.optimizer.schedule;
   if (job.optimizer.total_steps != 0 && job.optimizer.total_steps != job.steps) {

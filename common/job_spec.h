@@ -86,6 +86,7 @@ struct JobConfig {
   double grad_clip_norm = 0;
   std::string output_dir;
   bool overlap = true;
+  int micro_batches = 1;  // gradient accumulation over this many micro-batches per step
   std::string checkpoint_dir;  // checkpoints go to <checkpoint_dir>/<name>/<id>/
   int64_t checkpoint_every = 0;
   int checkpoint_keep_last = 3;

@@ -133,6 +133,7 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
   if (spec.output_dir().empty()) return Missing("output_dir");
   job.output_dir = Resolve(spec.output_dir(), base_dir);
   if (spec.has_overlap()) job.overlap = spec.overlap();
+  if (spec.has_micro_batches()) job.micro_batches = spec.micro_batches();
   job.checkpoint_dir = spec.checkpoint().dir().empty()
                            ? (std::filesystem::path(job.output_dir) / "checkpoints").string()
                            : Resolve(spec.checkpoint().dir(), base_dir);
@@ -184,6 +185,7 @@ v1::JobSpec ToProto(const JobConfig& job) {
   spec.set_grad_clip_norm(job.grad_clip_norm);
   spec.set_output_dir(job.output_dir);
   spec.set_overlap(job.overlap);
+  spec.set_micro_batches(job.micro_batches);
   spec.mutable_checkpoint()->set_dir(job.checkpoint_dir);
   spec.mutable_checkpoint()->set_every_steps(job.checkpoint_every);
   spec.mutable_checkpoint()->set_keep_last(job.checkpoint_keep_last);

@@ -74,6 +74,8 @@ TEST(JobSpecTest, BadSpecsAreClearErrors) {
       {"[8, 16, 4]", "[16777216, 16777216, 4]", "too large"},
       {"\"steps\": 10", "\"steps\": \"many\"", "steps"},
       {"{\"mlp\": {\"widths\": [8, 16, 4]}}", "{}", "model.external"},
+      {"\"steps\": 10", "\"steps\": 10, \"microBatches\": 0", "micro_batches"},
+      {"\"steps\": 10", "\"steps\": 10, \"microBatches\": 3", "3 micro-batches on each of 4"},
       {"{\"mlp\": {\"widths\": [8, 16, 4]}}", "{\"external\": {}}, \"precision\": \"bf16\"",
        "external model trains in fp32"},
       // Parameter groups and the schedule.

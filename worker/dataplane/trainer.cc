@@ -1,5 +1,7 @@
 #include "worker/dataplane/trainer.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/mlp.h"
 #include "common/mlp_data.h"
@@ -24,8 +26,19 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
   Engine& engine = session->engine();
   SHARD_ASSIGN_OR_RETURN(const DataType precision, ParsePrecision(job.precision));
   const int64_t rows = job.global_batch / world;
+  const int micro = job.micro_batches;
+  if (rows % micro != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(rows, " samples per rank do not split into ",
+                                                   micro, " micro-batches"));
+  }
+  // Accumulation adds gradients on the host (a GPU's would need a kernel of their own).
+  if (micro > 1 && !device.host_memory()) {
+    return absl::UnimplementedError(
+        absl::StrCat("micro_batches ", micro, " needs a CPU worker for the built-in MLP"));
+  }
+  const int64_t micro_rows = rows / micro;
   SHARD_ASSIGN_OR_RETURN(std::unique_ptr<MlpRunner> model,
-                         device.CreateMlp(job.widths, rows, precision));
+                         device.CreateMlp(job.widths, micro_rows, precision));
   if (!session->restored()) {
     SHARD_ASSIGN_OR_RETURN(const bool loaded, session->LoadInitFile());
     if (!loaded) {
@@ -38,11 +51,24 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     }
   }
 
-  const int parameters = static_cast<int>(engine.manifest().params.size());
+  const Manifest& manifest = engine.manifest();
+  const int parameters = static_cast<int>(manifest.params.size());
   std::vector<float> x;
   std::vector<int64_t> y;
   std::vector<const float*> params(parameters);
   std::vector<float*> grads(parameters);
+  // Micro-batches but the last: their gradients (overwritten by each backward) and their sum,
+  // which the last one's backward adds as each gradient completes.
+  std::vector<std::vector<float>> micro_grads, summed;
+  std::vector<float*> micro_grad_pointers(parameters);
+  if (micro > 1) {
+    for (int i = 0; i < parameters; ++i) {
+      micro_grads.emplace_back(manifest.params[i].numel());
+      summed.emplace_back(manifest.params[i].numel());
+      micro_grad_pointers[i] = micro_grads.back().data();
+    }
+  }
+  const int64_t inputs = job.widths.front();
   const float scale = 1.0f / static_cast<float>(job.global_batch);
   while (!session->finished()) {
     const int64_t step = session->next_step();
@@ -60,20 +86,45 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
       return absl::Status(status.code(), absl::StrCat("data file '", job.data_path, "', step ",
                                                       step + 1, ": ", status.message()));
     };
-    if (absl::Status forward = model->Forward(params, x.data(), y.data(), rows); !forward.ok()) {
-      return in_data(forward);
-    }
     engine.StartBackward();
-    SHARD_RETURN_IF_ERROR(model->Backward(params, grads, scale * engine.loss_scale(),
-                                          [&engine](int index) { engine.MarkGradReady(index); }));
+    const float loss_factor = scale * engine.loss_scale();
+    double loss_sum = 0;
+    for (auto& sum : summed) std::fill(sum.begin(), sum.end(), 0.0f);
+    for (int m = 0; m < micro; ++m) {
+      const float* micro_x = x.data() + m * micro_rows * inputs;
+      const int64_t* micro_y = y.data() + m * micro_rows;
+      if (absl::Status forward = model->Forward(params, micro_x, micro_y, micro_rows);
+          !forward.ok()) {
+        return in_data(forward);
+      }
+      if (m + 1 < micro) {
+        SHARD_RETURN_IF_ERROR(
+            model->Backward(params, micro_grad_pointers, loss_factor, [](int /*index*/) {}));
+        for (int i = 0; i < parameters; ++i) {
+          for (size_t k = 0; k < summed[i].size(); ++k) summed[i][k] += micro_grads[i][k];
+        }
+        absl::StatusOr<double> micro_loss = model->LossSum();
+        if (!micro_loss.ok()) return in_data(micro_loss.status());
+        loss_sum += *micro_loss;
+      } else {
+        SHARD_RETURN_IF_ERROR(model->Backward(params, grads, loss_factor, [&](int index) {
+          if (micro > 1) {
+            for (size_t k = 0; k < summed[index].size(); ++k) grads[index][k] += summed[index][k];
+          }
+          engine.MarkGradReady(index);
+        }));
+      }
+    }
     StepTimings timings;
     SHARD_RETURN_IF_ERROR(engine.Step(&timings));
-    absl::StatusOr<double> loss_sum = model->LossSum();
-    if (!loss_sum.ok()) return in_data(loss_sum.status());
+    // The last micro-batch's loss after the step: on a GPU, reading it waits for the device.
+    absl::StatusOr<double> last_loss = model->LossSum();
+    if (!last_loss.ok()) return in_data(last_loss.status());
+    loss_sum += *last_loss;
     // This rank's share of the global mean loss: its part of the sum over the global batch.
     SHARD_ASSIGN_OR_RETURN(
         const TrainingSession::Boundary boundary,
-        session->EndStep(*loss_sum / static_cast<double>(job.global_batch), timings, start));
+        session->EndStep(loss_sum / static_cast<double>(job.global_batch), timings, start));
     if (boundary == TrainingSession::Boundary::kPaused) return session->result();
   }
   return session->Finish();
