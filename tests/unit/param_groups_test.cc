@@ -22,7 +22,7 @@
 #include "common/mlp_data.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
-#include "tests/support/checkpoint_commit.h"
+#include "tests/support/train_on_threads.h"
 #include "tests/support/status_assertions.h"
 #include "tests/support/test_directory.h"
 #include "worker/dataplane/engine.h"
@@ -408,49 +408,6 @@ std::vector<std::vector<float>> ReferenceTraining(const JobConfig& job) {
   return params;
 }
 
-// TrainMlp on the job's ranks (threads), from `restore_dir` if set; plays the coordinator's
-// part for checkpoints. Rank 0 writes output_dir/final.safetensors.
-void Train(const JobConfig& job, const std::string& restore_dir) {
-  absl::Mutex mu;
-  SavedShards saved;
-  InProcessKeyValueStore store;
-  std::vector<absl::Status> results(job.world_size);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < job.world_size; ++rank) {
-    threads.emplace_back([&, rank] {
-      GlooOptions gloo;
-      gloo.rank = rank;
-      gloo.size = job.world_size;
-      gloo.timeout = absl::Seconds(30);
-      auto communicator = CreateGlooCommunicator(&store, gloo);
-      if (!communicator.ok()) {
-        results[rank] = communicator.status();
-        return;
-      }
-      PlanOptions plan = PlanOptionsForJob(job);
-      if (!restore_dir.empty()) {
-        absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(restore_dir);
-        if (!manifest.ok()) {
-          results[rank] = manifest.status();
-          return;
-        }
-        plan.gradient_order = manifest->plan.gradient_order;
-      }
-      LocalPlanProvider plans(plan);
-      TrainerOptions options;
-      options.restore_dir = restore_dir;
-      options.on_checkpoint = [&](const SavedShard& shard) {
-        absl::MutexLock lock(&mu);
-        saved[shard.id].push_back(shard);
-      };
-      results[rank] = TrainMlp(job, **communicator, plans, options).status();
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (const absl::Status& status : results) SHARD_ASSERT_OK(status);
-  ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, saved));
-}
-
 std::vector<std::vector<float>> FinalParameters(const JobConfig& job) {
   std::vector<std::vector<float>> params;
   auto file = SafetensorsReader::Open(job.output_dir + "/final.safetensors");
@@ -535,7 +492,7 @@ TEST_P(ParamGroupTrainingTest, MatchesThePerParameterReferenceBitForBit) {
   if (c.world > 1 && c.stage > 0 && c.mode == ShardMode::kRange) {
     ASSERT_TRUE(SomeShardStartsInsideAMixedBucket(job)) << "the case should cut owned spans";
   }
-  ASSERT_NO_FATAL_FAILURE(Train(job, ""));
+  ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(job, ""));
   const std::vector<std::vector<float>> trained = FinalParameters(job);
   const std::vector<std::vector<float>> reference = ReferenceTraining(job);
   EXPECT_EQ(BitDifference(trained, reference), "");
@@ -569,8 +526,8 @@ TEST(ParamGroupTrainingTest, GroupsWithTheOptimizersOwnSettingsChangeNoBit) {
   JobConfig same = Job(Root("same"), OptimizerKind::kAdamW, 2, 2, ShardMode::kRange, 6);
   same.optimizer.param_groups = {ParamGroup{{"*.bias"}, std::nullopt, 1.0},
                                  ParamGroup{{"layers.1.*"}, plain.optimizer.weight_decay, 1.0}};
-  ASSERT_NO_FATAL_FAILURE(Train(plain, ""));
-  ASSERT_NO_FATAL_FAILURE(Train(same, ""));
+  ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(plain, ""));
+  ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(same, ""));
   EXPECT_EQ(BitDifference(FinalParameters(same), FinalParameters(plain)), "");
 }
 
@@ -583,7 +540,7 @@ TEST(ParamGroupTrainingTest, ARestoredRunContinuesTheScheduleExactly) {
   JobConfig straight =
       Job(Root("straight"), OptimizerKind::kAdamW, 2, 2, ShardMode::kRange, kSteps);
   straight.checkpoint_every = kSaved;
-  ASSERT_NO_FATAL_FAILURE(Train(straight, ""));
+  ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(straight, ""));
   const std::string saved =
       CheckpointDirectory(straight.checkpoint_dir, straight.name, CheckpointIdForStep(kSaved));
   SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest manifest, ReadCheckpointManifest(saved));
@@ -591,7 +548,7 @@ TEST(ParamGroupTrainingTest, ARestoredRunContinuesTheScheduleExactly) {
 
   JobConfig restored =
       Job(Root("restored"), OptimizerKind::kAdamW, 2, 2, ShardMode::kRange, kSteps);
-  ASSERT_NO_FATAL_FAILURE(Train(restored, saved));
+  ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(restored, saved));
   const std::vector<std::vector<float>> expected = FinalParameters(straight);
   EXPECT_EQ(BitDifference(FinalParameters(restored), expected), "");
   EXPECT_EQ(BitDifference(expected, ReferenceTraining(straight)), "");

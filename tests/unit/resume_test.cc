@@ -11,7 +11,7 @@
 #include "common/mlp_data.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
-#include "tests/support/checkpoint_commit.h"
+#include "tests/support/train_on_threads.h"
 #include "worker/dataplane/gloo_communicator.h"
 #include "worker/dataplane/trainer.h"
 
@@ -49,49 +49,6 @@ JobConfig Job(const std::string& root, int world, int stage, ShardMode mode) {
   return job;
 }
 
-// Runs the job on threads, playing the coordinator's part for checkpoints: once every rank's
-// shard of a checkpoint is on disk, it writes the manifest (the commit).
-void Train(const JobConfig& job, const std::string& restore_dir,
-           const std::string& consolidate_path = "") {
-  absl::Mutex mu;
-  SavedShards saved;
-  InProcessKeyValueStore store;
-  std::vector<std::thread> threads;
-  std::vector<absl::Status> results(job.world_size);
-  for (int rank = 0; rank < job.world_size; ++rank) {
-    threads.emplace_back([&, rank] {
-      GlooOptions gloo;
-      gloo.rank = rank;
-      gloo.size = job.world_size;
-      gloo.timeout = absl::Seconds(30);
-      auto communicator = CreateGlooCommunicator(&store, gloo);
-      if (!communicator.ok()) {
-        results[rank] = communicator.status();
-        return;
-      }
-      PlanOptions plan = PlanOptionsForJob(job);
-      if (!restore_dir.empty()) {
-        plan.gradient_order = ReadCheckpointManifest(restore_dir)->plan.gradient_order;
-      }
-      LocalPlanProvider plans(plan);
-      TrainerOptions options;
-      options.restore_dir = restore_dir;
-      if (!consolidate_path.empty()) {
-        options.consolidate_to_rank = job.world_size - 1;
-        options.consolidate_path = consolidate_path;
-      }
-      options.on_checkpoint = [&](const SavedShard& shard) {
-        absl::MutexLock lock(&mu);
-        saved[shard.id].push_back(shard);
-      };
-      results[rank] = TrainMlp(job, **communicator, plans, options).status();
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (const absl::Status& status : results) ASSERT_TRUE(status.ok()) << status;
-  ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, saved));
-}
-
 // Every parameter and optimizer state element of a checkpoint, by tensor.
 std::map<std::string, std::vector<float>> Contents(const std::string& dir) {
   std::map<std::string, std::vector<float>> contents;
@@ -127,7 +84,7 @@ TEST_P(ResumeTest, RestoringOnAnyWorldSizeContinuesExactlyAsIfNeverStopped) {
   const std::string tag = absl::StrCat("stage", c.stage, ShardModeName(c.mode));
 
   const JobConfig full = Job(Root(tag + "-full"), 4, c.stage, c.mode);
-  Train(full, "");
+  TrainMlpOnThreads(full, "");
   const std::string at15 = CheckpointDirectory(full.checkpoint_dir, full.name, "step-00000015");
   const auto expected = Contents(CheckpointDirectory(full.checkpoint_dir, full.name,
                                                      "step-00000030"));
@@ -136,7 +93,7 @@ TEST_P(ResumeTest, RestoringOnAnyWorldSizeContinuesExactlyAsIfNeverStopped) {
   for (int world : {2, 3, 1}) {
     SCOPED_TRACE(absl::StrCat("restored on ", world, " ranks"));
     const JobConfig resumed = Job(Root(absl::StrCat(tag, "-", world)), world, c.stage, c.mode);
-    Train(resumed, at15);
+    TrainMlpOnThreads(resumed, at15);
     const auto actual = Contents(CheckpointDirectory(resumed.checkpoint_dir, resumed.name,
                                                      "step-00000030"));
     ASSERT_EQ(actual.size(), expected.size());
@@ -191,7 +148,7 @@ TEST(ConsolidationTest, ConsolidatedStateEqualsTheExportAndImportingItContinuesT
   a.steps = 20;
   a.checkpoint_every = 10;
   const std::string consolidated_a = root + "/a-consolidated.safetensors";
-  Train(a, "", consolidated_a);
+  TrainMlpOnThreads(a, "", consolidated_a);
 
   // consolidate_state_dict(to=3) and the streamed export of the step-20 checkpoint agree.
   const std::string exported_20 = root + "/a-export-20.safetensors";
@@ -212,7 +169,7 @@ TEST(ConsolidationTest, ConsolidatedStateEqualsTheExportAndImportingItContinuesT
   b.checkpoint_every = 0;
   b.init_path = exported_10;
   const std::string consolidated_b = root + "/b-consolidated.safetensors";
-  Train(b, "", consolidated_b);
+  TrainMlpOnThreads(b, "", consolidated_b);
   EXPECT_LT(MaxDifference(SafetensorsContents(consolidated_a), SafetensorsContents(consolidated_b)),
             2e-5);
 }

@@ -1,0 +1,73 @@
+// The built-in MLP trained by a job's ranks as threads of one process, over loopback Gloo and
+// an in-memory rendezvous store, with the coordinator's part in checkpoints played here: once
+// every rank's shard of a checkpoint is on disk, its manifest is committed. Rank 0 writes
+// job.output_dir/final.safetensors. Header-only.
+#pragma once
+
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "common/checkpoint.h"
+#include "common/job_spec.h"
+#include "gtest/gtest.h"
+#include "tests/support/checkpoint_commit.h"
+#include "tests/support/status_assertions.h"
+#include "worker/dataplane/gloo_communicator.h"
+#include "worker/dataplane/key_value_store.h"
+#include "worker/dataplane/plan_provider.h"
+#include "worker/dataplane/trainer.h"
+
+namespace shard {
+
+// From the committed checkpoint `restore_dir` if set (its gradient order plans the buckets);
+// with `consolidate_path`, the last rank consolidates the state there at the end.
+inline void TrainMlpOnThreads(const JobConfig& job, const std::string& restore_dir,
+                              const std::string& consolidate_path = "") {
+  absl::Mutex mu;
+  SavedShards saved;
+  InProcessKeyValueStore store;
+  std::vector<absl::Status> results(job.world_size);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < job.world_size; ++rank) {
+    threads.emplace_back([&, rank] {
+      GlooOptions gloo;
+      gloo.rank = rank;
+      gloo.size = job.world_size;
+      gloo.timeout = absl::Seconds(30);
+      auto communicator = CreateGlooCommunicator(&store, gloo);
+      if (!communicator.ok()) {
+        results[rank] = communicator.status();
+        return;
+      }
+      PlanOptions plan = PlanOptionsForJob(job);
+      if (!restore_dir.empty()) {
+        absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(restore_dir);
+        if (!manifest.ok()) {
+          results[rank] = manifest.status();
+          return;
+        }
+        plan.gradient_order = manifest->plan.gradient_order;
+      }
+      LocalPlanProvider plans(plan);
+      TrainerOptions options;
+      options.restore_dir = restore_dir;
+      if (!consolidate_path.empty()) {
+        options.consolidate_to_rank = job.world_size - 1;
+        options.consolidate_path = consolidate_path;
+      }
+      options.on_checkpoint = [&](const SavedShard& shard) {
+        absl::MutexLock lock(&mu);
+        saved[shard.id].push_back(shard);
+      };
+      results[rank] = TrainMlp(job, **communicator, plans, options).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& status : results) SHARD_ASSERT_OK(status);
+  ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, saved));
+}
+
+}  // namespace shard
