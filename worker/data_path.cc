@@ -26,6 +26,10 @@ class HostDataPath final : public DataPath {
     gloo.size = size;
     gloo.hostname = host_;
     gloo.timeout = timeout_;
+    // The agent's self-check follows at once: a collective it aborts when the generation ends
+    // (soak seed 7301: a barrier here waited out its timeout for a peer SIGSTOPped just after
+    // connecting, while the world had moved on).
+    gloo.barrier_after_connect = false;
     SHARD_ASSIGN_OR_RETURN(std::unique_ptr<GlooCommunicator> created,
                            CreateGlooCommunicator(store, gloo));
     return std::unique_ptr<Communicator>(std::move(created));

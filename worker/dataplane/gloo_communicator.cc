@@ -577,7 +577,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
   // Connecting is not collective: a rank may finish while a peer still completes its side of
   // the handshake. A barrier makes creation collective, as NCCL's init is, so a rank that
   // returns (and perhaps exits at once) never breaks a peer's connection half-way.
-  SHARD_RETURN_IF_ERROR(communicator->Barrier());
+  if (options.barrier_after_connect) SHARD_RETURN_IF_ERROR(communicator->Barrier());
   return communicator;
 }
 

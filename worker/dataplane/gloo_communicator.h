@@ -34,13 +34,18 @@ struct GlooOptions {
   absl::Duration connect_timeout = absl::Seconds(10);
   std::string key_prefix = "gloo/";            // namespace in the rendezvous store
   size_t segment_bytes = size_t{1} << 20;      // pipelining granularity of the rings
+  // End creation with a barrier, so that a rank that returns (and perhaps exits at once) never
+  // breaks a peer's connection half-way. A caller that runs a collective of its own right after
+  // creation (the worker's self-check) turns it off: that collective can be aborted when the
+  // generation ends, while a barrier inside creation could only time out.
+  bool barrier_after_connect = true;
 };
 
 class GlooCommunicator;
 
 // Connects to every peer through `store` and returns once every rank is connected (creation
-// is collective); fails after `timeout` if a peer does not arrive, or after `connect_timeout` if
-// one that arrived does not connect.
+// is collective unless barrier_after_connect is off); fails after `timeout` if a peer does not
+// arrive, or after `connect_timeout` if one that arrived does not connect.
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
     KeyValueStore* store, const GlooOptions& options);
 
