@@ -1,0 +1,625 @@
+"""shard.torch against PyTorch's own data parallelism, measured in one run on this machine.
+
+For each model (the medium MLP 512,1024,1024,1024,64 with Adam at global batch 256; the example
+transformer at its default size with AdamW, a no-decay group and gradient clipping at global
+batch 32) it runs five configurations, each as real processes with one compute thread each
+(OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1, torch.set_num_threads(1)):
+
+  plain       plain torch, one process, torch.optim.Adam/AdamW(foreach=False), the whole batch
+  shard1      shard.torch at W=1: shard-coordinator + one worker process, ZeRO-2
+  ddp2        torch DDP (gloo, a file store) + ZeroRedundancyOptimizer at W=2, half batch each,
+              torch's defaults (bucket_cap_mb 25, parameters_as_bucket_view=False)
+  ddp2bv      the same with ZeroRedundancyOptimizer(parameters_as_bucket_view=True): one
+              parameter broadcast per rank instead of one per parameter
+  shard2      shard.torch at W=2, ZeRO-2 (bucket cap 25 MiB, the job spec's default), half
+              batch each
+
+Every worker is this file run with `worker --mode ...`: it builds the model from
+examples/torch/, trains `--warmup` steps, then times `--steps` steps on rank 0's wall clock (from
+the top of step K to the top of step K+N, so the step boundary of every timed step is inside)
+and writes steps/s and the per-step split (forward+backward, optimizer or engine step, the rest).
+The driver repeats each configuration `--repeats` times (configurations interleaved within a
+repeat so slow drift of the machine's load hits all of them) and prints the median and range,
+the ratios shard2/ddp2 (target >= 1.2) and shard1/plain (target >= 0.95), PASS or MISS, and
+shard2/ddp2bv beside them (the same 1.2, against the better-tuned torch). Rank 0's losses of the
+first steps of each pair are compared too: both sides train the same samples with the same
+updates, so they agree to float32 rounding (a warning says when they do not).
+
+    scripts/bench-torch.sh [--steps N] [--warmup K] [--repeats R] [--models mlp,transformer]
+                           [--json] [--timeout S] [--keep]
+
+Everything it starts listens on 127.0.0.1 (the coordinator on a free port it reports in a port
+file; DDP rendezvous through a file store), is bounded by --timeout seconds per run and is
+killed by pid when the run ends or the driver exits.
+"""
+
+import argparse
+import atexit
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples", "torch")
+BUILD = os.path.abspath(os.environ.get("SHARD_BUILD_DIR", os.path.join(ROOT, "build")))
+BIN = os.path.join(BUILD, "bin")
+
+MLP_WIDTHS = [512, 1024, 1024, 1024, 64]
+MODELS = {
+    "mlp": {
+        "title": "medium MLP 512,1024,1024,1024,64, global batch 256, Adam lr 1e-3",
+        "global_batch": 256, "steps": 100, "warmup": 10,
+        "optimizer": {"name": "adam", "lr": 0.001},
+    },
+    "transformer": {
+        "title": ("example transformer (vocab 64, dim 64, 4 heads, 2 layers, context 32), "
+                  "global batch 32, AdamW lr 3e-3 betas 0.9,0.95 wd 0.1 with a no-decay group, "
+                  "clipping 1.0"),
+        "global_batch": 32, "steps": 300, "warmup": 30,
+        "optimizer": {"name": "adamw", "lr": 0.003, "betas": [0.9, 0.95], "weightDecay": 0.1,
+                      "paramGroups": [{"match": ["*.bias", "*ln*", "*emb*"], "weightDecay": 0}]},
+        "clip": 1.0,
+    },
+}
+CONFIGS = [  # (key, label, world size)
+    ("plain", "plain torch W=1", 1),
+    ("shard1", "shard.torch W=1 ZeRO-2", 1),
+    ("ddp2", "DDP+ZeroRedundancyOpt W=2", 2),
+    ("ddp2bv", "DDP+ZeRO bucket view W=2", 2),
+    ("shard2", "shard.torch W=2 ZeRO-2", 2),
+]
+TARGETS = [  # (numerator, denominator, target, primary: the issue's target, in the main table)
+    ("shard1", "plain", 0.95, True),
+    ("shard2", "ddp2", 1.2, True),
+    ("shard2", "ddp2bv", 1.2, False),
+]
+LOSS_CHECK_STEPS = 3
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: one process of one configuration.
+# ---------------------------------------------------------------------------------------------
+
+def worker_main(args):
+    import torch
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    sys.path.insert(0, EXAMPLES)
+    spec = MODELS[args.model]
+
+    torch.manual_seed(0)
+    if args.model == "mlp":
+        from mlp import Mlp
+        from shard.safetensors import load_file
+        data = load_file(args.data)
+        x, y = data["x"], data["y"]
+        model = Mlp(MLP_WIDTHS)
+        loss_fn = torch.nn.CrossEntropyLoss()
+
+        def loss_of(idx):
+            return loss_fn(model(x[idx]), y[idx])
+        n = len(x)
+    else:
+        from transformer import Gpt, markov_sequences
+        vocab, dim, heads, layers, context = 64, 64, 4, 2, 32  # the example's defaults
+        tokens = markov_sequences(4096, context, vocab, 0)
+        model = Gpt(vocab, dim, heads, layers, context)
+        loss_fn = torch.nn.CrossEntropyLoss()
+
+        def loss_of(idx):
+            batch = tokens[idx]
+            logits = model(batch[:, :-1])
+            return loss_fn(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        n = len(tokens)
+
+    total = args.warmup + args.steps + 1  # the top of step warmup+steps ends the timing
+    clock = Clock(args.warmup, args.steps)
+    if args.mode == "plain":
+        optimizer = torch_optimizer(torch, model.parameters, model.named_parameters(), spec)
+        batch = spec["global_batch"]
+        for step in range(total):
+            clock.top(step)
+            idx = torch.arange(step * batch, (step + 1) * batch, dtype=torch.int64) % n
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_of(idx)
+            loss.backward()
+            clock.computed()
+            if spec.get("clip"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
+            optimizer.step()
+            clock.stepped()
+            clock.loss(loss.item())
+        rank, world = 0, 1
+    elif args.mode == "ddp":
+        import torch.distributed as dist
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+        dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
+                                world_size=args.world)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        ddp = DistributedDataParallel(model)  # bucket_cap_mb 25, as Shard's default
+        optimizer = torch_optimizer(torch, model.parameters, model.named_parameters(), spec,
+                                    zero=ZeroRedundancyOptimizer,
+                                    bucket_view=args.zero_bucket_view)
+        batch = spec["global_batch"]
+        share = batch // world
+        forward = ddp
+        if args.model == "mlp":
+            def loss_of(idx):  # noqa: F811  (through DDP's forward, which arms its hooks)
+                return loss_fn(forward(x[idx]), y[idx])
+        else:
+            def loss_of(idx):  # noqa: F811
+                b = tokens[idx]
+                return loss_fn(forward(b[:, :-1]).reshape(-1, vocab), b[:, 1:].reshape(-1))
+        for step in range(total):
+            clock.top(step)
+            first = step * batch + rank * share
+            idx = torch.arange(first, first + share, dtype=torch.int64) % n
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_of(idx)
+            loss.backward()  # DDP all-reduces the buckets during backward and waits at its end
+            clock.computed()
+            if spec.get("clip"):  # the gradients are whole and averaged: the local norm is global
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
+            optimizer.step()  # this rank's shard of Adam, then broadcasts from each owner
+            clock.stepped()
+            clock.loss(loss.item())
+    else:  # shard: the loop of docs/torch.md
+        import shard.torch as shard
+        job = shard.join()
+        engine = job.wrap(model)
+        for step in job.steps():
+            clock.top(step)
+            loss = loss_of(job.batch_indices(step, n))
+            loss.backward()
+            clock.computed()
+            engine.step()
+            clock.stepped()
+            value = loss.item()
+            job.report(loss=value)
+            clock.loss(value)
+        rank, world = job.rank, job.world_size
+        job.finish()
+        if world != args.world:
+            raise SystemExit(f"shard world size {world}, expected {args.world}")
+    result = clock.result()
+    result.update(rank=rank, world=world, mode=args.mode, model=args.model,
+                  torch=torch.__version__, threads=torch.get_num_threads())
+    with open(f"{args.result}.rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    if args.mode == "ddp":
+        # torch 1.13 can deadlock at interpreter exit: ProcessGroupGloo's destructor (run when
+        # DDP's Reducer is collected) joins a gloo thread that is freeing a tensor and waits for
+        # the GIL the destructor holds. Both ranks are done once they pass the barrier.
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def torch_optimizer(torch, parameters, named, spec, zero=None, bucket_view=False):
+    """The job spec's optimizer as torch.optim (single-tensor arithmetic, as Shard's)."""
+    opt = spec["optimizer"]
+    cls = torch.optim.Adam if opt["name"] == "adam" else torch.optim.AdamW
+    kwargs = {"lr": opt["lr"], "foreach": False}
+    if "betas" in opt:
+        kwargs["betas"] = tuple(opt["betas"])
+    kwargs["weight_decay"] = opt.get("weightDecay", 0.0)
+    groups = list(parameters())
+    if opt.get("paramGroups"):
+        import fnmatch
+        patterns = opt["paramGroups"][0]["match"]
+        named = list(named)
+        plain = [p for name, p in named if not any(fnmatch.fnmatchcase(name, m) for m in patterns)]
+        no_decay = [p for name, p in named if any(fnmatch.fnmatchcase(name, m) for m in patterns)]
+        groups = [{"params": plain},
+                  {"params": no_decay, "weight_decay": opt["paramGroups"][0]["weightDecay"]}]
+    if zero is not None:
+        return zero(groups, optimizer_class=cls, parameters_as_bucket_view=bucket_view, **kwargs)
+    return cls(groups, **kwargs)
+
+
+class Clock:
+    """Wall time from the top of step `warmup` to the top of step `warmup + steps`, and the
+    timed steps' split: forward+backward (with the batch), step (optimizer or engine step, with
+    clipping), rest (zero_grad, loss.item(), and for shard.torch the step boundary)."""
+
+    def __init__(self, warmup, steps):
+        self.warmup, self.steps = warmup, steps
+        self.start = self.end = None
+        self.t = self.compute = self.step = 0.0
+        self.timing = False
+        self.losses = []
+
+    def loss(self, value):
+        self.losses.append(value)
+
+    def top(self, step):
+        now = time.perf_counter()
+        if step == self.warmup:
+            self.start, self.timing = now, True
+        elif step == self.warmup + self.steps:
+            self.end, self.timing = now, False
+        self.t = now
+
+    def computed(self):
+        now = time.perf_counter()
+        if self.timing:
+            self.compute += now - self.t
+        self.t = now
+
+    def stepped(self):
+        now = time.perf_counter()
+        if self.timing:
+            self.step += now - self.t
+        self.t = now
+
+    def result(self):
+        if self.start is None or self.end is None:
+            raise SystemExit("the run ended before the timed steps were done")
+        seconds = self.end - self.start
+        per = 1000.0 / self.steps
+        return {"seconds": seconds, "steps": self.steps, "warmup": self.warmup,
+                "steps_per_second": self.steps / seconds,
+                "ms_per_step": seconds * per, "compute_ms": self.compute * per,
+                "step_ms": self.step * per,
+                "rest_ms": (seconds - self.compute - self.step) * per,
+                "first_loss": self.losses[0], "last_loss": self.losses[-1],
+                "losses": self.losses}
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver: runs the configurations as processes and prints the table.
+# ---------------------------------------------------------------------------------------------
+
+class Runner:
+    """Starts processes in one run directory; every process is killed by pid at the end."""
+
+    def __init__(self, directory, timeout):
+        self.dir = directory
+        self.timeout = timeout
+        self.procs = []
+
+    def start(self, argv, log_name, env=None):
+        log = open(os.path.join(self.dir, log_name), "w")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, **THREAD_ENV, **(env or {})))
+        log.close()
+        proc.log_name = log_name
+        self.procs.append(proc)
+        return proc
+
+    def wait(self, procs, deadline, what):
+        """Waits for every process to exit 0; the first failure or the deadline kills them all
+        (a rank whose peer died would otherwise sit in a collective until its timeout)."""
+        pending = list(procs)
+        while pending:
+            for proc in list(pending):
+                code = proc.poll()
+                if code is None:
+                    continue
+                pending.remove(proc)
+                if code != 0:
+                    self.kill_all()
+                    raise RunFailed(f"{what}: {proc.log_name} exited {code}\n"
+                                    f"{self.tail(proc.log_name)}")
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(p.log_name for p in pending)
+                self.kill_all()
+                raise RunFailed(f"{what}: {names} still running after {self.timeout:g}s\n"
+                                f"{self.tail(pending[0].log_name)}")
+            if pending:
+                time.sleep(0.1)
+
+    def tail(self, name, lines=15):
+        try:
+            with open(os.path.join(self.dir, name)) as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill_all(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()  # SIGKILL to this pid
+                proc.wait()
+        self.procs = []
+
+
+class RunFailed(Exception):
+    pass
+
+
+def worker_argv(model, mode, steps, warmup, data, result, extra=()):
+    return [sys.executable, os.path.abspath(__file__), "worker", "--mode", mode, "--model", model,
+            "--steps", str(steps), "--warmup", str(warmup), "--data", data or "",
+            "--result", result, *extra]
+
+
+def python_env():
+    path = os.path.join(BUILD, "python")
+    old = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": path + (os.pathsep + old if old else "")}
+
+
+def read_result(prefix, what):
+    path = f"{prefix}.rank0.json"
+    if not os.path.exists(path):
+        raise RunFailed(f"{what}: rank 0 wrote no result ({path})")
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_config(runner, model, config, steps, warmup, data, tag):
+    run_dir = os.path.join(runner.dir, tag)
+    os.makedirs(run_dir)
+    result = os.path.join(run_dir, "result")
+    deadline = time.monotonic() + runner.timeout
+    env = python_env()
+    what = f"{model} {config}"
+    rel = os.path.relpath(run_dir, runner.dir)
+    if config == "plain":
+        proc = runner.start(worker_argv(model, "plain", steps, warmup, data, result),
+                            f"{rel}/plain.log", env)
+        runner.wait([proc], deadline, what)
+    elif config in ("ddp2", "ddp2bv"):
+        ddp_extra = ["--zero-bucket-view"] if config == "ddp2bv" else []
+        store = os.path.join(run_dir, "store")
+        procs = [runner.start(worker_argv(model, "ddp", steps, warmup, data, result,
+                                          ["--rank", str(r), "--world", "2", "--store", store,
+                                           *ddp_extra]),
+                              f"{rel}/ddp{r}.log", dict(env, GLOO_SOCKET_IFNAME="lo",
+                                                          MASTER_ADDR="127.0.0.1"))
+                 for r in range(2)]
+        runner.wait(procs, deadline, what)
+    else:
+        world = 1 if config == "shard1" else 2
+        spec = MODELS[model]
+        job = {"name": f"bench-{model}", "worldSize": world, "model": {"external": {}},
+               "optimizer": spec["optimizer"], "globalBatch": spec["global_batch"],
+               "steps": warmup + steps + 1, "zeroStage": 2,
+               "checkpoint": {"everySteps": 0}, "outputDir": os.path.join(run_dir, "out")}
+        if spec.get("clip"):
+            job["gradClipNorm"] = spec["clip"]
+        job_path = os.path.join(run_dir, "job.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        port_file = os.path.join(run_dir, "port")
+        coordinator = runner.start(
+            [os.path.join(BIN, "shard-coordinator"), "--job", job_path, "--listen",
+             "127.0.0.1:0", "--port-file", port_file, "--state-dir",
+             os.path.join(run_dir, "state")], f"{rel}/coordinator.log")
+        while not (os.path.exists(port_file) and open(port_file).read().strip()):
+            if coordinator.poll() is not None or time.monotonic() > deadline:
+                runner.kill_all()
+                raise RunFailed(f"{what}: the coordinator did not start\n"
+                                f"{runner.tail(coordinator.log_name)}")
+            time.sleep(0.05)
+        port = int(open(port_file).read())
+        workers = [runner.start(worker_argv(model, "shard", steps, warmup, data, result,
+                                            ["--world", str(world)]),
+                                f"{rel}/w{i}.log",
+                                dict(env, SHARD_COORDINATOR=f"127.0.0.1:{port}",
+                                     SHARD_ID=f"w{i}"))
+                   for i in range(world)]
+        runner.wait(workers + [coordinator], deadline, what)
+    runner.kill_all()
+    return read_result(result, what)
+
+
+def summarize(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "values": values}
+
+
+def load_average():
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(v) for v in f.read().split()[:3]]
+    except OSError:
+        return None
+
+
+def driver_main(args):
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in models:
+        if m not in MODELS:
+            print(f"torch_bench: unknown model '{m}' (mlp, transformer)", file=sys.stderr)
+            return 2
+    for binary in ("shard-coordinator", "shardctl"):
+        if not os.path.exists(os.path.join(BIN, binary)):
+            print(f"torch_bench: {BIN}/{binary} is missing: run scripts/build.sh", file=sys.stderr)
+            return 1
+    run_dir = tempfile.mkdtemp(prefix="shard-bench-torch.")
+    runner = Runner(run_dir, args.timeout)
+
+    def cleanup():
+        runner.kill_all()
+        if not args.keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    atexit.register(cleanup)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
+
+    def log(message):
+        print(message, file=sys.stderr, flush=True)
+
+    started = datetime.datetime.now().astimezone()
+    load_before = load_average()
+    data = ""
+    if "mlp" in models:
+        data = os.path.join(run_dir, "mlp.safetensors")
+        generated = subprocess.run(
+            [os.path.join(BIN, "shardctl"), "data", "generate", "--widths", "512,1024,64",
+             "--samples", "16384", "--seed", "1", "--out", data],
+            capture_output=True, text=True, timeout=120)
+        if generated.returncode != 0:
+            log("torch_bench: shardctl data generate failed:\n" + generated.stdout +
+                generated.stderr)
+            return 1
+
+    results = {}
+    try:
+        for model in models:
+            steps = args.steps or MODELS[model]["steps"]
+            warmup = args.warmup if args.warmup is not None else MODELS[model]["warmup"]
+            runs = {key: [] for key, _, _ in CONFIGS}
+            for repeat in range(args.repeats):
+                for key, label, _ in CONFIGS:
+                    r = run_config(runner, model, key, steps, warmup, data,
+                                   f"{model}-{key}-{repeat}")
+                    runs[key].append(r)
+                    log(f"{model:12s} {label:28s} repeat {repeat + 1}/{args.repeats}: "
+                        f"{r['steps_per_second']:.2f} steps/s ({r['ms_per_step']:.1f} ms/step: "
+                        f"fwd+bwd {r['compute_ms']:.1f}, step {r['step_ms']:.1f}, "
+                        f"rest {r['rest_ms']:.1f})")
+            results[model] = {"steps": steps, "warmup": warmup, "runs": runs}
+    except RunFailed as failure:
+        log(f"torch_bench: {failure}")
+        if args.keep:
+            log(f"torch_bench: logs kept in {run_dir}")
+        return 1
+
+    report = {
+        "date": started.isoformat(timespec="seconds"),
+        "host": platform.node(), "cores": os.cpu_count(),
+        "load_before": load_before, "load_after": load_average(),
+        "python": platform.python_version(),
+        "threads_per_process": 1, "repeats": args.repeats,
+        "models": {},
+    }
+    for model, res in results.items():
+        configs = {}
+        for key, label, world in CONFIGS:
+            runs = res["runs"][key]
+            configs[key] = {
+                "label": label, "world_size": world,
+                "steps_per_second": summarize([r["steps_per_second"] for r in runs]),
+                "ms_per_step": statistics.median(r["ms_per_step"] for r in runs),
+                "compute_ms": statistics.median(r["compute_ms"] for r in runs),
+                "step_ms": statistics.median(r["step_ms"] for r in runs),
+                "rest_ms": statistics.median(r["rest_ms"] for r in runs),
+            }
+            report["torch"] = runs[0]["torch"]
+        ratios = []
+        for num, den, target, primary in TARGETS:
+            ratio = (configs[num]["steps_per_second"]["median"] /
+                     configs[den]["steps_per_second"]["median"])
+            # The same training in both: rank 0's losses of the first steps (the same start,
+            # samples and updates) agree to float32 rounding. Later ones drift apart as rounding
+            # differences grow through training (torch 1.13's Adam rounds its moments unlike
+            # torch 2's lerp, which Shard follows), so only the first few are compared.
+            a = res["runs"][num][0]["losses"][:LOSS_CHECK_STEPS]
+            b = res["runs"][den][0]["losses"][:LOSS_CHECK_STEPS]
+            loss_difference = max(abs(u - v) / max(abs(v), 1e-12) for u, v in zip(a, b))
+            if loss_difference > 1e-4:
+                log(f"torch_bench: warning: {model} {num} and {den} do not train alike: rank 0's "
+                    f"losses of the first steps {a} against {b}")
+            ratios.append({"of": num, "over": den, "ratio": ratio, "target": target,
+                           "primary": primary, "pass": ratio >= target,
+                           "first_losses": [a, b], "loss_relative_difference": loss_difference})
+        report["models"][model] = {"title": MODELS[model]["title"], "steps": res["steps"],
+                                   "warmup": res["warmup"], "configs": configs,
+                                   "ratios": ratios}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    return 0
+
+
+def print_table(report):
+    load = report["load_before"]
+    print(f"# shard.torch vs PyTorch data parallelism, {report['date']}, {report['host']}, "
+          f"{report['cores']} cores, torch {report.get('torch')}, 1 thread per process, "
+          f"median of {report['repeats']} [min-max]")
+    if load:
+        print(f"# load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; after: "
+              + " ".join(f"{v:.2f}" for v in report["load_after"] or [])
+              + " (the run's own processes included)")
+        if load[0] >= 1.0:
+            print(f"# warning: the 1-minute load was {load[0]:.2f} before the run: other work "
+                  "shares the cores, so the W=2 runs (a process per core) are not trustworthy")
+    for model, m in report["models"].items():
+        print(f"# {model}: {m['title']}; {m['steps']} timed steps after {m['warmup']} warm-up")
+    print()
+    print(f"| {'model':11s} | {'configuration':28s} | {'steps/s (median [min-max])':27s} | "
+          f"{'ms/step: fwd+bwd / step / rest':30s} | {'ratio':13s} | {'target':6s} | result |")
+    print(f"|{'-' * 13}|{'-' * 30}|{'-' * 29}|{'-' * 32}|{'-' * 15}|{'-' * 8}|--------|")
+    for model, m in report["models"].items():
+        ratio_of = {r["of"]: r for r in m["ratios"] if r["primary"]}
+        for key, label, _ in CONFIGS:
+            c = m["configs"][key]
+            s = c["steps_per_second"]
+            rate = f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+            split = (f"{c['ms_per_step']:.1f}: {c['compute_ms']:.1f} / {c['step_ms']:.1f} / "
+                     f"{c['rest_ms']:.1f}")
+            ratio, target, result = "", "", ""
+            if key in ratio_of:
+                r = ratio_of[key]
+                ratio = f"{r['ratio']:.2f}x {r['over']}"
+                target = f">={r['target']:.2f}"
+                result = "PASS" if r["pass"] else "MISS"
+            print(f"| {model:11s} | {label:28s} | {rate:27s} | {split:30s} | {ratio:13s} | "
+                  f"{target:6s} | {result:6s} |")
+    print()
+    for model, m in report["models"].items():
+        for r in m["ratios"]:
+            if not r["primary"]:
+                print(f"# {model}: {r['of']} / {r['over']} = {r['ratio']:.2f}x (target "
+                      f">={r['target']:.2f}: {'PASS' if r['pass'] else 'MISS'})")
+    print(f"# same training in each pair: largest relative difference of rank 0's losses over "
+          f"the first {LOSS_CHECK_STEPS} steps: " +
+          "; ".join(f"{model} {r['of']}/{r['over']} {r['loss_relative_difference']:.1e}"
+                    for model, m in report["models"].items() for r in m["ratios"]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    worker = sub.add_parser("worker", help="one process of one configuration (run by the driver)")
+    worker.add_argument("--mode", choices=["plain", "ddp", "shard"], required=True)
+    worker.add_argument("--model", choices=sorted(MODELS), required=True)
+    worker.add_argument("--steps", type=int, required=True)
+    worker.add_argument("--warmup", type=int, required=True)
+    worker.add_argument("--data", default="")
+    worker.add_argument("--result", required=True, help="rank r writes RESULT.rank<r>.json")
+    worker.add_argument("--rank", type=int, default=0)
+    worker.add_argument("--world", type=int, default=1)
+    worker.add_argument("--store", help="DDP's file store")
+    worker.add_argument("--zero-bucket-view", action="store_true",
+                        help="ZeroRedundancyOptimizer(parameters_as_bucket_view=True)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per run (default: mlp 100, transformer 300)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps before them (default: mlp 10, transformer 30)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (3)")
+    parser.add_argument("--models", default="mlp,transformer", help="mlp,transformer")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--timeout", type=float, default=300,
+                        help="seconds one run (all its processes) may take (300)")
+    parser.add_argument("--keep", action="store_true", help="keep the run directory and logs")
+    args = parser.parse_args()
+    if args.command == "worker":
+        if args.warmup < 1 or args.steps < 1:
+            parser.error("--warmup and --steps must be at least 1")
+        worker_main(args)
+        return 0
+    if (args.steps is not None and args.steps < 1) or (args.warmup is not None and
+                                                        args.warmup < 1) or args.repeats < 1:
+        parser.error("--steps, --warmup and --repeats must be at least 1")
+    return driver_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

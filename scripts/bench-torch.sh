@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Builds the coordinator, shardctl and the shard Python package, and measures shard.torch against
+# PyTorch's own data parallelism in one run: for the medium MLP (Adam, global batch 256) and the
+# example transformer (AdamW, global batch 32), plain torch at W=1 against shard.torch at W=1
+# (target: overhead <= 5%), and torch DDP (gloo) + ZeroRedundancyOptimizer at W=2 against
+# shard.torch ZeRO-2 at W=2 (target: >= 1.2x), one compute thread per process. Extra arguments
+# go to bench/torch_bench.py (e.g. --steps 30 --warmup 5 --repeats 1 --models mlp --json); see
+# the Performance section of docs/torch.md.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+scripts/setup.sh >/dev/null
+scripts/build.sh --target shard-coordinator shardctl shard_python >/dev/null
+export SHARD_BUILD_DIR="${SHARD_BUILD_DIR:-build}"
+exec /usr/bin/python3 bench/torch_bench.py "$@"
