@@ -104,8 +104,6 @@ absl::Status Read(const nlohmann::json& config, const char* key, T* out) {
   return absl::OkStatus();
 }
 
-absl::Duration Seconds(double seconds) { return absl::Seconds(seconds); }
-
 absl::Status Join(const char* config_json, shard_job** out) {
   if (out == nullptr) return absl::InvalidArgumentError("shard_join: no place for the job");
   *out = nullptr;
@@ -161,8 +159,8 @@ absl::Status Join(const char* config_json, shard_job** out) {
   SHARD_RETURN_IF_ERROR(
       shard::ConfigureLogging(log_level, absl::StrCat("worker=", options.worker_id)));
   SHARD_ASSIGN_OR_RETURN(const shard::ClientSecurity security, shard::LoadClientSecurity(files));
-  options.coordinator_timeout = Seconds(coordinator_timeout_s);
-  options.collective_timeout = Seconds(collective_timeout_s);
+  options.coordinator_timeout = absl::Seconds(coordinator_timeout_s);
+  options.collective_timeout = absl::Seconds(collective_timeout_s);
 
   auto job = std::make_unique<shard_job>();
   job->worker_id = options.worker_id;

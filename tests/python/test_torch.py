@@ -185,6 +185,19 @@ def torch_optimizer(config, params, zero=None):
     return optimizer_class(params, **settings)
 
 
+def run_script(cluster, source, world, steps):
+    """Runs `source` (a torch training script) as the `world` workers of a job of `steps`
+    steps; returns the workers, each of which exited 0."""
+    script = os.path.join(cluster.tmp, "script.py")
+    with open(script, "w") as f:
+        f.write(source)
+    cluster.start_coordinator(cluster.write_job(world=world, steps=steps))
+    workers = [cluster.start_worker(f"w{i}", script=script, args=[]) for i in range(world)]
+    for worker in workers:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    return workers
+
+
 def reference(config):
     """Plain torch in one process on the whole global batch of every step."""
     torch.set_num_threads(1)
@@ -312,13 +325,7 @@ def test_buffers_follow_rank_0_and_survive_a_restore_as_with_ddp(cluster):
 
 
 def test_rank_0s_buffers_are_broadcast_before_every_step(cluster):
-    script = os.path.join(cluster.tmp, "counter.py")
-    with open(script, "w") as f:
-        f.write(COUNTER)
-    cluster.start_coordinator(cluster.write_job(world=2, steps=6))
-    workers = [cluster.start_worker(f"w{i}", script=script, args=[]) for i in range(2)]
-    for worker in workers:
-        assert cluster.wait(worker) == 0, cluster.log(worker)
+    workers = run_script(cluster, COUNTER, world=2, steps=6)
     # Each forward adds rank + 1 to the buffer. From rank 0's value before every step, rank 1
     # ends at 5 * 1 + 2 = 7 (14 without the broadcast) and rank 0 at 6.
     log = cluster.log(workers[0]) + cluster.log(workers[1])
@@ -377,13 +384,7 @@ def test_saved_on_three_workers_restores_on_two(cluster):
 
 
 def test_frozen_parameters_stay_as_they_were(cluster):
-    script = os.path.join(cluster.tmp, "frozen.py")
-    with open(script, "w") as f:
-        f.write(FROZEN)
-    cluster.start_coordinator(cluster.write_job(world=2, steps=5))
-    workers = [cluster.start_worker(f"w{i}", script=script, args=[]) for i in range(2)]
-    for worker in workers:
-        assert cluster.wait(worker) == 0, cluster.log(worker)
+    workers = run_script(cluster, FROZEN, world=2, steps=5)
     assert "frozen unchanged, trained moved" in cluster.log(workers[0]), cluster.log(workers[0])
 
 
@@ -545,12 +546,7 @@ def test_the_transformer_with_groups_schedule_and_clipping_equals_plain_torch(cl
 
 
 def test_misuse_is_a_clear_error(cluster):
-    script = os.path.join(cluster.tmp, "misuse.py")
-    with open(script, "w") as f:
-        f.write(MISUSE)
-    cluster.start_coordinator(cluster.write_job(world=1, steps=3))
-    worker = cluster.start_worker("w0", script=script, args=[])
-    assert cluster.wait(worker) == 0, cluster.log(worker)
+    (worker,) = run_script(cluster, MISUSE, world=1, steps=3)
     log = cluster.log(worker)
     for expected in ("fp32 parameters", "wrap() was called already",
                      "no longer Shard's buffer: do not call zero_grad(set_to_none=True)",
