@@ -23,13 +23,16 @@
 namespace shard {
 
 // From the committed checkpoint `restore_dir` if set (its gradient order plans the buckets);
-// with `consolidate_path`, the last rank consolidates the state there at the end.
+// with `consolidate_path`, the last rank consolidates the state there at the end. Every rank
+// must succeed; `results` (if given) receives what each rank's TrainMlp returned, by rank.
 inline void TrainMlpOnThreads(const JobConfig& job, const std::string& restore_dir,
-                              const std::string& consolidate_path = "") {
+                              const std::string& consolidate_path = "",
+                              std::vector<TrainResult>* results = nullptr) {
   absl::Mutex mu;
   SavedShards saved;
   InProcessKeyValueStore store;
-  std::vector<absl::Status> results(job.world_size);
+  std::vector<absl::StatusOr<TrainResult>> trained(job.world_size,
+                                                   absl::UnknownError("not run"));
   std::vector<std::thread> threads;
   for (int rank = 0; rank < job.world_size; ++rank) {
     threads.emplace_back([&, rank] {
@@ -39,14 +42,14 @@ inline void TrainMlpOnThreads(const JobConfig& job, const std::string& restore_d
       gloo.timeout = absl::Seconds(30);
       auto communicator = CreateGlooCommunicator(&store, gloo);
       if (!communicator.ok()) {
-        results[rank] = communicator.status();
+        trained[rank] = communicator.status();
         return;
       }
       PlanOptions plan = PlanOptionsForJob(job);
       if (!restore_dir.empty()) {
         absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(restore_dir);
         if (!manifest.ok()) {
-          results[rank] = manifest.status();
+          trained[rank] = manifest.status();
           return;
         }
         plan.gradient_order = manifest->plan.gradient_order;
@@ -62,11 +65,15 @@ inline void TrainMlpOnThreads(const JobConfig& job, const std::string& restore_d
         absl::MutexLock lock(&mu);
         saved[shard.id].push_back(shard);
       };
-      results[rank] = TrainMlp(job, **communicator, plans, options).status();
+      trained[rank] = TrainMlp(job, **communicator, plans, options);
     });
   }
   for (std::thread& t : threads) t.join();
-  for (const absl::Status& status : results) SHARD_ASSERT_OK(status);
+  for (const absl::StatusOr<TrainResult>& rank : trained) SHARD_ASSERT_OK(rank.status());
+  if (results != nullptr) {
+    results->clear();
+    for (absl::StatusOr<TrainResult>& rank : trained) results->push_back(*std::move(rank));
+  }
   ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, saved));
 }
 

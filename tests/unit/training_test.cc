@@ -3,14 +3,13 @@
 // with momentum.
 #include <cmath>
 #include <filesystem>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/mlp.h"
 #include "common/mlp_data.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
-#include "worker/dataplane/gloo_communicator.h"
+#include "tests/support/train_on_threads.h"
 #include "worker/dataplane/trainer.h"
 
 namespace shard {
@@ -121,34 +120,11 @@ std::vector<std::vector<float>> ReferenceTraining(const JobConfig& job) {
   return params;
 }
 
-struct RankOutcome {
-  TrainResult result;
-  absl::Status status;
-};
-
-std::vector<RankOutcome> TrainWithThreads(const JobConfig& job) {
-  InProcessKeyValueStore store;
-  std::vector<RankOutcome> outcomes(job.world_size);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < job.world_size; ++rank) {
-    threads.emplace_back([&, rank] {
-      GlooOptions gloo;
-      gloo.rank = rank;
-      gloo.size = job.world_size;
-      gloo.timeout = absl::Seconds(30);
-      auto communicator = CreateGlooCommunicator(&store, gloo);
-      if (!communicator.ok()) {
-        outcomes[rank].status = communicator.status();
-        return;
-      }
-      LocalPlanProvider plans(PlanOptionsForJob(job));
-      auto trained = TrainMlp(job, **communicator, plans);
-      outcomes[rank].status = trained.status();
-      if (trained.ok()) outcomes[rank].result = *trained;
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  return outcomes;
+// What each rank's TrainMlp returned (every rank must succeed: the harness asserts it).
+std::vector<TrainResult> TrainWithThreads(const JobConfig& job) {
+  std::vector<TrainResult> results;
+  TrainMlpOnThreads(job, "", "", &results);
+  return results;
 }
 
 std::vector<std::vector<float>> ReadOutput(const std::string& path) {
@@ -196,9 +172,9 @@ TEST_P(ShardedMatchesReferenceTest, FinalParametersAgree) {
   const Case c = GetParam();
   JobConfig job = Job(c.optimizer, c.world, c.stage, c.mode);
   job.grad_clip_norm = c.clip;
-  const std::vector<RankOutcome> outcomes = TrainWithThreads(job);
-  for (const RankOutcome& outcome : outcomes) ASSERT_TRUE(outcome.status.ok()) << outcome.status;
-  const auto sharded = ReadOutput(outcomes[0].result.output_path);
+  std::vector<TrainResult> outcomes;
+  ASSERT_NO_FATAL_FAILURE(outcomes = TrainWithThreads(job));
+  const auto sharded = ReadOutput(outcomes[0].output_path);
   const auto reference = ReferenceTraining(job);
   // The only difference is the order of fp32 summation: each rank's slice of the batch is
   // summed by its own sgemm, then the slices are added in ring order. Gradients agree to a
@@ -243,10 +219,10 @@ TEST(TrainingTest, OptimizerStateIsOneWthOfTheTotalPlusPadding) {
   const int64_t adam_total = 2 * total_params * 4;  // exp_avg and exp_avg_sq, f32
   for (int stage : {0, 1, 2}) {
     const JobConfig job = Job(OptimizerKind::kAdam, 4, stage, ShardMode::kRange, 2);
-    const std::vector<RankOutcome> outcomes = TrainWithThreads(job);
-    for (const RankOutcome& outcome : outcomes) {
-      ASSERT_TRUE(outcome.status.ok()) << outcome.status;
-      const int64_t bytes = outcome.result.optimizer_state_bytes;
+    std::vector<TrainResult> outcomes;
+    ASSERT_NO_FATAL_FAILURE(outcomes = TrainWithThreads(job));
+    for (const TrainResult& outcome : outcomes) {
+      const int64_t bytes = outcome.optimizer_state_bytes;
       if (stage == 0) {
         // Everything, plus bucket padding and alignment gaps.
         EXPECT_GE(bytes, adam_total);
@@ -262,11 +238,11 @@ TEST(TrainingTest, OptimizerStateIsOneWthOfTheTotalPlusPadding) {
 
 TEST(TrainingTest, LossFallsOnGeneratedData) {
   const JobConfig job = Job(OptimizerKind::kAdam, 2, 2, ShardMode::kRange, 150);
-  const std::vector<RankOutcome> outcomes = TrainWithThreads(job);
-  ASSERT_TRUE(outcomes[0].status.ok()) << outcomes[0].status;
-  EXPECT_LT(outcomes[0].result.last_loss, 0.6 * outcomes[0].result.first_loss)
-      << "first " << outcomes[0].result.first_loss << " last " << outcomes[0].result.last_loss;
-  EXPECT_EQ(outcomes[1].result.last_loss, outcomes[0].result.last_loss) << "a global loss";
+  std::vector<TrainResult> outcomes;
+  ASSERT_NO_FATAL_FAILURE(outcomes = TrainWithThreads(job));
+  EXPECT_LT(outcomes[0].last_loss, 0.6 * outcomes[0].first_loss)
+      << "first " << outcomes[0].first_loss << " last " << outcomes[0].last_loss;
+  EXPECT_EQ(outcomes[1].last_loss, outcomes[0].last_loss) << "a global loss";
 }
 
 // Gradient accumulation: 4 micro-batches per rank and step add up to the gradient of the whole
@@ -277,12 +253,11 @@ TEST(TrainingTest, MicroBatchesAccumulateToTheSameTraining) {
   JobConfig micro = whole;
   micro.micro_batches = 4;
   micro.output_dir = whole.output_dir + "-micro";
-  const std::vector<RankOutcome> a = TrainWithThreads(whole);
-  const std::vector<RankOutcome> b = TrainWithThreads(micro);
-  ASSERT_TRUE(a[0].status.ok()) << a[0].status;
-  ASSERT_TRUE(b[0].status.ok()) << b[0].status;
-  const auto expected = ReadOutput(a[0].result.output_path);
-  const auto actual = ReadOutput(b[0].result.output_path);
+  std::vector<TrainResult> a, b;
+  ASSERT_NO_FATAL_FAILURE(a = TrainWithThreads(whole));
+  ASSERT_NO_FATAL_FAILURE(b = TrainWithThreads(micro));
+  const auto expected = ReadOutput(a[0].output_path);
+  const auto actual = ReadOutput(b[0].output_path);
   ASSERT_EQ(actual.size(), expected.size());
   double largest = 0;
   for (size_t p = 0; p < expected.size(); ++p) {
@@ -291,7 +266,7 @@ TEST(TrainingTest, MicroBatchesAccumulateToTheSameTraining) {
     }
   }
   EXPECT_LT(largest, 1e-5);
-  EXPECT_NEAR(b[0].result.last_loss, a[0].result.last_loss, 1e-5);
+  EXPECT_NEAR(b[0].last_loss, a[0].last_loss, 1e-5);
   // Not the same bits: the run did accumulate (a wrong sum would be far off, above).
   EXPECT_GT(largest, 0);
 }
