@@ -519,58 +519,130 @@ absl::StatusOr<ShardRecord> ShardWriter::Finish() {
 
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+class DirectoryShardStorage : public ShardStorage {
+ public:
+  DirectoryShardStorage(std::string dir, std::vector<ShardRecord> shards)
+      : dir_(std::move(dir)), shards_(std::move(shards)), fds_(shards_.size(), -1) {}
+  ~DirectoryShardStorage() override {
+    for (int fd : fds_) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+  absl::Status Read(int shard, uint64_t offset, uint64_t bytes, char* out) override {
+    const std::string path = Path(shard);
+    if (fds_[shard] < 0) {
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) {
+        return absl::DataLossError(absl::StrCat("checkpoint shard '", path,
+                                                "' cannot be opened: ", std::strerror(errno)));
+      }
+      const off_t size = ::lseek(fd, 0, SEEK_END);
+      if (size != static_cast<off_t>(shards_[shard].bytes)) {
+        ::close(fd);
+        return absl::DataLossError(absl::StrCat("checkpoint shard '", path, "' is ", size,
+                                                " bytes but the manifest records ",
+                                                shards_[shard].bytes, " (truncated or replaced)"));
+      }
+      fds_[shard] = fd;
+    }
+    return ReadAt(fds_[shard], offset, out, bytes, path);
+  }
+
+  std::string Describe(int shard) const override {
+    return absl::StrCat("checkpoint shard '", Path(shard), "'");
+  }
+
+ private:
+  std::string Path(int shard) const {
+    return (std::filesystem::path(dir_) / shards_[shard].file).string();
+  }
+
+  std::string dir_;
+  std::vector<ShardRecord> shards_;
+  std::vector<int> fds_;  // opened on first use, -1 until then
+};
+
+}  // namespace
+
+std::unique_ptr<ShardStorage> DirectoryShards(const std::string& dir,
+                                              const CheckpointManifest& manifest) {
+  return std::make_unique<DirectoryShardStorage>(dir, manifest.shards);
+}
+
 absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::string& dir) {
-  std::unique_ptr<CheckpointReader> reader(new CheckpointReader());
-  reader->dir_ = dir;
   SHARD_ASSIGN_OR_RETURN(CheckpointManifest manifest, ReadCheckpointManifest(dir));
+  std::unique_ptr<ShardStorage> storage = DirectoryShards(dir, manifest);
+  return Open(std::move(manifest), std::move(storage), dir);
+}
+
+std::unique_ptr<CheckpointReader> CheckpointReader::Open(CheckpointManifest manifest,
+                                                         std::unique_ptr<ShardStorage> storage,
+                                                         std::string location) {
+  std::unique_ptr<CheckpointReader> reader(new CheckpointReader());
+  reader->location_ = std::move(location);
   reader->manifest_ = std::move(manifest);
-  reader->fds_.assign(reader->manifest_.shards.size(), -1);
+  reader->storage_ = std::move(storage);
   return reader;
 }
 
-CheckpointReader::~CheckpointReader() {
-  for (int fd : fds_) {
-    if (fd >= 0) ::close(fd);
+CheckpointReader::~CheckpointReader() = default;
+
+absl::Status CheckpointReader::CheckBlock(int shard, uint64_t block, const char* data,
+                                          uint64_t length) const {
+  if (Hex(XXH3_64bits(data, length)) == manifest_.shards[shard].block_xxh3[block]) {
+    return absl::OkStatus();
   }
+  const uint64_t begin = block * kCheckpointBlockBytes;
+  return absl::DataLossError(absl::StrCat(storage_->Describe(shard), " is corrupt: bytes [",
+                                          begin, ", ", begin + length,
+                                          ") do not match their checksum"));
 }
 
 absl::StatusOr<const char*> CheckpointReader::Block(int shard, uint64_t block) {
   if (shard == cached_shard_ && block == cached_block_) return cache_.data();
   const ShardRecord& record = manifest_.shards[shard];
-  const std::string path = (std::filesystem::path(dir_) / record.file).string();
-  if (fds_[shard] < 0) {
-    fds_[shard] = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fds_[shard] < 0) {
-      return absl::DataLossError(absl::StrCat("checkpoint shard '", path,
-                                              "' cannot be opened: ", std::strerror(errno)));
-    }
-    const off_t size = ::lseek(fds_[shard], 0, SEEK_END);
-    if (size != static_cast<off_t>(record.bytes)) {
-      return absl::DataLossError(absl::StrCat("checkpoint shard '", path, "' is ", size,
-                                              " bytes but the manifest records ", record.bytes,
-                                              " (truncated or replaced)"));
-    }
-  }
   const uint64_t begin = block * kCheckpointBlockBytes;
   const uint64_t length = std::min(kCheckpointBlockBytes, record.bytes - begin);
   cache_.resize(length);
   cached_shard_ = -1;
-  SHARD_RETURN_IF_ERROR(ReadAt(fds_[shard], begin, cache_.data(), length, path));
-  if (Hex(XXH3_64bits(cache_.data(), length)) != record.block_xxh3[block]) {
-    return absl::DataLossError(absl::StrCat("checkpoint shard '", path, "' is corrupt: bytes [",
-                                            begin, ", ", begin + length,
-                                            ") do not match their checksum"));
-  }
+  SHARD_RETURN_IF_ERROR(storage_->Read(shard, begin, length, cache_.data()));
+  SHARD_RETURN_IF_ERROR(CheckBlock(shard, block, cache_.data(), length));
   cached_shard_ = shard;
   cached_block_ = block;
   return cache_.data();
 }
 
 absl::Status CheckpointReader::ReadBytes(int shard, uint64_t offset, uint64_t bytes, char* out) {
+  const ShardRecord& record = manifest_.shards[shard];
+  if (offset + bytes > record.bytes) {
+    return absl::DataLossError(absl::StrCat(storage_->Describe(shard), " holds ", record.bytes,
+                                            " bytes; bytes [", offset, ", ", offset + bytes,
+                                            ") are past its end"));
+  }
   while (bytes > 0) {
     const uint64_t block = offset / kCheckpointBlockBytes;
-    SHARD_ASSIGN_OR_RETURN(const char* data, Block(shard, block));
     const uint64_t within = offset - block * kCheckpointBlockBytes;
+    // Whole blocks go straight into `out` in one read and are checked there.
+    uint64_t whole = 0;
+    if (within == 0) {
+      whole = bytes / kCheckpointBlockBytes * kCheckpointBlockBytes;
+      if (offset + bytes == record.bytes) whole = bytes;  // the last block may be short
+    }
+    if (whole > 0) {
+      SHARD_RETURN_IF_ERROR(storage_->Read(shard, offset, whole, out));
+      for (uint64_t done = 0; done < whole; done += kCheckpointBlockBytes) {
+        SHARD_RETURN_IF_ERROR(CheckBlock(shard, block + done / kCheckpointBlockBytes, out + done,
+                                         std::min(kCheckpointBlockBytes, whole - done)));
+      }
+      out += whole;
+      offset += whole;
+      bytes -= whole;
+      continue;
+    }
+    SHARD_ASSIGN_OR_RETURN(const char* data, Block(shard, block));
     const uint64_t take = std::min(bytes, kCheckpointBlockBytes - within);
     std::memcpy(out, data + within, take);
     out += take;
@@ -621,8 +693,8 @@ absl::Status CheckpointReader::VerifyShard(int shard, const std::function<void(u
     if (progress) progress(length);
   }
   if (result.ok() && Hex(XXH3_64bits_digest(whole)) != record.xxh3) {
-    result = absl::DataLossError(absl::StrCat("checkpoint shard '", record.file,
-                                              "' does not match its whole-file checksum"));
+    result = absl::DataLossError(
+        absl::StrCat(storage_->Describe(shard), " does not match its whole-file checksum"));
   }
   XXH3_freeState(whole);
   return result;

@@ -179,15 +179,39 @@ class StateSource {
                                     float* out) = 0;
 };
 
-// Reads a committed checkpoint; every byte it returns comes from a block whose checksum was
-// verified. Errors name the shard file and the byte range.
+// Where the bytes of a checkpoint's shards are: the files of its directory, or the memory of
+// the workers that hold a snapshot (worker/dataplane/snapshot_fetch.h). Reads are raw;
+// CheckpointReader checks every block it returns against the manifest's checksums.
+class ShardStorage {
+ public:
+  virtual ~ShardStorage() = default;
+  // Copies bytes [offset, offset + bytes) of shard `shard` (an index into the manifest's
+  // shards) into `out`.
+  virtual absl::Status Read(int shard, uint64_t offset, uint64_t bytes, char* out) = 0;
+  // Where shard `shard` is, for errors: "checkpoint shard '/ck/step-8/shard-00001-of-00002.bin'".
+  virtual std::string Describe(int shard) const = 0;
+};
+
+// The shard files of checkpoint directory `dir`, opened on first use; a file whose size differs
+// from the manifest's record is DataLoss.
+std::unique_ptr<ShardStorage> DirectoryShards(const std::string& dir,
+                                              const CheckpointManifest& manifest);
+
+// Reads a checkpoint; every byte it returns comes from a block whose checksum was verified.
+// Errors name the shard and the byte range.
 class CheckpointReader : public StateSource {
  public:
+  // A committed checkpoint directory.
   static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& dir);
+  // A checkpoint whose shards are in `storage` (a memory snapshot).
+  static std::unique_ptr<CheckpointReader> Open(CheckpointManifest manifest,
+                                                std::unique_ptr<ShardStorage> storage,
+                                                std::string location);
   ~CheckpointReader() override;
 
   const CheckpointManifest& manifest() const { return manifest_; }
-  const std::string& dir() const { return dir_; }
+  // The directory, or where a snapshot is held ("memory snapshot step-...-g3"), for messages.
+  const std::string& location() const { return location_; }
 
   // Copies elements [begin, begin + count) of parameter `param` (array -1) or of its optimizer
   // state `array` (0-based, as in manifest().state_names) into `out`.
@@ -200,12 +224,16 @@ class CheckpointReader : public StateSource {
 
  private:
   CheckpointReader() = default;
+  // Verified block `block` of `shard`, through the one-block cache.
   absl::StatusOr<const char*> Block(int shard, uint64_t block);
+  // Reads bytes [offset, offset + bytes) of a shard, verified: whole blocks straight into `out`,
+  // the partial ones at the edges through the cache.
   absl::Status ReadBytes(int shard, uint64_t offset, uint64_t bytes, char* out);
+  absl::Status CheckBlock(int shard, uint64_t block, const char* data, uint64_t length) const;
 
-  std::string dir_;
+  std::string location_;
   CheckpointManifest manifest_;
-  std::vector<int> fds_;  // opened on first use, -1 until then
+  std::unique_ptr<ShardStorage> storage_;
   // The most recently verified block (sequential and clustered reads hit it).
   int cached_shard_ = -1;
   uint64_t cached_block_ = 0;
