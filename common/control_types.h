@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/checkpoint.h"
+#include "common/snapshot.h"
 
 namespace shard {
 
@@ -40,14 +41,60 @@ struct World {
   bool operator==(const World&) const = default;
 };
 
-// Where a generation's training starts: the job's initial weights (no checkpoint) or a
-// committed checkpoint, continuing with the step after its step.
+// Where a generation's training starts: the job's initial weights (no checkpoint), a committed
+// checkpoint on disk, or a snapshot live workers hold in memory (`in_memory`: checkpoint_id is
+// the snapshot's, dir is empty), continuing with the step after its step.
 struct TrainingStartPoint {
   std::string checkpoint_id;
   std::string dir;
   int64_t step = 0;
+  bool in_memory = false;
 
   bool operator==(const TrainingStartPoint&) const = default;
+};
+
+// A live worker holding a snapshot shard, and where its peers fetch it.
+struct SnapshotHolder {
+  std::string worker_id;
+  uint64_t incarnation = 0;
+  std::string address;  // host:port of its snapshot server
+
+  bool operator==(const SnapshotHolder&) const = default;
+};
+
+// A memory restore point: one shard per rank of the snapshot's world, and who holds each.
+struct MemoryRestorePoint {
+  std::vector<SnapshotShard> shards;               // by rank
+  std::vector<std::vector<SnapshotHolder>> holders;  // by rank, the owner first when it holds it
+
+  bool operator==(const MemoryRestorePoint&) const = default;
+};
+
+// A worker's news about the snapshot shards it holds.
+struct SnapshotReport {
+  std::string worker_id;
+  uint64_t incarnation = 0;
+  std::vector<SnapshotShard> held;   // newly held, verified
+  std::vector<std::string> dropped;  // snapshot ids it no longer holds any shard of
+  std::string failed_id;             // a snapshot this rank could not take its shard of
+  std::string error;
+
+  bool operator==(const SnapshotReport&) const = default;
+};
+
+// A rank restored its part of its generation's restore point (or failed to: `error`).
+struct RestoreReport {
+  std::string worker_id;
+  uint64_t incarnation = 0;
+  int64_t generation = 0;
+  std::string checkpoint_id;
+  bool in_memory = false;
+  absl::Duration duration;
+  uint64_t bytes_from_peers = 0;
+  uint64_t bytes = 0;
+  std::string error;
+
+  bool operator==(const RestoreReport&) const = default;
 };
 
 // What the ranks of one generation must do at their next step boundary. Requests belong to a
@@ -56,6 +103,9 @@ struct StepOrders {
   int64_t generation = 0;
   int64_t save_request = 0;   // the newest save request not yet answered (0: none)
   int64_t pause_request = 0;  // a save request after which training pauses (0: none)
+  // The pause is answered by a memory snapshot (the job takes them), not a disk checkpoint;
+  // save_request then never names it.
+  bool pause_in_memory = false;
 
   bool operator==(const StepOrders&) const = default;
 };
@@ -67,6 +117,8 @@ struct JoinParams {
   std::vector<std::string> capabilities;
   uint64_t incarnation = 0;
   std::optional<int> requested_rank;
+  std::string snapshot_address;  // where peers fetch the snapshots it holds ("": none)
+  std::vector<SnapshotShard> holdings;  // what it holds already (e.g. across a coordinator restart)
 
   bool operator==(const JoinParams&) const = default;
 };
@@ -147,6 +199,14 @@ struct TrainingProgress {
   int64_t last_checkpoint_step = 0;
   std::optional<absl::Duration> last_checkpoint_age;
   double overlap_fraction = 0;  // communication hidden behind backward over the last steps
+  // In-memory snapshots: the newest a restore could use now, the copies of its least-copied
+  // shard, and how far the newest taken is from being fully replicated.
+  std::string last_snapshot;
+  int64_t last_snapshot_step = 0;
+  std::optional<absl::Duration> last_snapshot_age;
+  int last_snapshot_copies = 0;
+  int64_t replica_lag_steps = 0;
+  std::optional<absl::Duration> replica_lag;
 
   bool operator==(const TrainingProgress&) const = default;
 };

@@ -65,6 +65,10 @@ absl::StatusOr<LrDecay> ParseLrDecay(absl::string_view name);
 // exp_avg_sq for Adam/AdamW, momentum_buffer for SGD with momentum, none for plain SGD.
 std::vector<std::string> OptimizerStateNames(const OptimizerConfig& optimizer);
 
+// Snapshot defaults (docs/recovery.md has the measured overhead behind them).
+constexpr int64_t kDefaultSnapshotEvery = 10;
+constexpr int kDefaultSnapshotReplicas = 1;
+
 struct JobConfig {
   std::string name;
   int world_size = 1;
@@ -90,6 +94,10 @@ struct JobConfig {
   std::string checkpoint_dir;  // checkpoints go to <checkpoint_dir>/<name>/<id>/
   int64_t checkpoint_every = 0;
   int checkpoint_keep_last = 3;
+  // In-memory snapshots (common/snapshot.h): every `snapshot_every` steps (0: off), each rank's
+  // shard kept by `snapshot_replicas` buddies besides itself.
+  int64_t snapshot_every = kDefaultSnapshotEvery;
+  int snapshot_replicas = kDefaultSnapshotReplicas;
 };
 
 // The optimizer's hyper-parameters, groups and schedule on their own (what the engine checks):

@@ -43,6 +43,8 @@ struct PlanOptions {
   // Indices of the trainable parameters in the order their gradients become ready; empty means
   // reverse registration order.
   std::vector<int> gradient_order;
+
+  bool operator==(const PlanOptions&) const = default;
 };
 
 // One parameter's place in a bucket; offsets and sizes are in elements.

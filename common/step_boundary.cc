@@ -4,17 +4,28 @@
 
 namespace shard {
 
-StepBoundary DecideStepBoundary(int64_t step, int64_t total_steps, int64_t every,
-                                const StepOrders& agreed, int64_t* satisfied) {
+StepBoundary DecideStepBoundary(int64_t step, const StepBoundaryRules& rules,
+                                const StepOrders& agreed, bool snapshots_busy,
+                                StepBoundaryState* state) {
   StepBoundary boundary;
-  const bool periodic = every > 0 && step % every == 0;
-  if (periodic || agreed.save_request > *satisfied) {
+  const bool periodic = rules.checkpoint_every > 0 && step % rules.checkpoint_every == 0;
+  if (periodic || agreed.save_request > state->satisfied) {
     boundary.save = true;
-    boundary.request = std::max(agreed.save_request, *satisfied);
-    *satisfied = boundary.request;
+    boundary.request = std::max(agreed.save_request, state->satisfied);
+    state->satisfied = boundary.request;
   }
-  boundary.pause = agreed.pause_request > 0 && *satisfied >= agreed.pause_request &&
-                   step < total_steps;
+  if (agreed.pause_in_memory && agreed.pause_request > state->snapshotted_pause) {
+    boundary.snapshot = true;
+    boundary.snapshot_request = agreed.pause_request;
+    state->snapshotted_pause = agreed.pause_request;
+  } else if (rules.snapshot_every > 0 && !snapshots_busy &&
+             step / rules.snapshot_every > state->last_snapshot_step / rules.snapshot_every) {
+    boundary.snapshot = true;
+  }
+  if (boundary.snapshot) state->last_snapshot_step = step;
+  const int64_t answered = agreed.pause_in_memory ? state->snapshotted_pause : state->satisfied;
+  boundary.pause = agreed.pause_request > 0 && answered >= agreed.pause_request &&
+                   step < rules.total_steps;
   return boundary;
 }
 

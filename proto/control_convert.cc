@@ -2,6 +2,8 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "common/status_macros.h"
+#include "proto/plan_convert.h"
 
 namespace shard {
 
@@ -116,11 +118,13 @@ v1::TrainingStart ToProto(const TrainingStartPoint& start) {
   out.set_checkpoint_id(start.checkpoint_id);
   out.set_checkpoint_dir(start.dir);
   out.set_step(start.step);
+  out.set_in_memory(start.in_memory);
   return out;
 }
 
 TrainingStartPoint FromProto(const v1::TrainingStart& start) {
-  return TrainingStartPoint{start.checkpoint_id(), start.checkpoint_dir(), start.step()};
+  return TrainingStartPoint{start.checkpoint_id(), start.checkpoint_dir(), start.step(),
+                            start.in_memory()};
 }
 
 v1::StepStats ToProto(const StepReport& report) {
@@ -160,6 +164,110 @@ v1::ShardRecord ToProto(const ShardRecord& record) {
 ShardRecord FromProto(const v1::ShardRecord& record) {
   return ShardRecord{record.file(), record.rank(), record.bytes(), record.xxh3(),
                      {record.block_xxh3().begin(), record.block_xxh3().end()}};
+}
+
+v1::SnapshotShard ToProto(const SnapshotShard& shard) {
+  v1::SnapshotShard out;
+  out.set_id(shard.id);
+  out.set_generation(shard.generation);
+  out.set_step(shard.step);
+  out.set_rank(shard.rank);
+  v1::PlanSpec* plan = out.mutable_plan();
+  plan->set_world_size(shard.plan.world_size);
+  plan->set_mode(ToProto(shard.plan.mode));
+  plan->set_bucket_cap_bytes(shard.plan.bucket_cap_bytes);
+  plan->set_first_bucket_cap_bytes(shard.plan.first_bucket_cap_bytes);
+  plan->set_alignment_bytes(shard.plan.alignment_bytes);
+  for (int param : shard.plan.gradient_order) plan->add_gradient_order(param);
+  plan->set_hash(shard.plan_hash);
+  out.set_optimizer_step(shard.counters.optimizer_step);
+  out.set_loss_scale(shard.counters.loss_scale);
+  out.set_loss_scale_growth_tracker(shard.counters.loss_scale_growth_tracker);
+  *out.mutable_record() = ToProto(shard.record);
+  out.set_request(shard.request);
+  return out;
+}
+
+absl::StatusOr<SnapshotShard> FromProto(const v1::SnapshotShard& shard) {
+  SnapshotShard out;
+  out.id = shard.id();
+  out.generation = shard.generation();
+  out.step = shard.step();
+  out.rank = shard.rank();
+  SHARD_ASSIGN_OR_RETURN(out.plan, PlanOptionsFromSpec(shard.plan()));
+  out.plan_hash = shard.plan().hash();
+  out.counters = TrainingCounters{shard.optimizer_step(), shard.loss_scale(),
+                                  shard.loss_scale_growth_tracker()};
+  out.record = FromProto(shard.record());
+  out.record.rank = out.rank;
+  out.request = shard.request();
+  // The same checks as a peer's description of it.
+  return SnapshotShardFromJson(SnapshotShardToJson(out));
+}
+
+v1::SnapshotHolder ToProto(const SnapshotHolder& holder) {
+  v1::SnapshotHolder out;
+  out.set_worker_id(holder.worker_id);
+  out.set_incarnation(holder.incarnation);
+  out.set_address(holder.address);
+  return out;
+}
+
+SnapshotHolder FromProto(const v1::SnapshotHolder& holder) {
+  return SnapshotHolder{holder.worker_id(), holder.incarnation(), holder.address()};
+}
+
+v1::ReportSnapshotRequest ToProto(const SnapshotReport& report) {
+  v1::ReportSnapshotRequest out;
+  out.set_worker_id(report.worker_id);
+  out.set_incarnation(report.incarnation);
+  for (const SnapshotShard& shard : report.held) *out.add_held() = ToProto(shard);
+  for (const std::string& id : report.dropped) out.add_dropped(id);
+  out.set_failed_id(report.failed_id);
+  out.set_error(report.error);
+  return out;
+}
+
+absl::StatusOr<SnapshotReport> FromProto(const v1::ReportSnapshotRequest& request) {
+  SnapshotReport report;
+  report.worker_id = request.worker_id();
+  report.incarnation = request.incarnation();
+  for (const v1::SnapshotShard& shard : request.held()) {
+    SHARD_ASSIGN_OR_RETURN(SnapshotShard held, FromProto(shard));
+    report.held.push_back(std::move(held));
+  }
+  report.dropped.assign(request.dropped().begin(), request.dropped().end());
+  report.failed_id = request.failed_id();
+  report.error = request.error();
+  return report;
+}
+
+v1::ReportRestoreRequest ToProto(const RestoreReport& report) {
+  v1::ReportRestoreRequest out;
+  out.set_worker_id(report.worker_id);
+  out.set_incarnation(report.incarnation);
+  out.set_generation(report.generation);
+  out.set_checkpoint_id(report.checkpoint_id);
+  out.set_in_memory(report.in_memory);
+  out.set_duration_ms(absl::ToDoubleMilliseconds(report.duration));
+  out.set_bytes_from_peers(report.bytes_from_peers);
+  out.set_bytes(report.bytes);
+  out.set_error(report.error);
+  return out;
+}
+
+RestoreReport FromProto(const v1::ReportRestoreRequest& request) {
+  RestoreReport report;
+  report.worker_id = request.worker_id();
+  report.incarnation = request.incarnation();
+  report.generation = request.generation();
+  report.checkpoint_id = request.checkpoint_id();
+  report.in_memory = request.in_memory();
+  report.duration = absl::Milliseconds(request.duration_ms());
+  report.bytes_from_peers = request.bytes_from_peers();
+  report.bytes = request.bytes();
+  report.error = request.error();
+  return report;
 }
 
 v1::ReportCheckpointShardRequest ToProto(const ShardReport& report) {
@@ -210,10 +318,12 @@ v1::JoinRequest ToProto(const JoinParams& params) {
   for (const std::string& capability : params.capabilities) out.add_capabilities(capability);
   out.set_incarnation(params.incarnation);
   if (params.requested_rank.has_value()) out.set_requested_rank(*params.requested_rank);
+  out.set_snapshot_address(params.snapshot_address);
+  for (const SnapshotShard& shard : params.holdings) *out.add_holdings() = ToProto(shard);
   return out;
 }
 
-JoinParams FromProto(const v1::JoinRequest& request) {
+absl::StatusOr<JoinParams> FromProto(const v1::JoinRequest& request) {
   JoinParams params;
   params.worker_id = request.worker_id();
   params.host = request.host();
@@ -221,6 +331,11 @@ JoinParams FromProto(const v1::JoinRequest& request) {
   params.capabilities.assign(request.capabilities().begin(), request.capabilities().end());
   params.incarnation = request.incarnation();
   if (request.has_requested_rank()) params.requested_rank = request.requested_rank();
+  params.snapshot_address = request.snapshot_address();
+  for (const v1::SnapshotShard& shard : request.holdings()) {
+    SHARD_ASSIGN_OR_RETURN(SnapshotShard held, FromProto(shard));
+    params.holdings.push_back(std::move(held));
+  }
   return params;
 }
 
@@ -249,11 +364,12 @@ HeartbeatParams FromProto(const v1::HeartbeatRequest& request) {
 void SetOrders(const StepOrders& orders, v1::HeartbeatResponse* response) {
   response->set_checkpoint_request(orders.save_request);
   response->set_pause_request(orders.pause_request);
+  response->set_pause_in_memory(orders.pause_in_memory);
 }
 
 StepOrders OrdersOf(const v1::HeartbeatResponse& response) {
   return StepOrders{response.world().generation(), response.checkpoint_request(),
-                    response.pause_request()};
+                    response.pause_request(), response.pause_in_memory()};
 }
 
 v1::GetSaveProgressResponse ToProto(const SaveProgress& progress) {
@@ -324,6 +440,16 @@ v1::TrainingProgress ToProto(const TrainingProgress& progress) {
     out.set_last_checkpoint_age_ms(absl::ToInt64Milliseconds(*progress.last_checkpoint_age));
   }
   out.set_overlap_fraction(progress.overlap_fraction);
+  out.set_last_snapshot(progress.last_snapshot);
+  out.set_last_snapshot_step(progress.last_snapshot_step);
+  if (progress.last_snapshot_age.has_value()) {
+    out.set_last_snapshot_age_ms(absl::ToInt64Milliseconds(*progress.last_snapshot_age));
+  }
+  out.set_last_snapshot_copies(progress.last_snapshot_copies);
+  out.set_replica_lag_steps(progress.replica_lag_steps);
+  if (progress.replica_lag.has_value()) {
+    out.set_replica_lag_ms(absl::ToInt64Milliseconds(*progress.replica_lag));
+  }
   return out;
 }
 
@@ -340,6 +466,14 @@ TrainingProgress FromProto(const v1::TrainingProgress& progress) {
     out.last_checkpoint_age = absl::Milliseconds(progress.last_checkpoint_age_ms());
   }
   out.overlap_fraction = progress.overlap_fraction();
+  out.last_snapshot = progress.last_snapshot();
+  out.last_snapshot_step = progress.last_snapshot_step();
+  if (progress.has_last_snapshot_age_ms()) {
+    out.last_snapshot_age = absl::Milliseconds(progress.last_snapshot_age_ms());
+  }
+  out.last_snapshot_copies = progress.last_snapshot_copies();
+  out.replica_lag_steps = progress.replica_lag_steps();
+  if (progress.has_replica_lag_ms()) out.replica_lag = absl::Milliseconds(progress.replica_lag_ms());
   return out;
 }
 

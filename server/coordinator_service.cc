@@ -41,9 +41,11 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Join(grpc::CallbackServerConte
                               "too many joins at once; the coordinator bounds their rate "
                               "(--max-joins-per-second): retry shortly"));
   }
+  absl::StatusOr<JoinParams> params = FromProto(*request);
+  if (!params.ok()) return Reply(context, params.status());
   const Pending pending = Later(context);
   const std::string job = core_->world().options().job;
-  core_->Join(FromProto(*request), clock_(),
+  core_->Join(*std::move(params), clock_(),
               [pending, response, job, this](absl::StatusOr<JoinReply> reply) {
                 if (reply.ok()) {
                   response->set_rank(reply->outcome.rank);

@@ -76,7 +76,7 @@ struct Group {
   bool over = false;           // failed, paused or done
   int64_t step = 0;
   uint64_t hash = 0;
-  int64_t satisfied = 0;
+  StepBoundaryState boundary;
   std::string restored_from;
 };
 
@@ -834,8 +834,8 @@ void Simulation::Step(int64_t generation) {
       agreed.save_request = std::max(agreed.save_request, known.save_request);
       agreed.pause_request = std::max(agreed.pause_request, known.pause_request);
     }
-    boundary = DecideStepBoundary(group.step, job_.steps, job_.checkpoint_every, agreed,
-                                  &group.satisfied);
+    boundary = DecideStepBoundary(group.step, StepBoundaryRules{job_.steps, job_.checkpoint_every, 0},
+                                  agreed, /*snapshots_busy=*/false, &group.boundary);
   }
   const bool last = group.step >= job_.steps;
   if (boundary.save) {

@@ -5,6 +5,7 @@
 
 #include <set>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace shard {
@@ -55,6 +56,83 @@ TEST(ControlConvertTest, WorldAndTrainingStartRoundTrip) {
 
   const TrainingStartPoint start{"step-00000120-g9", "/ckpt/job7/step-00000120-g9", 120};
   EXPECT_EQ(FromProto(ToProto(start)), start);
+  const TrainingStartPoint memory{"step-00000130-g10", "", 130, /*in_memory=*/true};
+  EXPECT_EQ(FromProto(ToProto(memory)), memory);
+}
+
+// A snapshot shard as a worker holds it: rank 1 of 2, two 4 MiB blocks and a short one.
+SnapshotShard HeldShard() {
+  SnapshotShard shard;
+  shard.id = "step-00000040-g3";
+  shard.generation = 3;
+  shard.step = 40;
+  shard.rank = 1;
+  shard.plan.world_size = 2;
+  shard.plan.mode = ShardMode::kParam;
+  shard.plan.bucket_cap_bytes = 4096;
+  shard.plan.first_bucket_cap_bytes = 1024;
+  shard.plan.alignment_bytes = 64;
+  shard.plan.gradient_order = {3, 2, 1, 0};
+  shard.plan_hash = "0123456789abcdef";
+  shard.counters = TrainingCounters{38, 512.0f, 7};
+  shard.record = ShardRecord{"shard-00001-of-00002.bin", 1, (8 << 20) + 12, "00ff",
+                             {"01", "02", "03"}};
+  shard.request = 6;
+  return shard;
+}
+
+TEST(ControlConvertTest, SnapshotShardsReportsAndRestoresRoundTrip) {
+  const SnapshotShard shard = HeldShard();
+  absl::StatusOr<SnapshotShard> back = FromProto(ToProto(shard));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, shard);
+
+  SnapshotReport report;
+  report.worker_id = "w4";
+  report.incarnation = 11;
+  report.held = {shard};
+  report.dropped = {"step-00000020-g3"};
+  report.failed_id = "step-00000050-g3";
+  report.error = "out of memory";
+  absl::StatusOr<SnapshotReport> report_back = FromProto(ToProto(report));
+  ASSERT_TRUE(report_back.ok()) << report_back.status();
+  EXPECT_EQ(*report_back, report);
+
+  RestoreReport restore;
+  restore.worker_id = "w4";
+  restore.incarnation = 11;
+  restore.generation = 5;
+  restore.checkpoint_id = shard.id;
+  restore.in_memory = true;
+  restore.duration = absl::Milliseconds(84.5);
+  restore.bytes_from_peers = 1 << 20;
+  restore.bytes = 3 << 20;
+  EXPECT_EQ(FromProto(ToProto(restore)), restore);
+
+  const SnapshotHolder holder{"w4", 11, "10.0.0.4:41234"};
+  EXPECT_EQ(FromProto(ToProto(holder)), holder);
+}
+
+TEST(ControlConvertTest, AMalformedSnapshotShardIsRefusedNamingTheField) {
+  v1::SnapshotShard wire = ToProto(HeldShard());
+  wire.mutable_record()->add_block_xxh3("04");  // one checksum too many for its bytes
+  EXPECT_THAT(FromProto(wire).status().message(), ::testing::HasSubstr("block checksums"));
+  wire = ToProto(HeldShard());
+  wire.set_id("step-00000041-g3");  // not the id of its step
+  EXPECT_TRUE(absl::IsInvalidArgument(FromProto(wire).status()));
+  wire = ToProto(HeldShard());
+  wire.set_id("../../etc");
+  EXPECT_TRUE(absl::IsInvalidArgument(FromProto(wire).status()));
+  wire = ToProto(HeldShard());
+  wire.set_rank(2);  // outside its world of 2
+  EXPECT_TRUE(absl::IsInvalidArgument(FromProto(wire).status()));
+  wire = ToProto(HeldShard());
+  wire.set_optimizer_step(41);  // past its step
+  EXPECT_TRUE(absl::IsInvalidArgument(FromProto(wire).status()));
+
+  v1::JoinRequest join = ToProto(JoinParams{});
+  *join.add_holdings() = wire;
+  EXPECT_FALSE(FromProto(join).ok()) << "a join carrying a malformed holding is refused";
 }
 
 TEST(ControlConvertTest, WorkerReportsRoundTrip) {
@@ -83,9 +161,11 @@ TEST(ControlConvertTest, WorkerReportsRoundTrip) {
   join.device = "cuda:0";
   join.capabilities = {"nccl", "gloo"};
   join.incarnation = 7;
-  EXPECT_EQ(FromProto(ToProto(join)), join);
+  join.snapshot_address = "10.0.0.2:41234";
+  join.holdings = {HeldShard()};
+  EXPECT_EQ(*FromProto(ToProto(join)), join);
   join.requested_rank = 0;  // rank 0 is a rank, not "unset"
-  EXPECT_EQ(FromProto(ToProto(join)), join);
+  EXPECT_EQ(*FromProto(ToProto(join)), join);
 
   HeartbeatParams beat;
   beat.worker_id = "w1";
@@ -104,6 +184,8 @@ TEST(ControlConvertTest, OrdersBelongToTheGenerationOfTheReplysWorld) {
   *response.mutable_world() = ToProto(world, "job");
   SetOrders(StepOrders{8, 5, 5}, &response);
   EXPECT_EQ(OrdersOf(response), (StepOrders{8, 5, 5}));
+  SetOrders(StepOrders{8, 4, 6, /*pause_in_memory=*/true}, &response);
+  EXPECT_EQ(OrdersOf(response), (StepOrders{8, 4, 6, true}));
 }
 
 TEST(ControlConvertTest, StatusAndProgressRoundTrip) {
@@ -132,6 +214,12 @@ TEST(ControlConvertTest, StatusAndProgressRoundTrip) {
   progress_now.last_checkpoint_step = 800;
   progress_now.last_checkpoint_age = absl::Milliseconds(960);
   progress_now.overlap_fraction = 0.75;
+  progress_now.last_snapshot = "step-00000810-g3";
+  progress_now.last_snapshot_step = 810;
+  progress_now.last_snapshot_age = absl::Milliseconds(120);
+  progress_now.last_snapshot_copies = 2;
+  progress_now.replica_lag_steps = 10;
+  progress_now.replica_lag = absl::Milliseconds(35);
   EXPECT_EQ(FromProto(ToProto(progress_now)), progress_now);
   // Unknown stays unknown: no loss, ETA or checkpoint reads back as such, not as zero.
   EXPECT_EQ(FromProto(ToProto(TrainingProgress{})), TrainingProgress{});

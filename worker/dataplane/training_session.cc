@@ -186,10 +186,10 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
     SHARD_RETURN_IF_ERROR(device_.AllReduceHostValues(communicator_, requests, 2,
                                                       DataType::kInt64, ReduceOp::kMax));
   }
-  const StepBoundary boundary =
-      DecideStepBoundary(step + 1, job_.steps, job_.checkpoint_every,
-                         StepOrders{options_.generation, requests[0], requests[1]},
-                         &satisfied_request_);
+  const StepBoundary boundary = DecideStepBoundary(
+      step + 1, StepBoundaryRules{job_.steps, job_.checkpoint_every, 0},
+      StepOrders{options_.generation, requests[0], requests[1]}, /*snapshots_busy=*/false,
+      &boundary_state_);
   if (boundary.save) {
     const absl::Time pause_start = absl::Now();
     std::vector<char> bytes = saver_.TakeBuffer();

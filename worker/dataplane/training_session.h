@@ -28,6 +28,7 @@
 #include "common/control_types.h"
 #include "common/job_spec.h"
 #include "common/manifest.h"
+#include "common/step_boundary.h"
 #include "worker/dataplane/checkpoint_saver.h"
 #include "worker/dataplane/communicator.h"
 #include "worker/dataplane/device.h"
@@ -145,7 +146,7 @@ class TrainingSession {
   CheckpointSaver saver_;
   bool restored_ = false;
   int64_t next_step_ = 0;
-  int64_t satisfied_request_ = 0;
+  StepBoundaryState boundary_state_;
   TrainResult result_;
   absl::Time steady_start_;  // end of this run's first step
   double hidden_ms_ = 0;
