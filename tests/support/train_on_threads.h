@@ -4,6 +4,7 @@
 // job.output_dir/final.safetensors. Header-only.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,12 +23,21 @@
 
 namespace shard {
 
-// From the committed checkpoint `restore_dir` if set (its gradient order plans the buckets);
-// with `consolidate_path`, the last rank consolidates the state there at the end. Every rank
-// must succeed; `results` (if given) receives what each rank's TrainMlp returned, by rank.
-inline void TrainMlpOnThreads(const JobConfig& job, const std::string& restore_dir,
-                              const std::string& consolidate_path = "",
-                              std::vector<TrainResult>* results = nullptr) {
+struct RankThreadsOptions {
+  // From this committed checkpoint (its gradient order plans the buckets).
+  std::string restore_dir;
+  // The last rank consolidates the state there at the end.
+  std::string consolidate_path;
+  // Receives what each rank's TrainMlp returned, by rank.
+  std::vector<TrainResult>* results = nullptr;
+  // The plans' gradient order (a memory snapshot's, say) when there is no restore_dir.
+  std::vector<int> gradient_order;
+  // Anything else a rank's trainer needs (snapshots, another restore source), by rank.
+  std::function<void(int rank, TrainerOptions*)> configure;
+};
+
+// Every rank must succeed.
+inline void TrainMlpOnThreads(const JobConfig& job, const RankThreadsOptions& run) {
   absl::Mutex mu;
   SavedShards saved;
   InProcessKeyValueStore store;
@@ -46,8 +56,9 @@ inline void TrainMlpOnThreads(const JobConfig& job, const std::string& restore_d
         return;
       }
       PlanOptions plan = PlanOptionsForJob(job);
-      if (!restore_dir.empty()) {
-        absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(restore_dir);
+      plan.gradient_order = run.gradient_order;
+      if (!run.restore_dir.empty()) {
+        absl::StatusOr<CheckpointManifest> manifest = ReadCheckpointManifest(run.restore_dir);
         if (!manifest.ok()) {
           trained[rank] = manifest.status();
           return;
@@ -56,25 +67,32 @@ inline void TrainMlpOnThreads(const JobConfig& job, const std::string& restore_d
       }
       LocalPlanProvider plans(plan);
       TrainerOptions options;
-      options.restore_dir = restore_dir;
-      if (!consolidate_path.empty()) {
+      options.restore_dir = run.restore_dir;
+      if (!run.consolidate_path.empty()) {
         options.consolidate_to_rank = job.world_size - 1;
-        options.consolidate_path = consolidate_path;
+        options.consolidate_path = run.consolidate_path;
       }
       options.on_checkpoint = [&](const SavedShard& shard) {
         absl::MutexLock lock(&mu);
         saved[shard.id].push_back(shard);
       };
+      if (run.configure) run.configure(rank, &options);
       trained[rank] = TrainMlp(job, **communicator, plans, options);
     });
   }
   for (std::thread& t : threads) t.join();
   for (const absl::StatusOr<TrainResult>& rank : trained) SHARD_ASSERT_OK(rank.status());
-  if (results != nullptr) {
-    results->clear();
-    for (absl::StatusOr<TrainResult>& rank : trained) results->push_back(*std::move(rank));
+  if (run.results != nullptr) {
+    run.results->clear();
+    for (absl::StatusOr<TrainResult>& rank : trained) run.results->push_back(*std::move(rank));
   }
   ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, saved));
+}
+
+inline void TrainMlpOnThreads(const JobConfig& job, const std::string& restore_dir,
+                              const std::string& consolidate_path = "",
+                              std::vector<TrainResult>* results = nullptr) {
+  TrainMlpOnThreads(job, RankThreadsOptions{restore_dir, consolidate_path, results, {}, {}});
 }
 
 }  // namespace shard

@@ -391,7 +391,8 @@ void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
             saved.plan = engine->plan_pointer();
             saved.plan_version = engine->plan_version();
             saved.counters = engine->counters();
-            saver.Start(std::move(saved), kWorld, std::move(bytes));
+            saver.Start(std::move(saved), kWorld,
+                        std::make_shared<std::vector<char>>(std::move(bytes)));
           }
         }
         saver.WaitIdle();

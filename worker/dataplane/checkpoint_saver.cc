@@ -27,10 +27,10 @@ absl::Duration CheckpointSaver::WaitIdle() {
 std::vector<char> CheckpointSaver::TakeBuffer() {
   WaitIdle();
   absl::MutexLock lock(&mu_);
-  return std::move(bytes_);
+  return std::move(kept_);
 }
 
-void CheckpointSaver::Start(SavedShard saved, int world_size, std::vector<char> bytes) {
+void CheckpointSaver::Start(SavedShard saved, int world_size, SnapshotBytes bytes) {
   WaitIdle();
   absl::MutexLock lock(&mu_);
   job_ = std::move(saved);
@@ -42,7 +42,7 @@ void CheckpointSaver::Start(SavedShard saved, int world_size, std::vector<char> 
 void CheckpointSaver::Loop() {
   while (true) {
     SavedShard saved;
-    std::vector<char> bytes;
+    SnapshotBytes bytes;
     int world_size = 0;
     {
       absl::MutexLock lock(&mu_);
@@ -58,7 +58,7 @@ void CheckpointSaver::Loop() {
         ShardWriter::Create(saved.dir, saved.rank, world_size);
     if (!writer.ok()) {
       saved.record = writer.status();
-    } else if (absl::Status written = (*writer)->Append(bytes.data(), bytes.size());
+    } else if (absl::Status written = (*writer)->Append(bytes->data(), bytes->size());
                !written.ok()) {
       saved.record = written;
     } else {
@@ -68,7 +68,8 @@ void CheckpointSaver::Loop() {
     saved.write_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
     on_saved_(saved);
     absl::MutexLock lock(&mu_);
-    bytes_ = std::move(bytes);  // kept for the next snapshot
+    // Kept for the next copy unless a memory snapshot holds it.
+    if (bytes.use_count() == 1) kept_ = std::move(*bytes);
     busy_ = false;
   }
 }

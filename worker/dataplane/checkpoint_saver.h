@@ -1,7 +1,8 @@
 // Writes a rank's checkpoint shard off the training thread: the trainer copies the owned state
 // into a buffer (the only pause training sees) and hands it over; this thread writes, hashes,
 // fsyncs and renames the shard file, then reports. One save is in flight at a time; a new one
-// first waits for the previous.
+// first waits for the previous. The buffer may be shared with a memory snapshot of the same step
+// (worker/dataplane/snapshotter.h): both only read it.
 #pragma once
 
 #include <functional>
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/checkpoint.h"
+#include "worker/dataplane/snapshot_store.h"
 
 namespace shard {
 
@@ -38,11 +40,11 @@ class CheckpointSaver {
 
   // Blocks until no save is in flight (and returns how long that took).
   absl::Duration WaitIdle();
-  // Waits for the save in flight and hands back its buffer (empty the first time), so that the
-  // next snapshot copies into memory that is already mapped.
+  // Waits for the save in flight and hands back its buffer when nothing else holds it (else an
+  // empty one), so that the next copy goes into memory that is already mapped.
   std::vector<char> TakeBuffer();
   // Starts writing `bytes` as shard `saved.rank` of `saved.dir`.
-  void Start(SavedShard saved, int world_size, std::vector<char> bytes);
+  void Start(SavedShard saved, int world_size, SnapshotBytes bytes);
 
  private:
   void Loop();
@@ -53,7 +55,8 @@ class CheckpointSaver {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   SavedShard job_ ABSL_GUARDED_BY(mu_);
   int world_size_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<char> bytes_ ABSL_GUARDED_BY(mu_);     // to write, then written (kept)
+  SnapshotBytes bytes_ ABSL_GUARDED_BY(mu_);       // to write
+  std::vector<char> kept_ ABSL_GUARDED_BY(mu_);    // written, for the next copy
   std::thread thread_;
 };
 

@@ -9,6 +9,7 @@
 #include "common/files.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
+#include "common/snapshot.h"
 #include "common/step_boundary.h"
 #include "worker/dataplane/cpu_device.h"
 
@@ -100,13 +101,25 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
   if (precision == DataType::kFloat16) engine_options.loss_scaling = LossScalerOptions{};
   SHARD_ASSIGN_OR_RETURN(session->engine_, Engine::Create(std::move(manifest), &communicator,
                                                           &plans, engine_options));
-  if (!options.restore_dir.empty()) {
+  if (options.snapshots != nullptr && job.snapshot_every > 0) {
+    session->snapshotter_ = std::make_unique<Snapshotter>(
+        options.snapshots, options.snapshot_buddies,
+        Snapshotter::Callbacks{options.on_snapshot, options.on_snapshot_push_failed});
+  }
+  if (options.open_restore || !options.restore_dir.empty()) {
     StallPoint("before-restore");
-    SHARD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> checkpoint,
-                           CheckpointReader::Open(options.restore_dir));
-    SHARD_RETURN_IF_ERROR(session->engine_->Restore(*checkpoint));
+    const absl::Time start = absl::Now();
+    absl::Status restored = [&]() -> absl::Status {
+      SHARD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> checkpoint,
+                             options.open_restore ? options.open_restore()
+                                                  : CheckpointReader::Open(options.restore_dir));
+      SHARD_RETURN_IF_ERROR(session->engine_->Restore(*checkpoint));
+      session->next_step_ = checkpoint->manifest().step;
+      return absl::OkStatus();
+    }();
+    if (options.on_restored) restored = options.on_restored(restored, absl::Now() - start);
+    SHARD_RETURN_IF_ERROR(restored);
     session->restored_ = true;
-    session->next_step_ = checkpoint->manifest().step;
   }
   session->result_.start_step = session->next_step_;
   return session;
@@ -115,6 +128,8 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
 bool TrainingSession::stop_requested() const {
   return options_.stop != nullptr && options_.stop->load();
 }
+
+bool TrainingSession::Interrupted() const { return communicator_.aborted() || stop_requested(); }
 
 absl::StatusOr<bool> TrainingSession::LoadInitFile() {
   if (job_.init_path.empty()) return false;
@@ -177,45 +192,92 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
   result_.steps = step + 1;
   next_step_ = step + 1;
 
-  // Checkpoint at this step boundary if it is due or requested anywhere; the ranks agree on
-  // the newest save and pause requests any of them knows.
+  // Checkpoint or snapshot at this step boundary if one is due or requested anywhere: the ranks
+  // agree on the newest save and pause requests any of them knows, and on whether any of them is
+  // still replicating its previous snapshot.
+  if (step == result_.start_step) boundary_state_.last_snapshot_step = step;
   StepOrders known = options_.orders ? options_.orders() : StepOrders{};
   if (known.generation != options_.generation) known = StepOrders{};
-  int64_t requests[2] = {known.save_request, known.pause_request};
-  if (options_.orders) {
-    SHARD_RETURN_IF_ERROR(device_.AllReduceHostValues(communicator_, requests, 2,
-                                                      DataType::kInt64, ReduceOp::kMax));
+  int64_t agreed[4] = {known.save_request, known.pause_request, known.pause_in_memory ? 1 : 0,
+                       snapshotter_ != nullptr && snapshotter_->busy() ? 1 : 0};
+  if (options_.orders || snapshotter_ != nullptr) {
+    SHARD_RETURN_IF_ERROR(device_.AllReduceHostValues(communicator_, agreed, 4, DataType::kInt64,
+                                                      ReduceOp::kMax));
   }
   const StepBoundary boundary = DecideStepBoundary(
-      step + 1, StepBoundaryRules{job_.steps, job_.checkpoint_every, 0},
-      StepOrders{options_.generation, requests[0], requests[1]}, /*snapshots_busy=*/false,
+      step + 1,
+      StepBoundaryRules{job_.steps, job_.checkpoint_every,
+                        snapshotter_ != nullptr ? job_.snapshot_every : 0},
+      StepOrders{options_.generation, agreed[0], agreed[1], agreed[2] > 0}, agreed[3] > 0,
       &boundary_state_);
-  if (boundary.save) {
-    const absl::Time pause_start = absl::Now();
-    std::vector<char> bytes = saver_.TakeBuffer();
-    SHARD_RETURN_IF_ERROR(engine_->CopyOwnedState(&bytes));
-    SavedShard saved;
-    saved.id = CheckpointIdForStep(step + 1, options_.checkpoint_tag);
-    saved.dir = CheckpointDirectory(job_.checkpoint_dir, job_.name, saved.id);
-    saved.step = step + 1;
-    saved.request = boundary.request;
-    saved.rank = communicator_.rank();
-    saved.plan = engine_->plan_pointer();
-    saved.plan_version = engine_->plan_version();
-    saved.counters = engine_->counters();
-    saved.pause_ms = absl::ToDoubleMilliseconds(absl::Now() - pause_start);
-    result_.max_checkpoint_pause_ms = std::max(result_.max_checkpoint_pause_ms, saved.pause_ms);
-    ++result_.checkpoints_saved;
-    record.checkpoint_pause_ms = saved.pause_ms;
-    saver_.Start(std::move(saved), communicator_.size(), std::move(bytes));
+  if (boundary.snapshot && snapshotter_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "the coordinator asked for a memory snapshot, but this worker keeps no snapshot store");
+  }
+  if (boundary.snapshot || boundary.save) {
+    SHARD_RETURN_IF_ERROR(SaveState(step + 1, boundary, &record));
   }
   if (options_.on_step) options_.on_step(record);
   if (boundary.pause) {
-    saver_.WaitIdle();  // the shard must be reported before the world re-forms from it
+    // What the world re-forms from must be reported first: the snapshot held (and replicated),
+    // or the checkpoint's shard on disk.
+    if (boundary.snapshot) {
+      SHARD_RETURN_IF_ERROR(snapshotter_->WaitIdle([this] { return Interrupted(); }));
+    }
+    saver_.WaitIdle();
     result_.paused_at = step + 1;
     return Boundary::kPaused;
   }
   return finished() ? Boundary::kFinished : Boundary::kContinue;
+}
+
+absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& boundary,
+                                        StepRecord* record) {
+  const absl::Time pause_start = absl::Now();
+  const int rank = communicator_.rank();
+  const uint64_t bytes = MakeShardLayout(engine_->manifest(), engine_->plan(), rank,
+                                         static_cast<int>(engine_->optimizer_state_names().size()))
+                             .bytes;
+  // One copy serves both: a snapshot's buffer comes from the store (a dropped snapshot's), a
+  // checkpoint's alone from the writer (its previous one).
+  std::vector<char> buffer =
+      boundary.snapshot ? options_.snapshots->TakeBuffer(bytes) : saver_.TakeBuffer();
+  SHARD_RETURN_IF_ERROR(engine_->CopyOwnedState(&buffer));
+  auto copy = std::make_shared<std::vector<char>>(std::move(buffer));
+  if (boundary.snapshot) {
+    SnapshotShard shard;
+    shard.id = SnapshotId(step, options_.generation);
+    shard.generation = options_.generation;
+    shard.step = step;
+    shard.rank = rank;
+    shard.plan = engine_->plan().options;
+    shard.plan_hash = engine_->plan().hash;
+    shard.counters = engine_->counters();
+    shard.request = boundary.snapshot_request;
+    // Waits only for a pausing snapshot: a periodic one is never taken while one is in flight.
+    SHARD_RETURN_IF_ERROR(
+        snapshotter_->Start(std::move(shard), copy, [this] { return Interrupted(); }));
+    ++result_.snapshots_taken;
+    record->snapshot = true;
+  }
+  const double pause_ms = absl::ToDoubleMilliseconds(absl::Now() - pause_start);
+  if (boundary.save) {
+    SavedShard saved;
+    saved.id = CheckpointIdForStep(step, options_.checkpoint_tag);
+    saved.dir = CheckpointDirectory(job_.checkpoint_dir, job_.name, saved.id);
+    saved.step = step;
+    saved.request = boundary.request;
+    saved.rank = rank;
+    saved.plan = engine_->plan_pointer();
+    saved.plan_version = engine_->plan_version();
+    saved.counters = engine_->counters();
+    saved.pause_ms = pause_ms;
+    ++result_.checkpoints_saved;
+    saver_.Start(std::move(saved), communicator_.size(), std::move(copy));
+  }
+  result_.max_checkpoint_pause_ms = std::max(result_.max_checkpoint_pause_ms, pause_ms);
+  record->checkpoint_pause_ms = pause_ms;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<TrainResult> TrainingSession::Finish() {

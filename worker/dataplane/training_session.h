@@ -34,6 +34,8 @@
 #include "worker/dataplane/device.h"
 #include "worker/dataplane/engine.h"
 #include "worker/dataplane/plan_provider.h"
+#include "worker/dataplane/snapshot_store.h"
+#include "worker/dataplane/snapshotter.h"
 
 namespace shard {
 
@@ -43,7 +45,8 @@ struct StepRecord {
   double step_ms = 0;     // wall time of the whole step on this rank
   StepTimings timings;
   int64_t plan_version = 0;
-  double checkpoint_pause_ms = 0;  // when this step ended with a checkpoint
+  double checkpoint_pause_ms = 0;  // when this step ended with a checkpoint or a snapshot
+  bool snapshot = false;           // this step ended with a memory snapshot
 };
 
 struct TrainResult {
@@ -58,7 +61,8 @@ struct TrainResult {
   std::string output_path;            // rank 0 only
   int checkpoints_saved = 0;
   int64_t paused_at = 0;  // the step after which training paused for a re-formation; 0: it did not
-  double max_checkpoint_pause_ms = 0;  // the longest training stall of a save
+  double max_checkpoint_pause_ms = 0;  // the longest training stall of a save or snapshot
+  int snapshots_taken = 0;
 };
 
 struct TrainerOptions {
@@ -73,6 +77,21 @@ struct TrainerOptions {
   // Checkpoints (see common/checkpoint.h). Restore from this committed checkpoint directory
   // before training: training continues with the step after the checkpoint's.
   std::string restore_dir;
+  // Or from the checkpoint this opens (a memory snapshot's holders, say), if set.
+  std::function<absl::StatusOr<std::unique_ptr<CheckpointReader>>()> open_restore;
+  // Called with the restore's outcome and how long it took; what it returns is the outcome
+  // (e.g. a failed read of a memory snapshot becomes the end of the generation, not of the
+  // process).
+  std::function<absl::Status(const absl::Status&, absl::Duration)> on_restored;
+  // In-memory snapshots (the job's snapshot.every_steps; common/snapshot.h): the worker's store
+  // (null: this rank takes none) and the snapshot servers of this rank's buddies in this
+  // generation, nearest first. `on_snapshot` runs on the snapshot thread once this rank holds its
+  // own shard of a snapshot; `on_snapshot_push_failed` when a buddy did not take a replica.
+  SnapshotStore* snapshots = nullptr;
+  std::vector<std::string> snapshot_buddies;
+  std::function<void(const SnapshotShard&, const std::vector<std::string>& dropped)> on_snapshot;
+  std::function<void(const SnapshotShard&, const std::string& buddy, const absl::Status&)>
+      on_snapshot_push_failed;
   // The orders from the coordinator this rank knows of now (common/control_types.h), polled at
   // every step boundary; only orders of `generation` count. All ranks save at the first
   // boundary at which any of them knows a request newer than the last one saved, and pause
@@ -137,6 +156,11 @@ class TrainingSession {
  private:
   TrainingSession(const JobConfig& job, Communicator& communicator, Device& device,
                   const TrainerOptions& options);
+  // Whether a wait of the step boundary must give up: the generation ended (the communicator
+  // was aborted) or training was asked to stop.
+  bool Interrupted() const;
+  // The copy of what this rank owns for a snapshot and/or a disk checkpoint of step `step`.
+  absl::Status SaveState(int64_t step, const StepBoundary& boundary, StepRecord* record);
 
   const JobConfig job_;
   Communicator& communicator_;
@@ -144,6 +168,7 @@ class TrainingSession {
   const TrainerOptions options_;
   std::unique_ptr<Engine> engine_;
   CheckpointSaver saver_;
+  std::unique_ptr<Snapshotter> snapshotter_;  // with a snapshot store
   bool restored_ = false;
   int64_t next_step_ = 0;
   StepBoundaryState boundary_state_;

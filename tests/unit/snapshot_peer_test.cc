@@ -1,0 +1,277 @@
+// A worker's snapshot store and the transfers between workers (worker/dataplane/snapshot_store.h,
+// snapshot_peer.h, snapshot_fetch.h): the newest snapshots kept and their buffers reused; a
+// replica pushed to a peer's server is kept only when every byte checks and only then answered;
+// one cut off half-way or garbled is never kept; ranges fetched back are the bytes sent; a
+// reader over the holders verifies what they serve and names the shard when it does not check.
+// Servers listen on 127.0.0.1 ports the kernel picks; everything runs in this process.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <numeric>
+#include <set>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/shard_hasher.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/support/status_assertions.h"
+#include "worker/dataplane/snapshot_fetch.h"
+#include "worker/dataplane/snapshot_peer.h"
+#include "worker/dataplane/snapshot_store.h"
+
+namespace shard {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+// Deterministic bytes, different for every (seed, offset).
+std::vector<char> Bytes(uint64_t size, int seed) {
+  std::vector<char> bytes(size);
+  for (uint64_t i = 0; i < size; ++i) bytes[i] = static_cast<char>((i * 131 + seed * 7) % 251);
+  return bytes;
+}
+
+// Rank `rank`'s shard of snapshot (generation, step) in a world of `world`, holding `bytes`.
+SnapshotShard Shard(int64_t generation, int64_t step, int rank, int world,
+                    const std::vector<char>& bytes) {
+  SnapshotShard shard;
+  shard.id = SnapshotId(step, generation);
+  shard.generation = generation;
+  shard.step = step;
+  shard.rank = rank;
+  shard.plan.world_size = world;
+  shard.plan_hash = "0123456789abcdef";
+  shard.counters.optimizer_step = step;
+  shard.record = HashShard(bytes.data(), bytes.size(), ShardFileName(rank, world), rank);
+  return shard;
+}
+
+SnapshotBytes Shared(std::vector<char> bytes) {
+  return std::make_shared<std::vector<char>>(std::move(bytes));
+}
+
+TEST(SnapshotStoreTest, KeepsTheNewestSnapshotsAndHandsTheirBuffersOutAgain) {
+  SnapshotStore store(/*kept_snapshots=*/2);
+  const std::vector<char> bytes = Bytes(1000, 1);
+  EXPECT_THAT(store.Add(Shard(3, 10, 0, 2, bytes), Shared(bytes)), IsEmpty());
+  EXPECT_THAT(store.Add(Shard(3, 10, 1, 2, bytes), Shared(bytes)), IsEmpty());
+  EXPECT_THAT(store.Add(Shard(3, 20, 0, 2, bytes), Shared(bytes)), IsEmpty());
+  // A third snapshot drops the oldest, with every shard of it this worker held.
+  SnapshotBytes third = Shared(bytes);
+  std::set<const char*> dropped_buffers;
+  for (int rank : {0, 1}) {
+    std::optional<SnapshotStore::Held> oldest = store.Find(SnapshotId(10, 3), rank);
+    ASSERT_TRUE(oldest.has_value());
+    dropped_buffers.insert(oldest->bytes->data());
+  }
+  EXPECT_THAT(store.Add(Shard(3, 30, 0, 2, bytes), third), ElementsAre(SnapshotId(10, 3)));
+  EXPECT_FALSE(store.Find(SnapshotId(10, 3), 0).has_value());
+  EXPECT_FALSE(store.Find(SnapshotId(10, 3), 1).has_value());
+  ASSERT_TRUE(store.Find(SnapshotId(30, 3), 0).has_value());
+  EXPECT_EQ(store.Find(SnapshotId(30, 3), 0)->bytes->data(), third->data()) << "not copied";
+  // The next snapshot's buffer is one a dropped shard had: its pages are mapped already.
+  std::vector<char> reused = store.TakeBuffer(1000);
+  EXPECT_EQ(reused.size(), 1000u);
+  EXPECT_EQ(dropped_buffers.count(reused.data()), 1u);
+  // A later generation is newer whatever its step (a restore to an earlier step).
+  EXPECT_THAT(store.Add(Shard(4, 5, 0, 2, bytes), Shared(bytes)), ElementsAre(SnapshotId(20, 3)));
+  std::vector<std::string> ids;
+  for (const SnapshotShard& held : store.Holdings()) ids.push_back(held.id);
+  EXPECT_THAT(ids, ElementsAre(SnapshotId(5, 4), SnapshotId(30, 3)));
+  // An older snapshot than those kept is not kept.
+  EXPECT_THAT(store.Add(Shard(3, 15, 1, 2, bytes), Shared(bytes)), ElementsAre(SnapshotId(15, 3)));
+  EXPECT_EQ(store.held_bytes(), 2 * 1000u);
+}
+
+// A snapshot server over its own store, recording the replicas it was told of.
+struct Peer {
+  SnapshotStore store;
+  absl::Mutex mu;
+  std::vector<SnapshotShard> replicas;
+  std::unique_ptr<SnapshotServer> server;
+
+  Peer() {
+    server = *SnapshotServer::Start("127.0.0.1", 0, &store,
+                                    [this](const SnapshotShard& shard,
+                                           const std::vector<std::string>&) {
+                                      absl::MutexLock lock(&mu);
+                                      replicas.push_back(shard);
+                                    });
+  }
+};
+
+TEST(SnapshotPeerTest, APushedReplicaIsKeptAndAnsweredAndItsRangesFetchBack) {
+  Peer peer;
+  // Two whole 4 MiB blocks and a short one.
+  const std::vector<char> bytes = Bytes(2 * kCheckpointBlockBytes + 4097, 2);
+  const SnapshotShard shard = Shard(5, 40, 2, 4, bytes);
+  SHARD_ASSERT_OK(PushSnapshotShard(peer.server->address(), shard, bytes, PeerCallOptions{}));
+  {
+    absl::MutexLock lock(&peer.mu);
+    ASSERT_EQ(peer.replicas.size(), 1u) << "told of it before the pusher heard back";
+    EXPECT_EQ(peer.replicas[0], shard);
+  }
+  std::optional<SnapshotStore::Held> held = peer.store.Find(shard.id, 2);
+  ASSERT_TRUE(held.has_value());
+  EXPECT_EQ(*held->bytes, bytes);
+
+  for (const auto& [offset, length] :
+       std::vector<std::pair<uint64_t, uint64_t>>{{0, bytes.size()}, {4095, 9}, {kCheckpointBlockBytes - 1, kCheckpointBlockBytes + 2}}) {
+    std::vector<char> out(length);
+    SHARD_ASSERT_OK(FetchSnapshotRange(peer.server->address(), shard.id, 2, offset, length,
+                                       out.data(), PeerCallOptions{}));
+    EXPECT_TRUE(std::equal(out.begin(), out.end(), bytes.begin() + offset)) << offset;
+  }
+  std::vector<char> out(8);
+  absl::Status missing = FetchSnapshotRange(peer.server->address(), shard.id, 1, 0, 8,
+                                            out.data(), PeerCallOptions{});
+  EXPECT_TRUE(absl::IsNotFound(missing)) << missing;
+  absl::Status past = FetchSnapshotRange(peer.server->address(), shard.id, 2, bytes.size() - 4, 8,
+                                         out.data(), PeerCallOptions{});
+  EXPECT_TRUE(absl::IsOutOfRange(past)) << past;
+}
+
+TEST(SnapshotPeerTest, AReplicaWhoseBytesDoNotMatchItsChecksumsIsRefusedAndNotKept) {
+  Peer peer;
+  std::vector<char> bytes = Bytes(100000, 3);
+  const SnapshotShard shard = Shard(5, 40, 1, 2, bytes);
+  bytes[54321] ^= 1;  // garbled after it was described
+  absl::Status pushed = PushSnapshotShard(peer.server->address(), shard, bytes, PeerCallOptions{});
+  EXPECT_TRUE(absl::IsDataLoss(pushed)) << pushed;
+  EXPECT_FALSE(peer.store.Find(shard.id, 1).has_value());
+  absl::MutexLock lock(&peer.mu);
+  EXPECT_THAT(peer.replicas, IsEmpty());
+}
+
+TEST(SnapshotPeerTest, AReplicaCutOffHalfWayIsNeverKept) {
+  auto peer = std::make_unique<Peer>();
+  const std::vector<char> bytes = Bytes(3 * kCheckpointBlockBytes, 4);
+  const SnapshotShard shard = Shard(5, 40, 0, 2, bytes);
+  // A sender that dies after half the bytes: the request's frame, then half, then its socket
+  // closes.
+  const std::string address = peer->server->address();
+  int port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(address.substr(address.rfind(':') + 1), &port));
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0);
+  const std::string header = SnapshotShardToJson(shard);
+  const uint32_t frame[3] = {0x51524853, 2, static_cast<uint32_t>(header.size())};
+  ASSERT_EQ(::send(fd, frame, sizeof(frame), 0), static_cast<ssize_t>(sizeof(frame)));
+  ASSERT_EQ(::send(fd, header.data(), header.size(), 0), static_cast<ssize_t>(header.size()));
+  size_t sent = 0;
+  while (sent < bytes.size() / 2) {
+    const ssize_t n = ::send(fd, bytes.data() + sent, bytes.size() / 2 - sent, 0);
+    ASSERT_GT(n, 0);
+    sent += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  // Stopping the server waits for every connection it serves: whatever it did with the torn
+  // push is done by then.
+  SnapshotStore& store = peer->store;
+  peer->server.reset();
+  EXPECT_FALSE(store.Find(shard.id, 0).has_value());
+  absl::MutexLock lock(&peer->mu);
+  EXPECT_THAT(peer->replicas, IsEmpty());
+}
+
+TEST(SnapshotPeerTest, CallsEndWhenCancelledOrWhenTheirDeadlinePasses) {
+  // A peer that takes connections (the kernel's backlog) and never answers.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof(at)), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  socklen_t length = sizeof(at);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&at), &length);
+  const std::string silent = absl::StrCat("127.0.0.1:", ntohs(at.sin_port));
+  std::vector<char> out(16);
+  PeerCallOptions timed;
+  timed.timeout = absl::Milliseconds(200);
+  absl::Status late = FetchSnapshotRange(silent, "step-00000001-g1", 0, 0, 16, out.data(), timed);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(late)) << late;
+  std::atomic<bool> cancel{true};
+  PeerCallOptions cancelled;
+  cancelled.cancel = &cancel;
+  absl::Status stopped =
+      FetchSnapshotRange(silent, "step-00000001-g1", 0, 0, 16, out.data(), cancelled);
+  EXPECT_TRUE(absl::IsCancelled(stopped)) << stopped;
+  ::close(fd);
+  // Nobody listening at all.
+  absl::Status refused =
+      FetchSnapshotRange(silent, "step-00000001-g1", 0, 0, 16, out.data(), timed);
+  EXPECT_FALSE(refused.ok());
+}
+
+// A checkpoint manifest over `shards` of one rank each (the pieces do not matter here: the
+// reader's byte ranges are what is tested).
+CheckpointManifest ManifestOf(const std::vector<SnapshotShard>& shards) {
+  CheckpointManifest manifest;
+  manifest.id = shards[0].id;
+  for (const SnapshotShard& shard : shards) manifest.shards.push_back(shard.record);
+  ParamSpec param{"p", {static_cast<int64_t>(shards[0].record.bytes / 4)}, DataType::kFloat32,
+                  false};
+  manifest.tensors.push_back(CheckpointTensor{param, {{0, param.numel(), 0, 0}}});
+  return manifest;
+}
+
+TEST(SnapshotFetchTest, ARangeIsReadFromTheOwnStoreOrTheFirstHolderThatServesItAndVerified) {
+  Peer holder;  // holds rank 0's shard
+  SnapshotStore own;
+  const std::vector<char> bytes0 = Bytes(kCheckpointBlockBytes + 400, 5);
+  const std::vector<char> bytes1 = Bytes(kCheckpointBlockBytes + 400, 6);
+  const SnapshotShard shard0 = Shard(2, 8, 0, 2, bytes0);
+  const SnapshotShard shard1 = Shard(2, 8, 1, 2, bytes1);
+  SHARD_ASSERT_OK(PushSnapshotShard(holder.server->address(), shard0, bytes0, PeerCallOptions{}));
+  own.Add(shard1, Shared(bytes1));
+  // Rank 0's first listed holder is gone; the second serves it.
+  std::vector<std::vector<SnapshotHolderAddress>> holders = {
+      {{"w9", "127.0.0.1:1"}, {"w5", holder.server->address()}}, {{"me", "127.0.0.1:1"}}};
+  SnapshotReadStats stats;
+  std::unique_ptr<CheckpointReader> reader = CheckpointReader::Open(
+      ManifestOf({shard0, shard1}),
+      SnapshotShards(shard0.id, holders, &own, absl::Seconds(10), nullptr, &stats), "memory");
+  std::vector<float> values(bytes0.size() / 4);
+  SHARD_ASSERT_OK(reader->ReadElements(0, -1, 0, static_cast<int64_t>(values.size()),
+                                       values.data()));
+  EXPECT_EQ(std::memcmp(values.data(), bytes0.data(), values.size() * 4), 0);
+  EXPECT_EQ(stats.bytes_from_peers.load(), values.size() * 4);
+
+  // Rank 1's shard is this worker's own: no network. Garbled in memory, it is caught.
+  std::vector<char> read(bytes1.size());
+  std::unique_ptr<ShardStorage> storage =
+      SnapshotShards(shard0.id, holders, &own, absl::Seconds(10), nullptr, nullptr);
+  SHARD_ASSERT_OK(storage->Read(1, 0, read.size(), read.data()));
+  EXPECT_EQ(read, bytes1);
+  const_cast<std::vector<char>&>(*own.Find(shard1.id, 1)->bytes)[12] ^= 1;
+  CheckpointManifest manifest = ManifestOf({shard0, shard1});
+  manifest.tensors[0].pieces[0].shard = 1;
+  std::unique_ptr<CheckpointReader> garbled = CheckpointReader::Open(
+      manifest, SnapshotShards(shard0.id, holders, &own, absl::Seconds(10), nullptr, nullptr),
+      "memory");
+  absl::Status corrupt = garbled->ReadElements(0, -1, 0, 4, values.data());
+  EXPECT_TRUE(absl::IsDataLoss(corrupt)) << corrupt;
+  EXPECT_THAT(corrupt.message(), HasSubstr("rank 1's shard of memory snapshot step-00000008-g2"));
+
+  // Nobody holds it: the error names every holder tried.
+  std::vector<std::vector<SnapshotHolderAddress>> gone = {{{"w9", "127.0.0.1:1"}}, {}};
+  absl::Status unavailable =
+      SnapshotShards(shard0.id, gone, nullptr, absl::Seconds(10), nullptr, nullptr)
+          ->Read(0, 0, 8, read.data());
+  EXPECT_TRUE(absl::IsUnavailable(unavailable)) << unavailable;
+  EXPECT_THAT(unavailable.message(), HasSubstr("w9 at 127.0.0.1:1"));
+}
+
+}  // namespace
+}  // namespace shard

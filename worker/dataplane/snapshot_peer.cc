@@ -1,0 +1,437 @@
+#include "worker/dataplane/snapshot_peer.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <list>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/shard_hasher.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace shard {
+namespace {
+
+constexpr uint32_t kRequestMagic = 0x51524853;   // "SHRQ"
+constexpr uint32_t kResponseMagic = 0x53524853;  // "SHRS"
+constexpr uint32_t kFetch = 1;
+constexpr uint32_t kPush = 2;
+constexpr uint32_t kMaxHeaderBytes = 16 << 20;  // a shard's description: its block checksums
+// How often a blocked call looks at its cancel flag.
+constexpr absl::Duration kPollSlice = absl::Milliseconds(100);
+// A connection the server serves must deliver its header within this.
+constexpr absl::Duration kHeaderTimeout = absl::Seconds(30);
+
+absl::Status ErrnoStatus(absl::string_view what, int err) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(err)));
+}
+
+// A socket closed when it goes out of scope.
+class Socket {
+ public:
+  explicit Socket(int fd = -1) : fd_(fd) {}
+  Socket(Socket&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  Socket& operator=(Socket&& other) noexcept {
+    std::swap(fd_, other.fd_);
+    return *this;
+  }
+  ~Socket() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+// Where a blocking call must end, and what can end it early.
+struct Limit {
+  absl::Time deadline;
+  const std::atomic<bool>* cancel = nullptr;
+  const char* what = "";  // for errors: "fetching from 10.0.0.3:41000"
+};
+
+// Waits until `fd` is ready for `events`, in slices, honouring the limit.
+absl::Status WaitReady(int fd, short events, const Limit& limit) {
+  while (true) {
+    if (limit.cancel != nullptr && limit.cancel->load()) {
+      return absl::CancelledError(absl::StrCat(limit.what, ": cancelled"));
+    }
+    const absl::Duration left = limit.deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError(absl::StrCat(limit.what, ": timed out"));
+    }
+    pollfd p{fd, events, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(
+                                        std::min(left, kPollSlice)) + 1));
+    if (ready < 0 && errno != EINTR) return ErrnoStatus(limit.what, errno);
+    if (ready > 0) return absl::OkStatus();
+  }
+}
+
+absl::Status SendAll(int fd, const void* data, uint64_t bytes, const Limit& limit) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::send(fd, p, std::min<uint64_t>(bytes, 64 << 20), MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoStatus(limit.what, errno);
+      SHARD_RETURN_IF_ERROR(WaitReady(fd, POLLOUT, limit));
+      continue;
+    }
+    p += n;
+    bytes -= static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RecvAll(int fd, void* out, uint64_t bytes, const Limit& limit) {
+  char* p = static_cast<char*>(out);
+  while (bytes > 0) {
+    const ssize_t n = ::recv(fd, p, std::min<uint64_t>(bytes, 64 << 20), 0);
+    if (n == 0) {
+      return absl::UnavailableError(
+          absl::StrCat(limit.what, ": the peer closed the connection ", bytes, " bytes short"));
+    }
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoStatus(limit.what, errno);
+      SHARD_RETURN_IF_ERROR(WaitReady(fd, POLLIN, limit));
+      continue;
+    }
+    p += n;
+    bytes -= static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SendFrame(int fd, uint32_t magic, uint32_t code, const std::string& text,
+                       const Limit& limit) {
+  const uint32_t head[3] = {magic, code, static_cast<uint32_t>(text.size())};
+  SHARD_RETURN_IF_ERROR(SendAll(fd, head, sizeof(head), limit));
+  return SendAll(fd, text.data(), text.size(), limit);
+}
+
+// A frame's code and text; InvalidArgument if it is not one of ours.
+absl::StatusOr<std::pair<uint32_t, std::string>> RecvFrame(int fd, uint32_t magic,
+                                                          const Limit& limit) {
+  uint32_t head[3];
+  SHARD_RETURN_IF_ERROR(RecvAll(fd, head, sizeof(head), limit));
+  if (head[0] != magic || head[2] > kMaxHeaderBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(limit.what, ": not a Shard snapshot peer (bad frame)"));
+  }
+  std::string text(head[2], '\0');
+  SHARD_RETURN_IF_ERROR(RecvAll(fd, text.data(), text.size(), limit));
+  return std::make_pair(head[1], std::move(text));
+}
+
+void SetSocketOptions(int fd) {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+absl::StatusOr<std::pair<std::string, std::string>> SplitAddress(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("snapshot peer address '", address, "' is not host:port"));
+  }
+  std::string host = address.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return std::make_pair(host, address.substr(colon + 1));
+}
+
+absl::StatusOr<Socket> Connect(const std::string& address, const Limit& limit) {
+  SHARD_ASSIGN_OR_RETURN(const auto host_port, SplitAddress(address));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (const int err = ::getaddrinfo(host_port.first.c_str(), host_port.second.c_str(), &hints,
+                                    &found);
+      err != 0) {
+    return absl::UnavailableError(
+        absl::StrCat(limit.what, ": cannot resolve ", address, ": ", ::gai_strerror(err)));
+  }
+  absl::Status last = absl::UnavailableError(absl::StrCat(limit.what, ": no address"));
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    Socket socket(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    if (socket.get() < 0) {
+      last = ErrnoStatus(limit.what, errno);
+      continue;
+    }
+    SetSocketOptions(socket.get());
+    if (::connect(socket.get(), a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      last = ErrnoStatus(limit.what, errno);
+      continue;
+    }
+    if (absl::Status ready = WaitReady(socket.get(), POLLOUT, limit); !ready.ok()) {
+      last = ready;
+      if (absl::IsCancelled(ready)) break;
+      continue;
+    }
+    int err = 0;
+    socklen_t length = sizeof(err);
+    ::getsockopt(socket.get(), SOL_SOCKET, SO_ERROR, &err, &length);
+    if (err != 0) {
+      last = ErrnoStatus(limit.what, err);
+      continue;
+    }
+    ::freeaddrinfo(found);
+    return socket;
+  }
+  ::freeaddrinfo(found);
+  return last;
+}
+
+absl::Status StatusFromWire(uint32_t code, const std::string& message) {
+  if (code == 0) return absl::OkStatus();
+  const auto status_code = code <= static_cast<uint32_t>(absl::StatusCode::kUnauthenticated)
+                               ? static_cast<absl::StatusCode>(code)
+                               : absl::StatusCode::kUnknown;
+  return absl::Status(status_code, message);
+}
+
+}  // namespace
+
+absl::Duration TransferTimeout(uint64_t bytes, absl::Duration floor,
+                               double min_bytes_per_second) {
+  return floor + absl::Seconds(static_cast<double>(bytes) / min_bytes_per_second);
+}
+
+// --- Server --------------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<SnapshotServer>> SnapshotServer::Start(const std::string& host,
+                                                                       int port,
+                                                                       SnapshotStore* store,
+                                                                       ReplicaCallback on_replica) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (const int err = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); err != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("the snapshot server cannot listen on '", host,
+                                                   "': ", ::gai_strerror(err)));
+  }
+  absl::Status last = absl::UnavailableError("no address to listen on");
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    Socket socket(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    if (socket.get() < 0) {
+      last = ErrnoStatus("snapshot server socket", errno);
+      continue;
+    }
+    if (::bind(socket.get(), a->ai_addr, a->ai_addrlen) != 0 || ::listen(socket.get(), 64) != 0) {
+      last = ErrnoStatus(absl::StrCat("the snapshot server cannot listen on ", host, ":", port),
+                         errno);
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t length = sizeof(bound);
+    ::getsockname(socket.get(), reinterpret_cast<sockaddr*>(&bound), &length);
+    const int bound_port = ntohs(bound.ss_family == AF_INET6
+                                     ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                     : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    ::freeaddrinfo(found);
+    const std::string shown = host.find(':') != std::string::npos ? absl::StrCat("[", host, "]")
+                                                                   : host;
+    std::unique_ptr<SnapshotServer> server(new SnapshotServer(
+        absl::StrCat(shown, ":", bound_port), socket.release(), store, std::move(on_replica)));
+    server->accept_thread_ = std::thread([s = server.get()] { s->AcceptLoop(); });
+    return server;
+  }
+  ::freeaddrinfo(found);
+  return last;
+}
+
+SnapshotServer::SnapshotServer(std::string address, int listen_fd, SnapshotStore* store,
+                               ReplicaCallback on_replica)
+    : address_(std::move(address)),
+      listen_fd_(listen_fd),
+      store_(store),
+      on_replica_(std::move(on_replica)) {}
+
+SnapshotServer::~SnapshotServer() {
+  stopping_ = true;
+  accept_thread_.join();
+  ::close(listen_fd_);
+  std::list<Connection> connections;
+  {
+    absl::MutexLock lock(&mu_);
+    for (Connection& connection : connections_) ::shutdown(connection.fd, SHUT_RDWR);
+    connections.swap(connections_);
+  }
+  for (Connection& connection : connections) connection.thread.join();
+}
+
+void SnapshotServer::ReapLocked() {
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    if (!it->done) {
+      ++it;
+      continue;
+    }
+    it->thread.join();  // it has returned already
+    it = connections_.erase(it);
+  }
+}
+
+void SnapshotServer::AcceptLoop() {
+  while (!stopping_) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(kPollSlice))) <= 0) continue;
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    SetSocketOptions(fd);
+    absl::MutexLock lock(&mu_);
+    ReapLocked();
+    if (stopping_) {
+      ::close(fd);
+      return;
+    }
+    Connection& connection = connections_.emplace_back();
+    connection.fd = fd;
+    connection.thread = std::thread([this, &connection] {
+      Serve(connection.fd);
+      absl::MutexLock lock(&mu_);
+      ::close(connection.fd);
+      connection.fd = -1;
+      connection.done = true;
+    });
+  }
+}
+
+void SnapshotServer::Serve(int fd) {
+  Limit limit{absl::Now() + kHeaderTimeout, nullptr, "a snapshot peer's request"};
+  uint32_t kind_head[3];
+  if (!RecvAll(fd, kind_head, sizeof(kind_head), limit).ok() || kind_head[0] != kRequestMagic ||
+      kind_head[2] > kMaxHeaderBytes) {
+    return;  // not a request of ours, or a peer gone: nothing to answer
+  }
+  std::string header(kind_head[2], '\0');
+  if (!RecvAll(fd, header.data(), header.size(), limit).ok()) return;
+  const auto reply = [&](const absl::Status& status) {
+    (void)SendFrame(fd, kResponseMagic, static_cast<uint32_t>(status.code()),
+                    std::string(status.message()), limit);
+  };
+  if (kind_head[1] == kFetch) {
+    const nlohmann::json request = nlohmann::json::parse(header, nullptr, false);
+    if (request.is_discarded() || !request.is_object() || !request.contains("id") ||
+        !request["id"].is_string() || !request.contains("rank") ||
+        !request["rank"].is_number_integer() || !request.contains("offset") ||
+        !request["offset"].is_number_unsigned() || !request.contains("bytes") ||
+        !request["bytes"].is_number_unsigned()) {
+      reply(absl::InvalidArgumentError("a malformed fetch request"));
+      return;
+    }
+    const std::string id = request["id"].get<std::string>();
+    const int rank = request["rank"].get<int>();
+    const uint64_t offset = request["offset"].get<uint64_t>();
+    const uint64_t bytes = request["bytes"].get<uint64_t>();
+    const std::optional<SnapshotStore::Held> held = store_->Find(id, rank);
+    if (!held.has_value()) {
+      reply(absl::NotFoundError(absl::StrCat("the worker at ", address_,
+                                             " holds no shard of rank ", rank, " of snapshot ",
+                                             id, " (any more)")));
+      return;
+    }
+    if (offset > held->bytes->size() || bytes > held->bytes->size() - offset) {
+      reply(absl::OutOfRangeError(absl::StrCat("bytes [", offset, ", ", offset + bytes,
+                                               ") are past the end of rank ", rank,
+                                               "'s shard of ", id, " (", held->bytes->size(),
+                                               " bytes)")));
+      return;
+    }
+    limit.deadline = absl::Now() + TransferTimeout(bytes, kHeaderTimeout);
+    reply(absl::OkStatus());
+    (void)SendAll(fd, held->bytes->data() + offset, bytes, limit);
+    return;
+  }
+  if (kind_head[1] != kPush) {
+    reply(absl::InvalidArgumentError(absl::StrCat("unknown request kind ", kind_head[1])));
+    return;
+  }
+  absl::StatusOr<SnapshotShard> shard = SnapshotShardFromJson(header);
+  if (!shard.ok()) {
+    reply(shard.status());
+    return;
+  }
+  // Received and hashed one block at a time: a replica is kept only if every byte checks.
+  const uint64_t total = shard->record.bytes;
+  limit.deadline = absl::Now() + TransferTimeout(total, kHeaderTimeout);
+  std::vector<char> buffer = store_->TakeBuffer(total);
+  ShardHasher hasher;
+  for (uint64_t done = 0; done < total;) {
+    const uint64_t take = std::min<uint64_t>(kCheckpointBlockBytes, total - done);
+    if (absl::Status received = RecvAll(fd, buffer.data() + done, take, limit); !received.ok()) {
+      return;  // cut off: nothing is kept, and nobody is left to answer
+    }
+    hasher.Append(buffer.data() + done, take);
+    done += take;
+  }
+  const ShardRecord record = hasher.Finish(shard->record.file, shard->rank);
+  if (record != shard->record) {
+    reply(absl::DataLossError(absl::StrCat("rank ", shard->rank, "'s shard of snapshot ",
+                                           shard->id, " arrived at ", address_,
+                                           " with other checksums than it was sent with")));
+    return;
+  }
+  const std::vector<std::string> dropped =
+      store_->Add(*shard, std::make_shared<std::vector<char>>(std::move(buffer)));
+  if (on_replica_) on_replica_(*shard, dropped);
+  reply(absl::OkStatus());
+}
+
+// --- Calls -------------------------------------------------------------------------------------
+
+absl::Status PushSnapshotShard(const std::string& address, const SnapshotShard& shard,
+                               const std::vector<char>& bytes, const PeerCallOptions& options) {
+  const std::string what = absl::StrCat("pushing rank ", shard.rank, "'s shard of snapshot ",
+                                        shard.id, " to ", address);
+  const Limit limit{absl::Now() + options.timeout, options.cancel, what.c_str()};
+  if (bytes.size() != shard.record.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes.size(),
+                                                   " bytes for a record of ",
+                                                   shard.record.bytes));
+  }
+  SHARD_ASSIGN_OR_RETURN(Socket socket, Connect(address, limit));
+  SHARD_RETURN_IF_ERROR(
+      SendFrame(socket.get(), kRequestMagic, kPush, SnapshotShardToJson(shard), limit));
+  SHARD_RETURN_IF_ERROR(SendAll(socket.get(), bytes.data(), bytes.size(), limit));
+  SHARD_ASSIGN_OR_RETURN(const auto answer, RecvFrame(socket.get(), kResponseMagic, limit));
+  return StatusFromWire(answer.first, answer.second);
+}
+
+absl::Status FetchSnapshotRange(const std::string& address, const std::string& id, int rank,
+                                uint64_t offset, uint64_t bytes, char* out,
+                                const PeerCallOptions& options) {
+  const std::string what = absl::StrCat("fetching bytes [", offset, ", ", offset + bytes,
+                                        ") of rank ", rank, "'s shard of snapshot ", id,
+                                        " from ", address);
+  const Limit limit{absl::Now() + options.timeout, options.cancel, what.c_str()};
+  SHARD_ASSIGN_OR_RETURN(Socket socket, Connect(address, limit));
+  const nlohmann::json request = {{"id", id}, {"rank", rank}, {"offset", offset},
+                                  {"bytes", bytes}};
+  SHARD_RETURN_IF_ERROR(SendFrame(socket.get(), kRequestMagic, kFetch, request.dump(), limit));
+  SHARD_ASSIGN_OR_RETURN(const auto answer, RecvFrame(socket.get(), kResponseMagic, limit));
+  SHARD_RETURN_IF_ERROR(StatusFromWire(answer.first, answer.second));
+  return RecvAll(socket.get(), out, bytes, limit);
+}
+
+}  // namespace shard

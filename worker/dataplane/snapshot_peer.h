@@ -1,0 +1,99 @@
+// Snapshot shards between workers, over TCP and without the coordinator: a worker's
+// SnapshotServer serves byte ranges of the shards its SnapshotStore holds and takes the replicas
+// its buddies push to it; PushSnapshotShard and FetchSnapshotRange are the two calls.
+//
+// One request per connection: [u32 magic][u32 kind][u32 header bytes][header][payload],
+// answered by [u32 magic][u32 status code][u32 message bytes][message][payload]; the header is
+// JSON (a push's is the shard's description, common/snapshot.h). A pushed replica is checked
+// against its checksums before it is kept and before the pusher hears back, so a push cut off
+// half-way (a killed sender, a broken connection) leaves nothing behind, and an answered push is
+// held. Every call and every connection the server serves has a deadline, and a call can be
+// cancelled (a generation that ends). Like the Gloo data path, these connections are neither
+// encrypted nor authenticated: they carry the job's state between its own workers, on the network
+// their collectives use (--host).
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <list>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/snapshot.h"
+#include "worker/dataplane/snapshot_store.h"
+
+namespace shard {
+
+struct PeerCallOptions {
+  absl::Duration timeout = absl::Seconds(60);  // for the whole call
+  const std::atomic<bool>* cancel = nullptr;   // set: the call ends with Cancelled
+};
+
+// How long moving `bytes` may take: `floor` plus the time at `min_bytes_per_second` (a peer that
+// is slower than that is as good as gone).
+absl::Duration TransferTimeout(uint64_t bytes, absl::Duration floor,
+                               double min_bytes_per_second = 50e6);
+
+class SnapshotServer {
+ public:
+  // Called after a pushed replica is verified and in the store (with the snapshot ids the store
+  // dropped to make room), before the pusher hears back: the worker tells the coordinator there.
+  using ReplicaCallback =
+      std::function<void(const SnapshotShard& shard, const std::vector<std::string>& dropped)>;
+
+  // Listens on `host` (the address peers reach this worker at), port `port` (0: any free one).
+  static absl::StatusOr<std::unique_ptr<SnapshotServer>> Start(const std::string& host, int port,
+                                                               SnapshotStore* store,
+                                                               ReplicaCallback on_replica);
+  // Stops listening, cuts the connections it serves and waits for their threads.
+  ~SnapshotServer();
+  SnapshotServer(const SnapshotServer&) = delete;
+  SnapshotServer& operator=(const SnapshotServer&) = delete;
+
+  // host:port, for peers.
+  const std::string& address() const { return address_; }
+
+ private:
+  SnapshotServer(std::string address, int listen_fd, SnapshotStore* store,
+                 ReplicaCallback on_replica);
+  // A connection being served, on its own thread.
+  struct Connection {
+    int fd = -1;
+    std::thread thread;
+    bool done = false;  // its thread has finished (join it)
+  };
+
+  void AcceptLoop();
+  void Serve(int fd);
+  // Joins the threads of connections that are done.
+  void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string address_;
+  const int listen_fd_;
+  SnapshotStore* const store_;
+  const ReplicaCallback on_replica_;
+  std::atomic<bool> stopping_{false};
+  absl::Mutex mu_;
+  std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);  // cut at shutdown
+  std::thread accept_thread_;
+};
+
+// Sends `bytes` (shard `shard` of a snapshot, `shard.record` its checksums) to the server at
+// `address`, which keeps it once it checked them. OK only once it holds it.
+absl::Status PushSnapshotShard(const std::string& address, const SnapshotShard& shard,
+                               const std::vector<char>& bytes, const PeerCallOptions& options);
+
+// Reads bytes [offset, offset + bytes) of rank `rank`'s shard of snapshot `id` from the server
+// at `address` into `out`. NotFound when it does not hold that shard (any more). The bytes are
+// as it holds them: the reader checks them against the snapshot's checksums.
+absl::Status FetchSnapshotRange(const std::string& address, const std::string& id, int rank,
+                                uint64_t offset, uint64_t bytes, char* out,
+                                const PeerCallOptions& options);
+
+}  // namespace shard

@@ -1,0 +1,68 @@
+// The snapshot shards a worker holds in memory (common/snapshot.h): its own and those its
+// buddies sent it, of the newest snapshots only. The store outlives generations (it belongs to
+// the worker process), so a new world can read from it whatever generation took a snapshot.
+//
+// A shard enters complete and verified and never changes; a reader keeps its bytes alive while it
+// reads. Keeping only the `kept` newest snapshots bounds the memory to about `kept` + 1 times
+// (1 + replicas) the rank's share of the job's state. Buffers of dropped shards are handed out
+// again for the next snapshots: a snapshot buffer is as large as the rank's share of the state,
+// and mapping a fresh one each time would cost a page fault per 4 KiB page in the training pause.
+//
+// Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "common/snapshot.h"
+
+namespace shard {
+
+using SnapshotBytes = std::shared_ptr<std::vector<char>>;
+
+class SnapshotStore {
+ public:
+  struct Held {
+    SnapshotShard shard;
+    std::shared_ptr<const std::vector<char>> bytes;
+  };
+
+  explicit SnapshotStore(int kept_snapshots = 2) : kept_(kept_snapshots) {}
+
+  // A buffer of `bytes` bytes for a new shard: a dropped shard's when one is free (its pages
+  // already mapped), else a new one. Its contents are whatever it held.
+  std::vector<char> TakeBuffer(uint64_t bytes);
+  // Adds a complete, verified shard (its bytes must match shard.record) and keeps only the
+  // `kept` newest snapshots (common/snapshot.h NewerSnapshot): returns the ids of the snapshots
+  // it no longer holds any shard of. A shard of a snapshot older than those kept is not added
+  // (and its own id is returned).
+  std::vector<std::string> Add(SnapshotShard shard, SnapshotBytes bytes);
+  std::optional<Held> Find(const std::string& id, int rank) const;
+  // Every shard held, newest snapshot first.
+  std::vector<SnapshotShard> Holdings() const;
+  uint64_t held_bytes() const;
+
+ private:
+  using Key = std::pair<std::string, int>;  // snapshot id, rank
+  struct Entry {
+    SnapshotShard shard;
+    SnapshotBytes bytes;
+  };
+  // The kept snapshots' ids, newest first.
+  std::vector<std::string> SnapshotIdsLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void RecycleLocked(SnapshotBytes bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const int kept_;
+  mutable absl::Mutex mu_;
+  std::map<Key, Entry> shards_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<char>> free_ ABSL_GUARDED_BY(mu_);  // buffers of dropped shards
+};
+
+}  // namespace shard

@@ -1,0 +1,91 @@
+#include "worker/dataplane/snapshotter.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/shard_hasher.h"
+#include "worker/dataplane/snapshot_peer.h"
+
+namespace shard {
+namespace {
+
+// How often a wait looks at its abort condition.
+constexpr absl::Duration kAbortPoll = absl::Milliseconds(50);
+
+}  // namespace
+
+Snapshotter::Snapshotter(SnapshotStore* store, std::vector<std::string> buddies,
+                         Callbacks callbacks, absl::Duration push_timeout_floor)
+    : store_(store),
+      buddies_(std::move(buddies)),
+      callbacks_(std::move(callbacks)),
+      push_timeout_floor_(push_timeout_floor),
+      thread_([this] { Loop(); }) {}
+
+Snapshotter::~Snapshotter() {
+  cancel_ = true;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+}
+
+bool Snapshotter::busy() const {
+  absl::MutexLock lock(&mu_);
+  return busy_;
+}
+
+absl::Status Snapshotter::WaitIdle(const std::function<bool()>& abort) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !busy_; };
+  while (!mu_.AwaitWithTimeout(absl::Condition(&idle), kAbortPoll)) {
+    if (abort && abort()) {
+      return absl::AbortedError("stopped waiting for the snapshot in flight: training ended");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Snapshotter::Start(SnapshotShard shard, SnapshotBytes bytes,
+                                const std::function<bool()>& abort) {
+  absl::Status idle = WaitIdle(abort);
+  if (!idle.ok()) return idle;
+  absl::MutexLock lock(&mu_);
+  shard_ = std::move(shard);
+  bytes_ = std::move(bytes);
+  busy_ = true;
+  return absl::OkStatus();
+}
+
+void Snapshotter::Loop() {
+  while (true) {
+    SnapshotShard shard;
+    SnapshotBytes bytes;
+    {
+      absl::MutexLock lock(&mu_);
+      auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || busy_; };
+      mu_.Await(absl::Condition(&work));
+      if (stopping_) return;
+      shard = std::move(shard_);
+      bytes.swap(bytes_);
+    }
+    shard.record = HashShard(bytes->data(), bytes->size(),
+                             ShardFileName(shard.rank, shard.plan.world_size), shard.rank);
+    const std::vector<std::string> dropped = store_->Add(shard, bytes);
+    if (callbacks_.on_held) callbacks_.on_held(shard, dropped);
+    PeerCallOptions options;
+    options.timeout = TransferTimeout(bytes->size(), push_timeout_floor_);
+    options.cancel = &cancel_;
+    for (const std::string& buddy : buddies_) {
+      if (cancel_) break;
+      if (absl::Status pushed = PushSnapshotShard(buddy, shard, *bytes, options);
+          !pushed.ok() && callbacks_.on_push_failed) {
+        callbacks_.on_push_failed(shard, buddy, pushed);
+      }
+    }
+    bytes.reset();  // the store's reference alone lets it reuse the buffer once dropped
+    absl::MutexLock lock(&mu_);
+    busy_ = false;
+  }
+}
+
+}  // namespace shard

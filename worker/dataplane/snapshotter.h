@@ -1,0 +1,66 @@
+// A rank's in-memory snapshots, off the training thread (common/snapshot.h): the trainer copies
+// what the rank owns into a buffer (the only pause training sees) and hands it over; this thread
+// checksums it, keeps it in the worker's SnapshotStore, reports it (on_held) and pushes it to the
+// rank's buddies, one snapshot at a time. busy() is what the ranks agree on before a periodic
+// snapshot, so that training never waits for replication.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/snapshot.h"
+#include "worker/dataplane/snapshot_store.h"
+
+namespace shard {
+
+class Snapshotter {
+ public:
+  struct Callbacks {
+    // This rank holds its own shard of a snapshot now (and dropped the snapshots `dropped`).
+    std::function<void(const SnapshotShard&, const std::vector<std::string>& dropped)> on_held;
+    // A buddy did not take a replica (it is gone, or slow): the snapshot has one copy fewer.
+    std::function<void(const SnapshotShard&, const std::string& buddy, const absl::Status&)>
+        on_push_failed;
+  };
+
+  // `buddies`: the snapshot servers of the ranks that keep this rank's replicas, nearest first.
+  Snapshotter(SnapshotStore* store, std::vector<std::string> buddies, Callbacks callbacks,
+              absl::Duration push_timeout_floor = absl::Seconds(10));
+  // Cancels the pushes in flight and waits for the thread.
+  ~Snapshotter();
+  Snapshotter(const Snapshotter&) = delete;
+  Snapshotter& operator=(const Snapshotter&) = delete;
+
+  // Whether a snapshot is still being checksummed, kept or pushed.
+  bool busy() const;
+  // Starts on `shard` (its record is filled in here from `bytes`), once the snapshot in flight is
+  // done: Aborted without starting if `abort()` turns true while it waits.
+  absl::Status Start(SnapshotShard shard, SnapshotBytes bytes,
+                     const std::function<bool()>& abort);
+  // Waits until no snapshot is in flight; Aborted if `abort()` turns true first.
+  absl::Status WaitIdle(const std::function<bool()>& abort);
+
+ private:
+  void Loop();
+
+  SnapshotStore* const store_;
+  const std::vector<std::string> buddies_;
+  const Callbacks callbacks_;
+  const absl::Duration push_timeout_floor_;
+  std::atomic<bool> cancel_{false};
+  mutable absl::Mutex mu_;
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  SnapshotShard shard_ ABSL_GUARDED_BY(mu_);
+  SnapshotBytes bytes_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+}  // namespace shard
