@@ -78,6 +78,7 @@ struct SnapshotReport {
   std::vector<std::string> dropped;  // snapshot ids it no longer holds any shard of
   std::string failed_id;             // a snapshot this rank could not take its shard of
   std::string error;
+  std::string snapshot_address;  // where peers fetch what it holds
 
   bool operator==(const SnapshotReport&) const = default;
 };

@@ -225,6 +225,7 @@ v1::ReportSnapshotRequest ToProto(const SnapshotReport& report) {
   for (const std::string& id : report.dropped) out.add_dropped(id);
   out.set_failed_id(report.failed_id);
   out.set_error(report.error);
+  out.set_snapshot_address(report.snapshot_address);
   return out;
 }
 
@@ -239,6 +240,7 @@ absl::StatusOr<SnapshotReport> FromProto(const v1::ReportSnapshotRequest& reques
   report.dropped.assign(request.dropped().begin(), request.dropped().end());
   report.failed_id = request.failed_id();
   report.error = request.error();
+  report.snapshot_address = request.snapshot_address();
   return report;
 }
 

@@ -4,15 +4,35 @@
 #include <regex>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/fault.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "proto/control_convert.h"
 #include "spdlog/spdlog.h"
 
 namespace shard {
 namespace {
 
 constexpr char kCatalogRecord[] = "checkpoints";
+
+// The memory restore point as the catalog keeps it; nullopt if it does not parse (an older or a
+// damaged record: training then restarts from disk).
+std::optional<MemoryRestorePoint> MemoryStartOf(const v1::CheckpointCatalog& catalog) {
+  if (!catalog.start_in_memory()) return std::nullopt;
+  MemoryRestorePoint point;
+  for (const v1::SnapshotShard& shard : catalog.start_shards()) {
+    absl::StatusOr<SnapshotShard> parsed = FromProto(shard);
+    if (!parsed.ok()) return std::nullopt;
+    point.shards.push_back(*std::move(parsed));
+  }
+  for (const v1::RestoreSnapshot::Shard& holders : catalog.start_holders()) {
+    std::vector<SnapshotHolder>& list = point.holders.emplace_back();
+    for (const v1::SnapshotHolder& holder : holders.holders()) list.push_back(FromProto(holder));
+  }
+  if (point.shards.empty() || point.shards.size() != point.holders.size()) return std::nullopt;
+  return point;
+}
 
 // Only directories named like our checkpoints are ever removed.
 bool LooksLikeCheckpoint(const std::string& name) {
@@ -46,7 +66,16 @@ absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(
     manager->training_started_ = manager->catalog_.training_started();
     manager->start_ = TrainingStartPoint{manager->catalog_.start_checkpoint_id(),
                                          manager->catalog_.start_dir(),
-                                         manager->catalog_.start_step()};
+                                         manager->catalog_.start_step(),
+                                         manager->catalog_.start_in_memory()};
+    manager->memory_start_ = MemoryStartOf(manager->catalog_);
+    if (manager->start_.in_memory && !manager->memory_start_.has_value()) {
+      spdlog::warn("the restore point {} in memory is not readable from the state directory; "
+                   "training restarts from the latest checkpoint",
+                   manager->start_.checkpoint_id);
+      manager->RestartFromLatestLocked();
+      changed = true;
+    }
   } else {
     changed = changed || manager->catalog_.training_started() ||
               manager->catalog_.pause_request() != 0;
@@ -82,6 +111,18 @@ absl::Status CheckpointManager::PersistLocked() {
   catalog_.set_start_checkpoint_id(start_.checkpoint_id);
   catalog_.set_start_dir(start_.dir);
   catalog_.set_start_step(start_.step);
+  catalog_.set_start_in_memory(start_.in_memory);
+  catalog_.clear_start_shards();
+  catalog_.clear_start_holders();
+  if (memory_start_.has_value()) {
+    for (const SnapshotShard& shard : memory_start_->shards) {
+      *catalog_.add_start_shards() = ToProto(shard);
+    }
+    for (const std::vector<SnapshotHolder>& holders : memory_start_->holders) {
+      v1::RestoreSnapshot::Shard* list = catalog_.add_start_holders();
+      for (const SnapshotHolder& holder : holders) *list->add_holders() = ToProto(holder);
+    }
+  }
   if (absl::Status saved = store_->Save(kCatalogRecord, catalog_); !saved.ok()) {
     return absl::UnavailableError(absl::StrCat(
         "the coordinator cannot record its checkpoint catalog in its state directory (",
@@ -90,7 +131,8 @@ absl::Status CheckpointManager::PersistLocked() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> CheckpointManager::RequestSave(int64_t generation, bool pause) {
+absl::StatusOr<int64_t> CheckpointManager::RequestSave(int64_t generation, bool pause,
+                                                       bool in_memory) {
   absl::MutexLock lock(&mu_);
   if (generation != generation_) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -100,12 +142,17 @@ absl::StatusOr<int64_t> CheckpointManager::RequestSave(int64_t generation, bool 
   const v1::CheckpointCatalog before = catalog_;
   catalog_.set_last_request(catalog_.last_request() + 1);
   catalog_.set_request_generation(generation);
-  if (pause) catalog_.set_pause_request(catalog_.last_request());
+  if (pause) {
+    catalog_.set_pause_request(catalog_.last_request());
+    catalog_.set_pause_in_memory(in_memory);
+  }
+  if (!(pause && in_memory)) catalog_.set_last_save_request(catalog_.last_request());
   if (absl::Status saved = PersistLocked(); !saved.ok()) {
     catalog_ = before;
     return saved;
   }
-  spdlog::info("checkpoint requested (request {} of generation {}{})", catalog_.last_request(),
+  spdlog::info("{} requested (request {} of generation {}{})",
+               pause && in_memory ? "memory snapshot" : "checkpoint", catalog_.last_request(),
                generation, pause ? ", training pauses after it" : "");
   return catalog_.last_request();
 }
@@ -131,10 +178,15 @@ StepOrders CheckpointManager::OrdersLocked(int64_t generation) const {
   StepOrders orders;
   orders.generation = generation;
   if (generation != generation_ || catalog_.request_generation() != generation) return orders;
-  const int64_t latest = catalog_.last_request();
-  if (latest > 0 && !AnsweredLocked(latest)) orders.save_request = latest;
+  // A pause in memory is no save request: the newest one answered on disk is.
   const int64_t pause = catalog_.pause_request();
-  if (pause > 0 && !AnsweredLocked(pause)) orders.pause_request = pause;
+  const bool pause_in_memory = pause > 0 && catalog_.pause_in_memory();
+  const int64_t latest = pause_in_memory ? catalog_.last_save_request() : catalog_.last_request();
+  if (latest > 0 && !AnsweredLocked(latest)) orders.save_request = latest;
+  if (pause > 0 && !AnsweredLocked(pause)) {
+    orders.pause_request = pause;
+    orders.pause_in_memory = pause_in_memory;
+  }
   return orders;
 }
 
@@ -142,6 +194,7 @@ void CheckpointManager::CancelPause(int64_t request) {
   absl::MutexLock lock(&mu_);
   if (catalog_.pause_request() != request) return;
   catalog_.set_pause_request(0);
+  catalog_.set_pause_in_memory(false);
   if (absl::Status saved = PersistLocked(); !saved.ok()) spdlog::error("{}", saved.message());
 }
 
@@ -350,10 +403,115 @@ absl::StatusOr<TrainingStartPoint> CheckpointManager::SetRestorePoint(const std:
   absl::MutexLock lock(&mu_);
   SHARD_ASSIGN_OR_RETURN(v1::CheckpointRecord record, FindLocked(id));
   start_ = TrainingStartPoint{record.id(), record.dir(), record.step()};
+  memory_start_.reset();
   restore_requested_ = true;
   SHARD_RETURN_IF_ERROR(PersistLocked());
   spdlog::info("training restarts from checkpoint {} (step {})", record.id(), record.step());
   return start_;
+}
+
+TrainingStartPoint CheckpointManager::SetMemoryRestorePoint(MemoryRestorePoint point) {
+  absl::MutexLock lock(&mu_);
+  const SnapshotShard& first = point.shards.front();
+  start_ = TrainingStartPoint{first.id, "", first.step, /*in_memory=*/true};
+  memory_start_ = std::move(point);
+  restore_requested_ = true;
+  if (absl::Status saved = PersistLocked(); !saved.ok()) spdlog::error("{}", saved.message());
+  spdlog::info("training restarts from memory snapshot {} (step {})", start_.checkpoint_id,
+               start_.step);
+  return start_;
+}
+
+std::optional<MemoryRestorePoint> CheckpointManager::memory_start() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return memory_start_;
+}
+
+std::string CheckpointManager::ResolveStart(int64_t generation,
+                                            std::optional<MemoryRestorePoint> memory,
+                                            const std::string& memory_why_not) {
+  absl::MutexLock lock(&mu_);
+  if (generation != generation_ || explicit_start_generation_ == generation ||
+      !training_started_) {
+    return "";
+  }
+  const bool has_disk = !catalog_.checkpoints().empty();
+  const v1::CheckpointRecord* disk = has_disk ? &*catalog_.checkpoints().rbegin() : nullptr;
+  std::string why;
+  if (memory.has_value() && (disk == nullptr || memory->shards[0].step >= disk->step())) {
+    const SnapshotShard& first = memory->shards[0];
+    start_ = TrainingStartPoint{first.id, "", first.step, /*in_memory=*/true};
+    std::set<std::string> holders;
+    for (const std::vector<SnapshotHolder>& shard : memory->holders) {
+      for (const SnapshotHolder& holder : shard) holders.insert(holder.worker_id);
+    }
+    why = absl::StrCat("generation ", generation, " restores memory snapshot ", first.id,
+                       " (step ", first.step, ", ", first.plan.world_size, " shards held by ",
+                       absl::StrJoin(holders, ", "), ")",
+                       disk != nullptr ? absl::StrCat(", not checkpoint ", disk->id(), " (step ",
+                                                      disk->step(), ") from disk")
+                                       : "");
+    memory_start_ = std::move(memory);
+  } else {
+    memory_start_.reset();
+    if (disk == nullptr) {
+      start_ = TrainingStartPoint{};
+    } else {
+      start_ = TrainingStartPoint{disk->id(), disk->dir(), disk->step()};
+    }
+    const std::string source = disk == nullptr
+                                   ? "the initial weights"
+                                   : absl::StrCat("checkpoint ", disk->id(), " (step ",
+                                                  disk->step(), ") from disk");
+    if (memory.has_value()) {
+      why = absl::StrCat("generation ", generation, " restores ", source, ", newer than memory "
+                         "snapshot ", memory->shards[0].id);
+    } else if (!memory_why_not.empty()) {
+      why = absl::StrCat("generation ", generation, " restores ", source,
+                         ": no memory snapshot holds every range (", memory_why_not, ")");
+    } else {
+      why = absl::StrCat("generation ", generation, " restores ", source);
+    }
+  }
+  if (absl::Status saved = PersistLocked(); !saved.ok()) spdlog::error("{}", saved.message());
+  spdlog::info("{}", why);
+  return why;
+}
+
+std::optional<CheckpointManager::RestoreSummary> CheckpointManager::NoteRestored(
+    int64_t generation, int rank, int world_size, const RestoreReport& report) {
+  absl::MutexLock lock(&mu_);
+  if (generation != generation_ || report.checkpoint_id != start_.checkpoint_id) {
+    return std::nullopt;
+  }
+  if (restored_generation_ != generation) {
+    restored_generation_ = generation;
+    restored_ranks_.clear();
+    restore_summary_ = RestoreSummary{};
+    restore_summary_.start = start_;
+    all_restored_ = false;
+  }
+  if (all_restored_ || !restored_ranks_.insert(rank).second) return std::nullopt;
+  restore_summary_.slowest = std::max(restore_summary_.slowest, report.duration);
+  restore_summary_.bytes += report.bytes;
+  restore_summary_.bytes_from_peers += report.bytes_from_peers;
+  if (static_cast<int>(restored_ranks_.size()) < world_size) return std::nullopt;
+  all_restored_ = true;
+  return restore_summary_;
+}
+
+bool CheckpointManager::NeededForRestore(const std::string& worker_id) const {
+  absl::ReaderMutexLock lock(&mu_);
+  if (!start_.in_memory || !memory_start_.has_value() ||
+      (restored_generation_ == generation_ && all_restored_)) {
+    return false;
+  }
+  for (const std::vector<SnapshotHolder>& holders : memory_start_->holders) {
+    for (const SnapshotHolder& holder : holders) {
+      if (holder.worker_id == worker_id) return true;
+    }
+  }
+  return false;
 }
 
 void CheckpointManager::NoteTrainingStarted() {
@@ -369,6 +527,7 @@ bool CheckpointManager::training_started() const {
 }
 
 void CheckpointManager::RestartFromLatestLocked() {
+  memory_start_.reset();
   if (catalog_.checkpoints().empty()) {
     start_ = TrainingStartPoint{};
     spdlog::warn("no committed checkpoint: training restarts from the initial weights");
@@ -412,8 +571,10 @@ void CheckpointManager::BeginGenerationLocked(int64_t ended) {
                                    "ask again");
   }
   catalog_.set_pause_request(0);
+  catalog_.set_pause_in_memory(false);
   if (restore_requested_) {
     restore_requested_ = false;  // this is the re-formation the restore asked for
+    explicit_start_generation_ = generation_;
   } else if (training_started_) {
     RestartFromLatestLocked();
   }

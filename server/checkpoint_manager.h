@@ -12,6 +12,7 @@
 #pragma once
 
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <string>
@@ -57,8 +58,10 @@ class CheckpointManager {
 
   // A new save request of `generation` (the world's current one), numbered from 1; its ranks
   // save at their next step boundary and, with `pause`, stop training after it (the world is
-  // about to re-form). FailedPrecondition for another generation.
-  absl::StatusOr<int64_t> RequestSave(int64_t generation, bool pause = false);
+  // about to re-form). A pause `in_memory` is answered by a memory snapshot (SnapshotManager
+  // knows when it is usable), not a disk checkpoint. FailedPrecondition for another generation.
+  absl::StatusOr<int64_t> RequestSave(int64_t generation, bool pause = false,
+                                      bool in_memory = false);
   // What the ranks of `generation` must do at their next step boundary: the newest request of
   // that generation not yet answered, and whether training pauses after it.
   StepOrders Orders(int64_t generation) const;
@@ -83,7 +86,33 @@ class CheckpointManager {
 
   // Training of every generation from now on starts from checkpoint `id` ("latest" allowed).
   absl::StatusOr<TrainingStartPoint> SetRestorePoint(const std::string& id);
+  // The same from a snapshot in workers' memory (a pausing reshape's).
+  TrainingStartPoint SetMemoryRestorePoint(MemoryRestorePoint point);
   TrainingStartPoint start() const;
+  // Where the start's shards are when it is a memory snapshot.
+  std::optional<MemoryRestorePoint> memory_start() const;
+
+  // The world first runs at `generation`: unless its start was set for it (SetRestorePoint, or
+  // the first generation), training restarts from the newest state there is, the latest
+  // committed checkpoint or `memory` (the newest usable snapshot) when it is as new. Returns
+  // what it chose, and why, for the history ("" when the start stays as it was).
+  std::string ResolveStart(int64_t generation, std::optional<MemoryRestorePoint> memory,
+                           const std::string& memory_why_not);
+
+  // Rank `rank` of `generation` restored its start (the report's duration, bytes from peers);
+  // true once every one of `world_size` ranks has, with a summary for the history. A report of
+  // another generation, or a second of the same rank, changes nothing.
+  struct RestoreSummary {
+    TrainingStartPoint start;
+    absl::Duration slowest;
+    uint64_t bytes = 0;
+    uint64_t bytes_from_peers = 0;
+  };
+  std::optional<RestoreSummary> NoteRestored(int64_t generation, int rank, int world_size,
+                                             const RestoreReport& report);
+  // Whether `worker_id` holds a shard of the current generation's start in memory that its ranks
+  // have not all restored yet: it must not leave before they have.
+  bool NeededForRestore(const std::string& worker_id) const;
 
   // A new generation. Requests and pending saves of the ended one can never complete: they are
   // cancelled, their files removed. If training had started, the new generation restarts from
@@ -138,6 +167,13 @@ class CheckpointManager {
   TrainingStartPoint start_ ABSL_GUARDED_BY(mu_);
   bool training_started_ ABSL_GUARDED_BY(mu_) = false;
   bool restore_requested_ ABSL_GUARDED_BY(mu_) = false;  // SetRestorePoint awaiting a generation
+  int64_t explicit_start_generation_ ABSL_GUARDED_BY(mu_) = 0;  // the one it was set for
+  std::optional<MemoryRestorePoint> memory_start_ ABSL_GUARDED_BY(mu_);
+  // Ranks of restored_generation_ that restored its start, and what it took.
+  int64_t restored_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<int> restored_ranks_ ABSL_GUARDED_BY(mu_);
+  RestoreSummary restore_summary_ ABSL_GUARDED_BY(mu_);
+  bool all_restored_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace shard

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
@@ -126,6 +127,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorCore>> CoordinatorCore::Create(
     SHARD_ASSIGN_OR_RETURN(core->checkpoints_,
                            CheckpointManager::Create(checkpoint_options, store, storage, generation,
                                                      core->world_->kept_generation()));
+    core->snapshots_ = std::make_unique<SnapshotManager>(SnapshotOptions{job.snapshot_replicas});
     if (!options.restore.empty()) {
       SHARD_ASSIGN_OR_RETURN(const v1::CheckpointRecord record,
                              core->checkpoints_->Find(options.restore));
@@ -146,6 +148,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorCore>> CoordinatorCore::Create(
     plan->OnGeneration(next);
     if (checkpoint_manager != nullptr) checkpoint_manager->OnGeneration(next);
   });
+  if (checkpoint_manager != nullptr) {
+    CoordinatorCore* self = core.get();
+    core->world_->set_running_listener([self](int64_t generation, const IsLiveMember& live) {
+      return self->OnWorldRunning(generation, live);
+    });
+    // A worker resized or drained out holds state the new world reads from memory: it stays
+    // until the new world's ranks have restored.
+    core->world_->set_leaver_hold([checkpoint_manager](const std::string& worker_id) {
+      return checkpoint_manager->NeededForRestore(worker_id);
+    });
+  }
   return core;
 }
 
@@ -157,6 +170,11 @@ void CoordinatorCore::Acknowledge(std::function<void()> done) {
 
 void CoordinatorCore::Join(const JoinParams& params, absl::Time now,
                            Callback<absl::StatusOr<JoinReply>> done) {
+  // What it holds counts before the join can make the world run (and choose its start).
+  if (snapshots_ != nullptr && !params.snapshot_address.empty()) {
+    snapshots_->OnJoin(params.worker_id, params.incarnation, params.snapshot_address,
+                       params.holdings, now);
+  }
   absl::StatusOr<JoinOutcome> outcome = world_->Join(params, now);
   absl::StatusOr<JoinReply> reply =
       outcome.ok() ? absl::StatusOr<JoinReply>(JoinReply{
@@ -262,6 +280,123 @@ absl::StatusOr<bool> CoordinatorCore::ReportCheckpointShard(ShardReport report, 
   return checkpoints->ReportShard(report, *plan, now);
 }
 
+absl::Status CoordinatorCore::ReportSnapshot(const SnapshotReport& report, absl::Time now) {
+  if (snapshots_ == nullptr) {
+    return absl::FailedPreconditionError("this coordinator runs no training job: no snapshots");
+  }
+  if (!world_->IsLive(report.worker_id, report.incarnation)) {
+    return absl::NotFoundError(absl::StrCat("worker '", report.worker_id,
+                                            "' is no longer a member; join again"));
+  }
+  return snapshots_->Report(report, now);
+}
+
+absl::StatusOr<RestoreSnapshotView> CoordinatorCore::GetRestoreSnapshot(
+    const std::string& worker_id, uint64_t incarnation, int64_t generation) {
+  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, Checkpoints());
+  SHARD_ASSIGN_OR_RETURN(const MemberRef member, world_->RunningMember(worker_id, incarnation));
+  if (member.generation != generation) {
+    return absl::AbortedError(absl::StrCat("generation ", generation, " has ended (now ",
+                                           member.generation, ")"));
+  }
+  const TrainingStartPoint start = checkpoints->start();
+  const std::optional<MemoryRestorePoint> point = checkpoints->memory_start();
+  if (!start.in_memory || !point.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "generation ", generation, " does not restore from memory (it starts from ",
+        start.checkpoint_id.empty() ? "the initial weights" : start.checkpoint_id, ")"));
+  }
+  const std::optional<PlanView> plan = plan_->Current();
+  if (!plan.has_value() || plan->manifest == nullptr) {
+    return absl::FailedPreconditionError(
+        "no manifest registered yet: register the model before restoring");
+  }
+  const JobConfig& job = *options_.job;
+  SHARD_ASSIGN_OR_RETURN(
+      const CheckpointManifest manifest,
+      SnapshotManifest(job.name, job.zero_stage, *plan->manifest, job.optimizer, point->shards));
+  RestoreSnapshotView view;
+  view.id = start.checkpoint_id;
+  view.manifest_json = CheckpointManifestToJson(manifest);
+  const IsLiveMember live = world_->LiveNow();
+  for (size_t rank = 0; rank < point->shards.size(); ++rank) {
+    // Who holds it now (replicas reported since it was chosen count too), else who did then.
+    std::vector<SnapshotHolder> holders =
+        snapshots_->Holders(view.id, static_cast<int>(rank), live);
+    if (holders.empty()) {
+      for (const SnapshotHolder& holder : point->holders[rank]) {
+        if (live(holder.worker_id, holder.incarnation)) holders.push_back(holder);
+      }
+    }
+    view.holders.push_back(std::move(holders));
+  }
+  return view;
+}
+
+absl::Status CoordinatorCore::ReportRestore(const RestoreReport& report, absl::Time now) {
+  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, Checkpoints());
+  SHARD_ASSIGN_OR_RETURN(const MemberRef member,
+                         world_->RunningMember(report.worker_id, report.incarnation));
+  if (member.generation != report.generation) {
+    return absl::AbortedError(absl::StrCat("generation ", report.generation, " has ended (now ",
+                                           member.generation, ")"));
+  }
+  if (!report.error.empty()) {
+    // It is not read again: the next generation restores from elsewhere (the worker's failed
+    // data path ends this one).
+    if (report.in_memory) snapshots_->Discard(report.checkpoint_id, report.error);
+    world_->RecordEvent(v1::MEMBERSHIP_EVENT_KIND_RESTORED, report.worker_id, member.rank,
+                        absl::StrCat("rank ", member.rank, " could not restore ",
+                                     report.in_memory ? "memory snapshot " : "checkpoint ",
+                                     report.checkpoint_id, ": ", report.error,
+                                     report.in_memory ? "; it is not used again" : ""),
+                        now);
+    return absl::OkStatus();
+  }
+  const std::optional<CheckpointManager::RestoreSummary> summary =
+      checkpoints->NoteRestored(member.generation, member.rank, member.world_size, report);
+  if (!summary.has_value()) return absl::OkStatus();
+  const ProgressMeter meter = plan_->progress();
+  const int64_t reached = std::max(summary->start.step, meter.has_step() ? meter.step() : 0);
+  world_->RecordEvent(
+      v1::MEMBERSHIP_EVENT_KIND_RESTORED, "", -1,
+      absl::StrCat("generation ", member.generation, " restored ",
+                   summary->start.in_memory ? "memory snapshot " : "checkpoint ",
+                   summary->start.checkpoint_id, " (step ", summary->start.step, ") on ",
+                   member.world_size, " ranks in ",
+                   absl::StrFormat("%.0f", absl::ToDoubleMilliseconds(summary->slowest)),
+                   " ms (slowest rank), ", summary->bytes_from_peers, " of ", summary->bytes,
+                   " bytes from peers, from ", summary->start.in_memory ? "memory" : "disk", "; ",
+                   reached - summary->start.step, " steps lost"),
+      now);
+  // Workers that stayed only to serve this restore may leave now.
+  world_->WakeWatches();
+  return absl::OkStatus();
+}
+
+std::vector<v1::MembershipEvent> CoordinatorCore::OnWorldRunning(int64_t generation,
+                                                                 const IsLiveMember& live) {
+  const SnapshotManager::Newest newest = snapshots_->NewestUsable(live);
+  const std::string why = checkpoints_->ResolveStart(generation, newest.point, newest.why_not);
+  if (why.empty()) return {};
+  if (const std::optional<MemoryRestorePoint> point = checkpoints_->memory_start()) {
+    // Snapshots newer than the one restored belong to a timeline that ends here.
+    snapshots_->DiscardNewerThan(point->shards[0].generation, point->shards[0].step);
+  }
+  v1::MembershipEvent event;
+  event.set_kind(v1::MEMBERSHIP_EVENT_KIND_RESTORE_POINT);
+  event.set_rank(-1);
+  event.set_detail(why);
+  return {event};
+}
+
+SaveProgress CoordinatorCore::PauseProgress(int64_t request) const {
+  if (options_.job->snapshot_every > 0) {
+    return snapshots_->PauseProgress(request, world_->LiveNow());
+  }
+  return checkpoints_->Progress(request);
+}
+
 // --- Operators ----------------------------------------------------------------------------------
 
 StatusSnapshot CoordinatorCore::Status(absl::Time now) const {
@@ -291,6 +426,17 @@ TrainingProgress CoordinatorCore::Progress(absl::Time now) const {
     if (progress.steps > 0) progress.eta = meter.Remaining(progress.steps);
   }
   progress.overlap_fraction = plan_->Stats().overlap_fraction;
+  if (snapshots_ != nullptr) {
+    const SnapshotSummary summary = snapshots_->Summary(world_->LiveNow(), now);
+    progress.last_snapshot = summary.usable_id;
+    progress.last_snapshot_step = summary.usable_step;
+    if (summary.usable_since.has_value()) {
+      progress.last_snapshot_age = now - *summary.usable_since;
+    }
+    progress.last_snapshot_copies = summary.usable_copies;
+    progress.replica_lag_steps = summary.replica_lag_steps;
+    progress.replica_lag = summary.replica_lag;
+  }
   return progress;
 }
 
@@ -350,6 +496,7 @@ void CoordinatorCore::RestoreCheckpoint(
         manifest));
     SHARD_ASSIGN_OR_RETURN(const TrainingStartPoint start,
                            checkpoints->SetRestorePoint(record.id()));
+    snapshots_->DiscardAll(absl::StrCat("an operator restored checkpoint ", record.id()));
     plan_->SeedRebuiltOrder(manifest.plan.gradient_order);
     const World world = world_->Reform(absl::StrCat("restore from checkpoint ", record.id()), now);
     return std::make_pair(start, world);
@@ -386,7 +533,7 @@ bool CoordinatorCore::Reconcile(absl::Time now) {
                                     world.generation, ")"));
       return true;
     }
-    const SaveProgress progress = checkpoints_->Progress(in_flight->request);
+    const SaveProgress progress = PauseProgress(in_flight->request);
     std::string failure = progress.error;
     if (progress.committed_id.empty() && failure.empty()) {
       if (!world_->AllPausedAt(world.generation)) return false;
@@ -398,10 +545,15 @@ bool CoordinatorCore::Reconcile(absl::Time now) {
     }
     checkpoints_->CancelPause(in_flight->request);
     if (!progress.committed_id.empty()) {
-      // Training paused right after this checkpoint: the next generation starts from it.
-      if (absl::StatusOr<TrainingStartPoint> start =
-              checkpoints_->SetRestorePoint(progress.committed_id);
-          !start.ok()) {
+      // Training paused right after this checkpoint (or snapshot): the next generation starts
+      // from it.
+      if (options_.job->snapshot_every > 0) {
+        std::optional<MemoryRestorePoint> point =
+            snapshots_->Usable(progress.committed_id, world_->LiveNow());
+        if (point.has_value()) checkpoints_->SetMemoryRestorePoint(*std::move(point));
+      } else if (absl::StatusOr<TrainingStartPoint> start =
+                     checkpoints_->SetRestorePoint(progress.committed_id);
+                 !start.ok()) {
         spdlog::error("cannot restart from checkpoint {}: {}", progress.committed_id,
                       start.status().message());
       }
@@ -442,7 +594,9 @@ bool CoordinatorCore::Reconcile(absl::Time now) {
     }
     return true;
   }
-  absl::StatusOr<int64_t> request = checkpoints_->RequestSave(pending->generation, /*pause=*/true);
+  absl::StatusOr<int64_t> request =
+      checkpoints_->RequestSave(pending->generation, /*pause=*/true,
+                                /*in_memory=*/options_.job->snapshot_every > 0);
   if (!request.ok()) {
     spdlog::error("cannot ask for the checkpoint of a re-formation: {}",
                   request.status().message());

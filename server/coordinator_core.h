@@ -25,6 +25,7 @@
 #include "server/elastic_manager.h"
 #include "server/kv_store_manager.h"
 #include "server/plan_manager.h"
+#include "server/snapshot_manager.h"
 #include "server/store/state_store.h"
 #include "server/types.h"
 #include "server/world_manager.h"
@@ -91,6 +92,12 @@ class CoordinatorCore {
   void ReportTrainingDone(const std::string& worker_id, uint64_t incarnation,
                           const std::string& summary, absl::Time now, Callback<absl::Status> done);
   absl::StatusOr<bool> ReportCheckpointShard(ShardReport report, absl::Time now);
+  // In-memory snapshots (docs/recovery.md): what a live worker holds and dropped; where the
+  // shards of its generation's memory restore point are; and that it restored (or could not).
+  absl::Status ReportSnapshot(const SnapshotReport& report, absl::Time now);
+  absl::StatusOr<RestoreSnapshotView> GetRestoreSnapshot(const std::string& worker_id,
+                                                         uint64_t incarnation, int64_t generation);
+  absl::Status ReportRestore(const RestoreReport& report, absl::Time now);
 
   // --- Operators ---
   StatusSnapshot Status(absl::Time now) const;
@@ -123,6 +130,7 @@ class CoordinatorCore {
   KvStoreManager& kv() { return *kv_; }
   PlanManager& plan() { return *plan_; }
   CheckpointManager* checkpoints() { return checkpoints_.get(); }
+  SnapshotManager* snapshots() { return snapshots_.get(); }
   ElasticManager& elastic() { return *elastic_; }
 
  private:
@@ -131,6 +139,12 @@ class CoordinatorCore {
   void Acknowledge(std::function<void()> done);
   // The job-level state machine's step; true if the workers must hear of it at once.
   bool Reconcile(absl::Time now);
+  // The world first runs at `generation`: where its training starts (memory or disk), for the
+  // history.
+  std::vector<v1::MembershipEvent> OnWorldRunning(int64_t generation, const IsLiveMember& live);
+  // How far the pausing save `request` is: a memory snapshot's or a disk checkpoint's.
+  SaveProgress PauseProgress(int64_t request) const;
+
 
   const CoreOptions options_;
   StateStore* const store_;
@@ -138,6 +152,7 @@ class CoordinatorCore {
   std::unique_ptr<KvStoreManager> kv_;
   std::unique_ptr<PlanManager> plan_;
   std::unique_ptr<CheckpointManager> checkpoints_;  // with a job only
+  std::unique_ptr<SnapshotManager> snapshots_;      // with a job only
   std::unique_ptr<ElasticManager> elastic_;
 };
 

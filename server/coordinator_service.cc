@@ -156,6 +156,36 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportCheckpointShard(
   return Reply(context, committed.status());
 }
 
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportSnapshot(
+    grpc::CallbackServerContext* context, const v1::ReportSnapshotRequest* request,
+    v1::ReportSnapshotResponse* /*response*/) {
+  absl::StatusOr<SnapshotReport> report = FromProto(*request);
+  if (!report.ok()) return Reply(context, report.status());
+  return Reply(context, core_->ReportSnapshot(*report, clock_()));
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::GetRestoreSnapshot(
+    grpc::CallbackServerContext* context, const v1::GetRestoreSnapshotRequest* request,
+    v1::RestoreSnapshot* response) {
+  absl::StatusOr<RestoreSnapshotView> view = core_->GetRestoreSnapshot(
+      request->worker_id(), request->incarnation(), request->generation());
+  if (view.ok()) {
+    response->set_id(view->id);
+    response->set_manifest_json(view->manifest_json);
+    for (const std::vector<SnapshotHolder>& holders : view->holders) {
+      v1::RestoreSnapshot::Shard* shard = response->add_shards();
+      for (const SnapshotHolder& holder : holders) *shard->add_holders() = ToProto(holder);
+    }
+  }
+  return Reply(context, view.status());
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportRestore(
+    grpc::CallbackServerContext* context, const v1::ReportRestoreRequest* request,
+    v1::ReportRestoreResponse* /*response*/) {
+  return Reply(context, core_->ReportRestore(FromProto(*request), clock_()));
+}
+
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportTrainingDone(
     grpc::CallbackServerContext* context, const v1::ReportTrainingDoneRequest* request,
     v1::ReportTrainingDoneResponse* /*response*/) {

@@ -54,6 +54,15 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
   grpc::ServerUnaryReactor* ReportCheckpointShard(
       grpc::CallbackServerContext* context, const v1::ReportCheckpointShardRequest* request,
       v1::ReportCheckpointShardResponse* response) override;
+  grpc::ServerUnaryReactor* ReportSnapshot(grpc::CallbackServerContext* context,
+                                           const v1::ReportSnapshotRequest* request,
+                                           v1::ReportSnapshotResponse* response) override;
+  grpc::ServerUnaryReactor* GetRestoreSnapshot(grpc::CallbackServerContext* context,
+                                               const v1::GetRestoreSnapshotRequest* request,
+                                               v1::RestoreSnapshot* response) override;
+  grpc::ServerUnaryReactor* ReportRestore(grpc::CallbackServerContext* context,
+                                          const v1::ReportRestoreRequest* request,
+                                          v1::ReportRestoreResponse* response) override;
 
  private:
   RateLimiter* join_limiter_;  // joins persist state: bounded

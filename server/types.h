@@ -57,8 +57,18 @@ struct Reshape {
   std::string reason;  // resize, drain, standbys
 };
 
+// Whether worker `id` with incarnation `incarnation` is a live member now.
+using IsLiveMember = std::function<bool(const std::string& id, uint64_t incarnation)>;
+
 // The events after a watch's sequence number (none if its wait ran out), or why the watch ended.
 using EventsCallback = std::function<void(absl::StatusOr<std::vector<v1::MembershipEvent>>)>;
+
+// Where the shards of a generation's memory restore point are, as its workers ask.
+struct RestoreSnapshotView {
+  std::string id;
+  std::string manifest_json;  // common/checkpoint.h CheckpointManifest
+  std::vector<std::vector<SnapshotHolder>> holders;  // by rank of the snapshot's world
+};
 
 // The current plan of a generation, as workers and checkpoints use it.
 struct PlanView {

@@ -168,6 +168,54 @@ void WorldManager::set_generation_listener(std::function<void(int64_t)> listener
   generation_listener_ = std::move(listener);
 }
 
+void WorldManager::set_running_listener(RunningListener listener) {
+  absl::MutexLock lock(&mu_);
+  running_listener_ = std::move(listener);
+}
+
+void WorldManager::set_leaver_hold(std::function<bool(const std::string&)> hold) {
+  absl::MutexLock lock(&mu_);
+  leaver_hold_ = std::move(hold);
+}
+
+bool WorldManager::LiveLocked(const std::string& worker_id, uint64_t incarnation) const {
+  const shard::Member* member = membership_.Find(worker_id);
+  return member != nullptr && member->role != Role::kDeparted &&
+         member->incarnation == incarnation;
+}
+
+bool WorldManager::IsLive(const std::string& worker_id, uint64_t incarnation) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return LiveLocked(worker_id, incarnation);
+}
+
+IsLiveMember WorldManager::LiveNow() const {
+  auto live = std::make_shared<std::map<std::string, uint64_t>>();
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [id, member] : membership_.members()) {
+      if (member.role != Role::kDeparted) (*live)[id] = member.incarnation;
+    }
+  }
+  return [live](const std::string& id, uint64_t incarnation) {
+    auto it = live->find(id);
+    return it != live->end() && it->second == incarnation;
+  };
+}
+
+bool WorldManager::HeldLocked(const shard::Member& member) const {
+  return member.role == Role::kLeaving && !membership_.stop_requested && leaver_hold_ &&
+         leaver_hold_(member.id);
+}
+
+void WorldManager::RecordEvent(v1::MembershipEventKind kind, const std::string& worker_id,
+                               int rank, std::string detail, absl::Time now) {
+  Mutate([&](Change* change) {
+    change->events.push_back(MakeEvent(kind, worker_id, rank, std::move(detail), now));
+    return 0;
+  });
+}
+
 World WorldManager::WorldLocked() const { return WorldOf(membership_, generation_, rules_); }
 
 World WorldManager::world() const {
@@ -212,20 +260,34 @@ std::set<std::string> WorldManager::CommitLocked(Change change) {
   if (change.bump) {
     ++generation_;
     membership_.ran = false;
+    // First, so that a world running at once at the new generation resolves its start there.
+    if (generation_listener_) generation_listener_(generation_);
   }
+  const bool starts_running = !membership_.ran && WorldLocked().state == JobState::kRunning;
   NoteRunningLocked();
+  if (starts_running && running_listener_) {
+    // The listener reads the membership under this lock, as it stands.
+    const IsLiveMember live = [this](const std::string& id, uint64_t incarnation)
+                                  ABSL_NO_THREAD_SAFETY_ANALYSIS { return LiveLocked(id, incarnation); };
+    const int64_t unix_ms = !change.events.empty()   ? change.events.front().unix_ms()
+                            : events_.events().empty() ? 0
+                                                       : events_.events().back().unix_ms();
+    for (v1::MembershipEvent& event : running_listener_(generation_, live)) {
+      event.set_unix_ms(unix_ms);
+      change.events.push_back(std::move(event));
+    }
+  }
   const std::vector<v1::MembershipEvent> events =
       events_.Append(std::move(change.events), generation_);
   std::set<std::string> touched = membership_.TakeDirty();
   log_.Record(membership_, generation_, touched, events, events_);
-  if (change.bump && generation_listener_) generation_listener_(generation_);
   return touched;
 }
 
 bool WorldManager::WatchFires(const World& world, const Watch& watch) const {
   const shard::Member* member = membership_.Find(watch.worker_id);
-  if (member == nullptr || member->role == Role::kDeparted || member->role == Role::kLeaving ||
-      membership_.stop_requested) {
+  if (member == nullptr || member->role == Role::kDeparted ||
+      (member->role == Role::kLeaving && !HeldLocked(*member)) || membership_.stop_requested) {
     return true;
   }
   // While the world forms, its generation does not concern the waiting workers.
@@ -247,7 +309,9 @@ absl::StatusOr<HeartbeatOutcome> WorldManager::OutcomeLocked(const std::string& 
   HeartbeatOutcome outcome;
   outcome.world = world;
   outcome.rank = member->rank;
-  if (member->role == Role::kLeaving) {
+  if (HeldLocked(*member)) {
+    // Not yet: the new world still reads state this worker holds.
+  } else if (member->role == Role::kLeaving) {
     outcome.stop = true;
     outcome.stop_reason = member->detail;
   } else if (membership_.stop_requested) {

@@ -78,6 +78,16 @@ class WorldManager {
 
   // Called under the manager's lock whenever the generation changes; must not call back.
   void set_generation_listener(std::function<void(int64_t)> listener);
+  // Called under the manager's lock when the world first runs at a generation (it is about to
+  // tell its workers so), with who is live now; the events it returns are recorded with the
+  // change, at its time. Must not call back.
+  using RunningListener =
+      std::function<std::vector<v1::MembershipEvent>(int64_t generation, const IsLiveMember&)>;
+  void set_running_listener(RunningListener listener);
+  // Whether a worker told to leave must stay (it holds state the new world still reads): it is
+  // then not told to stop, and its heartbeat waits as a standby's does. Called under the
+  // manager's lock; must not call back. WakeWatches once it may change.
+  void set_leaver_hold(std::function<bool(const std::string& worker_id)> hold);
 
   absl::StatusOr<JoinOutcome> Join(const JoinParams& params, absl::Time now);
   // Renews the lease and answers at once.
@@ -145,6 +155,16 @@ class WorldManager {
   // Asks every member to leave; the job is STOPPED once none is live.
   World RequestStop(const std::string& reason, absl::Time now);
 
+  // Whether `worker_id` with `incarnation` is a live member (holding a rank, standing by or
+  // leaving).
+  bool IsLive(const std::string& worker_id, uint64_t incarnation) const;
+  // The same for every live member at once, as it is now (for callers that ask under a lock of
+  // their own, which must never wait for this manager's).
+  IsLiveMember LiveNow() const;
+  // Records an event of the job's history (e.g. where a generation restores from).
+  void RecordEvent(v1::MembershipEventKind kind, const std::string& worker_id, int rank,
+                   std::string detail, absl::Time now);
+
   // The member `worker_id` of the running world; NotFound/FailedPrecondition as Heartbeat, and
   // Aborted (its generation is over) for a standby, a leaver, or while the world is not
   // running.
@@ -196,6 +216,10 @@ class WorldManager {
                                                  const World& world) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool WatchFires(const World& world, const Watch& watch) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool LiveLocked(const std::string& worker_id, uint64_t incarnation) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // A leaver that must stay for now (set_leaver_hold).
+  bool HeldLocked(const shard::Member& member) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Once every rank of the running world reported the end of training, the job stops.
   void StopIfTrainingFinished(const std::string& summary, absl::Time now, Change* change)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -220,6 +244,8 @@ class WorldManager {
   EventLog events_ ABSL_GUARDED_BY(mu_);
   MembershipLog log_ ABSL_GUARDED_BY(mu_);
   std::function<void(int64_t)> generation_listener_ ABSL_GUARDED_BY(mu_);
+  RunningListener running_listener_ ABSL_GUARDED_BY(mu_);
+  std::function<bool(const std::string&)> leaver_hold_ ABSL_GUARDED_BY(mu_);
   WaitList<Watch> watches_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, WaitList<Watch>::Id> watch_of_ ABSL_GUARDED_BY(mu_);  // by worker
   absl::Status closed_ ABSL_GUARDED_BY(mu_);  // why watches are no longer held, once closed

@@ -13,6 +13,7 @@
 #include "proto/job_convert.h"
 #include "spdlog/spdlog.h"
 #include "worker/dataplane/self_check.h"
+#include "worker/dataplane/snapshot_fetch.h"
 #include "worker/dataplane/trainer.h"
 #include "worker/plan_session.h"
 #include "worker/stats_reporter.h"
@@ -53,6 +54,7 @@ void WorkerAgent::SetStop(const std::string& reason) {
   stop_ = true;
   stop_requested_ = true;
   stop_reason_ = reason;
+  generation_over_ = true;
   // Whatever the data path is blocked in must give way now.
   if (communicator_ != nullptr) communicator_->Abort(absl::StrCat("worker stopping: ", reason));
   if (rendezvous_ != nullptr) rendezvous_->Cancel();
@@ -85,6 +87,7 @@ void WorkerAgent::UpdateWorld(const v1::WorldView& world, int rank) {
     communicator_->Abort(absl::StrCat("generation ", communicator_generation_,
                                       " ended; the world moved to generation ",
                                       world.generation()));
+    generation_over_ = true;
   }
   // A rendezvous of an ended generation can never complete: give it up now.
   if (rendezvous_ != nullptr && rendezvous_generation_ < world.generation()) rendezvous_->Cancel();
@@ -98,6 +101,10 @@ absl::Status WorkerAgent::JoinWithRetry() {
   params.capabilities = data_path_->capabilities();
   params.incarnation = incarnation_;
   params.requested_rank = options_.rank;
+  if (snapshot_server_ != nullptr) {
+    params.snapshot_address = snapshot_server_->address();
+    params.holdings = snapshots_.Holdings();
+  }
   const v1::JoinRequest request = ToProto(params);
 
   const absl::Time give_up = absl::Now() + options_.coordinator_timeout;
@@ -170,6 +177,7 @@ void WorkerAgent::HeartbeatLoop() {
       params.paused_generation = paused_generation_;
       pause = std::max(heartbeat_interval_, backoff);
     }
+    ReportAllHeldIfNeeded();
     absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(ToProto(params));
     if (beat.ok()) {
       pause = absl::ZeroDuration();
@@ -198,6 +206,10 @@ void WorkerAgent::HeartbeatLoop() {
       continue;
     }
     if (IsTransient(status)) {
+      {
+        absl::MutexLock lock(&mu_);
+        report_all_held_ = true;
+      }
       const absl::Duration silent = absl::Now() - last_contact;
       if (silent > options_.coordinator_timeout) {
         absl::MutexLock lock(&mu_);
@@ -236,8 +248,32 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
   spdlog::info("connecting the data path: rank {} of {} on {} over {} (peers reach {})",
                world.rank, world.world_size, data_path_->device().name(), data_path_->backend(),
                options_.host);
+  std::optional<JobConfig> job;
+  {
+    absl::MutexLock lock(&mu_);
+    job = job_;
+  }
+  // Where this rank's snapshots are served, published before connecting: once the data path is
+  // connected, every peer's is in the store.
+  const bool snapshots = job.has_value() && job->snapshot_every > 0;
+  const auto snapshot_key = [](int rank) { return absl::StrCat("snapshot/", rank); };
+  if (snapshots) {
+    SHARD_RETURN_IF_ERROR(
+        rendezvous->Set(snapshot_key(world.rank), snapshot_server_->address()));
+  }
   absl::StatusOr<std::unique_ptr<Communicator>> created =
       data_path_->Connect(rendezvous.get(), world.rank, world.world_size);
+  std::vector<std::string> peers;
+  for (int rank = 0; snapshots && created.ok() && rank < world.world_size; ++rank) {
+    absl::StatusOr<std::string> address = rendezvous->Get(snapshot_key(rank));
+    if (!address.ok()) {
+      created = absl::Status(address.status().code(),
+                             absl::StrCat("rank ", rank, "'s snapshot server: ",
+                                          address.status().message()));
+      break;
+    }
+    peers.push_back(*std::move(address));
+  }
   {
     absl::MutexLock lock(&mu_);
     rendezvous_ = nullptr;
@@ -270,11 +306,6 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
   }
   if (!reported.ok()) return reported;
   spdlog::info("self-check passed: {}", checked->summary);
-  std::optional<JobConfig> job;
-  {
-    absl::MutexLock lock(&mu_);
-    job = job_;
-  }
   {
     // Connected and checked: a later generation change aborts this communicator.
     absl::MutexLock lock(&mu_);
@@ -283,20 +314,79 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
   // Also after this worker finished: a new generation means the job is not finished (a rank
   // died before it reported the end), and every rank trains again from the restore point.
   if (job.has_value()) {
-    SHARD_RETURN_IF_ERROR(Train(*job, world.rank, world.generation));
+    SHARD_RETURN_IF_ERROR(Train(*job, world.rank, world.generation, peers));
   } else if (options_.manifest.has_value()) {
     SHARD_RETURN_IF_ERROR(ApplyPlan());
   }
   return absl::OkStatus();
 }
 
-absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generation) {
+void WorkerAgent::ReportHeld(const std::vector<SnapshotShard>& held,
+                             const std::vector<std::string>& dropped) {
+  SnapshotReport report;
+  report.worker_id = options_.worker_id;
+  report.incarnation = incarnation_;
+  report.held = held;
+  report.dropped = dropped;
+  report.snapshot_address = snapshot_server_->address();
+  if (absl::Status sent = client_->ReportSnapshot(ToProto(report)); !sent.ok()) {
+    spdlog::warn("could not tell the coordinator about snapshot shards held ({}); telling it "
+                 "everything held before the next heartbeat",
+                 sent.message());
+    absl::MutexLock lock(&mu_);
+    report_all_held_ = true;
+  }
+}
+
+void WorkerAgent::ReportAllHeldIfNeeded() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!report_all_held_) return;
+    report_all_held_ = false;
+  }
+  std::vector<SnapshotShard> held = snapshots_.Holdings();
+  if (held.empty()) return;
+  ReportHeld(held, {});
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointReader>> WorkerAgent::OpenMemoryRestore(
+    int64_t generation, SnapshotReadStats* stats) {
+  v1::GetRestoreSnapshotRequest request;
+  request.set_worker_id(options_.worker_id);
+  request.set_incarnation(incarnation_);
+  request.set_generation(generation);
+  SHARD_ASSIGN_OR_RETURN(const v1::RestoreSnapshot where, client_->GetRestoreSnapshot(request));
+  SHARD_ASSIGN_OR_RETURN(
+      CheckpointManifest manifest,
+      CheckpointManifestFromJson(where.manifest_json(), "memory snapshot " + where.id()));
+  std::vector<std::vector<SnapshotHolderAddress>> holders;
+  for (const v1::RestoreSnapshot::Shard& shard : where.shards()) {
+    std::vector<SnapshotHolderAddress>& list = holders.emplace_back();
+    for (const v1::SnapshotHolder& holder : shard.holders()) {
+      list.push_back({holder.worker_id(), holder.address()});
+    }
+  }
+  if (holders.size() != manifest.shards.size()) {
+    return absl::InternalError(absl::StrCat("the coordinator lists holders of ", holders.size(),
+                                            " shards of memory snapshot ", where.id(), " for ",
+                                            manifest.shards.size()));
+  }
+  return CheckpointReader::Open(
+      std::move(manifest),
+      SnapshotShards(where.id(), std::move(holders), &snapshots_, absl::Seconds(10),
+                     &generation_over_, stats),
+      "memory snapshot " + where.id());
+}
+
+absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generation,
+                                const std::vector<std::string>& peers) {
   std::shared_ptr<Communicator> communicator;
   v1::TrainingStart start;
   {
     absl::MutexLock lock(&mu_);
     communicator = communicator_;
     start = start_;
+    generation_over_ = stop_ || world_.generation != generation;
   }
   PlanSession plans(client_.get(), options_.worker_id, incarnation_,
                     options_.collective_timeout);
@@ -310,10 +400,69 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
   };
   trainer.generation = generation;
   trainer.checkpoint_tag = absl::StrCat("g", generation);
-  if (!start.checkpoint_id().empty()) {
+  SnapshotReadStats read_stats;
+  if (start.in_memory()) {
+    trainer.open_restore = [this, generation, &read_stats] {
+      return OpenMemoryRestore(generation, &read_stats);
+    };
+    spdlog::info("restoring from memory snapshot {} (step {}), held by the job's workers",
+                 start.checkpoint_id(), start.step());
+  } else if (!start.checkpoint_id().empty()) {
     trainer.restore_dir = start.checkpoint_dir();
     spdlog::info("restoring from checkpoint {} (step {}) in {}", start.checkpoint_id(),
                  start.step(), start.checkpoint_dir());
+  }
+  trainer.on_restored = [&](const absl::Status& restored, absl::Duration took) -> absl::Status {
+    RestoreReport report;
+    report.worker_id = options_.worker_id;
+    report.incarnation = incarnation_;
+    report.generation = generation;
+    report.checkpoint_id = start.checkpoint_id();
+    report.in_memory = start.in_memory();
+    report.duration = took;
+    report.bytes = read_stats.bytes;
+    report.bytes_from_peers = read_stats.bytes_from_peers;
+    const bool cut_short = absl::IsCancelled(restored) || absl::IsAborted(restored);
+    if (!restored.ok() && !cut_short) report.error = std::string(restored.message());
+    if (!cut_short) {
+      if (absl::Status sent = client_->ReportRestore(ToProto(report)); !sent.ok()) {
+        spdlog::warn("could not report the restore: {}", sent.message());
+      }
+    }
+    if (restored.ok()) {
+      spdlog::info("restored {} {} (step {}) in {:.1f} ms{}",
+                   start.in_memory() ? "memory snapshot" : "checkpoint", start.checkpoint_id(),
+                   start.step(), absl::ToDoubleMilliseconds(took),
+                   start.in_memory() ? absl::StrCat(": ", report.bytes, " bytes, ",
+                                                    report.bytes_from_peers, " from peers")
+                                     : "");
+      return restored;
+    }
+    if (start.in_memory() && !cut_short) {
+      // The coordinator will not use this snapshot again: the next generation restores from
+      // another one, or from disk.
+      return absl::UnavailableError(absl::StrCat("restoring memory snapshot ",
+                                                 start.checkpoint_id(),
+                                                 " failed: ", restored.message()));
+    }
+    return restored;
+  };
+  if (job.snapshot_every > 0) {
+    trainer.snapshots = &snapshots_;
+    std::vector<std::string> hosts;
+    for (const std::string& peer : peers) hosts.push_back(peer.substr(0, peer.rfind(':')));
+    for (int buddy : SnapshotBuddies(hosts, rank, job.snapshot_replicas)) {
+      trainer.snapshot_buddies.push_back(peers[buddy]);
+    }
+    trainer.on_snapshot = [this](const SnapshotShard& shard,
+                                 const std::vector<std::string>& dropped) {
+      ReportHeld({shard}, dropped);
+    };
+    trainer.on_snapshot_push_failed = [](const SnapshotShard& shard, const std::string& buddy,
+                                         const absl::Status& why) {
+      spdlog::warn("snapshot {}: the buddy at {} did not take this rank's replica: {}", shard.id,
+                   buddy, why.message());
+    };
   }
   trainer.on_checkpoint = [&](const SavedShard& saved) {
     ShardReport report;
@@ -529,6 +678,18 @@ void WorkerAgent::ReportGenerationFailed(const WorldSnapshot& world, const absl:
 }
 
 absl::Status WorkerAgent::Run() {
+  absl::StatusOr<std::unique_ptr<SnapshotServer>> server = SnapshotServer::Start(
+      options_.host, options_.snapshot_port, &snapshots_,
+      [this](const SnapshotShard& shard, const std::vector<std::string>& dropped) {
+        ReportHeld({shard}, dropped);
+      });
+  if (!server.ok()) {
+    return absl::Status(server.status().code(),
+                        absl::StrCat("cannot serve snapshots to peers (--host ", options_.host,
+                                     ", --snapshot-port ", options_.snapshot_port, "): ",
+                                     server.status().message()));
+  }
+  snapshot_server_ = *std::move(server);
   SHARD_RETURN_IF_ERROR(JoinWithRetry());
   {
     absl::MutexLock lock(&mu_);

@@ -19,6 +19,9 @@
 #include "worker/data_path.h"
 #include "worker/dataplane/communicator.h"
 #include "worker/dataplane/plan_provider.h"
+#include "worker/dataplane/snapshot_fetch.h"
+#include "worker/dataplane/snapshot_peer.h"
+#include "worker/dataplane/snapshot_store.h"
 #include "worker/dataplane/training_session.h"
 
 namespace shard {
@@ -28,6 +31,8 @@ struct WorkerOptions {
   std::string host = "127.0.0.1";  // where peers reach this worker's data path
   std::string device = "cpu";  // as announced to the coordinator; the data path runs it
   std::optional<int> rank;          // unset: the coordinator picks
+  // Where this worker serves the snapshots it holds to its peers (on `host`; 0: any free port).
+  int snapshot_port = 0;
   // How long to keep trying while the coordinator cannot be reached (at start and later).
   absl::Duration coordinator_timeout = absl::Seconds(60);
   absl::Duration collective_timeout = absl::Seconds(60);
@@ -76,7 +81,18 @@ class WorkerAgent {
   // Registers the manifest, applies the plan, and after the first iteration the rebuilt one.
   absl::Status ApplyPlan();
   // Trains the job on the connected communicator of `generation` and reports the result.
-  absl::Status Train(const JobConfig& job, int rank, int64_t generation);
+  // `peers`: the snapshot servers of the generation's ranks (empty without snapshots).
+  absl::Status Train(const JobConfig& job, int rank, int64_t generation,
+                     const std::vector<std::string>& peers);
+  // Tells the coordinator which snapshot shards this worker now holds and dropped; if it cannot,
+  // everything held is told again before the next heartbeat.
+  void ReportHeld(const std::vector<SnapshotShard>& held, const std::vector<std::string>& dropped);
+  // After the coordinator was away (it may have restarted and lost what it knew): everything
+  // this worker holds, told again before its next heartbeat.
+  void ReportAllHeldIfNeeded();
+  // Reads the memory restore point of `generation` from its holders.
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenMemoryRestore(int64_t generation,
+                                                                      SnapshotReadStats* stats);
   // Tells the coordinator that the data path of `world`'s generation failed with `why`, so that
   // it ends the generation (a failed self-check does); nothing if it is over already.
   void ReportGenerationFailed(const WorldSnapshot& world, const absl::Status& why);
@@ -112,6 +128,13 @@ class WorkerAgent {
   int64_t paused_generation_ ABSL_GUARDED_BY(mu_) = 0;
   v1::TrainingStart start_ ABSL_GUARDED_BY(mu_);         // where this generation's training starts
   int64_t communicator_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  // What this process holds of the job's snapshots (its own shards and its buddies'), across
+  // generations, and the server its peers read them from.
+  SnapshotStore snapshots_;
+  std::unique_ptr<SnapshotServer> snapshot_server_;
+  bool report_all_held_ ABSL_GUARDED_BY(mu_) = false;
+  // Set when the generation being trained ends (or a stop): cancels reads from peers.
+  std::atomic<bool> generation_over_{false};
 };
 
 }  // namespace shard

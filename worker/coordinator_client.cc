@@ -186,6 +186,22 @@ absl::Status CoordinatorClient::ReportCheckpointShard(
       .status();
 }
 
+absl::Status CoordinatorClient::ReportSnapshot(const v1::ReportSnapshotRequest& request) {
+  return Call(&v1::Coordinator::Stub::ReportSnapshot, request, rpc_timeout_, "snapshot report at")
+      .status();
+}
+
+absl::StatusOr<v1::RestoreSnapshot> CoordinatorClient::GetRestoreSnapshot(
+    const v1::GetRestoreSnapshotRequest& request) {
+  return Call(&v1::Coordinator::Stub::GetRestoreSnapshot, request, rpc_timeout_,
+              "restore point request at");
+}
+
+absl::Status CoordinatorClient::ReportRestore(const v1::ReportRestoreRequest& request) {
+  return Call(&v1::Coordinator::Stub::ReportRestore, request, rpc_timeout_, "restore report at")
+      .status();
+}
+
 std::unique_ptr<RendezvousClient> CoordinatorClient::RendezvousStore(
     const v1::RendezvousScope& scope) {
   return std::make_unique<RendezvousClient>(stubs()->rendezvous, scope, address_, rpc_timeout_);

@@ -67,6 +67,10 @@ class CoordinatorClient {
   absl::Status ReportStepStats(const v1::ReportStepStatsRequest& request);
   absl::Status ReportTrainingDone(const v1::ReportTrainingDoneRequest& request);
   absl::Status ReportCheckpointShard(const v1::ReportCheckpointShardRequest& request);
+  absl::Status ReportSnapshot(const v1::ReportSnapshotRequest& request);
+  absl::StatusOr<v1::RestoreSnapshot> GetRestoreSnapshot(
+      const v1::GetRestoreSnapshotRequest& request);
+  absl::Status ReportRestore(const v1::ReportRestoreRequest& request);
 
   // The rendezvous store of one generation, for the data path.
   std::unique_ptr<RendezvousClient> RendezvousStore(const v1::RendezvousScope& scope);

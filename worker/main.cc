@@ -67,6 +67,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--rank", rank, "ask for this rank (default: the coordinator assigns one)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--snapshot-port", options.snapshot_port,
+                 "port on --host where peers read the in-memory snapshots this worker holds "
+                 "(its own shard and its buddies'); 0: any free port")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
   app.add_option("--coordinator-timeout", coordinator_timeout,
                  "give up after the coordinator has been unreachable this long")
       ->capture_default_str()

@@ -1270,6 +1270,7 @@ SimulationResult Simulation::Run() {
   job_.checkpoint_dir = kCheckpointRoot;
   job_.checkpoint_every = std::vector<int64_t>{0, 5, 10, 25}[Pick(4)];
   job_.checkpoint_keep_last = 1 + Pick(4);
+  job_.snapshot_every = 0;
   step_time_ = Uniform(absl::Milliseconds(10), absl::Milliseconds(40));
   core_options_.job = job_;
   core_options_.world.lease = kLease;

@@ -94,6 +94,7 @@ TEST(ControlConvertTest, SnapshotShardsReportsAndRestoresRoundTrip) {
   report.dropped = {"step-00000020-g3"};
   report.failed_id = "step-00000050-g3";
   report.error = "out of memory";
+  report.snapshot_address = "10.0.0.4:41234";
   absl::StatusOr<SnapshotReport> report_back = FromProto(ToProto(report));
   ASSERT_TRUE(report_back.ok()) << report_back.status();
   EXPECT_EQ(*report_back, report);
