@@ -49,6 +49,7 @@ int main(int argc, char** argv) {
   int64_t finished = 0;
   int64_t stopped = 0;
   int64_t kills = 0, stops = 0, crashes = 0, admin = 0, checkpoints = 0;
+  int64_t memory_restores = 0, disk_restores = 0, memory_failures = 0;
   absl::Duration simulated;
   for (uint64_t seed = first_seed; run < seeds && absl::Now() - started < limit; ++seed, ++run) {
     const shard::sim::SimulationResult result = shard::sim::RunSimulation({.seed = seed});
@@ -61,6 +62,9 @@ int main(int argc, char** argv) {
     crashes += result.coordinator_crashes;
     admin += result.admin_calls;
     checkpoints += result.checkpoints;
+    memory_restores += result.memory_restores;
+    disk_restores += result.disk_restores;
+    memory_failures += result.memory_restore_failures;
     if (!result.passed) {
       ++failed;
       std::printf("FAIL seed %llu: %s\nreplay: shard-control-plane-sim --seed %llu\n\n",
@@ -74,13 +78,17 @@ int main(int argc, char** argv) {
       "%lld seeds (%llu..%llu) in %.1f s: %.1f seeds/s, %lld events, %.0f s simulated\n"
       "faults: %lld worker kills, %lld stops, %lld coordinator crashes, %lld operator calls; "
       "%lld checkpoints committed\n"
+      "restores: %lld from memory, %lld from disk; %lld reads of a memory snapshot failed (the "
+      "next generation restored from elsewhere)\n"
       "outcome: %lld trained to the end, %lld stopped by an operator, %lld failed\n",
       static_cast<long long>(run), static_cast<unsigned long long>(first_seed),
       static_cast<unsigned long long>(first_seed + run - 1), seconds, run / seconds,
       static_cast<long long>(events), absl::ToDoubleSeconds(simulated),
       static_cast<long long>(kills), static_cast<long long>(stops),
       static_cast<long long>(crashes), static_cast<long long>(admin),
-      static_cast<long long>(checkpoints), static_cast<long long>(finished),
+      static_cast<long long>(checkpoints), static_cast<long long>(memory_restores),
+      static_cast<long long>(disk_restores), static_cast<long long>(memory_failures),
+      static_cast<long long>(finished),
       static_cast<long long>(stopped), static_cast<long long>(failed));
   return failed == 0 ? 0 : 1;
 }

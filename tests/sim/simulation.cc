@@ -62,8 +62,10 @@ struct Session {
   int size = 0;
   Phase phase = Phase::kRendezvous;
   int writes = 0;             // shard writes not yet reported
+  int snapshot_work = 0;      // its snapshot's report and pushes to buddies not yet done
   bool pause_after_writes = false;
   bool done_after_writes = false;
+  std::shared_ptr<const Plan> plan;  // the plan it trains with (snapshots are laid out by it)
 };
 
 // The ranks of one generation that connected their data path: they step in lockstep.
@@ -105,6 +107,10 @@ struct Worker {
   absl::Time join_started;
   absl::Duration backoff;
   std::vector<std::function<void()>> deferred;  // events that came while stopped
+  // The snapshot shards this process holds in memory (its own and its buddies'), by snapshot id
+  // and rank, the newest two snapshots (worker/dataplane/snapshot_store.h).
+  std::map<std::string, std::map<int, SnapshotShard>> held;
+  bool report_all_held = false;  // the coordinator was away: tell it everything before a heartbeat
 };
 
 class Simulation {
@@ -178,6 +184,21 @@ class Simulation {
                     uint64_t hash);
   void WritesDone(int index);
   Group* GroupOf(const Worker& worker);
+  // --- Snapshots (worker/dataplane/snapshotter.h, snapshot_peer.h) ---
+  // Worker `index` keeps `shard`; returns the snapshot ids it dropped (it keeps the newest two).
+  std::vector<std::string> Hold(int index, const SnapshotShard& shard);
+  // Tells the coordinator (a call), then runs `then` in the worker's process.
+  void ReportHeld(int index, std::vector<SnapshotShard> held, std::vector<std::string> dropped,
+                  std::function<void(Worker&)> then);
+  // Rank `rank` of `generation` took its shard of a snapshot: keep, report, push to buddies.
+  void TakeSnapshot(int index, int64_t generation, SnapshotShard shard,
+                    std::vector<int> buddies);
+  void SnapshotWorkDone(int index, int64_t generation);
+  std::string SnapshotAddress(int index) const {
+    return absl::StrCat("10.0.0.", index % 250 + 1, ":9000");
+  }
+  // Restores a generation from its memory restore point: OK, or why a holder did not serve.
+  absl::Status RestoreFromMemory(int index, int64_t generation, int64_t* step, uint64_t* hash);
 
   // --- Faults and operators ---
   void Fault();
@@ -380,6 +401,7 @@ void Simulation::Kill(int index, const std::string& why) {
   worker.alive = false;
   worker.stopped = false;
   worker.deferred.clear();
+  worker.held.clear();
   ++worker.process;
   // Its peers' collectives fail at once: the sockets reset.
   if (Group* group = GroupOf(worker); group != nullptr && !group->over) {
@@ -432,6 +454,10 @@ void Simulation::Join(int index) {
   params.device = "cpu";
   params.capabilities = {"gloo"};
   params.incarnation = w.incarnation;
+  params.snapshot_address = SnapshotAddress(index);
+  for (const auto& [id, shards] : w.held) {
+    for (const auto& [rank, shard] : shards) params.holdings.push_back(shard);
+  }
   auto retry = [this, index](Worker& worker, const std::string& why, bool refused) {
     if (!refused && now_ - worker.join_started > kCoordinatorTimeout) {
       Exit(worker, absl::StrCat("cannot reach the coordinator: ", why), true);
@@ -471,6 +497,18 @@ void Simulation::Join(int index) {
 
 void Simulation::Heartbeat(int index) {
   Worker& w = *workers_[index];
+  if (w.report_all_held) {
+    // worker/agent.cc: after losing the coordinator, everything held is told again first.
+    w.report_all_held = false;
+    std::vector<SnapshotShard> all;
+    for (const auto& [id, shards] : w.held) {
+      for (const auto& [rank, shard] : shards) all.push_back(shard);
+    }
+    if (!all.empty()) {
+      ReportHeld(index, std::move(all), {}, [this, index](Worker&) { Heartbeat(index); });
+      return;
+    }
+  }
   HeartbeatParams params;
   params.worker_id = w.id;
   params.incarnation = w.incarnation;
@@ -483,6 +521,7 @@ void Simulation::Heartbeat(int index) {
       Exit(worker, "lost the coordinator", true);
       return;
     }
+    worker.report_all_held = true;
     worker.backoff =
         std::min(std::max(2 * worker.backoff, absl::Milliseconds(50)), worker.interval);
     ForWorker(index, worker.backoff, [this, index](Worker&) { Heartbeat(index); });
@@ -711,6 +750,7 @@ void Simulation::OnConnected(int index) {
                   return;
                 }
                 w.session->phase = Session::Phase::kTraining;
+                w.session->plan = view->plan;
                 Group& group = groups_[generation];
                 for (const auto& [rank, member] : group.members) {
                   const Worker& peer = *workers_[member];
@@ -735,6 +775,28 @@ void Simulation::OnConnected(int index) {
                 if (start.checkpoint_id.empty()) {
                   group.step = 0;
                   group.hash = Mix(job_.seed, 0);
+                } else if (start.in_memory) {
+                  // Read from the holders' memory, peer to peer; a holder that is gone, stopped
+                  // or no longer holds it does not serve it, and the generation ends.
+                  absl::Status restored =
+                      RestoreFromMemory(index, generation, &group.step, &group.hash);
+                  if (!restored.ok()) {
+                    ++result_.memory_restore_failures;
+                    Log(absl::StrCat("generation ", generation, " cannot restore ",
+                                     start.checkpoint_id, ": ", restored.ToString()));
+                    if (core_ != nullptr && !absl::IsAborted(restored)) {
+                      RestoreReport report;
+                      report.worker_id = workers_[index]->id;
+                      report.incarnation = workers_[index]->incarnation;
+                      report.generation = generation;
+                      report.checkpoint_id = start.checkpoint_id;
+                      report.in_memory = true;
+                      report.error = std::string(restored.message());
+                      (void)core_->ReportRestore(report, now_);
+                    }
+                    FailSession(index, absl::UnavailableError(restored.message()));
+                    return;
+                  }
                 } else {
                   absl::StatusOr<CheckpointManifest> manifest = storage_.ReadManifest(start.dir);
                   if (!manifest.ok()) {
@@ -764,7 +826,23 @@ void Simulation::OnConnected(int index) {
                   group.hash = hash;
                 }
                 Log(absl::StrCat("generation ", generation, " trains from step ", group.step,
-                                 start.checkpoint_id.empty() ? "" : " of ", start.checkpoint_id));
+                                 start.checkpoint_id.empty() ? "" : " of ", start.checkpoint_id,
+                                 start.in_memory ? " (memory)" : ""));
+                // Every rank says it restored (which lets held leavers go).
+                for (const auto& [rank, member] : group.members) {
+                  if (core_ == nullptr || start.checkpoint_id.empty()) break;
+                  RestoreReport report;
+                  report.worker_id = workers_[member]->id;
+                  report.incarnation = workers_[member]->incarnation;
+                  report.generation = generation;
+                  report.checkpoint_id = start.checkpoint_id;
+                  report.in_memory = start.in_memory;
+                  (void)core_->ReportRestore(report, now_);
+                }
+                group.boundary.last_snapshot_step = group.step;
+                if (!start.checkpoint_id.empty()) {
+                  ++(start.in_memory ? result_.memory_restores : result_.disk_restores);
+                }
                 group.started = true;
                 group.stepping = true;
                 // A checkpoint of the last step leaves nothing to train: the trainer ends at once.
@@ -828,16 +906,58 @@ void Simulation::Step(int64_t generation) {
     }
     // The ranks agree on the newest orders of this generation any of them knows.
     StepOrders agreed{generation, 0, 0};
+    bool busy = false;  // a rank still reports or pushes its previous snapshot
     for (const auto& [rank, index] : group.members) {
+      busy = busy || workers_[index]->session->snapshot_work > 0;
       const StepOrders& known = workers_[index]->orders;
       if (known.generation != generation) continue;
       agreed.save_request = std::max(agreed.save_request, known.save_request);
       agreed.pause_request = std::max(agreed.pause_request, known.pause_request);
+      agreed.pause_in_memory = agreed.pause_in_memory || known.pause_in_memory;
     }
-    boundary = DecideStepBoundary(group.step, StepBoundaryRules{job_.steps, job_.checkpoint_every, 0},
-                                  agreed, /*snapshots_busy=*/false, &group.boundary);
+    boundary = DecideStepBoundary(
+        group.step, StepBoundaryRules{job_.steps, job_.checkpoint_every, job_.snapshot_every},
+        agreed, busy, &group.boundary);
   }
   const bool last = group.step >= job_.steps;
+  if (boundary.snapshot) {
+    // Every rank copies what it owns, keeps it and sends it to its buddies (a ring over hosts).
+    std::vector<std::string> hosts(group.size);
+    std::vector<int> by_rank(group.size);
+    for (const auto& [rank, index] : group.members) {
+      hosts[rank] = SnapshotAddress(index).substr(0, SnapshotAddress(index).rfind(':'));
+      by_rank[rank] = index;
+    }
+    for (const auto& [rank, index] : group.members) {
+      const Plan& plan = *workers_[index]->session->plan;
+      SnapshotShard shard;
+      shard.id = SnapshotId(group.step, generation);
+      shard.generation = generation;
+      shard.step = group.step;
+      shard.rank = rank;
+      shard.plan = plan.options;
+      shard.plan_hash = plan.hash;
+      shard.counters.optimizer_step = group.step;
+      shard.request = boundary.snapshot_request;
+      shard.record.file = ShardFileName(rank, group.size);
+      shard.record.rank = rank;
+      shard.record.bytes =
+          MakeShardLayout(MlpManifest(job_.widths), plan, rank,
+                          static_cast<int>(OptimizerStateNames(job_.optimizer).size()))
+              .bytes;
+      // The state hash stands in for the checksums, as in the disk shards' reports.
+      shard.record.xxh3 = absl::StrFormat("%016x", group.hash);
+      shard.record.block_xxh3.assign(
+          shard.record.bytes / kCheckpointBlockBytes +
+              (shard.record.bytes % kCheckpointBlockBytes != 0 ? 1 : 0),
+          shard.record.xxh3);
+      std::vector<int> buddies;
+      for (int buddy : SnapshotBuddies(hosts, rank, job_.snapshot_replicas)) {
+        buddies.push_back(by_rank[buddy]);
+      }
+      TakeSnapshot(index, generation, std::move(shard), std::move(buddies));
+    }
+  }
   if (boundary.save) {
     const std::string id = CheckpointIdForStep(group.step, absl::StrCat("g", generation));
     for (const auto& [rank, index] : group.members) {
@@ -934,7 +1054,9 @@ void Simulation::WritesDone(int index) {
   Session& session = *worker.session;
   if (session.writes > 0) --session.writes;
   if (session.writes > 0) return;
-  if (session.pause_after_writes && session.phase == Session::Phase::kTraining) {
+  // A pause also waits for its snapshot to be reported and pushed (the trainer waits for it).
+  if (session.pause_after_writes && session.snapshot_work == 0 &&
+      session.phase == Session::Phase::kTraining) {
     session.phase = Session::Phase::kPaused;
     worker.paused_generation = session.generation;
   }
@@ -957,6 +1079,136 @@ void Simulation::WritesDone(int index) {
     };
     (*report)();
   }
+}
+
+std::vector<std::string> Simulation::Hold(int index, const SnapshotShard& shard) {
+  Worker& worker = *workers_[index];
+  worker.held[shard.id][shard.rank] = shard;
+  std::vector<std::pair<std::pair<int64_t, int64_t>, std::string>> order;
+  for (const auto& [id, shards] : worker.held) {
+    const SnapshotShard& any = shards.begin()->second;
+    order.push_back({{any.generation, any.step}, id});
+  }
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return NewerSnapshot(a.first.first, a.first.second, b.first.first, b.first.second);
+  });
+  std::vector<std::string> dropped;
+  for (size_t i = 2; i < order.size(); ++i) {
+    dropped.push_back(order[i].second);
+    worker.held.erase(order[i].second);
+  }
+  return dropped;
+}
+
+void Simulation::ReportHeld(int index, std::vector<SnapshotShard> held,
+                            std::vector<std::string> dropped, std::function<void(Worker&)> then) {
+  const Worker& worker = *workers_[index];
+  SnapshotReport report;
+  report.worker_id = worker.id;
+  report.incarnation = worker.incarnation;
+  report.held = std::move(held);
+  report.dropped = std::move(dropped);
+  report.snapshot_address = SnapshotAddress(index);
+  Call(
+      index,
+      [this, report, then](CoordinatorCore& core, Deliver deliver) {
+        (void)core.ReportSnapshot(report, now_);
+        deliver(then);
+      },
+      [then](Worker& w) {
+        w.report_all_held = true;
+        then(w);
+      });
+}
+
+void Simulation::TakeSnapshot(int index, int64_t generation, SnapshotShard shard,
+                              std::vector<int> buddies) {
+  ++workers_[index]->session->snapshot_work;
+  const std::vector<std::string> dropped = Hold(index, shard);
+  // Pushed one buddy after another (a push fails when the buddy is gone or stopped), then done.
+  auto push = std::make_shared<std::function<void(size_t)>>();
+  const uint64_t process = workers_[index]->process;
+  *push = [this, index, generation, shard, buddies, process, push](size_t k) {
+    if (k >= buddies.size()) {
+      SnapshotWorkDone(index, generation);
+      return;
+    }
+    ForWorker(index, Uniform(absl::Milliseconds(1), absl::Milliseconds(20)),
+              [this, index, shard, buddies, process, push, k](Worker&) {
+                const int buddy = buddies[k];
+                Worker& receiver = *workers_[buddy];
+                // Whichever comes first: the buddy's answer, or the push failing on its
+                // timeout (the buddy died or stopped before it answered).
+                auto answered = std::make_shared<bool>(false);
+                auto next = [this, index, process, push, k, answered](absl::Duration delay) {
+                  ForProcess(index, process, delay, [push, k, answered](Worker&) {
+                    if (*answered) return;
+                    *answered = true;
+                    (*push)(k + 1);
+                  });
+                };
+                next(Uniform(absl::Milliseconds(200), absl::Seconds(2)));
+                if (!receiver.alive || receiver.stopped) return;
+                const std::vector<std::string> dropped_there = Hold(buddy, shard);
+                ReportHeld(buddy, {shard}, dropped_there,
+                           [this, next](Worker&) { next(NetworkDelay()); });
+              });
+  };
+  ReportHeld(index, {shard}, dropped, [push](Worker&) { (*push)(0); });
+}
+
+void Simulation::SnapshotWorkDone(int index, int64_t generation) {
+  Worker& worker = *workers_[index];
+  if (!worker.session.has_value() || worker.session->generation != generation) return;
+  Session& session = *worker.session;
+  if (session.snapshot_work > 0) --session.snapshot_work;
+  if (session.snapshot_work == 0 && session.writes == 0 && session.pause_after_writes) {
+    WritesDone(index);
+  }
+}
+
+absl::Status Simulation::RestoreFromMemory(int index, int64_t generation, int64_t* step,
+                                           uint64_t* hash) {
+  if (core_ == nullptr) return absl::UnavailableError("restore point request: unavailable");
+  const Worker& worker = *workers_[index];
+  absl::StatusOr<RestoreSnapshotView> view =
+      core_->GetRestoreSnapshot(worker.id, worker.incarnation, generation);
+  if (!view.ok()) return view.status();
+  absl::StatusOr<CheckpointManifest> manifest =
+      CheckpointManifestFromJson(view->manifest_json, view->id);
+  if (!manifest.ok()) {
+    failure_.Set(absl::StrCat("the coordinator gave an unreadable manifest for memory snapshot ",
+                              view->id, ": ", manifest.status().ToString()));
+    return manifest.status();
+  }
+  for (size_t rank = 0; rank < manifest->shards.size(); ++rank) {
+    const std::string& wanted = manifest->shards[rank].xxh3;
+    if (wanted != manifest->shards[0].xxh3) {
+      failure_.Set(absl::StrCat("memory snapshot ", view->id, " holds shards of different states"));
+    }
+    bool served = false;
+    for (const SnapshotHolder& holder : view->holders[rank]) {
+      for (const auto& candidate : workers_) {
+        if (candidate->id != holder.worker_id || !candidate->alive || candidate->stopped ||
+            candidate->incarnation != holder.incarnation) {
+          continue;
+        }
+        auto it = candidate->held.find(view->id);
+        served = it != candidate->held.end() && it->second.count(static_cast<int>(rank)) > 0 &&
+                 it->second.at(static_cast<int>(rank)).record.xxh3 == wanted;
+      }
+      if (served) break;
+    }
+    if (!served) {
+      return absl::UnavailableError(absl::StrCat("no live holder served rank ", rank,
+                                                 "'s shard of memory snapshot ", view->id));
+    }
+  }
+  if (!absl::SimpleHexAtoi(manifest->shards[0].xxh3, hash)) {
+    failure_.Set(absl::StrCat("memory snapshot ", view->id, " has no state hash"));
+  }
+  *step = manifest->step;
+  return absl::OkStatus();
 }
 
 void Simulation::FailSessionLater(int index, int64_t generation, absl::Duration delay,
@@ -1180,8 +1432,28 @@ void Simulation::CheckInvariants() {
   }));
   catalog_ = std::move(listed);
   const TrainingStartPoint start = checkpoints->start();
-  if (!start.checkpoint_id.empty() &&
-      (catalog_.count(start.checkpoint_id) == 0 || !storage_.IsCommitted(start.dir))) {
+  if (start.in_memory) {
+    // A memory restore point is one state: every shard of its world, with a holder each.
+    const std::optional<MemoryRestorePoint> memory = checkpoints->memory_start();
+    if (!memory.has_value() || memory->shards.empty() ||
+        static_cast<int>(memory->shards.size()) != memory->shards[0].plan.world_size ||
+        memory->holders.size() != memory->shards.size()) {
+      failure_.Set(absl::StrCat("the memory restore point ", start.checkpoint_id,
+                                " does not list one shard per rank of its world"));
+    } else {
+      for (size_t rank = 0; rank < memory->shards.size(); ++rank) {
+        const SnapshotShard& shard = memory->shards[rank];
+        if (shard.id != start.checkpoint_id || shard.step != start.step ||
+            static_cast<int>(rank) != shard.rank ||
+            shard.record.xxh3 != memory->shards[0].record.xxh3 || memory->holders[rank].empty()) {
+          failure_.Set(absl::StrCat("the memory restore point ", start.checkpoint_id,
+                                    " lists rank ", rank, "'s shard of ", shard.id,
+                                    " (another state, or nobody holding it)"));
+        }
+      }
+    }
+  } else if (!start.checkpoint_id.empty() &&
+             (catalog_.count(start.checkpoint_id) == 0 || !storage_.IsCommitted(start.dir))) {
     failure_.Set(absl::StrCat("the restore point ", start.checkpoint_id,
                               " is not a committed checkpoint"));
   }
@@ -1270,7 +1542,8 @@ SimulationResult Simulation::Run() {
   job_.checkpoint_dir = kCheckpointRoot;
   job_.checkpoint_every = std::vector<int64_t>{0, 5, 10, 25}[Pick(4)];
   job_.checkpoint_keep_last = 1 + Pick(4);
-  job_.snapshot_every = 0;
+  job_.snapshot_every = std::vector<int64_t>{0, 5, 10, 25}[Pick(4)];
+  job_.snapshot_replicas = Pick(3);
   step_time_ = Uniform(absl::Milliseconds(10), absl::Milliseconds(40));
   core_options_.job = job_;
   core_options_.world.lease = kLease;

@@ -37,6 +37,9 @@ struct SimulationResult {
   int admin_calls = 0;
   int generations = 0;
   int checkpoints = 0;
+  int memory_restores = 0;         // generations that restored a snapshot from workers' memory
+  int disk_restores = 0;           // ... a checkpoint from disk
+  int memory_restore_failures = 0;  // a holder did not serve: the generation ended
   bool finished = false;             // trained to the end
   bool stopped_by_operator = false;  // an operator's stop came first
 };
