@@ -431,10 +431,10 @@ std::string CheckpointManager::ResolveStart(int64_t generation,
                                             std::optional<MemoryRestorePoint> memory,
                                             const std::string& memory_why_not) {
   absl::MutexLock lock(&mu_);
-  if (generation != generation_ || explicit_start_generation_ == generation ||
-      !training_started_) {
+  if (generation != generation_ || start_fixed_generation_ == generation || !training_started_) {
     return "";
   }
+  start_fixed_generation_ = generation;
   const bool has_disk = !catalog_.checkpoints().empty();
   const v1::CheckpointRecord* disk = has_disk ? &*catalog_.checkpoints().rbegin() : nullptr;
   std::string why;
@@ -574,7 +574,7 @@ void CheckpointManager::BeginGenerationLocked(int64_t ended) {
   catalog_.set_pause_in_memory(false);
   if (restore_requested_) {
     restore_requested_ = false;  // this is the re-formation the restore asked for
-    explicit_start_generation_ = generation_;
+    start_fixed_generation_ = generation_;
   } else if (training_started_) {
     RestartFromLatestLocked();
   }

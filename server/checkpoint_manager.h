@@ -167,7 +167,8 @@ class CheckpointManager {
   TrainingStartPoint start_ ABSL_GUARDED_BY(mu_);
   bool training_started_ ABSL_GUARDED_BY(mu_) = false;
   bool restore_requested_ ABSL_GUARDED_BY(mu_) = false;  // SetRestorePoint awaiting a generation
-  int64_t explicit_start_generation_ ABSL_GUARDED_BY(mu_) = 0;  // the one it was set for
+  // The generation whose start is fixed: set for it (SetRestorePoint) or resolved there.
+  int64_t start_fixed_generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<MemoryRestorePoint> memory_start_ ABSL_GUARDED_BY(mu_);
   // Ranks of restored_generation_ that restored its start, and what it took.
   int64_t restored_generation_ ABSL_GUARDED_BY(mu_) = 0;

@@ -777,6 +777,55 @@ TEST_F(ElasticWorldTest, ResizeAndDrainTellTheWorkersThatLeave) {
   EXPECT_EQ(world->world().state, JobState::kRunning);
 }
 
+TEST_F(ElasticWorldTest, ALeaverThatHoldsStateTheNewWorldReadsStaysUntilReleased) {
+  auto world = Formed(/*min=*/1);
+  bool hold = true;
+  world->set_leaver_hold([&hold](const std::string& id) { return hold && id == "w3"; });
+  // Every world that first runs tells the listener, once, with who is live then.
+  std::vector<std::pair<int64_t, bool>> running;  // generation, whether w3 was live
+  world->set_running_listener([&](int64_t generation, const IsLiveMember& live) {
+    running.push_back({generation, live("w3", 1)});
+    v1::MembershipEvent event;
+    event.set_kind(v1::MEMBERSHIP_EVENT_KIND_RESTORE_POINT);
+    event.set_detail(absl::StrCat("generation ", generation, " restores something"));
+    return std::vector<v1::MembershipEvent>{event};
+  });
+  ASSERT_TRUE(world->SetTarget(3, now_).ok());
+  ASSERT_TRUE(world->ApplyReshape(*world->PendingReshape(), now_).ok());
+  const int64_t reshaped = world->world().generation;
+  ASSERT_EQ(running.size(), 1u);
+  EXPECT_EQ(running[0], std::make_pair(reshaped, true)) << "the leaver is live, and holds state";
+  EXPECT_EQ(world->Events(0).back().detail(),
+            absl::StrCat("generation ", reshaped, " restores something"));
+  // Held: no stop, and its heartbeat waits as a standby's does.
+  auto told = world->Heartbeat("w3", 1, now_);
+  ASSERT_TRUE(told.ok());
+  EXPECT_FALSE(told->stop);
+  EXPECT_EQ(told->rank, -1);
+  std::optional<absl::StatusOr<HeartbeatOutcome>> answer;
+  HeartbeatParams params;
+  params.worker_id = "w3";
+  params.incarnation = 1;
+  params.known_generation = reshaped;
+  params.known_state = JobState::kRunning;
+  params.wait = absl::Seconds(1);
+  world->WatchHeartbeat(params, now_,
+                        [&](absl::StatusOr<HeartbeatOutcome> outcome) { answer = outcome; });
+  EXPECT_FALSE(answer.has_value()) << "held, not answered at once";
+  // Released (the new world restored): told to leave at once.
+  hold = false;
+  world->WakeWatches();
+  ASSERT_TRUE(answer.has_value());
+  ASSERT_TRUE(answer->ok());
+  EXPECT_TRUE((*answer)->stop);
+  EXPECT_NE((*answer)->stop_reason.find("resized out"), std::string::npos);
+  // A stop overrides a hold.
+  hold = true;
+  world->RequestStop("operator", now_);
+  EXPECT_TRUE(world->Heartbeat("w3", 1, now_)->stop);
+  EXPECT_EQ(running.size(), 1u) << "once per generation";
+}
+
 TEST_F(ElasticWorldTest, ARestartedCoordinatorTakesBackAConnectedWorldAtTheSameGeneration) {
   int64_t generation = 0;
   {
