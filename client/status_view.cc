@@ -54,6 +54,13 @@ nlohmann::json ProgressToJson(const v1::TrainingProgress& progress) {
       {"last_checkpoint_age_ms",
        OrNull(progress.has_last_checkpoint_age_ms(), progress.last_checkpoint_age_ms())},
       {"overlap_fraction", progress.overlap_fraction()},
+      {"last_snapshot", OrNull(!progress.last_snapshot().empty(), progress.last_snapshot())},
+      {"last_snapshot_step", progress.last_snapshot_step()},
+      {"last_snapshot_age_ms",
+       OrNull(progress.has_last_snapshot_age_ms(), progress.last_snapshot_age_ms())},
+      {"last_snapshot_copies", progress.last_snapshot_copies()},
+      {"replica_lag_steps", progress.replica_lag_steps()},
+      {"replica_lag_ms", OrNull(progress.has_replica_lag_ms(), progress.replica_lag_ms())},
   };
 }
 
@@ -169,7 +176,26 @@ std::string ProgressLines(const v1::GetStatusResponse& status) {
       absl::StrAppend(&saved, ", ", Span(progress.last_checkpoint_age_ms()), " ago");
     }
   }
-  return absl::StrCat(training, "\n", saved, "\n");
+  std::string memory;
+  if (!progress.last_snapshot().empty()) {
+    memory = absl::StrCat("last snapshot in memory: ", progress.last_snapshot(), " (step ",
+                          progress.last_snapshot_step(), ")");
+    if (progress.has_last_snapshot_age_ms()) {
+      absl::StrAppend(&memory, ", ", Span(progress.last_snapshot_age_ms()), " ago");
+    }
+    absl::StrAppend(&memory, ", ", progress.last_snapshot_copies(),
+                    progress.last_snapshot_copies() == 1 ? " copy" : " copies",
+                    " of its least-kept shard");
+    if (progress.replica_lag_steps() > 0) {
+      absl::StrAppend(&memory, "; the newest is ", progress.replica_lag_steps(),
+                      " steps ahead of its replicas");
+      if (progress.has_replica_lag_ms()) {
+        absl::StrAppend(&memory, " (", Span(progress.replica_lag_ms()), ")");
+      }
+    }
+    absl::StrAppend(&memory, "\n");
+  }
+  return absl::StrCat(training, "\n", saved, "\n", memory);
 }
 
 std::string StatusTable(const v1::GetStatusResponse& status) {

@@ -9,7 +9,11 @@ namespace shard {
 
 void FaultPoint(absl::string_view name) {
   const char* fault = std::getenv("SHARD_FAULT");
-  if (fault != nullptr && name == fault) ::raise(SIGKILL);
+  if (fault == nullptr || name != fault) return;
+  static std::atomic<int> passed{0};
+  const char* skip = std::getenv("SHARD_FAULT_SKIP");
+  if (skip != nullptr && passed.fetch_add(1) < std::atoi(skip)) return;
+  ::raise(SIGKILL);
 }
 
 void StallPoint(absl::string_view name) {

@@ -1,8 +1,10 @@
 // Crash points for tests of crash safety: when the environment variable SHARD_FAULT names a
 // point, the process kills itself (SIGKILL) on reaching it, exactly as a power cut or the OOM
-// killer would. Points: "shard-before-sync" (a worker wrote its checkpoint shard but has not
-// synced or renamed it), "manifest-before-write" (every shard is on disk, no manifest yet),
-// "manifest-before-rename" (the manifest is written under its temporary name).
+// killer would; with SHARD_FAULT_SKIP=N it passes the point N times first. Points:
+// "shard-before-sync" (a worker wrote its checkpoint shard but has not synced or renamed it),
+// "manifest-before-write" (every shard is on disk, no manifest yet), "manifest-before-rename"
+// (the manifest is written under its temporary name), "snapshot-push-midway" (a worker sent half
+// of its snapshot shard to a buddy).
 //
 // Stall points, for tests of hung processes: when SHARD_STALL names a point, the process stops
 // itself (SIGSTOP) the first time it reaches it, as a hung pod would, heartbeats included; the

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/files.h"
@@ -49,20 +50,39 @@ class ChaosTest : public ::testing::Test {
     ASSERT_EQ(data.exit_code, 0) << data.output;
   }
 
-  // A job for up to `world` workers (re-forming with at least `min`), checkpointing every
-  // `every` steps into DIR/checkpoints, writing its parameters to DIR/`out`. The global batch
-  // 96 divides over 1, 2, 3 and 4 workers.
-  std::string WriteJob(const std::string& name, int world, int min, int steps, int every,
-                       const std::string& out, int keep = 100) {
+  struct JobOptions {
+    int world = 4;
+    int min = 4;          // re-forms with at least this many workers
+    int steps = 300;
+    int every = 0;        // a disk checkpoint every this many steps
+    std::string out = "out";
+    int keep = 100;
+    int snapshot_every = 0;  // memory snapshots (0: none)
+    int replicas = 1;
+    std::string checkpoints = "checkpoints";
+  };
+
+  // A job of the MLP 32,64,10 on DIR/data.safetensors (the global batch 96 divides over 1, 2, 3
+  // and 4 workers), its checkpoints in DIR/`checkpoints`, its parameters in DIR/`out`.
+  std::string WriteJob(const std::string& name, const JobOptions& o) {
     const std::string path = absl::StrCat(dir_, "/", name, ".json");
     std::ofstream(path) << absl::StrCat(
-        R"({"name": "chaos", "worldSize": )", world, R"(, "minWorldSize": )", min, R"(,
+        R"({"name": "chaos", "worldSize": )", o.world, R"(, "minWorldSize": )", o.min, R"(,
         "model": {"mlp": {"widths": [32, 64, 10]}}, "data": {"path": "data.safetensors"},
         "seed": 11, "optimizer": {"name": "adam", "lr": 0.002}, "globalBatch": 96,
-        "steps": )", steps, R"(, "zeroStage": 2, "bucketCapMb": 0.004,
-        "checkpoint": {"dir": "checkpoints", "everySteps": )", every,
-        R"(, "keepLast": )", keep, R"(}, "outputDir": ")", out, R"("})");
+        "steps": )", o.steps, R"(, "zeroStage": 2, "bucketCapMb": 0.004,
+        "checkpoint": {"dir": ")", o.checkpoints, R"(", "everySteps": )", o.every,
+        R"(, "keepLast": )", o.keep, R"(}, "snapshot": {"everySteps": )", o.snapshot_every,
+        R"(, "replicas": )", o.replicas, R"(}, "outputDir": ")", o.out, R"("})");
     return path;
+  }
+
+  // The same checkpointing every `every` steps and taking no memory snapshots: most tests here
+  // are of recovery from disk (those of recovery from memory say so).
+  std::string WriteJob(const std::string& name, int world, int min, int steps, int every,
+                       const std::string& out, int keep = 100) {
+    return WriteJob(name, JobOptions{.world = world, .min = min, .steps = steps, .every = every,
+                                     .out = out, .keep = keep});
   }
 
   // Starts the job's coordinator on its state directory and follows its events.
@@ -150,6 +170,85 @@ class ChaosTest : public ::testing::Test {
   }
 
   bool HasEvent(absl::string_view text) { return cluster_->HasEvent(text); }
+
+  // The reference of a run whose world changed size at given steps: phase i trains on
+  // `phases[i].first` workers from where phase i-1 ended (from scratch for the first) up to step
+  // `phases[i].second`, through a disk checkpoint at that step; the last phase to the end. Each
+  // phase is a run of its own on a state directory of the reference's. Returns the final
+  // parameters.
+  std::string ChainReference(const std::vector<std::pair<int, int>>& phases) {
+    const std::string reference_state = dir_ + "/reference-state";
+    std::string restore;
+    for (size_t i = 0; i < phases.size(); ++i) {
+      const auto [world, until] = phases[i];
+      const std::string name = absl::StrCat("reference-", i);
+      const bool last = i + 1 == phases.size();
+      const std::string job = WriteJob(
+          name, JobOptions{.world = world, .min = world, .steps = until,
+                           .every = last ? 0 : until, .out = "reference",
+                           .checkpoints = name + "-checkpoints"});
+      std::vector<std::string> extra;
+      if (!restore.empty()) extra = {"--restore", restore};
+      StartCoordinatorOn(reference_state, job, extra, 0, name + "-coordinator.log");
+      std::vector<std::string> ids;
+      for (int w = 0; w < world; ++w) ids.push_back(absl::StrCat(name, "-w", w));
+      std::vector<Process> workers = StartWorkers(ids);
+      EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(90)), 0)
+          << cluster_->coordinator().Log();
+      if (last) break;
+      // The one checkpoint of this phase, at its last step.
+      const std::string root = absl::StrCat(dir_, "/", name, "-checkpoints/chaos");
+      for (const auto& entry : std::filesystem::directory_iterator(root)) {
+        restore = entry.path().filename().string();
+      }
+      EXPECT_TRUE(absl::StartsWith(restore, absl::StrFormat("step-%08d", until))) << restore;
+    }
+    return FileBytes(dir_ + "/reference/final.safetensors");
+  }
+
+  // Waits until the coordinator reports a usable memory snapshot of at least `step`.
+  void WaitForSnapshot(int step) {
+    nlohmann::json status;
+    ASSERT_TRUE(Eventually(
+        [&] {
+          status = cluster_->Status();
+          return !status.is_null() && status["progress"]["last_snapshot_step"].is_number() &&
+                 status["progress"]["last_snapshot_step"].get<int>() >= step;
+        },
+        absl::Seconds(60)))
+        << status.dump(2) << cluster_->coordinator().Log();
+  }
+
+  // The worker holding rank `rank` now, by index into `ids`.
+  int HolderOf(int rank, const std::vector<std::string>& ids) {
+    const nlohmann::json status = cluster_->Status();
+    for (const nlohmann::json& worker : status["workers"]) {
+      if (worker["rank"] == rank) {
+        return static_cast<int>(std::find(ids.begin(), ids.end(), worker["id"]) - ids.begin());
+      }
+    }
+    return -1;
+  }
+
+  // The details of the run's events of kind `kind`, oldest first.
+  std::vector<std::string> EventsOf(absl::string_view kind) {
+    std::vector<std::string> found;
+    for (const nlohmann::json& event : cluster_->Events()) {
+      if (event["kind"] == std::string(kind)) {
+        found.push_back(event["detail"].get<std::string>());
+      }
+    }
+    return found;
+  }
+
+  // The step of the memory snapshot a restored event names ("restored memory snapshot
+  // step-00000040-g1 (step 40) ..."), or -1.
+  static int RestoredStep(const std::string& detail) {
+    const size_t at = detail.find("(step ");
+    int step = -1;
+    if (at != std::string::npos) std::sscanf(detail.c_str() + at, "(step %d)", &step);
+    return step;
+  }
 
   std::string state() const { return dir_ + "/state"; }
 
@@ -389,5 +488,142 @@ TEST_F(ChaosTest, AKilledAndRestartedCoordinatorKeepsItsCatalogAndTheJobContinue
   EXPECT_EQ(chaos, FileBytes(dir_ + "/reference/final.safetensors"));
 }
 
+
+// --- Recovery and resizes from memory (docs/recovery.md) -----------------------------------------
+
+// 1 of 4 workers killed mid-training, with no disk checkpoints at all: the world re-forms at 3
+// from the snapshot the survivors (and the victim's buddy) hold in memory, reads nothing from
+// disk, and ends with the parameters of a run that went 4 -> 3 at that step through a checkpoint.
+TEST_F(ChaosTest, AKilledWorkerIsRecoveredFromMemoryWithNoCheckpointOnDisk) {
+  constexpr int kSteps = 600;
+  StartCoordinator(WriteJob("job", JobOptions{.world = 4, .min = 3, .steps = kSteps,
+                                              .snapshot_every = 10, .replicas = 1}));
+  const std::vector<std::string> ids = {"w0", "w1", "w2", "w3"};
+  std::vector<Process> workers = StartWorkers(ids);
+  WaitForSnapshot(40);
+  const int victim = HolderOf(2, ids);
+  ASSERT_GE(victim, 0);
+  workers[victim].Signal(SIGKILL);
+  ASSERT_EQ(workers[victim].Wait(absl::Seconds(5)), 128 + SIGKILL);
+  std::vector<Process*> survivors;
+  for (int i = 0; i < 4; ++i) {
+    if (i != victim) survivors.push_back(&workers[i]);
+  }
+  ExpectJobFinishes(survivors);
+  EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
+  // Every restore was from memory (the first from 4 ranks' snapshot), and nothing is on disk.
+  const std::vector<std::string> restored = EventsOf("restored");
+  ASSERT_FALSE(restored.empty());
+  for (const std::string& detail : restored) {
+    EXPECT_TRUE(absl::StrContains(detail, "from memory")) << detail;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/checkpoints/chaos"))
+      << "no checkpoint was ever written, so none was read";
+  int bytes_from_peers = 0;
+  for (Process* survivor : survivors) {
+    bytes_from_peers += absl::StrContains(survivor->Log(), " from peers") ? 1 : 0;
+  }
+  EXPECT_EQ(bytes_from_peers, 3) << "each survivor says what it read from its peers";
+  const int step = RestoredStep(restored.back());
+  ASSERT_GE(step, 40) << restored.back();
+  EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ChainReference({{4, step}, {3, kSteps}}))
+      << "the re-formed run must equal a 4->3 restore at step " << step;
+}
+
+// A worker and the buddy that keeps its replica lost together: no snapshot holds every range
+// any more, so the world restores the latest disk checkpoint and says so.
+TEST_F(ChaosTest, AWorkerAndItsBuddyLostTogetherFallBackToDiskAndSaySo) {
+  constexpr int kSteps = 600;
+  StartCoordinator(WriteJob("job", JobOptions{.world = 4, .min = 2, .steps = kSteps, .every = 20,
+                                              .snapshot_every = 5, .replicas = 1}));
+  const std::vector<std::string> ids = {"w0", "w1", "w2", "w3"};
+  std::vector<Process> workers = StartWorkers(ids);
+  WaitForCheckpoints(2);
+  WaitForSnapshot(45);
+  // On one host the buddy of rank 1 is rank 2.
+  const int first = HolderOf(1, ids);
+  const int buddy = HolderOf(2, ids);
+  ASSERT_GE(first, 0);
+  ASSERT_GE(buddy, 0);
+  workers[first].Signal(SIGKILL);
+  workers[buddy].Signal(SIGKILL);
+  std::vector<Process*> survivors;
+  for (int i = 0; i < 4; ++i) {
+    if (i != first && i != buddy) survivors.push_back(&workers[i]);
+  }
+  ExpectJobFinishes(survivors);
+  EXPECT_TRUE(HasEvent("re-formed from 4 to 2 workers"));
+  EXPECT_TRUE(HasEvent("from disk: no memory snapshot holds every range")) << "announced";
+  const std::vector<std::string> restores = Restores(survivors[0]->Log());
+  ASSERT_EQ(restores.size(), 1u) << survivors[0]->Log();
+  EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ReferenceRun(restores[0], 2, kSteps));
+}
+
+// An operator shrinks a world of 4 to 3, grows it back to 4 with a new worker, and shrinks it to
+// 2, with no disk checkpoints: each reshape pauses at a memory snapshot, the workers resized out
+// stay until the new world has read their state, and the newcomer reads its ranges from peers.
+TEST_F(ChaosTest, ResizingFourToThreeToFourToTwoMovesTheStateInMemory) {
+  constexpr int kSteps = 1200;
+  StartCoordinator(WriteJob("job", JobOptions{.world = 4, .min = 2, .steps = kSteps,
+                                              .snapshot_every = 10, .replicas = 1}));
+  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"});
+  WaitForSnapshot(30);
+  CommandResult shrink = cluster_->Shardctl({"resize", "--world-size", "3"}, absl::Seconds(60));
+  ASSERT_EQ(shrink.exit_code, 0) << shrink.output << cluster_->coordinator().Log();
+  WaitForWorld(3);
+  Process newcomer = cluster_->StartWorker("w9");
+  ASSERT_TRUE(Eventually(
+      [&] {
+        nlohmann::json status = cluster_->Status();
+        return !status.is_null() && status["standby"] == 1;
+      },
+      absl::Seconds(30)));
+  CommandResult grow = cluster_->Shardctl({"resize", "--world-size", "4"}, absl::Seconds(60));
+  ASSERT_EQ(grow.exit_code, 0) << grow.output << cluster_->coordinator().Log();
+  WaitForWorld(4);
+  CommandResult to_two = cluster_->Shardctl({"resize", "--world-size", "2"}, absl::Seconds(60));
+  ASSERT_EQ(to_two.exit_code, 0) << to_two.output << cluster_->coordinator().Log();
+  std::vector<Process*> all = {&newcomer};
+  for (Process& worker : workers) all.push_back(&worker);
+  ExpectJobFinishes(all);  // those resized out left cleanly, once they were no longer needed
+  EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers: resize to 3"));
+  EXPECT_TRUE(HasEvent("re-formed from 3 to 4 workers: 1 standby folded in"));
+  EXPECT_TRUE(HasEvent("re-formed from 4 to 2 workers: resize to 2"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/checkpoints/chaos")) << "nothing went to disk";
+  // Each reshape restored the memory snapshot it paused at: no step lost, none from disk.
+  std::vector<int> steps;
+  for (const std::string& detail : EventsOf("restored")) {
+    EXPECT_TRUE(absl::StrContains(detail, "from memory")) << detail;
+    EXPECT_TRUE(absl::StrContains(detail, "; 0 steps lost")) << detail;
+    steps.push_back(RestoredStep(detail));
+  }
+  ASSERT_EQ(steps.size(), 3u) << absl::StrJoin(EventsOf("restored"), "\n");
+  EXPECT_NE(newcomer.Log().find("from peers"), std::string::npos) << newcomer.Log();
+  EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"),
+            ChainReference({{4, steps[0]}, {3, steps[1]}, {4, steps[2]}, {2, kSteps}}));
+}
+
+// A worker killed half-way through sending its snapshot shard to its buddy: the buddy keeps
+// nothing of it, that snapshot is never offered, and the world restores the one before.
+TEST_F(ChaosTest, ASnapshotTornByAKillMidTransferIsNeverUsed) {
+  constexpr int kSteps = 600;
+  StartCoordinator(WriteJob("job", JobOptions{.world = 4, .min = 3, .steps = kSteps,
+                                              .snapshot_every = 10, .replicas = 1}));
+  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2"});
+  // Its third push (of the snapshot of step 30) dies half-way.
+  workers.push_back(cluster_->StartWorker(
+      "w3", {}, {"SHARD_FAULT=snapshot-push-midway", "SHARD_FAULT_SKIP=2"}));
+  EXPECT_EQ(workers[3].Wait(absl::Seconds(60)), 128 + SIGKILL) << workers[3].Log();
+  ExpectJobFinishes({&workers[0], &workers[1], &workers[2]});
+  const std::vector<std::string> restored = EventsOf("restored");
+  ASSERT_FALSE(restored.empty());
+  const int step = RestoredStep(restored.front());
+  EXPECT_EQ(step, 20) << restored.front() << "\nthe snapshot of step 30 lacks the torn shard";
+  for (const std::string& detail : restored) {
+    EXPECT_FALSE(absl::StrContains(detail, "snapshot step-00000030")) << detail;
+  }
+  EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ChainReference({{4, step}, {3, kSteps}}));
+}
 }  // namespace
 }  // namespace shard::testing
+

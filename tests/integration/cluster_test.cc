@@ -209,7 +209,8 @@ std::string WriteTrainingJob(const std::string& dir, int world, int64_t global_b
   std::ofstream(path) << absl::StrCat(R"({"name": "train-test", "worldSize": )", world, R"(,
     "model": {"mlp": {"widths": [32, 64, 10]}}, "data": {"path": "data.safetensors"},
     "optimizer": {"name": "adam", "lr": 0.003}, "globalBatch": )", global_batch, R"(,
-    "steps": 40, "zeroStage": 2, "bucketCapMb": 0.004, "outputDir": "out")", extra, "}");
+    "steps": 40, "zeroStage": 2, "bucketCapMb": 0.004, "outputDir": "out",
+    "snapshot": {"everySteps": 0})", extra, "}");
   return path;
 }
 

@@ -16,6 +16,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/fault.h"
 #include "common/shard_hasher.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -413,7 +414,10 @@ absl::Status PushSnapshotShard(const std::string& address, const SnapshotShard& 
   SHARD_ASSIGN_OR_RETURN(Socket socket, Connect(address, limit));
   SHARD_RETURN_IF_ERROR(
       SendFrame(socket.get(), kRequestMagic, kPush, SnapshotShardToJson(shard), limit));
-  SHARD_RETURN_IF_ERROR(SendAll(socket.get(), bytes.data(), bytes.size(), limit));
+  const uint64_t half = bytes.size() / 2;
+  SHARD_RETURN_IF_ERROR(SendAll(socket.get(), bytes.data(), half, limit));
+  FaultPoint("snapshot-push-midway");
+  SHARD_RETURN_IF_ERROR(SendAll(socket.get(), bytes.data() + half, bytes.size() - half, limit));
   SHARD_ASSIGN_OR_RETURN(const auto answer, RecvFrame(socket.get(), kResponseMagic, limit));
   return StatusFromWire(answer.first, answer.second);
 }
