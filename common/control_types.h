@@ -124,6 +124,16 @@ struct JoinParams {
   bool operator==(const JoinParams&) const = default;
 };
 
+// What a rank's training is doing, as of when it said so (generation 0: it trains nothing).
+struct TrainingActivity {
+  int64_t generation = 0;   // the generation it trains in
+  int64_t step = 0;         // steps done
+  absl::Duration since_step;  // since its last step ended (or its training began)
+  absl::Duration waiting;     // how long a collective has been in flight on it (0: none)
+
+  bool operator==(const TrainingActivity&) const = default;
+};
+
 // A heartbeat, which may wait for the world to change.
 struct HeartbeatParams {
   std::string worker_id;
@@ -133,6 +143,7 @@ struct HeartbeatParams {
   absl::Duration wait;  // capped at a quarter lease; zero replies at once
   // The generation in which this worker's training paused for a re-formation (0: not paused).
   int64_t paused_generation = 0;
+  TrainingActivity activity;
 
   bool operator==(const HeartbeatParams&) const = default;
 };

@@ -5,6 +5,9 @@
 #include <atomic>
 #include <cstdlib>
 
+#include "absl/time/clock.h"
+#include "spdlog/spdlog.h"
+
 namespace shard {
 
 void FaultPoint(absl::string_view name) {
@@ -14,6 +17,15 @@ void FaultPoint(absl::string_view name) {
   const char* skip = std::getenv("SHARD_FAULT_SKIP");
   if (skip != nullptr && passed.fetch_add(1) < std::atoi(skip)) return;
   ::raise(SIGKILL);
+}
+
+void StallTrainingAt(int64_t step) {
+  const char* stall = std::getenv("SHARD_STALL_TRAINING");
+  if (stall == nullptr || std::atoll(stall) != step) return;
+  spdlog::warn("SHARD_STALL_TRAINING: the training thread stops for good before step {} "
+               "(heartbeats go on)",
+               step);
+  while (true) absl::SleepFor(absl::Seconds(1));
 }
 
 void StallPoint(absl::string_view name) {

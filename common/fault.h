@@ -10,7 +10,14 @@
 // itself (SIGSTOP) the first time it reaches it, as a hung pod would, heartbeats included; the
 // test resumes it with SIGCONT. Points: "before-restore" (a worker of a generation is about to
 // read the checkpoint it restores).
+//
+// A stuck training thread, for tests of the progress lease: with SHARD_STALL_TRAINING=N the
+// built-in trainer's thread stops for good when it is about to run step N (1-based), outside any
+// collective, while the process goes on heartbeating, as a hung kernel or a deadlocked data
+// loader would leave it.
 #pragma once
+
+#include <cstdint>
 
 #include "absl/strings/string_view.h"
 
@@ -18,5 +25,6 @@ namespace shard {
 
 void FaultPoint(absl::string_view name);
 void StallPoint(absl::string_view name);
+void StallTrainingAt(int64_t step);
 
 }  // namespace shard

@@ -349,6 +349,13 @@ v1::HeartbeatRequest ToProto(const HeartbeatParams& params) {
   out.set_known_state(ToProto(params.known_state));
   out.set_wait_ms(absl::ToInt64Milliseconds(params.wait));
   out.set_paused_generation(params.paused_generation);
+  if (params.activity.generation > 0) {
+    v1::TrainingActivity* activity = out.mutable_activity();
+    activity->set_generation(params.activity.generation);
+    activity->set_step(params.activity.step);
+    activity->set_since_step_ms(absl::ToInt64Milliseconds(params.activity.since_step));
+    activity->set_waiting_ms(absl::ToInt64Milliseconds(params.activity.waiting));
+  }
   return out;
 }
 
@@ -360,6 +367,14 @@ HeartbeatParams FromProto(const v1::HeartbeatRequest& request) {
   params.known_state = FromProto(request.known_state());
   params.wait = absl::Milliseconds(std::max<int64_t>(0, request.wait_ms()));
   params.paused_generation = request.paused_generation();
+  if (request.has_activity()) {
+    params.activity.generation = request.activity().generation();
+    params.activity.step = request.activity().step();
+    params.activity.since_step =
+        absl::Milliseconds(std::max<int64_t>(0, request.activity().since_step_ms()));
+    params.activity.waiting =
+        absl::Milliseconds(std::max<int64_t>(0, request.activity().waiting_ms()));
+  }
   return params;
 }
 

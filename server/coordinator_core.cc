@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
+#include "common/progress_lease.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "proto/job_convert.h"
@@ -615,9 +616,43 @@ bool CoordinatorCore::Reconcile(absl::Time now) {
   return true;
 }
 
+void CoordinatorCore::CheckProgress(absl::Time now) {
+  const CoreOptions::ProgressLease& lease_options = options_.progress;
+  if (checkpoints_ == nullptr || lease_options.floor <= absl::ZeroDuration()) return;
+  const World world = world_->world();
+  if (world.state != JobState::kRunning) return;
+  const std::vector<double> step_ms = plan_->RecentStepMs();
+  const absl::Duration lease =
+      DerivedTimeout(absl::Milliseconds(Quantile(step_ms, 0.99)), lease_options.factor,
+                     lease_options.floor, lease_options.ceiling);
+  const std::optional<Stall> stall =
+      FindStall(world_->Progress(), world.ranks, world.generation, lease,
+                absl::Milliseconds(Quantile(step_ms, 0.5)), now);
+  if (!stall.has_value() || stall_handled_ == std::make_pair(world.generation, stall->step)) {
+    return;
+  }
+  stall_handled_ = {world.generation, stall->step};
+  if (stall->stuck.empty() || !lease_options.evict_stuck) {
+    spdlog::warn("{}", stall->description);
+    world_->RecordEvent(v1::MEMBERSHIP_EVENT_KIND_STUCK, "", -1,
+                        absl::StrCat(stall->description,
+                                     stall->stuck.empty() ? "" : "; not evicted (--stuck-policy warn)"),
+                        now);
+    return;
+  }
+  for (const RankProgress& rank : stall->stuck) {
+    if (absl::Status evicted = world_->Evict(rank.worker_id, rank.incarnation,
+                                             stall->description, now);
+        !evicted.ok()) {
+      spdlog::warn("could not evict worker {}: {}", rank.worker_id, evicted.message());
+    }
+  }
+}
+
 bool CoordinatorCore::Housekeep(absl::Time now) {
   // What this pass fires is answered in one batch at its end (see WorldManager::AnswerFired).
   world_->ExpireLeases(now, /*fired_at_most=*/0);
+  CheckProgress(now);
   if (Reconcile(now)) world_->WakeWatches(/*fired_at_most=*/0);
   world_->ExpireWatches(now, /*fired_at_most=*/0);
   plan_->ExpireWaits(now);

@@ -42,6 +42,15 @@ struct CoreOptions {
   std::optional<JobConfig> job;
   // With a job: restore the training from this checkpoint ("latest" allowed) when it starts.
   std::string restore;
+  // The progress lease (common/progress_lease.h): a rank of a running world that finishes no
+  // step for max(floor, factor x p99 step time) (at most ceiling) while its peers wait on it is
+  // stuck: evicted, or with `evict_stuck` false only reported. A zero floor turns it off.
+  struct ProgressLease {
+    absl::Duration floor = absl::Seconds(30);
+    double factor = 10;
+    absl::Duration ceiling = absl::Minutes(30);
+    bool evict_stuck = true;
+  } progress;
 };
 
 struct JoinReply {
@@ -144,6 +153,8 @@ class CoordinatorCore {
   std::vector<v1::MembershipEvent> OnWorldRunning(int64_t generation, const IsLiveMember& live);
   // How far the pausing save `request` is: a memory snapshot's or a disk checkpoint's.
   SaveProgress PauseProgress(int64_t request) const;
+  // The progress lease's pass: names (and evicts) a rank that holds the world up, once per step.
+  void CheckProgress(absl::Time now);
 
 
   const CoreOptions options_;
@@ -153,6 +164,8 @@ class CoordinatorCore {
   std::unique_ptr<PlanManager> plan_;
   std::unique_ptr<CheckpointManager> checkpoints_;  // with a job only
   std::unique_ptr<SnapshotManager> snapshots_;      // with a job only
+  // The (generation, step) the progress lease last acted on: it acts once per stall.
+  std::pair<int64_t, int64_t> stall_handled_ = {0, 0};
   std::unique_ptr<ElasticManager> elastic_;
 };
 

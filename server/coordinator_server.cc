@@ -99,6 +99,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   core_options.plan = given.plan;
   core_options.job = given.job;
   core_options.restore = given.restore;
+  core_options.progress = given.progress;
   SHARD_ASSIGN_OR_RETURN(std::unique_ptr<CoordinatorCore> core,
                          CoordinatorCore::Create(std::move(core_options), server->store_.get(),
                                                  &server->checkpoint_storage_, now));

@@ -35,6 +35,7 @@ struct CoordinatorOptions {
   std::optional<JobConfig> job;
   // With a job: restore the training from this checkpoint ("latest" allowed) when it starts.
   std::string restore;
+  CoreOptions::ProgressLease progress;  // stuck ranks (CoreOptions)
   // How often leases and rendezvous waits are checked.
   absl::Duration housekeeping_interval = absl::Milliseconds(50);
   // TLS on the gRPC port (mutual with a client CA); none: plaintext.

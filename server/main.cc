@@ -58,6 +58,29 @@ int main(int argc, char** argv) {
                  "and history, plan, checkpoint catalog); created if missing, locked while "
                  "running")
       ->capture_default_str();
+  std::string progress_floor = "30s";
+  std::string progress_ceiling = "30m";
+  std::string stuck_policy = "evict";
+  app.add_option("--progress-lease-floor", progress_floor,
+                 "a rank that finishes no step for max(this, --progress-lease-factor x the p99 "
+                 "step time) while its peers wait on it in a collective is stuck (a hung kernel, "
+                 "a deadlocked data loader, a stalled disk); keep it above the longest restore "
+                 "and first step. 0s: never look")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
+  app.add_option("--progress-lease-factor", options.progress.factor,
+                 "the progress lease in multiples of the p99 step time (at least the floor)")
+      ->capture_default_str()
+      ->check(CLI::Range(1.0, 1e6));
+  app.add_option("--progress-lease-ceiling", progress_ceiling,
+                 "the progress lease never exceeds this")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
+  app.add_option("--stuck-policy", stuck_policy,
+                 "what to do with a stuck rank: evict (as a dead worker: its peers abort and the "
+                 "world re-forms; the hung process exits) or warn (an event and a log line only)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"evict", "warn"}));
   std::string reform_grace = "30s";
   app.add_option("--reform-grace", reform_grace,
                  "after a worker holding a rank is lost: how long to wait for a replacement "
@@ -152,6 +175,9 @@ int main(int argc, char** argv) {
   }
   options.world.lease = shard::ParsedDuration(lease);
   options.world.reform_grace = shard::ParsedDuration(reform_grace);
+  options.progress.floor = shard::ParsedDuration(progress_floor);
+  options.progress.ceiling = shard::ParsedDuration(progress_ceiling);
+  options.progress.evict_stuck = stuck_policy == "evict";
   options.world.expected_world_size = world_size->count() > 0 ? options.world.expected_world_size : 0;
   if (!job_file.empty()) {
     absl::StatusOr<shard::JobConfig> job = shard::LoadJobFile(job_file);

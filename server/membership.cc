@@ -118,9 +118,12 @@ absl::StatusOr<Member*> Membership::FindLive(const std::string& id, uint64_t inc
   }
   Member& member = it->second;
   if (member.role == Role::kDeparted) {
-    return absl::NotFoundError(absl::StrCat("worker '", id, "' is no longer a member (",
-                                            WorkerStateName(member.departed_state), ": ",
-                                            member.detail, "); join again"));
+    // Only the evicted process must exit; a restarted one joins again.
+    if (member.evicted && member.incarnation != incarnation) {
+      return absl::NotFoundError(
+          absl::StrCat("worker '", id, "' is no longer a member; join again"));
+    }
+    return DepartedStatus(member);
   }
   if (member.incarnation != incarnation) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -410,6 +413,12 @@ absl::StatusOr<int> Join(Membership& membership, const MembershipRules& rules,
         "on cpu)"));
   }
   const Member* existing = membership.Find(params.worker_id);
+  if (existing != nullptr && existing->role == Role::kDeparted && existing->evicted &&
+      existing->incarnation == params.incarnation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "worker '", params.worker_id, "' was evicted (", existing->detail,
+        "); this process must exit, and a restarted one may join again"));
+  }
   const bool live = existing != nullptr && existing->role != Role::kDeparted &&
                     existing->role != Role::kLeaving;
   if (live && existing->incarnation == params.incarnation) {
@@ -515,6 +524,39 @@ absl::Status Leave(Membership& membership, const MembershipRules& rules,
     NoteFreedRank(membership, now);
     if (PromoteStandbys(membership, now, change) > 0) MarkFormedIfComplete(membership, now, change);
   }
+  NoteStoppedIfEmpty(membership, now, change);
+  membership.PruneDeparted(rules.max_departed);
+  return absl::OkStatus();
+}
+
+absl::Status DepartedStatus(const Member& member) {
+  if (member.evicted) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "worker '", member.id, "' was evicted (", member.detail,
+        "); this process must exit, and a restarted one may join again"));
+  }
+  return absl::NotFoundError(absl::StrCat("worker '", member.id, "' is no longer a member (",
+                                          WorkerStateName(member.departed_state), ": ",
+                                          member.detail, "); join again"));
+}
+
+absl::Status Evict(Membership& membership, const MembershipRules& rules,
+                   const std::string& worker_id, uint64_t incarnation, const std::string& detail,
+                   absl::Time now, Change* change) {
+  SHARD_ASSIGN_OR_RETURN(Member * member, membership.FindLive(worker_id, incarnation, rules.job));
+  if (member->role != Role::kActive) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("worker '", worker_id, "' holds no rank: nothing waits on it"));
+  }
+  change->events.push_back(MakeEvent(v1::MEMBERSHIP_EVENT_KIND_STUCK, worker_id, member->rank,
+                                     absl::StrCat(detail, "; evicted"), now));
+  spdlog::warn("worker {} (rank {}) evicted: {}", worker_id, member->rank, detail);
+  if (!membership.stop_requested) {
+    change->bump = change->bump || membership.ran;
+    NoteFreedRank(membership, now);
+  }
+  membership.Depart(*member, WorkerState::kDead, absl::StrCat("stuck: ", detail), now);
+  member->evicted = true;
   NoteStoppedIfEmpty(membership, now, change);
   membership.PruneDeparted(rules.max_departed);
   return absl::OkStatus();

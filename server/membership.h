@@ -77,6 +77,10 @@ struct Member {
   int64_t joined_generation = 0;
   int64_t done_generation = 0;    // the generation in which it finished training (recorded)
   int64_t paused_generation = 0;  // the generation in which its training paused (0: none)
+  // What its training said it was doing, and when (not recorded: heartbeats carry it again).
+  TrainingActivity activity;
+  absl::Time activity_at;
+  bool evicted = false;  // departed because it made no progress: this process may not return
 };
 
 // What one rule did: the events to record and whether the generation ends.
@@ -183,6 +187,15 @@ std::vector<std::string> ExpireLeases(Membership& membership, const MembershipRu
                                       absl::Time now, Change* change);
 void RequestStop(Membership& membership, const std::string& reason, absl::Time now,
                  Change* change);
+// What a departed member's process is told: NotFound (join again), or for one evicted,
+// FailedPrecondition (it must exit).
+absl::Status DepartedStatus(const Member& member);
+// The rank holder `worker_id` made no step progress while its peers waited on it (common/
+// progress_lease.h): it departs as a dead worker would, and this process of it may not come back
+// (it is hung; a restarted one may). `detail` says why.
+absl::Status Evict(Membership& membership, const MembershipRules& rules,
+                   const std::string& worker_id, uint64_t incarnation, const std::string& detail,
+                   absl::Time now, Change* change);
 
 v1::MembershipEvent MakeEvent(v1::MembershipEventKind kind, const std::string& worker_id,
                               int rank, std::string detail, absl::Time now);

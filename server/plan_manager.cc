@@ -317,6 +317,15 @@ absl::Status PlanManager::ReportStepStats(const MemberRef& member, StepReport re
   return absl::OkStatus();
 }
 
+std::vector<double> PlanManager::RecentStepMs() const {
+  absl::ReaderMutexLock lock(&mu_);
+  std::vector<double> ms;
+  for (const auto& [rank, reports] : stats_) {
+    for (const StepReport& report : reports) ms.push_back(report.step_ms);
+  }
+  return ms;
+}
+
 ProgressMeter PlanManager::progress() const {
   absl::ReaderMutexLock lock(&mu_);
   return progress_;

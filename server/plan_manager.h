@@ -97,6 +97,8 @@ class PlanManager {
   absl::Status ReportStepStats(const MemberRef& member, StepReport report, absl::Time now);
   // The job's progress as the step reports tell it (it spans generations).
   ProgressMeter progress() const;
+  // The step times (ms) of the steps the ranks reported last (the statistics window).
+  std::vector<double> RecentStepMs() const;
 
   std::optional<PlanView> Current() const;
   PlanStats Stats() const;

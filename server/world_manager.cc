@@ -189,6 +189,25 @@ bool WorldManager::IsLive(const std::string& worker_id, uint64_t incarnation) co
   return LiveLocked(worker_id, incarnation);
 }
 
+std::vector<RankProgress> WorldManager::Progress() const {
+  absl::ReaderMutexLock lock(&mu_);
+  std::vector<RankProgress> ranks;
+  for (int rank = 0; rank < membership_.ranks(); ++rank) {
+    const shard::Member* member = membership_.Find(membership_.holder(rank));
+    if (member == nullptr) continue;
+    ranks.push_back(RankProgress{member->id, member->incarnation, rank, member->activity,
+                                 member->activity_at});
+  }
+  return ranks;
+}
+
+absl::Status WorldManager::Evict(const std::string& worker_id, uint64_t incarnation,
+                                 const std::string& detail, absl::Time now) {
+  return Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return shard::Evict(membership_, rules_, worker_id, incarnation, detail, now, change);
+  });
+}
+
 IsLiveMember WorldManager::LiveNow() const {
   auto live = std::make_shared<std::map<std::string, uint64_t>>();
   {
@@ -298,14 +317,11 @@ bool WorldManager::WatchFires(const World& world, const Watch& watch) const {
 absl::StatusOr<HeartbeatOutcome> WorldManager::OutcomeLocked(const std::string& worker_id,
                                                              const World& world) const {
   const shard::Member* member = membership_.Find(worker_id);
-  if (member == nullptr || member->role == Role::kDeparted) {
-    const std::string why =
-        member == nullptr
-            ? std::string("unknown")
-            : absl::StrCat(WorkerStateName(member->departed_state), ": ", member->detail);
-    return absl::NotFoundError(absl::StrCat("worker '", worker_id, "' is no longer a member (",
-                                            why, "); join again"));
+  if (member == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("worker '", worker_id, "' is no longer a member (unknown); join again"));
   }
+  if (member->role == Role::kDeparted) return DepartedStatus(*member);
   HeartbeatOutcome outcome;
   outcome.world = world;
   outcome.rank = member->rank;
@@ -427,7 +443,10 @@ void WorldManager::WatchHeartbeat(const HeartbeatParams& params, absl::Time now,
     outcome = HeartbeatLocked(params.worker_id, params.incarnation, now);
     if (outcome.ok()) {
       // Not recorded: a restarted coordinator hears it again with the next heartbeat.
-      membership_.Mutable(params.worker_id)->paused_generation = params.paused_generation;
+      shard::Member* member = membership_.Mutable(params.worker_id);
+      member->paused_generation = params.paused_generation;
+      member->activity = params.activity;
+      member->activity_at = now;
     }
     const absl::Duration wait = std::min(params.wait, options_.lease / 4);
     Watch watch{params.worker_id, params.known_generation, params.known_state, std::move(done)};

@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/progress_lease.h"
 #include "server/event_log.h"
 #include "server/membership.h"
 #include "server/membership_log.h"
@@ -154,6 +155,12 @@ class WorldManager {
 
   // Asks every member to leave; the job is STOPPED once none is live.
   World RequestStop(const std::string& reason, absl::Time now);
+
+  // What the ranks of the current world last said of their training (common/progress_lease.h).
+  std::vector<RankProgress> Progress() const;
+  // The rank holder made no progress while its peers waited (see shard::Evict in membership.h).
+  absl::Status Evict(const std::string& worker_id, uint64_t incarnation, const std::string& detail,
+                     absl::Time now);
 
   // Whether `worker_id` with `incarnation` is a live member (holding a rank, standing by or
   // leaving).

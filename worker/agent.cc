@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/progress_lease.h"
 #include "common/status_macros.h"
 #include "proto/control_convert.h"
 #include "proto/job_convert.h"
@@ -177,6 +178,7 @@ void WorkerAgent::HeartbeatLoop() {
       params.paused_generation = paused_generation_;
       pause = std::max(heartbeat_interval_, backoff);
     }
+    params.activity = activity_.Read();
     ReportAllHeldIfNeeded();
     absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(ToProto(params));
     if (beat.ok()) {
@@ -229,6 +231,18 @@ void WorkerAgent::HeartbeatLoop() {
                    absl::FormatDuration(backoff), absl::FormatDuration(options_.coordinator_timeout));
       continue;
     }
+    // Taken over by a newer process, or evicted because this one made no progress: it must
+    // exit. A collective gives way (Fail aborts it), but a computation that hangs cannot: if the
+    // training thread has not returned after a grace, the process exits anyway.
+    if (absl::IsFailedPrecondition(status)) {
+      std::thread([finished = finished_, message = std::string(status.message())] {
+        absl::SleepFor(absl::Seconds(10));
+        if (finished->load()) return;
+        spdlog::error("{}; the training thread did not return within 10s: exiting the process",
+                      message);
+        std::_Exit(1);
+      }).detach();
+    }
     absl::MutexLock lock(&mu_);
     Fail(status);
     return;
@@ -278,7 +292,7 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
     absl::MutexLock lock(&mu_);
     rendezvous_ = nullptr;
     if (!created.ok()) return created.status();
-    communicator_ = std::move(*created);
+    communicator_ = TrackCollectives(std::move(*created), &activity_);
     if (stop_ || world_.generation != world.generation) {
       return absl::AbortedError("the world moved on while connecting");
     }
@@ -388,6 +402,14 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     start = start_;
     generation_over_ = stop_ || world_.generation != generation;
   }
+  // The progress lease counts from here: restoring is part of the first step.
+  activity_.Begin(generation, start.step());
+  struct EndActivity {
+    ActivityTracker& activity;
+    ~EndActivity() { activity.End(); }
+  } end_activity{activity_};
+  // Collectives wait for a peer 20 x the p99 step time, within the floor and the ceiling.
+  std::vector<double> recent_step_ms;
   PlanSession plans(client_.get(), options_.worker_id, incarnation_,
                     options_.collective_timeout);
   const int64_t log_every = std::max<int64_t>(1, job.steps / 50);
@@ -501,6 +523,14 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
                    record.step_ms);
     }
     first_step = false;
+    activity_.StepDone(record.step);
+    recent_step_ms.push_back(record.step_ms);
+    if (recent_step_ms.size() > 100) recent_step_ms.erase(recent_step_ms.begin());
+    if (record.step % 10 == 0) {
+      communicator->SetCollectiveTimeout(DerivedTimeout(
+          absl::Milliseconds(Quantile(recent_step_ms, 0.99)), 20,
+          options_.collective_timeout_floor, options_.collective_timeout));
+    }
     if (rank == 0 && (record.step % log_every == 0 || record.step == 1 || record.step == job.steps)) {
       spdlog::info("step {}/{} loss {:.6f} ({:.1f} ms: backward {:.1f} ms, reduction {:.1f} ms of "
                    "which {:.0f}% hidden, update {:.2f} ms, gather {:.1f} ms; plan v{}{})",
@@ -752,6 +782,7 @@ absl::Status WorkerAgent::Run() {
     break;
   }
   absl::Status result;
+  finished_->store(true);
   {
     absl::MutexLock lock(&mu_);
     result = fatal_;

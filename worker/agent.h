@@ -22,6 +22,7 @@
 #include "worker/dataplane/snapshot_fetch.h"
 #include "worker/dataplane/snapshot_peer.h"
 #include "worker/dataplane/snapshot_store.h"
+#include "worker/dataplane/training_activity.h"
 #include "worker/dataplane/training_session.h"
 
 namespace shard {
@@ -35,7 +36,10 @@ struct WorkerOptions {
   int snapshot_port = 0;
   // How long to keep trying while the coordinator cannot be reached (at start and later).
   absl::Duration coordinator_timeout = absl::Seconds(60);
+  // A collective waiting longer than this for a peer fails: the ceiling of the timeout derived
+  // from the measured step times (20 x p99), whose floor is collective_timeout_floor.
   absl::Duration collective_timeout = absl::Seconds(60);
+  absl::Duration collective_timeout_floor = absl::Seconds(30);
   size_t self_check_elements = 1 << 16;
   // Without a training job from the coordinator: a parameter manifest to plan for. No model
   // runs, so the gradient order reported after the "first iteration" is that of a sequential
@@ -135,6 +139,10 @@ class WorkerAgent {
   bool report_all_held_ ABSL_GUARDED_BY(mu_) = false;
   // Set when the generation being trained ends (or a stop): cancels reads from peers.
   std::atomic<bool> generation_over_{false};
+  // What this rank's training is doing, for the coordinator's progress lease.
+  ActivityTracker activity_;
+  // Set once Run returns: a forced exit for a hung training thread is off then.
+  std::shared_ptr<std::atomic<bool>> finished_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 }  // namespace shard

@@ -77,7 +77,15 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(shard::DurationValidator());
   app.add_option("--collective-timeout", collective_timeout,
-                 "a rendezvous or collective waiting longer than this for a peer fails")
+                 "a rendezvous or collective waiting longer than this for a peer fails (once "
+                 "steps are measured, the timeout is 20 x the p99 step time, at least "
+                 "--collective-timeout-floor and at most this)")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
+  std::string collective_timeout_floor = "30s";
+  app.add_option("--collective-timeout-floor", collective_timeout_floor,
+                 "the least a collective waits for a peer, however fast the steps (keep it above "
+                 "the coordinator's --progress-lease-floor, so that a stuck peer is named first)")
       ->capture_default_str()
       ->check(shard::DurationValidator());
   app.add_option("--self-check-elements", options.self_check_elements,
@@ -150,6 +158,7 @@ int main(int argc, char** argv) {
   }
   options.coordinator_timeout = shard::ParsedDuration(coordinator_timeout);
   options.collective_timeout = shard::ParsedDuration(collective_timeout);
+  options.collective_timeout_floor = shard::ParsedDuration(collective_timeout_floor);
   absl::StatusOr<std::unique_ptr<shard::DataPath>> data_path =
       shard::CpuDataPath(options.host, options.collective_timeout);
 #if SHARD_HAVE_CUDA

@@ -624,6 +624,38 @@ TEST_F(ChaosTest, ASnapshotTornByAKillMidTransferIsNeverUsed) {
   }
   EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ChainReference({{4, step}, {3, kSteps}}));
 }
+
+// A worker whose training thread hangs (SHARD_STALL_TRAINING: outside any collective, its
+// heartbeats going on) holds its peers up in their collective: the progress lease names it,
+// evicts it like a dead worker, the hung process exits, and the world re-forms without it from
+// memory.
+TEST_F(ChaosTest, AStuckRankIsNamedEvictedAndTheWorldGoesOnWithoutIt) {
+  constexpr int kSteps = 600;
+  StartCoordinator(WriteJob("job", JobOptions{.world = 4, .min = 3, .steps = kSteps,
+                                              .snapshot_every = 10, .replicas = 1}),
+                   {"--progress-lease-floor", "2s"});
+  std::vector<Process> workers = StartWorkers({"w0", "w1", "w3"});
+  workers.push_back(cluster_->StartWorker("w2", {}, {"SHARD_STALL_TRAINING=100"}));
+  ASSERT_TRUE(Eventually([&] { return HasEvent("stuck: "); }, absl::Seconds(60)))
+      << cluster_->coordinator().Log();
+  const std::vector<std::string> stuck = EventsOf("stuck");
+  ASSERT_EQ(stuck.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(stuck[0], "(worker w2) has not finished step 100 for ")) << stuck[0];
+  EXPECT_TRUE(absl::StrContains(stuck[0], "median step ")) << stuck[0];
+  EXPECT_TRUE(absl::StrContains(stuck[0], "3 of 4 ranks wait for it")) << stuck[0];
+  EXPECT_TRUE(absl::StrContains(stuck[0], "; evicted")) << stuck[0];
+  // Its training thread never returns: the process exits on its own.
+  EXPECT_EQ(workers[3].Wait(absl::Seconds(30)), 1) << workers[3].Log();
+  EXPECT_NE(workers[3].Log().find("was evicted"), std::string::npos) << workers[3].Log();
+  ExpectJobFinishes({&workers[0], &workers[1], &workers[2]});
+  EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
+  const std::vector<std::string> restored = EventsOf("restored");
+  ASSERT_EQ(restored.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(restored[0], "from memory")) << restored[0];
+  const int step = RestoredStep(restored[0]);
+  EXPECT_EQ(step, 90) << restored[0];
+  EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ChainReference({{4, step}, {3, kSteps}}));
+}
 }  // namespace
 }  // namespace shard::testing
 

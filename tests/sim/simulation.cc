@@ -76,6 +76,8 @@ struct Group {
   bool started = false;        // restored and stepping
   bool stepping = false;       // a step is scheduled
   bool over = false;           // failed, paused or done
+  absl::Time last_step_at;     // when it finished its last step (or started)
+  std::optional<absl::Time> halted_at;  // since when a member holds the others up
   int64_t step = 0;
   uint64_t hash = 0;
   StepBoundaryState boundary;
@@ -88,6 +90,9 @@ struct Worker {
   uint64_t process = 0;  // bumped at every start and death: events of an older one are void
   bool alive = false;
   bool stopped = false;  // SIGSTOP
+  // Its training thread hangs outside any collective while its heartbeats go on (a hung
+  // kernel, a deadlocked data loader): the progress lease must find it.
+  bool training_stalled = false;
   bool exited = false;
   std::string exit_reason;
   bool joined = false;
@@ -516,6 +521,16 @@ void Simulation::Heartbeat(int index) {
   params.known_state = w.known_state;
   params.wait = w.interval;
   params.paused_generation = w.paused_generation;
+  // worker/dataplane/training_activity.h: what its training does, for the progress lease.
+  if (const Group* group = GroupOf(w); group != nullptr && group->started && !group->over &&
+                                       w.session->phase == Session::Phase::kTraining) {
+    params.activity.generation = group->generation;
+    params.activity.step = group->step;
+    params.activity.since_step = now_ - group->last_step_at;
+    if (group->halted_at.has_value() && !w.training_stalled) {
+      params.activity.waiting = std::max(now_ - *group->halted_at, absl::Nanoseconds(1));
+    }
+  }
   auto unavailable = [this, index](Worker& worker) {
     if (now_ - worker.last_contact > kCoordinatorTimeout) {
       Exit(worker, "lost the coordinator", true);
@@ -549,7 +564,8 @@ void Simulation::Heartbeat(int index) {
               worker.backoff = absl::Milliseconds(100);
               Join(index);
             } else if (absl::IsFailedPrecondition(reply.status())) {
-              Exit(worker, "taken over by a newer process", false);
+              // Taken over by a newer process, or evicted as stuck.
+              Exit(worker, std::string(reply.status().message()), false);
             } else {
               Exit(worker, absl::StrCat("heartbeat: ", reply.status().ToString()), true);
             }
@@ -840,6 +856,7 @@ void Simulation::OnConnected(int index) {
                   (void)core_->ReportRestore(report, now_);
                 }
                 group.boundary.last_snapshot_step = group.step;
+                group.last_step_at = now_;
                 if (!start.checkpoint_id.empty()) {
                   ++(start.in_memory ? result_.memory_restores : result_.disk_restores);
                 }
@@ -861,7 +878,8 @@ void Simulation::Step(int64_t generation) {
   for (const auto& [rank, index] : group.members) {
     const Worker& worker = *workers_[index];
     if (!worker.alive) return;  // Kill() failed the peers
-    if (worker.stopped) {
+    if (worker.stopped || worker.training_stalled) {
+      if (!group.halted_at.has_value()) group.halted_at = now_;
       // The others wait in the collective: until their generation ends, or it times out.
       for (const auto& [peer_rank, peer] : group.members) {
         if (peer == index) continue;
@@ -883,8 +901,10 @@ void Simulation::Step(int64_t generation) {
   // A restore of the last step's checkpoint leaves no step to take: the trainer ends at once.
   const bool stepped = group.step < job_.steps;
   StepBoundary boundary;
+  group.halted_at.reset();
   if (stepped) {
     ++group.step;
+    group.last_step_at = now_;
     group.hash = Mix(group.hash, group.step);
     // Every rank reports its step; the coordinator notes that training started, and its status
     // shows the step the ranks are at.
@@ -1327,6 +1347,14 @@ void Simulation::Fault() {
     StartProcess(gone[Pick(static_cast<int>(gone.size()))]);
   } else if (kind < 65) {
     StartProcess(AddWorker(absl::StrCat("w", next_worker_id_++)));
+  } else if (kind < 70 && !running.empty()) {
+    const int victim = running[Pick(static_cast<int>(running.size()))];
+    if (workers_[victim]->session.has_value() &&
+        workers_[victim]->session->phase == Session::Phase::kTraining) {
+      ++result_.training_stalls;
+      Log(absl::StrCat(workers_[victim]->id, "'s training thread hangs (heartbeats go on)"));
+      workers_[victim]->training_stalled = true;
+    }
   } else {
     Operator();
   }
@@ -1375,6 +1403,10 @@ void Simulation::Heal() {
   if (core_ == nullptr) StartCoordinator();
   int live = 0;
   for (int i = 0; i < static_cast<int>(workers_.size()); ++i) {
+    if (workers_[i]->training_stalled) {
+      workers_[i]->training_stalled = false;
+      workers_[i]->stopped = true;  // resumed below, as a stopped worker: its group steps again
+    }
     Resume(i);
     if (workers_[i]->alive) ++live;
   }
@@ -1550,6 +1582,7 @@ SimulationResult Simulation::Run() {
   core_options_.world.reform_grace = std::vector<absl::Duration>{
       absl::ZeroDuration(), absl::Milliseconds(500), absl::Seconds(1), absl::Seconds(3)}[Pick(4)];
   core_options_.world.max_standbys = Pick(3);
+  core_options_.progress.floor = absl::Seconds(2);
   reference_hash_ = Mix(job_.seed, 0);
   for (int64_t step = 1; step <= job_.steps; ++step) reference_hash_ = Mix(reference_hash_, step);
 

@@ -33,6 +33,7 @@ struct SimulationResult {
   // What happened, for the summary.
   int worker_kills = 0;
   int worker_stops = 0;
+  int training_stalls = 0;  // a worker's training thread hung while it went on heartbeating
   int coordinator_crashes = 0;
   int admin_calls = 0;
   int generations = 0;

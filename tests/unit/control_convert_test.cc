@@ -176,6 +176,8 @@ TEST(ControlConvertTest, WorkerReportsRoundTrip) {
   beat.wait = absl::Milliseconds(2500);
   beat.paused_generation = 12;
   EXPECT_EQ(FromProto(ToProto(beat)), beat);
+  beat.activity = TrainingActivity{12, 810, absl::Milliseconds(14000), absl::Milliseconds(13900)};
+  EXPECT_EQ(FromProto(ToProto(beat)), beat);
 }
 
 TEST(ControlConvertTest, OrdersBelongToTheGenerationOfTheReplysWorld) {

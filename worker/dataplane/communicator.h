@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "common/dtype.h"
 
 namespace shard {
@@ -46,6 +47,10 @@ class Communicator {
   // collective before returning, so for them there is nothing to do; a GPU backend's
   // collectives run on a stream of their own (worker/gpu/device_communicator.h).
   virtual absl::Status OrderComputeAfterCollectives() { return absl::OkStatus(); }
+
+  // How long a collective waits for a peer from now on (thread-safe; the worker derives it from
+  // the measured step times). A backend whose collectives cannot time out ignores it.
+  virtual void SetCollectiveTimeout(absl::Duration /*timeout*/) {}
 
   // Thread-safe and idempotent; `reason` is carried in the errors that follow.
   virtual void Abort(absl::string_view reason) = 0;

@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -112,7 +113,14 @@ std::vector<Block> BalancedBlocks(int ranks, size_t count) {
 class GlooCommunicator::Impl {
  public:
   Impl(std::shared_ptr<gloo::Context> context, GlooOptions options)
-      : context_(std::move(context)), options_(std::move(options)) {}
+      : context_(std::move(context)),
+        options_(std::move(options)),
+        timeout_ms_(absl::ToInt64Milliseconds(options_.timeout)) {}
+
+  absl::Duration Timeout() const { return absl::Milliseconds(timeout_ms_.load()); }
+  void SetTimeout(absl::Duration timeout) {
+    timeout_ms_.store(absl::ToInt64Milliseconds(timeout));
+  }
 
   int rank() const { return context_->rank; }
   int size() const { return context_->size; }
@@ -258,12 +266,12 @@ class GlooCommunicator::Impl {
   }
 
   absl::Status WaitRecv(UnboundBuffer* buffer) {
-    if (!buffer->waitRecv(nullptr, ToChrono(options_.timeout))) return AbortedStatus();
+    if (!buffer->waitRecv(nullptr, ToChrono(Timeout()))) return AbortedStatus();
     return absl::OkStatus();
   }
 
   absl::Status WaitSend(UnboundBuffer* buffer) {
-    if (!buffer->waitSend(nullptr, ToChrono(options_.timeout))) return AbortedStatus();
+    if (!buffer->waitSend(nullptr, ToChrono(Timeout()))) return AbortedStatus();
     return absl::OkStatus();
   }
 
@@ -505,7 +513,7 @@ class GlooCommunicator::Impl {
       } else if (absl::StrContains(message, "Timed out") ||
                  absl::StrContains(message, "timeout")) {
         status = absl::DeadlineExceededError(absl::StrCat(
-            "a peer did not respond within ", absl::FormatDuration(options_.timeout), ": ",
+            "a peer did not respond within ", absl::FormatDuration(Timeout()), ": ",
             message));
       } else {
         status = absl::UnavailableError(absl::StrCat("connection to a peer failed: ", message));
@@ -522,6 +530,7 @@ class GlooCommunicator::Impl {
 
   std::shared_ptr<gloo::Context> context_;
   const GlooOptions options_;
+  std::atomic<int64_t> timeout_ms_;  // each wait of a collective: options_.timeout, then derived
   std::vector<char> scratch_[4];
   mutable absl::Mutex mu_;
   std::string abort_reason_ ABSL_GUARDED_BY(mu_);
@@ -611,6 +620,9 @@ absl::Status GlooCommunicator::Broadcast(void* buffer, size_t count, DataType dt
 }
 
 absl::Status GlooCommunicator::Barrier() { return impl_->Barrier(); }
+void GlooCommunicator::SetCollectiveTimeout(absl::Duration timeout) {
+  impl_->SetTimeout(timeout);
+}
 void GlooCommunicator::Abort(absl::string_view reason) { impl_->Abort(reason); }
 bool GlooCommunicator::aborted() const { return impl_->aborted(); }
 

@@ -67,6 +67,7 @@ class GlooCommunicator : public Communicator {
                       int root) override;
   absl::Status Broadcast(void* buffer, size_t count, DataType dtype, int root) override;
   absl::Status Barrier() override;
+  void SetCollectiveTimeout(absl::Duration timeout) override;
   void Abort(absl::string_view reason) override;
   bool aborted() const override;
 

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/mlp.h"
+#include "common/fault.h"
 #include "common/mlp_data.h"
 #include "common/status_macros.h"
 
@@ -72,6 +73,7 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
   const float scale = 1.0f / static_cast<float>(job.global_batch);
   while (!session->finished()) {
     const int64_t step = session->next_step();
+    StallTrainingAt(step + 1);
     if (session->stop_requested()) {
       return absl::CancelledError(absl::StrCat("training stopped before step ", step + 1));
     }
