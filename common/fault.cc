@@ -5,8 +5,9 @@
 #include <atomic>
 #include <cstdlib>
 
+#include <cstdio>
+
 #include "absl/time/clock.h"
-#include "spdlog/spdlog.h"
 
 namespace shard {
 
@@ -22,9 +23,11 @@ void FaultPoint(absl::string_view name) {
 void StallTrainingAt(int64_t step) {
   const char* stall = std::getenv("SHARD_STALL_TRAINING");
   if (stall == nullptr || std::atoll(stall) != step) return;
-  spdlog::warn("SHARD_STALL_TRAINING: the training thread stops for good before step {} "
-               "(heartbeats go on)",
-               step);
+  // stderr, not the log: this file builds into the portable GPU tests, which have no spdlog.
+  std::fprintf(stderr,
+               "SHARD_STALL_TRAINING: the training thread stops for good before step %lld "
+               "(heartbeats go on)\n",
+               static_cast<long long>(step));
   while (true) absl::SleepFor(absl::Seconds(1));
 }
 
