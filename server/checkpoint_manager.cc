@@ -479,7 +479,7 @@ std::string CheckpointManager::ResolveStart(int64_t generation,
 }
 
 std::optional<CheckpointManager::RestoreSummary> CheckpointManager::NoteRestored(
-    int64_t generation, int rank, int world_size, const RestoreReport& report) {
+    int64_t generation, int rank, int world_size, int64_t reached, const RestoreReport& report) {
   absl::MutexLock lock(&mu_);
   if (generation != generation_ || report.checkpoint_id != start_.checkpoint_id) {
     return std::nullopt;
@@ -497,7 +497,15 @@ std::optional<CheckpointManager::RestoreSummary> CheckpointManager::NoteRestored
   restore_summary_.bytes_from_peers += report.bytes_from_peers;
   if (static_cast<int>(restored_ranks_.size()) < world_size) return std::nullopt;
   all_restored_ = true;
+  restore_summary_.steps_lost = std::max<int64_t>(0, reached - restore_summary_.start.step);
+  ++(restore_summary_.start.in_memory ? restores_.from_memory : restores_.from_disk);
+  restores_.last = restore_summary_;
   return restore_summary_;
+}
+
+CheckpointManager::Restores CheckpointManager::restores() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return restores_;
 }
 
 bool CheckpointManager::NeededForRestore(const std::string& worker_id) const {

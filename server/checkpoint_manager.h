@@ -107,9 +107,18 @@ class CheckpointManager {
     absl::Duration slowest;
     uint64_t bytes = 0;
     uint64_t bytes_from_peers = 0;
+    int64_t steps_lost = 0;  // between the furthest step reached before and the start's
   };
+  // `reached`: the furthest step training had reached before this generation.
   std::optional<RestoreSummary> NoteRestored(int64_t generation, int rank, int world_size,
-                                             const RestoreReport& report);
+                                             int64_t reached, const RestoreReport& report);
+  // Restores completed by every rank since this coordinator started, by source, and the last.
+  struct Restores {
+    int64_t from_memory = 0;
+    int64_t from_disk = 0;
+    std::optional<RestoreSummary> last;
+  };
+  Restores restores() const;
   // Whether `worker_id` holds a shard of the current generation's start in memory that its ranks
   // have not all restored yet: it must not leave before they have.
   bool NeededForRestore(const std::string& worker_id) const;
@@ -174,6 +183,7 @@ class CheckpointManager {
   int64_t restored_generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::set<int> restored_ranks_ ABSL_GUARDED_BY(mu_);
   RestoreSummary restore_summary_ ABSL_GUARDED_BY(mu_);
+  Restores restores_ ABSL_GUARDED_BY(mu_);
   bool all_restored_ ABSL_GUARDED_BY(mu_) = false;
 };
 

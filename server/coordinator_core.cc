@@ -354,11 +354,12 @@ absl::Status CoordinatorCore::ReportRestore(const RestoreReport& report, absl::T
                         now);
     return absl::OkStatus();
   }
-  const std::optional<CheckpointManager::RestoreSummary> summary =
-      checkpoints->NoteRestored(member.generation, member.rank, member.world_size, report);
-  if (!summary.has_value()) return absl::OkStatus();
+  // The new generation has trained no step yet: the furthest step reported is the old one's.
   const ProgressMeter meter = plan_->progress();
-  const int64_t reached = std::max(summary->start.step, meter.has_step() ? meter.step() : 0);
+  const std::optional<CheckpointManager::RestoreSummary> summary = checkpoints->NoteRestored(
+      member.generation, member.rank, member.world_size, meter.has_step() ? meter.step() : 0,
+      report);
+  if (!summary.has_value()) return absl::OkStatus();
   world_->RecordEvent(
       v1::MEMBERSHIP_EVENT_KIND_RESTORED, "", -1,
       absl::StrCat("generation ", member.generation, " restored ",
@@ -366,9 +367,12 @@ absl::Status CoordinatorCore::ReportRestore(const RestoreReport& report, absl::T
                    summary->start.checkpoint_id, " (step ", summary->start.step, ") on ",
                    member.world_size, " ranks in ",
                    absl::StrFormat("%.0f", absl::ToDoubleMilliseconds(summary->slowest)),
-                   " ms (slowest rank), ", summary->bytes_from_peers, " of ", summary->bytes,
-                   " bytes from peers, from ", summary->start.in_memory ? "memory" : "disk", "; ",
-                   reached - summary->start.step, " steps lost"),
+                   " ms (slowest rank), from ",
+                   summary->start.in_memory
+                       ? absl::StrCat("memory (", summary->bytes_from_peers, " of ",
+                                      summary->bytes, " bytes from peers)")
+                       : std::string("disk"),
+                   "; ", summary->steps_lost, " steps lost"),
       now);
   // Workers that stayed only to serve this restore may leave now.
   world_->WakeWatches();

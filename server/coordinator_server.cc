@@ -154,9 +154,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     }
   }
   if (!options.metrics_listen.empty()) {
-    const CoordinatorMetricsSources sources{&core_ptr->world(), &core_ptr->plan(),
-                                            core_ptr->checkpoints(), server->rpc_metrics_.get(),
-                                            now};
+    CoordinatorMetricsSources sources;
+    sources.world = &core_ptr->world();
+    sources.plan = &core_ptr->plan();
+    sources.checkpoints = core_ptr->checkpoints();
+    sources.snapshots = core_ptr->snapshots();
+    sources.rpc = server->rpc_metrics_.get();
+    sources.started = now;
     SHARD_ASSIGN_OR_RETURN(server->metrics_http_,
                            MetricsHttpServer::Start(options.metrics_listen, [sources] {
                              return RenderCoordinatorMetrics(sources, absl::Now());

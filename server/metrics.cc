@@ -21,6 +21,7 @@
 #include "httplib.h"
 #include "prometheus/text_serializer.h"
 #include "server/checkpoint_manager.h"
+#include "server/snapshot_manager.h"
 #include "server/plan_manager.h"
 #include "server/world_manager.h"
 #include "spdlog/spdlog.h"
@@ -183,6 +184,8 @@ struct ManagerReadings {
   std::optional<StatusSnapshot> world;
   std::optional<PlanStats> plan;
   std::optional<Checkpoints> checkpoints;
+  std::optional<SnapshotSummary> snapshots;
+  std::optional<CheckpointManager::Restores> restores;
 };
 
 ManagerReadings ReadManagers(const CoordinatorMetricsSources& sources, absl::Time now) {
@@ -194,6 +197,10 @@ ManagerReadings ReadManagers(const CoordinatorMetricsSources& sources, absl::Tim
     readings.checkpoints = ManagerReadings::Checkpoints{
         checkpoints.List(), checkpoints.start().step, checkpoints.training_started(),
         checkpoints.pending_request() != 0};
+    readings.restores = checkpoints.restores();
+  }
+  if (sources.snapshots != nullptr && sources.world != nullptr) {
+    readings.snapshots = sources.snapshots->Summary(sources.world->LiveNow(), now);
   }
   return readings;
 }
@@ -354,6 +361,44 @@ void AddCheckpointMetrics(const ManagerReadings::Checkpoints& checkpoints,
 
 }  // namespace
 
+void AddRecoveryMetrics(const std::optional<SnapshotSummary>& snapshots,
+                        const CheckpointManager::Restores& restores, absl::Time now,
+                        prometheus::Registry& registry) {
+  prometheus::Family<prometheus::Counter>& total =
+      prometheus::BuildCounter()
+          .Name("shard_restores_total")
+          .Help("Restores every rank of a generation completed, by where the state came from.")
+          .Register(registry);
+  total.Add({{"source", "memory"}}).Increment(static_cast<double>(restores.from_memory));
+  total.Add({{"source", "disk"}}).Increment(static_cast<double>(restores.from_disk));
+  if (restores.last.has_value()) {
+    SetGauge("shard_restore_last_duration_seconds",
+             "The last restore: the slowest rank's time to read its state.",
+             Seconds(restores.last->slowest), registry);
+    SetGauge("shard_restore_last_steps_lost",
+             "The last restore: steps trained before it that were trained again.",
+             static_cast<double>(restores.last->steps_lost), registry);
+    SetGauge("shard_restore_last_from_memory", "1 if the last restore read workers' memory.",
+             restores.last->start.in_memory ? 1 : 0, registry);
+  }
+  if (!snapshots.has_value() || snapshots->usable_id.empty()) return;
+  SetGauge("shard_snapshot_last_step",
+           "Step of the newest in-memory snapshot every shard of which a live worker holds.",
+           static_cast<double>(snapshots->usable_step), registry);
+  if (snapshots->usable_since.has_value()) {
+    SetGauge("shard_snapshot_age_seconds", "Since that snapshot became usable.",
+             Seconds(now - *snapshots->usable_since), registry);
+  }
+  SetGauge("shard_snapshot_copies", "Live copies of that snapshot's least-held shard.",
+           snapshots->usable_copies, registry);
+  SetGauge("shard_snapshot_replica_lag_steps",
+           "Steps between the newest snapshot taken and the newest fully replicated one.",
+           static_cast<double>(snapshots->replica_lag_steps), registry);
+  SetGauge("shard_snapshot_replica_lag_seconds",
+           "How long the newest snapshot taken has waited for its replicas (0 once it has them).",
+           snapshots->replica_lag.has_value() ? Seconds(*snapshots->replica_lag) : 0, registry);
+}
+
 std::string RenderCoordinatorMetrics(const CoordinatorMetricsSources& sources, absl::Time now) {
   const ManagerReadings readings = ReadManagers(sources, now);
   // A registry per scrape: the series are those of this moment (a departed worker's disappear
@@ -367,6 +412,9 @@ std::string RenderCoordinatorMetrics(const CoordinatorMetricsSources& sources, a
   if (readings.world.has_value()) AddWorldMetrics(*readings.world, registry);
   if (readings.plan.has_value()) AddPlanMetrics(*readings.plan, registry);
   if (readings.checkpoints.has_value()) AddCheckpointMetrics(*readings.checkpoints, registry);
+  if (readings.restores.has_value()) {
+    AddRecoveryMetrics(readings.snapshots, *readings.restores, now, registry);
+  }
 
   std::vector<prometheus::MetricFamily> families = registry.Collect();
   if (sources.rpc != nullptr) {

@@ -34,6 +34,7 @@ namespace shard {
 
 class CheckpointManager;
 class PlanManager;
+class SnapshotManager;
 class WorldManager;
 
 // --- RPC metrics ---------------------------------------------------------------------------------
@@ -102,6 +103,7 @@ struct CoordinatorMetricsSources {
   const WorldManager* world = nullptr;             // null: no world metrics (tests)
   const PlanManager* plan = nullptr;               // null: no plan metrics
   const CheckpointManager* checkpoints = nullptr;  // null: no training job
+  const SnapshotManager* snapshots = nullptr;      // null: no training job (needs `world`)
   const RpcMetrics* rpc = nullptr;                 // null: no RPC metrics
   absl::Time started;                              // when the coordinator started
 };

@@ -27,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "server/checkpoint_manager.h"
+#include "server/snapshot_manager.h"
 #include "server/checkpoint_storage.h"
 #include "server/plan_manager.h"
 #include "server/store/state_store.h"
@@ -318,6 +319,28 @@ TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
   ASSERT_TRUE(checkpoints.ok()) << checkpoints.status();
   ASSERT_EQ((*checkpoints)->List().size(), 2u);
 
+  // A snapshot of step 5 that both workers hold, each shard once; one of step 10 only taken.
+  SnapshotManager snapshots(SnapshotOptions{.replicas = 1});
+  for (int rank = 0; rank < 2; ++rank) {
+    for (int64_t step : {5, 10}) {
+      if (step == 10 && rank == 1) continue;
+      SnapshotShard shard;
+      shard.id = SnapshotId(step, generation);
+      shard.generation = generation;
+      shard.step = step;
+      shard.rank = rank;
+      shard.plan.world_size = 2;
+      shard.counters.optimizer_step = step;
+      shard.record = ShardRecord{ShardFileName(rank, 2), rank, 8, "00", {"00"}};
+      SnapshotReport report;
+      report.worker_id = absl::StrCat("w", rank);
+      report.incarnation = 1;
+      report.held = {shard};
+      report.snapshot_address = "127.0.0.1:1";
+      ASSERT_TRUE(snapshots.Report(report, now - absl::Seconds(2)).ok());
+    }
+  }
+
   RpcMetrics rpc({"shard.v1.Coordinator/Join"});
   rpc.Begin("/shard.v1.Coordinator/Join");
   rpc.End("/shard.v1.Coordinator/Join", grpc::StatusCode::OK, absl::Milliseconds(2));
@@ -326,6 +349,7 @@ TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
   sources.world = world->get();
   sources.plan = &plans;
   sources.checkpoints = checkpoints->get();
+  sources.snapshots = &snapshots;
   sources.rpc = &rpc;
   sources.started = started;
   const std::string text = RenderCoordinatorMetrics(sources, now);
@@ -361,6 +385,13 @@ TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
            {"shard_checkpoint_pause_seconds", 0.025},
            {"shard_checkpoint_bytes", 8192},
            {"shard_checkpoint_save_pending", 0},
+           {"shard_snapshot_last_step", 5},
+           {"shard_snapshot_age_seconds", 2},
+           {"shard_snapshot_copies", 1},
+           {"shard_snapshot_replica_lag_steps", 10},
+           {"shard_snapshot_replica_lag_seconds", 2},
+           {"shard_restores_total{source=\"memory\"}", 0},
+           {"shard_restores_total{source=\"disk\"}", 0},
            {Requests("shard.v1.Coordinator/Join", "OK"), 1},
        }) {
     EXPECT_DOUBLE_EQ(Sample(samples, series), value) << series << "\n" << text;

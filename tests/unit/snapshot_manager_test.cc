@@ -204,14 +204,18 @@ TEST(CheckpointManagerMemoryTest, ANewWorldRestoresTheNewestStateWhereverItIs) {
   report.duration = absl::Milliseconds(5);
   report.bytes = 100;
   report.bytes_from_peers = 40;
-  EXPECT_FALSE(checkpoints->NoteRestored(4, 0, 2, report).has_value());
-  EXPECT_FALSE(checkpoints->NoteRestored(4, 0, 2, report).has_value()) << "the same rank again";
+  EXPECT_FALSE(checkpoints->NoteRestored(4, 0, 2, 47, report).has_value());
+  EXPECT_FALSE(checkpoints->NoteRestored(4, 0, 2, 47, report).has_value())
+      << "the same rank again";
   report.duration = absl::Milliseconds(9);
   std::optional<CheckpointManager::RestoreSummary> summary =
-      checkpoints->NoteRestored(4, 1, 2, report);
+      checkpoints->NoteRestored(4, 1, 2, 47, report);
   ASSERT_TRUE(summary.has_value());
   EXPECT_EQ(summary->slowest, absl::Milliseconds(9));
   EXPECT_EQ(summary->bytes_from_peers, 80u);
+  EXPECT_EQ(summary->steps_lost, 7);
+  EXPECT_EQ(checkpoints->restores().from_memory, 1);
+  EXPECT_EQ(checkpoints->restores().from_disk, 0);
   EXPECT_FALSE(checkpoints->NeededForRestore("w3"));
   // Without a usable snapshot, a world restores what disk has (nothing here), and says why.
   checkpoints->OnGeneration(5);
