@@ -50,13 +50,13 @@ class Cluster:
         self.port = None
 
     def write_job(self, world, steps, min_world=None, every=0, model=None, out="out",
-                  file="job.json", **extra):
+                  file="job.json", snapshot_every=0, **extra):
         job = {"name": "torchjob", "worldSize": world, "minWorldSize": min_world or world,
                "model": model or {"external": {}},
                "optimizer": {"name": "adam", "lr": 0.01}, "globalBatch": 24, "steps": steps,
                "zeroStage": 2, "bucketCapMb": 0.001, "firstBucketCapMb": 0.0005,
                "checkpoint": {"everySteps": every, "keepLast": 100, "dir": "checkpoints"},
-               "outputDir": out}
+               "snapshot": {"everySteps": snapshot_every}, "outputDir": out}
         job.update(extra)
         path = os.path.join(self.tmp, file)
         with open(path, "w") as f:
@@ -486,6 +486,48 @@ def test_a_killed_worker_is_survived_and_the_result_equals_uninterrupted_trainin
         "--restore", restores.pop(), log_name="reference-coordinator.log")
     references = [cluster.start_worker(f"ref{i}") for i in range(2)]
     for worker in references:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    got, want = exported(cluster), exported(cluster, "reference")
+    for name in want:
+        assert torch.equal(got[name], want[name]), (name, max_difference(got, want))
+
+
+def test_a_killed_worker_is_recovered_from_memory_with_no_checkpoint_on_disk(cluster):
+    steps = 400
+    cluster.start_coordinator(cluster.write_job(world=3, min_world=2, steps=steps,
+                                                snapshot_every=10))
+    workers = [cluster.start_worker(f"w{i}") for i in range(3)]
+
+    def snapshot_taken():
+        status = cluster.shardctl("status", "--json")
+        return (status.returncode == 0 and
+                json.loads(status.stdout)["progress"]["last_snapshot_step"] >= 20)
+
+    wait_for(snapshot_taken, 60, "a snapshot in memory")
+    workers[1].send_signal(signal.SIGKILL)
+    workers[1].wait()
+    survivors = [workers[0], workers[2]]
+    for worker in survivors:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    assert cluster.wait(cluster.coordinator) == 0, cluster.log("coordinator.log")
+    assert not os.path.exists(os.path.join(cluster.tmp, "checkpoints")), "nothing went to disk"
+    restored = {int(m) for w in survivors
+                for m in re.findall(r"restored memory snapshot \S+ \(step (\d+)\)",
+                                    cluster.log(w))}
+    assert len(restored) == 1, restored
+    step = restored.pop()
+    # The reference: three workers to that step through a checkpoint, then two to the end.
+    cluster.start_coordinator(
+        cluster.write_job(world=3, steps=step, every=step, out="reference-3",
+                          file="reference-3.json"),
+        log_name="reference-3-coordinator.log")
+    for worker in [cluster.start_worker(f"three{i}") for i in range(3)]:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    (checkpoint,) = os.listdir(os.path.join(cluster.tmp, "checkpoints", "torchjob"))
+    cluster.start_coordinator(
+        cluster.write_job(world=2, steps=steps, out="reference", file="reference.json"),
+        "--restore", checkpoint, log_name="reference-coordinator.log")
+    for worker in [cluster.start_worker(f"two{i}") for i in range(2)]:
         assert cluster.wait(worker) == 0, cluster.log(worker)
     got, want = exported(cluster), exported(cluster, "reference")
     for name in want:
