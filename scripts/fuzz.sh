@@ -3,14 +3,14 @@
 #
 #   scripts/fuzz.sh [--seconds N] [target...]
 #
-# Targets: job_spec, manifest, checkpoint_manifest, safetensors (default: all). Builds them with
+# Targets: job_spec, manifest, checkpoint_manifest, safetensors, snapshot_shard (default: all). Builds them with
 # clang, ASan and UBSan in build-fuzz/ (SHARD_FUZZ_BUILD_DIR overrides), runs each for N seconds
 # (default 60) on a fresh copy of its seed corpus tests/fuzz/corpus/<target>/, and exits
 # non-zero if any target crashed, naming the reproducer and the command that replays it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_TARGETS=(job_spec manifest checkpoint_manifest safetensors)
+ALL_TARGETS=(job_spec manifest checkpoint_manifest safetensors snapshot_shard)
 seconds=60
 targets=()
 while [ $# -gt 0 ]; do
