@@ -2,15 +2,24 @@
 // ranks as threads, Adam state, a model of --gib GiB of checkpoint), next to the raw write
 // (with fsync) and read bandwidth of the same disk with the same number of parallel streams,
 // measured in the same run, and the training pause per save next to every rank copying the same
-// bytes at once. GB/s count checkpoint bytes (1e9). Page-cache effects are
-// removed with posix_fadvise(DONTNEED) after every write, so reads come from the disk.
+// bytes at once. GB/s count checkpoint bytes (1e9). Every file is dropped from the page cache
+// (posix_fadvise(DONTNEED)) before it is read, the checkpoint's as the raw reference's, so
+// reads come from the disk.
+//
+// The restore is reported twice. "read" is every rank reading and verifying what it owns (the
+// reads Engine::Restore makes); "restore" is Engine::Restore itself, which at ZeRO stage 1/2
+// then all-gathers the parameters over the communicator: with W ranks on one machine that is a
+// loopback copy of (W - 1)/W of the parameters into every rank, which the raw read does not do.
+// Both are checked: what was read and restored must be the bytes that were saved.
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -73,6 +82,19 @@ std::pair<double, double> RawDisk(const std::string& dir, uint64_t bytes, int st
   return {write_gbps, read_gbps};
 }
 
+// Values for every element, as training leaves them: the engine's buffers are written (its
+// pages are mapped and warm, as in a training job) and the saved bytes are worth checking.
+class PatternSource : public StateSource {
+ public:
+  absl::Status ReadElements(int param, int array, int64_t begin, int64_t count,
+                            float* out) override {
+    for (int64_t i = 0; i < count; ++i) {
+      out[i] = static_cast<float>((begin + i) % 65521) * 1e-3f + param + 0.25f * (array + 1);
+    }
+    return absl::OkStatus();
+  }
+};
+
 struct Ranks {
   InProcessKeyValueStore store;
   std::vector<std::unique_ptr<GlooCommunicator>> communicators;
@@ -106,6 +128,20 @@ std::unique_ptr<Ranks> MakeRanks(const Manifest& model, int world, const std::ve
   }
   for (std::thread& t : threads) t.join();
   return ranks;
+}
+
+// Runs `body(rank)` on every rank at once.
+void OnRanks(int world, const std::function<void(int)>& body) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back(body, r);
+  for (std::thread& t : threads) t.join();
+}
+
+// Exits with a message unless `status` is OK: a benchmark of a failing save or restore is void.
+void Check(const absl::Status& status, const std::string& what) {
+  if (status.ok()) return;
+  std::fprintf(stderr, "%s: %s\n", what.c_str(), std::string(status.message()).c_str());
+  std::exit(1);
 }
 
 }  // namespace
@@ -144,17 +180,27 @@ int main(int argc, char** argv) {
   std::filesystem::create_directories(dir);
   const uint64_t bytes = static_cast<uint64_t>(rows) * 4096 * 4 * 4 * 3;
   std::printf("# checkpoint of %.2f GiB (4 x [%lld, 4096] f32 with Adam state); the raw disk is "
-              "measured with as many parallel files (write + fsync, read) as there are ranks\n",
+              "measured with as many parallel files (write + fsync, read) as there are ranks;\n"
+              "# read: every rank reads and verifies what it owns; restore: Engine::Restore, "
+              "with the parameters' all-gather; ratios to raw_read: read, then restore\n",
               bytes / 1073741824.0, static_cast<long long>(rows));
-  std::printf("%6s %9s %9s %8s %9s %9s %8s %9s %10s %8s\n", "ranks", "save", "raw_write",
-              "ratio", "restore", "raw_read", "ratio", "pause_ms", "memcpy_ms", "ratio");
+  std::printf("%6s %9s %9s %8s %9s %9s %9s %8s %8s %9s %10s %8s\n", "ranks", "save",
+              "raw_write", "ratio", "read", "restore", "raw_read", "ratio", "ratio", "pause_ms",
+              "memcpy_ms", "ratio");
   for (absl::string_view text : absl::StrSplit(worlds, ',')) {
     int world = 0;
     if (!absl::SimpleAtoi(text, &world) || world < 1) return 2;
     double raw_write = 0, raw_read = 0, pause = 1e30, copy = 1e30;
-    double best_save_s = 1e30, best_restore_s = 1e30;
+    double best_save_s = 1e30, best_read_s = 1e30, best_restore_s = 1e30;
     for (int repeat = 0; repeat < repeats; ++repeat) {
       auto ranks = shard::MakeRanks(model, world, order);
+      // The state as training leaves it (see PatternSource).
+      shard::OnRanks(world, [&](int r) {
+        shard::Check(ranks->engines[r]->LoadState(std::make_unique<shard::PatternSource>(),
+                                                  /*with_state=*/true, 1,
+                                                  shard::TrainingCounters{.optimizer_step = 1}),
+                     "filling the engine");
+      });
       // The raw figures are taken with the engines' memory allocated, as it is during the save
       // (free memory sets the kernel's dirty-page limits and so how writes are throttled).
       const auto [raw_write_now, raw_read_now] = shard::RawDisk(dir, bytes, world);
@@ -171,66 +217,89 @@ int main(int argc, char** argv) {
       std::vector<std::vector<char>> snapshots(world);
       std::vector<std::vector<char>> copies(world);
       for (int r = 0; r < world; ++r) {
-        (void)ranks->engines[r]->CopyOwnedState(&snapshots[r]);  // an earlier save: warm buffer
-        copies[r].assign(snapshots[r].size(), 1);                 // the reference's warm buffer
+        // An earlier save: warm buffer.
+        shard::Check(ranks->engines[r]->CopyOwnedState(&snapshots[r]), "copying the state");
+        copies[r].assign(snapshots[r].size(), 1);  // the reference's warm buffer
       }
       const absl::Time start = absl::Now();
-      std::vector<std::thread> threads;
-      for (int r = 0; r < world; ++r) {
-        threads.emplace_back([&, r] {
-          const absl::Time pause_start = absl::Now();
-          (void)ranks->engines[r]->CopyOwnedState(&snapshots[r]);
-          pause_ms[r] = absl::ToDoubleMilliseconds(absl::Now() - pause_start);
-          auto writer = shard::ShardWriter::Create(path, r, world);
-          (void)(*writer)->Append(snapshots[r].data(), snapshots[r].size());
-          records[r] = *(*writer)->Finish();
-        });
-      }
-      for (std::thread& t : threads) t.join();
+      shard::OnRanks(world, [&](int r) {
+        const absl::Time pause_start = absl::Now();
+        shard::Check(ranks->engines[r]->CopyOwnedState(&snapshots[r]), "copying the state");
+        pause_ms[r] = absl::ToDoubleMilliseconds(absl::Now() - pause_start);
+        auto writer = shard::ShardWriter::Create(path, r, world);
+        shard::Check(writer.status(), "creating the shard");
+        shard::Check((*writer)->Append(snapshots[r].data(), snapshots[r].size()),
+                     "writing the shard");
+        auto record = (*writer)->Finish();
+        shard::Check(record.status(), "finishing the shard");
+        records[r] = *record;
+      });
       auto manifest = shard::MakeCheckpointManifest("bench", id, 1, 2, model,
                                                     ranks->engines[0]->plan(), {},
                                                     {"exp_avg", "exp_avg_sq"}, records);
-      (void)shard::CommitCheckpoint(path, *manifest);
+      shard::Check(manifest.status(), "making the manifest");
+      shard::Check(shard::CommitCheckpoint(path, *manifest), "committing");
       const double save_s = absl::ToDoubleSeconds(absl::Now() - start);
       // The reference: every rank copying the same bytes between warm buffers at once.
-      threads.clear();
-      for (int r = 0; r < world; ++r) {
-        threads.emplace_back([&, r] {
-          const absl::Time copy_start = absl::Now();
-          std::memcpy(copies[r].data(), snapshots[r].data(), snapshots[r].size());
-          copy_ms[r] = absl::ToDoubleMilliseconds(absl::Now() - copy_start);
-        });
-      }
-      for (std::thread& t : threads) t.join();
-      shard::DropDirectory(path);
+      shard::OnRanks(world, [&](int r) {
+        const absl::Time copy_start = absl::Now();
+        std::memcpy(copies[r].data(), snapshots[r].data(), snapshots[r].size());
+        copy_ms[r] = absl::ToDoubleMilliseconds(absl::Now() - copy_start);
+      });
       ranks.reset();
-      // Restore on the same number of ranks from the disk.
       auto restored = shard::MakeRanks(model, world, order);
-      const absl::Time restore_start = absl::Now();
-      threads.clear();
-      for (int r = 0; r < world; ++r) {
-        threads.emplace_back([&, r] {
-          auto reader = shard::CheckpointReader::Open(path);
-          if (absl::Status s = restored->engines[r]->Restore(**reader); !s.ok()) {
-            std::fprintf(stderr, "restore: %s\n", std::string(s.message()).c_str());
+      for (std::vector<char>& buffer : copies) std::fill(buffer.begin(), buffer.end(), '\xff');
+      // Read: every rank reads and verifies what it owns (on the same world size, its own
+      // shard: parameters, then each state, piece by piece, as Engine::Restore reads them)
+      // into a warm buffer laid out as the shard.
+      shard::DropDirectory(path);
+      const absl::Time read_start = absl::Now();
+      shard::OnRanks(world, [&](int r) {
+        auto reader = shard::CheckpointReader::Open(path);
+        shard::Check(reader.status(), "opening the checkpoint");
+        const shard::ShardLayout layout =
+            shard::MakeShardLayout(model, restored->engines[r]->plan(), r, 2);
+        for (const shard::ShardPiece& piece : layout.pieces) {
+          for (int array = -1; array < 2; ++array) {
+            char* out = copies[r].data() + piece.byte_offset + (array + 1) * piece.numel * 4;
+            shard::Check((*reader)->ReadElements(piece.param, array, piece.param_offset,
+                                                 piece.numel, reinterpret_cast<float*>(out)),
+                         "reading the checkpoint");
           }
-        });
-      }
-      for (std::thread& t : threads) t.join();
+        }
+      });
+      const double read_s = absl::ToDoubleSeconds(absl::Now() - read_start);
+      // Restore on the same number of ranks from the disk.
+      shard::DropDirectory(path);
+      const absl::Time restore_start = absl::Now();
+      shard::OnRanks(world, [&](int r) {
+        auto reader = shard::CheckpointReader::Open(path);
+        shard::Check(reader.status(), "opening the checkpoint");
+        shard::Check(restored->engines[r]->Restore(**reader), "restoring");
+      });
       const double restore_s = absl::ToDoubleSeconds(absl::Now() - restore_start);
+      for (int r = 0; r < world; ++r) {
+        std::vector<char> state;
+        shard::Check(restored->engines[r]->CopyOwnedState(&state), "copying the restored state");
+        if (state != snapshots[r] || copies[r] != snapshots[r]) {
+          std::fprintf(stderr, "rank %d: the restored state differs from the saved one\n", r);
+          return 1;
+        }
+      }
       pause = std::min(pause, *std::max_element(pause_ms.begin(), pause_ms.end()));
       copy = std::min(copy, *std::max_element(copy_ms.begin(), copy_ms.end()));
       best_save_s = std::min(best_save_s, save_s);
+      best_read_s = std::min(best_read_s, read_s);
       best_restore_s = std::min(best_restore_s, restore_s);
       std::filesystem::remove_all(path);
     }
-    const double save_s = best_save_s;
-    const double restore_s = best_restore_s;
-    const double save_gbps = bytes / save_s / 1e9;
-    const double restore_gbps = bytes / restore_s / 1e9;
-    std::printf("%6d %9.2f %9.2f %7.2fx %9.2f %9.2f %7.2fx %9.1f %10.1f %7.2fx\n", world,
-                save_gbps, raw_write, save_gbps / raw_write, restore_gbps, raw_read,
-                restore_gbps / raw_read, pause, copy, pause / copy);
+    const double save_gbps = bytes / best_save_s / 1e9;
+    const double read_gbps = bytes / best_read_s / 1e9;
+    const double restore_gbps = bytes / best_restore_s / 1e9;
+    std::printf("%6d %9.2f %9.2f %7.2fx %9.2f %9.2f %9.2f %7.2fx %7.2fx %9.1f %10.1f %7.2fx\n",
+                world, save_gbps, raw_write, save_gbps / raw_write, read_gbps, restore_gbps,
+                raw_read, read_gbps / raw_read, restore_gbps / raw_read, pause, copy,
+                pause / copy);
   }
   std::filesystem::remove_all(dir);
   return 0;

@@ -146,8 +146,11 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
 absl::Status CommitCheckpoint(const std::string& dir, const CheckpointManifest& manifest);
 absl::StatusOr<CheckpointManifest> ReadCheckpointManifest(const std::string& dir);
 
-// Streams one shard file: written to a temporary name and hashed as it goes; Finish() fsyncs
-// and renames it and returns its record.
+class ShardHasher;  // common/shard_hasher.h
+
+// Streams one shard file: written to a temporary name and hashed as it goes (a large Append
+// hashes on a second thread while it writes); Finish() fsyncs and renames it and returns its
+// record.
 class ShardWriter {
  public:
   static absl::StatusOr<std::unique_ptr<ShardWriter>> Create(const std::string& dir, int rank,
@@ -164,10 +167,7 @@ class ShardWriter {
   std::string file_;
   int rank_ = 0;
   std::unique_ptr<AtomicFileWriter> out_;
-  void* whole_ = nullptr;  // XXH3 state of the whole file
-  void* block_ = nullptr;  // XXH3 state of the current block
-  uint64_t bytes_ = 0;
-  std::vector<std::string> blocks_;
+  std::unique_ptr<ShardHasher> hasher_;
 };
 
 // Full tensors by element range, from wherever they are stored (a checkpoint, a consolidated
@@ -229,6 +229,9 @@ class CheckpointReader : public StateSource {
   // Reads bytes [offset, offset + bytes) of a shard, verified: whole blocks straight into `out`,
   // the partial ones at the edges through the cache.
   absl::Status ReadBytes(int shard, uint64_t offset, uint64_t bytes, char* out);
+  // `bytes` from the start of block `first` (whole blocks; the shard's last may be short),
+  // each checked.
+  absl::Status ReadWholeBlocks(int shard, uint64_t first, uint64_t bytes, char* out);
   absl::Status CheckBlock(int shard, uint64_t block, const char* data, uint64_t length) const;
 
   std::string location_;

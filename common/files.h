@@ -14,6 +14,11 @@ namespace shard {
 // Writes a file so that a crash at any moment leaves either the old file or the new one, never
 // a torn one: data goes to a temporary name in the same directory; Commit() fsyncs it, renames
 // it over the target and fsyncs the directory. Destroyed uncommitted, it removes the temporary.
+//
+// A large file is written behind: each 16 MiB window is handed to writeback as soon as it is
+// written, and a window 64 MiB behind is waited for and dropped from the page cache. So the
+// device works while the caller is still writing, Commit()'s fsync has only the last windows
+// left, and a multi-GiB checkpoint neither piles up dirty pages nor evicts the page cache.
 class AtomicFileWriter {
  public:
   static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Create(const std::string& path);
@@ -27,11 +32,16 @@ class AtomicFileWriter {
  private:
   AtomicFileWriter(std::string path, std::string temp_path, int fd)
       : path_(std::move(path)), temp_path_(std::move(temp_path)), fd_(fd) {}
+  // Starts writeback of every complete window; waits for and drops the windows far behind.
+  absl::Status WriteBehind();
 
   std::string path_;
   std::string temp_path_;
   int fd_;
   bool committed_ = false;
+  uint64_t written_ = 0;   // bytes written so far
+  uint64_t started_ = 0;   // bytes handed to writeback (whole windows)
+  uint64_t released_ = 0;  // bytes on the device and dropped from the page cache
 };
 
 // Replaces `path` with `contents` through an AtomicFileWriter.

@@ -2,11 +2,13 @@
 #include "common/safetensors.h"
 
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <optional>
@@ -24,11 +26,19 @@ Manifest Model() {
                    ParamSpec{"b", {300}, DataType::kFloat32, true}}};
 }
 
-// Writes a committed checkpoint of Model() over `world` ranks whose values encode their
+// Over 2 ranks, shards of 21 MiB: five whole 4 MiB blocks and a short one, and each of w's
+// arrays (7.4 MB per rank) starts and ends inside a block.
+Manifest LargeModel() {
+  return Manifest{{ParamSpec{"w", {3000, 1237}, DataType::kFloat32, true},
+                   ParamSpec{"b", {1237}, DataType::kFloat32, true}}};
+}
+
+// Writes a committed checkpoint of `model` over `world` ranks whose values encode their
 // position: parameter p element i holds p * 1e6 + i, state k holds that + (k + 1) * 0.25. At
 // step 7, with `counters` in its manifest (none: as checkpoints before them were written).
 std::string WriteCheckpoint(const std::string& name, int world,
-                            std::optional<TrainingCounters> counters = std::nullopt) {
+                            std::optional<TrainingCounters> counters = std::nullopt,
+                            const Manifest& model = Model()) {
   // Per process: ctest may run this binary's tests at once, and they reuse checkpoint names.
   const std::string root =
       ::testing::TempDir() + "/shard-checkpoint-test-" + std::to_string(getpid());
@@ -37,11 +47,11 @@ std::string WriteCheckpoint(const std::string& name, int world,
   PlanOptions options;
   options.world_size = world;
   options.bucket_cap_bytes = 16 << 10;
-  auto plan = MakePlan(Model(), options);
+  auto plan = MakePlan(model, options);
   EXPECT_TRUE(plan.ok());
   std::vector<ShardRecord> records;
   for (int rank = 0; rank < world; ++rank) {
-    const ShardLayout layout = MakeShardLayout(Model(), *plan, rank, 2);
+    const ShardLayout layout = MakeShardLayout(model, *plan, rank, 2);
     auto writer = ShardWriter::Create(dir, rank, world);
     EXPECT_TRUE(writer.ok()) << writer.status();
     for (const ShardPiece& piece : layout.pieces) {
@@ -59,7 +69,7 @@ std::string WriteCheckpoint(const std::string& name, int world,
     records.push_back(*record);
   }
   OptimizerConfig adam;
-  auto manifest = MakeCheckpointManifest("job", name, 7, 2, Model(), *plan, adam,
+  auto manifest = MakeCheckpointManifest("job", name, 7, 2, model, *plan, adam,
                                          {"exp_avg", "exp_avg_sq"}, records);
   EXPECT_TRUE(manifest.ok()) << manifest.status();
   manifest->counters = counters;
@@ -88,6 +98,123 @@ TEST(CheckpointTest, EveryElementReadsBackFromWhicheverShardHoldsIt) {
     }
   }
   for (size_t s = 0; s < 3; ++s) EXPECT_TRUE((*reader)->VerifyShard(s, nullptr).ok());
+}
+
+// The value WriteCheckpoint stores for element `i` of parameter `param`'s array `array`.
+float Expected(int param, int array, int64_t i) {
+  return param * 1e6f + static_cast<float>(i) + (array + 1) * 0.25f;
+}
+
+TEST(CheckpointTest, AShardsRecordIsTheChecksumsOfItsBytesHoweverTheyWereAppended) {
+  // Two and a half blocks and a few bytes, appended at once (hashed on a second thread while
+  // they are written) and in small odd pieces (hashed inline): the same file and the same
+  // record, which is XXH3 of the whole file and of each 4 MiB block.
+  std::vector<char> bytes(2 * kCheckpointBlockBytes + kCheckpointBlockBytes / 2 + 13);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>((i * 2654435761u) >> 11);
+  const std::string root =
+      ::testing::TempDir() + "/shard-checkpoint-test-record-" + std::to_string(getpid());
+  std::filesystem::remove_all(root);
+  auto write = [&](const std::string& id, size_t piece) -> ShardRecord {
+    const std::string dir = CheckpointDirectory(root, "job", id);
+    absl::StatusOr<std::unique_ptr<ShardWriter>> writer = ShardWriter::Create(dir, 1, 2);
+    EXPECT_TRUE(writer.ok()) << writer.status();
+    for (size_t at = 0; at < bytes.size(); at += piece) {
+      EXPECT_TRUE((*writer)->Append(bytes.data() + at, std::min(piece, bytes.size() - at)).ok());
+    }
+    absl::StatusOr<ShardRecord> record = (*writer)->Finish();
+    EXPECT_TRUE(record.ok()) << record.status();
+    std::ifstream in(dir + "/" + ShardFileName(1, 2), std::ios::binary);
+    const std::vector<char> file((std::istreambuf_iterator<char>(in)),
+                                 std::istreambuf_iterator<char>());
+    EXPECT_TRUE(file == bytes) << id;
+    return record.ok() ? *record : ShardRecord{};
+  };
+  const ShardRecord at_once = write("step-00000001", bytes.size());
+  const ShardRecord in_pieces = write("step-00000002", (size_t{1} << 20) + 7);
+  EXPECT_EQ(at_once, in_pieces);
+  EXPECT_EQ(at_once.file, ShardFileName(1, 2));
+  EXPECT_EQ(at_once.rank, 1);
+  EXPECT_EQ(at_once.bytes, bytes.size());
+  EXPECT_EQ(at_once.xxh3, absl::StrFormat("%016x", XXH3_64bits(bytes.data(), bytes.size())));
+  ASSERT_EQ(at_once.block_xxh3.size(), 3u);
+  for (uint64_t b = 0; b < 3; ++b) {
+    const uint64_t begin = b * kCheckpointBlockBytes;
+    const uint64_t length = std::min<uint64_t>(kCheckpointBlockBytes, bytes.size() - begin);
+    EXPECT_EQ(at_once.block_xxh3[b],
+              absl::StrFormat("%016x", XXH3_64bits(bytes.data() + begin, length)))
+        << "block " << b;
+  }
+}
+
+TEST(CheckpointTest, ReadsOfWholeAndPartialBlocksAcrossShardEndsReturnTheirBytes) {
+  const std::string dir = WriteCheckpoint("step-00000020", 2, std::nullopt, LargeModel());
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  for (const ShardRecord& shard : (*reader)->manifest().shards) {
+    ASSERT_GT(shard.block_xxh3.size(), 2u);
+    ASSERT_NE(shard.bytes % kCheckpointBlockBytes, 0u);
+  }
+  // Windows smaller than a block, a little larger, exactly one, of several, and each array
+  // whole: they start at and inside blocks, end in the shards' short last blocks, and cross
+  // from one rank's shard into the other's.
+  const int64_t block_floats = kCheckpointBlockBytes / sizeof(float);
+  for (int param = 0; param < 2; ++param) {
+    const int64_t numel = LargeModel().params[param].numel();
+    for (int64_t window : {int64_t{99991}, block_floats + 3, block_floats, 3 * block_floats + 5,
+                           numel}) {
+      for (int array = -1; array < 2; ++array) {
+        for (int64_t begin = 0; begin < numel; begin += window) {
+          const int64_t count = std::min(window, numel - begin);
+          std::vector<float> values(count);
+          ASSERT_TRUE((*reader)->ReadElements(param, array, begin, count, values.data()).ok());
+          for (int64_t i = 0; i < count; ++i) {
+            ASSERT_EQ(values[i], Expected(param, array, begin + i))
+                << "param " << param << " array " << array << " window " << window << " at "
+                << begin + i;
+          }
+        }
+      }
+    }
+  }
+  for (size_t s = 0; s < 2; ++s) EXPECT_TRUE((*reader)->VerifyShard(s, nullptr).ok());
+}
+
+TEST(CheckpointTest, CorruptionInAWholeBlockReadNamesTheShardAndTheBlock) {
+  const std::string dir = WriteCheckpoint("step-00000021", 2, std::nullopt, LargeModel());
+  SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest manifest, ReadCheckpointManifest(dir));
+  // w's exp_avg in shard 0 covers block 2 whole: reading it all reads that block straight into
+  // the caller's buffer.
+  const TensorPiece& piece = manifest.tensors[0].pieces[0];
+  ASSERT_EQ(piece.shard, 0);
+  const uint64_t piece_bytes = (piece.end - piece.begin) * sizeof(float);
+  const uint64_t state_begin = piece.offset + piece_bytes;
+  ASSERT_LE(state_begin, 2 * kCheckpointBlockBytes);
+  ASSERT_GE(state_begin + piece_bytes, 3 * kCheckpointBlockBytes);
+  {
+    std::fstream file(dir + "/" + ShardFileName(0, 2),
+                      std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(2 * kCheckpointBlockBytes + 12345);
+    file.put('\x5a');
+  }
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const std::string range = absl::StrCat("bytes [", 2 * kCheckpointBlockBytes, ", ",
+                                         3 * kCheckpointBlockBytes, ")");
+  std::vector<float> values(piece.end - piece.begin);
+  const absl::Status whole =
+      (*reader)->ReadElements(0, 0, piece.begin, values.size(), values.data());
+  EXPECT_EQ(whole.code(), absl::StatusCode::kDataLoss) << whole;
+  EXPECT_NE(whole.message().find(ShardFileName(0, 2)), absl::string_view::npos) << whole;
+  EXPECT_NE(whole.message().find(range), absl::string_view::npos) << whole;
+  // A few elements inside that block (through the one-block cache): the same error.
+  const int64_t inside = (3 * kCheckpointBlockBytes - state_begin) / sizeof(float) - 10;
+  const absl::Status partial =
+      (*reader)->ReadElements(0, 0, piece.begin + inside, 5, values.data());
+  EXPECT_EQ(partial.code(), absl::StatusCode::kDataLoss) << partial;
+  EXPECT_NE(partial.message().find(range), absl::string_view::npos) << partial;
+  // The blocks around it still read.
+  SHARD_EXPECT_OK((*reader)->ReadElements(0, -1, piece.begin, values.size(), values.data()));
+  EXPECT_EQ(values.back(), Expected(0, -1, piece.end - 1));
 }
 
 TEST(CheckpointTest, DamagedShardsAreNamedNeverReadAsWeights) {

@@ -1,6 +1,9 @@
 #include "common/files.h"
 
 #include <filesystem>
+#include <iterator>
+#include <memory>
+#include <string>
 
 #include "gtest/gtest.h"
 
@@ -28,6 +31,28 @@ TEST(FilesTest, AtomicWriteReplacesContentsAndLeavesNoTemporaryFiles) {
     EXPECT_EQ(entry.path().filename(), "state.json");
   }
   EXPECT_EQ(files, 1);
+}
+
+TEST(FilesTest, ALargeFileWrittenInOddPiecesReadsBackByteForByte) {
+  // Past several write-behind windows (each handed to writeback when full, and dropped from the
+  // page cache 64 MiB behind), in pieces that straddle them, ending inside a page.
+  const std::string dir = FreshDir("large");
+  const std::string path = dir + "/large.bin";
+  std::string data((uint64_t{100} << 20) + 12345, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>((i * 2654435761u) >> 13);
+  absl::StatusOr<std::unique_ptr<AtomicFileWriter>> writer = AtomicFileWriter::Create(path);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  const size_t piece = (size_t{7} << 20) + 3;
+  for (size_t at = 0; at < data.size(); at += piece) {
+    ASSERT_TRUE((*writer)->Write(absl::string_view(data).substr(at, piece)).ok());
+  }
+  ASSERT_TRUE((*writer)->Commit().ok());
+  absl::StatusOr<std::string> read = ReadFile(path);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_TRUE(*read == data);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir),
+                          std::filesystem::directory_iterator()),
+            1);
 }
 
 TEST(FilesTest, ReadingAMissingFileIsNotFoundAndNamesIt) {
