@@ -2,7 +2,8 @@
 """Process-level soak of Shard: real binaries, random faults, one seed.
 
 A coordinator and N CPU workers (build/bin) train a small MLP with a checkpoint every few
-steps while faults chosen from the seed hit them: a worker SIGKILLed (replaced at once or
+steps (and no in-memory snapshots: every recovery goes through disk) while faults chosen from
+the seed hit them: a worker SIGKILLed (replaced at once or
 late, by a process with the same id or a new one), a worker SIGSTOPped (then SIGCONTed, or
 SIGKILLed and replaced), the coordinator SIGKILLed and started again with the same command
 line on the same port and state directory, `shardctl resize` and `shardctl drain`. A fault
@@ -729,6 +730,9 @@ class Soak:
             "seed": 11, "optimizer": {"name": "adam", "lr": 0.002}, "globalBatch": batch,
             "steps": self.args.steps, "zeroStage": 2, "bucketCapMb": 0.004,
             "checkpoint": {"dir": checkpoints, "everySteps": every, "keepLast": keep_last},
+            # Off: every recovery restores a disk checkpoint, the reference this script
+            # compares with (memory recovery is the chaos tests' subject).
+            "snapshot": {"everySteps": 0},
             "outputDir": out,
         }
         with open(path, "w") as handle:
