@@ -1,19 +1,25 @@
-// shard-bench-recovery: how long a lost worker stops a job. Real shard-coordinator and
-// shard-worker processes on 127.0.0.1 train the medium MLP (512,1024,1024,64) with a checkpoint
-// every --every steps; once two checkpoints are committed one worker is killed (SIGKILL: a
-// crash) or stopped (SIGSTOP: a hang). Measured from the signal, from the processes' own log
-// lines (millisecond timestamps):
+// shard-bench-recovery: how long a lost worker stops a job, and how many steps it costs, when
+// the new world restores from memory (peers' snapshots) and when it restores from disk, in the
+// same run. Real shard-coordinator and shard-worker processes on 127.0.0.1 train an MLP (the
+// medium one, 512,1024,1024,64: about 20 MB of job state with Adam; --widths for larger ones).
+// From memory: a snapshot every --snapshot-every steps with one replica, no disk checkpoints.
+// From disk: a checkpoint every --every steps, no snapshots. Once the job passes step --kill-at
+// one worker is killed (SIGKILL: a crash) or stopped (SIGSTOP: a hang). Measured from the
+// signal, from the processes' own log lines (millisecond timestamps):
 //   detect   the coordinator declares the worker dead          (reference: the lease)
 //   abort    the last survivor is out of its collective and waiting for the next generation
 //   re-form  the coordinator forms the smaller world             (detect + the reform grace)
-//   resume   the re-formed world has restored the latest checkpoint and finished a step
-// and, as the same run's reference for the last part, a cold start of the same job: from the
-// workers' "training job" line (world formed, plan applied) to their first step.
+//   resume   the re-formed world has restored and finished a step: training again
+// and from the coordinator's "restored" event: the restore itself (slowest rank) and the steps
+// lost (the furthest step reached before the death minus the step restored). As the same run's
+// reference, a cold start of the same job: from the workers' "training job" line (world formed,
+// plan applied) to their first step.
 #include <signal.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -21,10 +27,14 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/cli.h"
+#include "nlohmann/json.hpp"
 #include "tests/support/cluster.h"
 #include "tests/support/process.h"
 
@@ -40,6 +50,10 @@ struct Flags {
   int workers = 4;
   int trials = 3;
   int every = 20;
+  int snapshot_every = 10;
+  int kill_at = 55;
+  int samples = 16384;
+  std::vector<std::string> sources = {"memory", "disk"};
   std::string lease = "1s";
   std::string grace = "1s";
   std::string signal = "kill";
@@ -50,9 +64,12 @@ struct Trial {
   double detect_ms = 0;
   double abort_ms = 0;
   double reform_ms = 0;
-  double resume_ms = 0;     // signal -> first step after the restore
-  double restart_ms = 0;    // re-formed -> first step after the restore
+  double resume_ms = 0;      // signal -> first step after the restore
+  double restart_ms = 0;     // re-formed -> first step after the restore
+  double restore_ms = 0;     // the restore itself, slowest rank (the restored event)
+  double steps_lost = 0;     // the restored event's
   double cold_start_ms = 0;  // first run: "training job" -> first step
+  std::string restored;      // what was restored: "memory snapshot ..." or "checkpoint ..."
 };
 
 double Milliseconds(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
@@ -80,11 +97,54 @@ std::optional<absl::Time> Earliest(const std::vector<std::string>& logs, absl::T
   return earliest;
 }
 
-absl::StatusOr<Trial> RunTrial(const Flags& flags, int index) {
-  const std::string dir = testing::MakeTempDir(absl::StrCat("bench-recovery-", index));
+// The job state of an MLP of `widths` in bytes: f32 parameters and Adam's two states.
+double StateBytes(const std::string& widths) {
+  std::vector<int64_t> w;
+  for (absl::string_view text : absl::StrSplit(widths, ',')) {
+    int64_t value = 0;
+    if (absl::SimpleAtoi(text, &value)) w.push_back(value);
+  }
+  double params = 0;
+  for (size_t i = 0; i + 1 < w.size(); ++i) params += static_cast<double>(w[i] + 1) * w[i + 1];
+  return params * 4 * 3;
+}
+
+// Fills the restore's facts of `trial` from the coordinator's "restored" event, e.g. "generation
+// 3 restored memory snapshot step-50-g2 (step 50) on 3 ranks in 41 ms (slowest rank), from
+// memory (... bytes from peers); 7 steps lost".
+absl::Status ReadRestoredEvent(LocalCluster& cluster, Trial* trial) {
+  for (const nlohmann::json& event : cluster.Events()) {
+    const std::string detail = event.value("detail", "");
+    if (event.value("kind", "") != "restored" || detail.find(" steps lost") == std::string::npos) {
+      continue;
+    }
+    const size_t what = detail.find(" restored ");
+    const size_t in = detail.find(" ranks in ");
+    const size_t lost = detail.rfind("; ");
+    int64_t steps_lost = 0;
+    double restore_ms = 0;
+    if (what == std::string::npos || in == std::string::npos || lost == std::string::npos ||
+        !absl::SimpleAtod(detail.substr(in + 10, detail.find(' ', in + 10) - in - 10),
+                          &restore_ms) ||
+        !absl::SimpleAtoi(detail.substr(lost + 2, detail.find(' ', lost + 2) - lost - 2),
+                          &steps_lost)) {
+      return absl::InternalError("cannot read the restored event '" + detail + "'");
+    }
+    trial->restored = detail.substr(what + 10, detail.find(" (step") - what - 10);
+    trial->restore_ms = restore_ms;
+    trial->steps_lost = static_cast<double>(steps_lost);
+  }
+  if (trial->restored.empty()) return absl::InternalError("no restored event after the loss");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Trial> RunTrial(const Flags& flags, const std::string& source, int index) {
+  const bool memory = source == "memory";
+  const std::string dir =
+      testing::MakeTempDir(absl::StrCat("bench-recovery-", source, "-", index));
   testing::CommandResult data = testing::RunCommand(
       {testing::BinaryPath("shardctl"), "data", "generate", "--widths", flags.widths,
-       "--samples", "16384", "--seed", "1", "--out", dir + "/data.safetensors"},
+       "--samples", absl::StrCat(flags.samples), "--seed", "1", "--out", dir + "/data.safetensors"},
       absl::Seconds(60));
   if (data.exit_code != 0) return absl::InternalError("data generate failed: " + data.output);
   // 64 samples per worker at either size.
@@ -96,13 +156,16 @@ absl::StatusOr<Trial> RunTrial(const Flags& flags, int index) {
       R"(]}}, "data": {"path": "data.safetensors"}, "seed": 42,
       "optimizer": {"name": "adam", "lr": 0.001}, "globalBatch": )", batch,
       R"(, "steps": 1000000, "zeroStage": 2, "bucketCapMb": 4,
-      "checkpoint": {"everySteps": )", flags.every, R"(, "keepLast": 2}, "outputDir": "out"})");
+      "checkpoint": {"everySteps": )", memory ? 0 : flags.every,
+      R"(, "keepLast": 2}, "snapshot": {"everySteps": )", memory ? flags.snapshot_every : 0,
+      R"(, "replicas": 1}, "outputDir": "out"})");
 
   LocalCluster cluster(dir);
   absl::Status started = cluster.StartCoordinator(
       {"--job", dir + "/job.json", "--state-dir", dir + "/state", "--lease", flags.lease,
        "--reform-grace", flags.grace});
   if (!started.ok()) return started;
+  cluster.FollowEvents();
   std::vector<Process> workers;
   for (int i = 0; i < flags.workers; ++i) {
     workers.push_back(cluster.StartWorker(absl::StrCat("w", i), {"--compute-threads", "1"}));
@@ -111,11 +174,20 @@ absl::StatusOr<Trial> RunTrial(const Flags& flags, int index) {
     cluster.Shardctl({"stop", "--no-wait"}, absl::Seconds(10));
     for (Process& worker : workers) worker.Signal(SIGKILL);
     cluster.coordinator().Signal(SIGKILL);
+    // Gone, so that the event follower has printed everything (ReadRestoredEvent).
+    cluster.coordinator().Wait(absl::Seconds(10));
   };
-  if (!Eventually([&] { return cluster.Checkpoints().size() >= 2; },
-                  absl::Seconds(180))) {
+  // Past --kill-at, with what it restores from in place (from disk: at least one checkpoint).
+  if (!Eventually(
+          [&] {
+            const nlohmann::json status = cluster.Status();
+            return !status.is_null() && status["progress"]["step"].get<int>() >= flags.kill_at &&
+                   (memory || !cluster.Checkpoints().empty());
+          },
+          absl::Seconds(600))) {
     stop_all();
-    return absl::DeadlineExceededError("no two checkpoints within 180 s; logs in " + dir);
+    return absl::DeadlineExceededError(absl::StrCat("the job did not reach step ", flags.kill_at,
+                                                    " within 600 s; logs in ", dir));
   }
   std::vector<std::string> first_logs;
   for (Process& worker : workers) first_logs.push_back(worker.Log());
@@ -154,13 +226,27 @@ absl::StatusOr<Trial> RunTrial(const Flags& flags, int index) {
   if (!dead || !aborted || !reformed || !resumed_at || !training || !first_step) {
     return absl::InternalError("a log line the benchmark reads is missing; logs in " + dir);
   }
+  Trial trial{.detect_ms = Milliseconds(*dead - signaled),
+              .abort_ms = Milliseconds(*aborted - signaled),
+              .reform_ms = Milliseconds(*reformed - signaled),
+              .resume_ms = Milliseconds(*resumed_at - signaled),
+              .restart_ms = Milliseconds(*resumed_at - *reformed),
+              .cold_start_ms = Milliseconds(*first_step - *training),
+              .restored = ""};
+  if (absl::Status read = ReadRestoredEvent(cluster, &trial); !read.ok()) {
+    return absl::InternalError(absl::StrCat(read.message(), "; logs in ", dir));
+  }
+  if (memory != absl::StartsWith(trial.restored, "memory snapshot")) {
+    return absl::InternalError(absl::StrCat("the ", source, " run restored ", trial.restored,
+                                            "; logs in ", dir));
+  }
   std::filesystem::remove_all(dir);
-  return Trial{Milliseconds(*dead - signaled),     Milliseconds(*aborted - signaled),
-               Milliseconds(*reformed - signaled), Milliseconds(*resumed_at - signaled),
-               Milliseconds(*resumed_at - *reformed), Milliseconds(*first_step - *training)};
+  return trial;
 }
 
-double Median(std::vector<double> values) {
+double Median(const std::vector<Trial>& trials, double Trial::*field) {
+  std::vector<double> values;
+  for (const Trial& trial : trials) values.push_back(trial.*field);
   std::sort(values.begin(), values.end());
   return values[values.size() / 2];
 }
@@ -168,20 +254,33 @@ double Median(std::vector<double> values) {
 int Main(int argc, char** argv) {
   CLI::App app{
       "shard-bench-recovery: time from losing one of N CPU workers (SIGKILL or SIGSTOP) to "
-      "the job training again on N-1, from real coordinator and worker processes on 127.0.0.1 "
-      "training the medium MLP: detect (vs the lease), abort of the survivors, re-form (detect "
-      "+ grace), resume (restore of the latest checkpoint + one step, vs a cold start of the "
-      "same job in the same run). Prints every trial and the medians.",
+      "the job training again on N-1, and the steps the loss cost, restoring from memory (peers' "
+      "snapshots) and from disk (the latest checkpoint) in the same run, from real coordinator "
+      "and worker processes on 127.0.0.1 training an MLP: detect (vs the lease), abort of the "
+      "survivors, re-form (detect + grace), resume (restore + one step), the restore itself and "
+      "the steps lost, beside a cold start of the same job. Prints every trial and the medians.",
       "shard-bench-recovery"};
   Flags flags;
   app.add_option("--workers", flags.workers, "workers at the start (one is lost)")
       ->capture_default_str()
       ->check(CLI::Range(2, 16));
-  app.add_option("--trials", flags.trials, "independent runs")->capture_default_str()
+  app.add_option("--trials", flags.trials, "independent runs of each source")
+      ->capture_default_str()
       ->check(CLI::Range(1, 100));
-  app.add_option("--every", flags.every, "checkpoint every this many steps")
+  app.add_option("--sources", flags.sources, "what the new world restores from, each measured")
+      ->capture_default_str()
+      ->delimiter(',')
+      ->check(CLI::IsMember({"memory", "disk"}));
+  app.add_option("--every", flags.every, "from disk: a checkpoint every this many steps")
       ->capture_default_str()
       ->check(CLI::Range(1, 100000));
+  app.add_option("--snapshot-every", flags.snapshot_every,
+                 "from memory: a snapshot every this many steps (one replica)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100000));
+  app.add_option("--kill-at", flags.kill_at, "the worker is lost once the job passes this step")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000000));
   app.add_option("--lease", flags.lease, "coordinator --lease")->capture_default_str()
       ->check(DurationValidator());
   app.add_option("--grace", flags.grace, "coordinator --reform-grace")->capture_default_str()
@@ -189,44 +288,66 @@ int Main(int argc, char** argv) {
   app.add_option("--signal", flags.signal, "kill (a crash) or stop (a hang)")
       ->capture_default_str()
       ->check(CLI::IsMember({"kill", "stop"}));
-  app.add_option("--widths", flags.widths, "MLP widths")->capture_default_str();
+  app.add_option("--widths", flags.widths,
+                 "MLP widths (4096,8192,8192,64: about 1.2 GB of job state)")
+      ->capture_default_str();
+  app.add_option("--samples", flags.samples, "samples in the generated data set")
+      ->capture_default_str()
+      ->check(CLI::Range(256, 1 << 20));
   if (std::optional<int> exit_code = ParseCommandLine(app, argc, argv)) return *exit_code;
 
-  std::printf("%d CPU workers, MLP %s, SIG%s one after two checkpoints (every %d steps), lease "
-              "%s, reform grace %s; times in ms from the signal\n",
-              flags.workers, flags.widths.c_str(), flags.signal == "kill" ? "KILL" : "STOP",
+  std::printf("%d CPU workers, MLP %s (%.1f MB of job state), SIG%s one past step %d; from "
+              "memory: a snapshot every %d steps, 1 replica, no checkpoints; from disk: a "
+              "checkpoint every %d steps, no snapshots; lease %s, reform grace %s; times in ms "
+              "from the signal\n",
+              flags.workers, flags.widths.c_str(), StateBytes(flags.widths) / 1e6,
+              flags.signal == "kill" ? "KILL" : "STOP", flags.kill_at, flags.snapshot_every,
               flags.every, flags.lease.c_str(), flags.grace.c_str());
-  std::printf("%-6s %8s %8s %8s %8s | %14s %14s\n", "trial", "detect", "abort", "re-form",
-              "resume", "re-form->step", "cold start");
-  std::vector<Trial> trials;
+  std::printf("%-6s %-6s %8s %8s %8s %8s %8s %6s | %14s %11s  %s\n", "source", "trial",
+              "detect", "abort", "re-form", "resume", "restore", "lost", "re-form->step",
+              "cold start", "restored");
+  std::map<std::string, std::vector<Trial>> trials;
   for (int i = 0; i < flags.trials; ++i) {
-    absl::StatusOr<Trial> trial = RunTrial(flags, i);
-    if (!trial.ok()) {
-      std::fprintf(stderr, "trial %d: %s\n", i, std::string(trial.status().message()).c_str());
-      return 1;
+    for (const std::string& source : flags.sources) {
+      absl::StatusOr<Trial> trial = RunTrial(flags, source, i);
+      if (!trial.ok()) {
+        std::fprintf(stderr, "%s trial %d: %s\n", source.c_str(), i,
+                     std::string(trial.status().message()).c_str());
+        return 1;
+      }
+      std::printf("%-6s %-6d %8.0f %8.0f %8.0f %8.0f %8.0f %6.0f | %14.0f %11.0f  %s\n",
+                  source.c_str(), i, trial->detect_ms, trial->abort_ms, trial->reform_ms,
+                  trial->resume_ms, trial->restore_ms, trial->steps_lost, trial->restart_ms,
+                  trial->cold_start_ms, trial->restored.c_str());
+      std::fflush(stdout);
+      trials[source].push_back(*trial);
     }
-    std::printf("%-6d %8.0f %8.0f %8.0f %8.0f | %14.0f %14.0f\n", i, trial->detect_ms,
-                trial->abort_ms, trial->reform_ms, trial->resume_ms, trial->restart_ms,
-                trial->cold_start_ms);
-    std::fflush(stdout);
-    trials.push_back(*trial);
   }
-  auto median = [&](double Trial::*field) {
-    std::vector<double> values;
-    for (const Trial& trial : trials) values.push_back(trial.*field);
-    return Median(values);
-  };
   const double lease_ms = Milliseconds(ParsedDuration(flags.lease));
   const double grace_ms = Milliseconds(ParsedDuration(flags.grace));
-  std::printf("%-6s %8.0f %8.0f %8.0f %8.0f | %14.0f %14.0f\n", "median",
-              median(&Trial::detect_ms), median(&Trial::abort_ms), median(&Trial::reform_ms),
-              median(&Trial::resume_ms), median(&Trial::restart_ms),
-              median(&Trial::cold_start_ms));
-  std::printf("detect = %.2fx the lease; re-form - detect - grace = %.0f ms; restart after "
-              "re-form = %.2fx a cold start of the same job\n",
-              median(&Trial::detect_ms) / lease_ms,
-              median(&Trial::reform_ms) - median(&Trial::detect_ms) - grace_ms,
-              median(&Trial::restart_ms) / median(&Trial::cold_start_ms));
+  for (const std::string& source : flags.sources) {
+    auto median = [&](double Trial::*field) { return Median(trials[source], field); };
+    std::printf("%-6s %-6s %8.0f %8.0f %8.0f %8.0f %8.0f %6.0f | %14.0f %11.0f\n",
+                source.c_str(), "median", median(&Trial::detect_ms), median(&Trial::abort_ms),
+                median(&Trial::reform_ms), median(&Trial::resume_ms), median(&Trial::restore_ms),
+                median(&Trial::steps_lost), median(&Trial::restart_ms),
+                median(&Trial::cold_start_ms));
+    std::printf("%s: detect = %.2fx the lease; re-form - detect - grace = %.0f ms; restart after "
+                "re-form = %.2fx a cold start of the same job\n",
+                source.c_str(), median(&Trial::detect_ms) / lease_ms,
+                median(&Trial::reform_ms) - median(&Trial::detect_ms) - grace_ms,
+                median(&Trial::restart_ms) / median(&Trial::cold_start_ms));
+  }
+  if (trials.count("memory") > 0 && trials.count("disk") > 0) {
+    auto median_of = [&](const std::string& source, double Trial::*field) {
+      return Median(trials[source], field);
+    };
+    std::printf("memory vs disk (medians): kill -> training again %.2fx, restore %.2fx, steps "
+                "lost %.0f vs %.0f\n",
+                median_of("memory", &Trial::resume_ms) / median_of("disk", &Trial::resume_ms),
+                median_of("memory", &Trial::restore_ms) / median_of("disk", &Trial::restore_ms),
+                median_of("memory", &Trial::steps_lost), median_of("disk", &Trial::steps_lost));
+  }
   return 0;
 }
 

@@ -600,17 +600,27 @@ absl::Status CheckpointReader::CheckBlock(int shard, uint64_t block, const char*
 }
 
 absl::StatusOr<const char*> CheckpointReader::Block(int shard, uint64_t block) {
-  if (shard == cached_shard_ && block == cached_block_) return cache_.data();
+  ++cache_clock_;
+  CachedBlock* slot = nullptr;
+  for (CachedBlock& cached : cache_) {
+    if (cached.shard == shard && cached.block == block) {
+      cached.used = cache_clock_;
+      return cached.bytes.data();
+    }
+    if (slot == nullptr || cached.used < slot->used) slot = &cached;
+  }
+  if (cache_.size() < kCachedBlocks) slot = &cache_.emplace_back();
   const ShardRecord& record = manifest_.shards[shard];
   const uint64_t begin = block * kCheckpointBlockBytes;
   const uint64_t length = std::min(kCheckpointBlockBytes, record.bytes - begin);
-  cache_.resize(length);
-  cached_shard_ = -1;
-  SHARD_RETURN_IF_ERROR(storage_->Read(shard, begin, length, cache_.data()));
-  SHARD_RETURN_IF_ERROR(CheckBlock(shard, block, cache_.data(), length));
-  cached_shard_ = shard;
-  cached_block_ = block;
-  return cache_.data();
+  slot->shard = -1;
+  slot->bytes.resize(length);
+  SHARD_RETURN_IF_ERROR(storage_->Read(shard, begin, length, slot->bytes.data()));
+  SHARD_RETURN_IF_ERROR(CheckBlock(shard, block, slot->bytes.data(), length));
+  slot->shard = shard;
+  slot->block = block;
+  slot->used = cache_clock_;
+  return slot->bytes.data();
 }
 
 absl::Status CheckpointReader::ReadBytes(int shard, uint64_t offset, uint64_t bytes, char* out) {
