@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: a coordinator and N CPU workers on 127.0.0.1 (free
 # ports) train the demo MLP (widths 512,1024,1024,64) on generated data with sharded Adam
-# (ZeRO stage 2), saving a sharded checkpoint every few steps. Then, while it trains:
+# (ZeRO stage 2), taking an in-memory snapshot every 10 steps (each rank's copied to a buddy
+# rank) and saving a sharded checkpoint every few dozen. Then, while it trains:
 #   1. one worker is killed (SIGKILL): the survivors abort their collectives at once, the
 #      coordinator declares it dead after the lease, waits --grace for a replacement, re-forms
-#      the world with N-1 workers and they restore the latest checkpoint and go on;
-#   2. a replacement worker joins as a standby and is folded in at the next checkpoint (N);
-#   3. the operator shrinks the live job with `shardctl resize --world-size N/2`: a checkpoint
-#      at the next step boundary, the workers resized out leave, the rest restore it;
+#      the world with N-1 workers and they restore the newest snapshot from memory (the dead
+#      rank's ranges from its buddy's replica), not from disk, and go on;
+#   2. a replacement worker joins as a standby and is folded in at the next pause (a snapshot at
+#      a step boundary), reading all of its ranges from its peers (N);
+#   3. the operator shrinks the live job with `shardctl resize --world-size N/2`: a snapshot at
+#      the next step boundary, the rest restore it from memory (the workers resized out serve
+#      their ranges until then, and leave);
 #   4. the operator saves a checkpoint with `shardctl checkpoint save` and stops the job; a new
 #      coordinator on the same state directory restores it on M workers (--restore latest).
 # Training finishes exactly where it left off; the last checkpoint is verified and exported to
@@ -108,6 +112,7 @@ cat >"$RUN_DIR/job-first.json" <<JSON
   "shardMode": "range",
   "bucketCapMb": 4,
   "checkpoint": {"everySteps": $EVERY, "keepLast": 3},
+  "snapshot": {"everySteps": 10, "replicas": 1},
   "outputDir": "out"
 }
 JSON
@@ -226,7 +231,7 @@ train_a_while() {
 }
 
 start_job first "$WORKERS"
-say "first: training with a checkpoint every $EVERY steps; waiting for two of them"
+say "first: training with a snapshot in memory every 10 steps and a checkpoint every $EVERY; waiting for two checkpoints"
 for _ in $(seq 600); do [ "$(checkpoints_committed)" -ge 2 ] && break; sleep 0.1; done
 [ "$(checkpoints_committed)" -ge 2 ] || { echo "no two checkpoints committed within 60s"; exit 1; }
 
@@ -250,8 +255,10 @@ say "chaos: recovered from generation $GENERATION_BEFORE to $(status_field gener
   "declared dead after $(( DEAD_AT - KILLED_AT )) ms (lease $LEASE), re-formed after" \
   "$(( REFORMED_AT - KILLED_AT )) ms (grace $GRACE), training again after $(( RESUMED_AT - KILLED_AT )) ms"
 "${SHARDCTL[@]}" status || true
+# The coordinator's account of where the new world's state came from, and what it cost.
+"${SHARDCTL[@]}" events | grep -E "restore_point|restored" | tail -2 || true
 
-say "grow: a replacement worker joins; it waits as a standby and is folded in at the next checkpoint"
+say "grow: a replacement worker joins; it waits as a standby and is folded in at the next pause, from memory"
 start_worker "worker-$WORKERS" first
 wait_world "$WORKERS"
 "${SHARDCTL[@]}" status || true
@@ -263,7 +270,9 @@ say "resize: the operator shrinks the live job to $RESIZED workers (no step is l
 train_a_while
 
 say "history: shardctl events"
-"${SHARDCTL[@]}" events
+"${SHARDCTL[@]}" events | tee "$RUN_DIR/events-first.txt"
+FROM_MEMORY=$(grep -c "restored memory snapshot" "$RUN_DIR/events-first.txt" || true)
+FROM_DISK=$(grep -E "restored checkpoint .* from disk" -c "$RUN_DIR/events-first.txt" || true)
 
 say "first: the operator saves a checkpoint now and stops the job"
 "${SHARDCTL[@]}" checkpoint save --wait-timeout 60s
@@ -293,7 +302,8 @@ say "verifying and exporting the last checkpoint (no coordinator needed)"
 say "summary"
 echo "first run on $WORKERS, $(( WORKERS - 1 )), $WORKERS and $RESIZED workers, last step logged before the stop:" \
   "$(grep -h " step [0-9]*/$STEPS loss" "$RUN_DIR"/worker-*-first.log | sort | tail -1 | sed -E 's/^.* (step [0-9]+\/[0-9]+ loss [0-9.]+).*$/\1/')"
-echo "a killed worker cost $(( RESUMED_AT - KILLED_AT )) ms of training plus the steps since the last checkpoint"
+echo "a killed worker cost $(( RESUMED_AT - KILLED_AT )) ms of training plus the steps since the last snapshot"
+echo "restores in the first run: $FROM_MEMORY from memory, $FROM_DISK from disk"
 grep -h "training finished" "$RUN_DIR"/worker-*-restored.log | grep "parameters written" \
   | sed 's/^.* training finished: /restored run: /' || { echo "no training summary"; exit 1; }
 echo "checkpoint saved on $WORKERS workers and restored on $RESTORE_WORKERS: $RESUME_ID"
