@@ -566,6 +566,16 @@ void Simulation::Heartbeat(int index) {
             } else if (absl::IsFailedPrecondition(reply.status())) {
               // Taken over by a newer process, or evicted as stuck.
               Exit(worker, std::string(reply.status().message()), false);
+              if (absl::StrContains(reply.status().message(), "was evicted")) {
+                // Its supervisor starts it again, as Kubernetes restarts a container that
+                // exited (seed 8462: evicted just as the faults stopped, nobody replaced it).
+                const uint64_t process = worker.process;
+                After(Uniform(absl::Milliseconds(200), absl::Seconds(2)), [this, index, process] {
+                  if (workers_[index]->process == process && !workers_[index]->alive) {
+                    StartProcess(index);
+                  }
+                });
+              }
             } else {
               Exit(worker, absl::StrCat("heartbeat: ", reply.status().ToString()), true);
             }
