@@ -46,17 +46,28 @@ void DropDirectory(const std::string& dir) {
 }
 
 // The disk's own figures for `streams` files written (then fsynced) and read in parallel, in
-// 8 MiB pieces, `bytes` in all: the same concurrency as W ranks saving or restoring.
-std::pair<double, double> RawDisk(const std::string& dir, uint64_t bytes, int streams) {
+// 8 MiB pieces, `bytes` in all: the same concurrency as W ranks saving or restoring. Read twice:
+// into one reused 8 MiB buffer (dd's way: the reference), and into warm memory as large as the
+// stream (where a restore has to put what it reads), for information.
+struct RawFigures {
+  double write_gbps = 0;
+  double read_gbps = 0;
+  double read_into_memory_gbps = 0;
+};
+
+RawFigures RawDisk(const std::string& dir, uint64_t bytes, int streams) {
   const uint64_t per_stream = bytes / streams;
-  auto run = [&](bool write) {
+  constexpr size_t kPiece = 8 << 20;
+  std::vector<std::vector<char>> memory(streams, std::vector<char>(per_stream + kPiece, 'y'));
+  enum class Mode { kWrite, kRead, kReadIntoMemory };
+  auto run = [&](Mode mode) {
     const absl::Time start = absl::Now();
     std::vector<std::thread> threads;
     for (int s = 0; s < streams; ++s) {
       threads.emplace_back([&, s] {
         const std::string path = absl::StrCat(dir, "/raw-", s, ".bin");
-        std::vector<char> buffer(8 << 20, 'x');
-        if (write) {
+        std::vector<char> buffer(kPiece, 'x');
+        if (mode == Mode::kWrite) {
           const int out = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
           for (uint64_t done = 0; done < per_stream; done += buffer.size()) {
             if (::write(out, buffer.data(), buffer.size()) < 0) std::perror("write");
@@ -65,7 +76,10 @@ std::pair<double, double> RawDisk(const std::string& dir, uint64_t bytes, int st
           ::close(out);
         } else {
           const int in = ::open(path.c_str(), O_RDONLY);
-          while (::read(in, buffer.data(), buffer.size()) > 0) {
+          char* into = memory[s].data();
+          ssize_t n = 0;
+          while ((n = ::read(in, mode == Mode::kRead ? buffer.data() : into, kPiece)) > 0) {
+            if (mode == Mode::kReadIntoMemory) into += n;
           }
           ::close(in);
         }
@@ -76,10 +90,12 @@ std::pair<double, double> RawDisk(const std::string& dir, uint64_t bytes, int st
     for (int s = 0; s < streams; ++s) DropFromPageCache(absl::StrCat(dir, "/raw-", s, ".bin"));
     return bytes / seconds / 1e9;
   };
-  const double write_gbps = run(true);
-  const double read_gbps = run(false);
+  RawFigures figures;
+  figures.write_gbps = run(Mode::kWrite);
+  figures.read_gbps = run(Mode::kRead);
+  figures.read_into_memory_gbps = run(Mode::kReadIntoMemory);
   for (int s = 0; s < streams; ++s) std::filesystem::remove(absl::StrCat(dir, "/raw-", s, ".bin"));
-  return {write_gbps, read_gbps};
+  return figures;
 }
 
 // Values for every element, as training leaves them: the engine's buffers are written (its
@@ -182,15 +198,16 @@ int main(int argc, char** argv) {
   std::printf("# checkpoint of %.2f GiB (4 x [%lld, 4096] f32 with Adam state); the raw disk is "
               "measured with as many parallel files (write + fsync, read) as there are ranks;\n"
               "# read: every rank reads and verifies what it owns; restore: Engine::Restore, "
-              "with the parameters' all-gather; ratios to raw_read: read, then restore\n",
+              "with the parameters' all-gather; ratios to raw_read: read, then restore;\n"
+              "# raw_mem: the raw read into memory of the stream's size (information)\n",
               bytes / 1073741824.0, static_cast<long long>(rows));
-  std::printf("%6s %9s %9s %8s %9s %9s %9s %8s %8s %9s %10s %8s\n", "ranks", "save",
-              "raw_write", "ratio", "read", "restore", "raw_read", "ratio", "ratio", "pause_ms",
-              "memcpy_ms", "ratio");
+  std::printf("%6s %9s %9s %8s %9s %9s %9s %8s %8s %8s %9s %10s %8s\n", "ranks", "save",
+              "raw_write", "ratio", "read", "restore", "raw_read", "ratio", "ratio", "raw_mem",
+              "pause_ms", "memcpy_ms", "ratio");
   for (absl::string_view text : absl::StrSplit(worlds, ',')) {
     int world = 0;
     if (!absl::SimpleAtoi(text, &world) || world < 1) return 2;
-    double raw_write = 0, raw_read = 0, pause = 1e30, copy = 1e30;
+    double raw_write = 0, raw_read = 0, raw_read_into_memory = 0, pause = 1e30, copy = 1e30;
     double best_save_s = 1e30, best_read_s = 1e30, best_restore_s = 1e30;
     for (int repeat = 0; repeat < repeats; ++repeat) {
       auto ranks = shard::MakeRanks(model, world, order);
@@ -203,9 +220,10 @@ int main(int argc, char** argv) {
       });
       // The raw figures are taken with the engines' memory allocated, as it is during the save
       // (free memory sets the kernel's dirty-page limits and so how writes are throttled).
-      const auto [raw_write_now, raw_read_now] = shard::RawDisk(dir, bytes, world);
-      raw_write = std::max(raw_write, raw_write_now);
-      raw_read = std::max(raw_read, raw_read_now);
+      const shard::RawFigures raw = shard::RawDisk(dir, bytes, world);
+      raw_write = std::max(raw_write, raw.write_gbps);
+      raw_read = std::max(raw_read, raw.read_gbps);
+      raw_read_into_memory = std::max(raw_read_into_memory, raw.read_into_memory_gbps);
       const std::string id = absl::StrCat("step-", world);
       const std::string path = shard::CheckpointDirectory(dir, "bench", id);
       // Save: each rank copies its owned state (the pause) into its snapshot buffer (kept from an
@@ -296,10 +314,11 @@ int main(int argc, char** argv) {
     const double save_gbps = bytes / best_save_s / 1e9;
     const double read_gbps = bytes / best_read_s / 1e9;
     const double restore_gbps = bytes / best_restore_s / 1e9;
-    std::printf("%6d %9.2f %9.2f %7.2fx %9.2f %9.2f %9.2f %7.2fx %7.2fx %9.1f %10.1f %7.2fx\n",
-                world, save_gbps, raw_write, save_gbps / raw_write, read_gbps, restore_gbps,
-                raw_read, read_gbps / raw_read, restore_gbps / raw_read, pause, copy,
-                pause / copy);
+    std::printf(
+        "%6d %9.2f %9.2f %7.2fx %9.2f %9.2f %9.2f %7.2fx %7.2fx %8.2f %9.1f %10.1f %7.2fx\n", world,
+        save_gbps, raw_write, save_gbps / raw_write, read_gbps, restore_gbps, raw_read,
+        read_gbps / raw_read, restore_gbps / raw_read, raw_read_into_memory, pause, copy,
+        pause / copy);
   }
   std::filesystem::remove_all(dir);
   return 0;
