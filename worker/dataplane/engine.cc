@@ -1,12 +1,7 @@
 #include "worker/dataplane/engine.h"
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -19,35 +14,6 @@ namespace shard {
 namespace {
 
 double Milliseconds(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
-
-// Copies host memory with streaming (non-temporal) stores: memcpy streams only copies larger
-// than a share of the last-level cache (glibc: 3/4 of it), and below that it reads every
-// destination line into the cache before overwriting it, a third memory pass. A snapshot is
-// copied piece by piece, each below that size: streamed, the pause went from 1.6-1.9x to
-// 1.0-1.1x a memcpy of the whole snapshot on the 2-core VM (AMD EPYC; docs/checkpoints.md,
-// "Benchmark"). Linearly: glibc's own pattern, four pages interleaved, ran 3.5x slower there.
-void StreamCopy(char* to, const char* src, size_t bytes) {
-#if defined(__SSE2__)
-  constexpr size_t kLine = 64;
-  const size_t head = std::min(bytes, (kLine - reinterpret_cast<uintptr_t>(to) % kLine) % kLine);
-  std::memcpy(to, src, head);
-  src += head;
-  to += head;
-  bytes -= head;
-  for (; bytes >= kLine; bytes -= kLine, src += kLine, to += kLine) {
-    const __m128i* in = reinterpret_cast<const __m128i*>(src);
-    __m128i* stream = reinterpret_cast<__m128i*>(to);
-    const __m128i a = _mm_loadu_si128(in), b = _mm_loadu_si128(in + 1);
-    const __m128i c = _mm_loadu_si128(in + 2), d = _mm_loadu_si128(in + 3);
-    _mm_stream_si128(stream, a);
-    _mm_stream_si128(stream + 1, b);
-    _mm_stream_si128(stream + 2, c);
-    _mm_stream_si128(stream + 3, d);
-  }
-  _mm_sfence();  // streamed stores are weakly ordered: the writer thread reads the copy next
-#endif
-  std::memcpy(to, src, bytes);
-}
 
 }  // namespace
 
@@ -474,21 +440,13 @@ absl::Status Engine::CopyOwnedState(std::vector<char>* out) const {
   const ShardLayout layout = MakeShardLayout(manifest_, *plan_, communicator_->rank(), states);
   // Every byte is written below; a buffer kept from the previous save is reused as it is.
   if (out->size() != layout.bytes) out->resize(layout.bytes);
-  const auto download = [this](const float* from, char* to, int64_t count) -> absl::Status {
-    if (!device_->host_memory()) {
-      return device_->Download(from, reinterpret_cast<float*>(to), count);
-    }
-    StreamCopy(to, reinterpret_cast<const char*>(from),
-               static_cast<size_t>(count) * sizeof(float));
-    return absl::OkStatus();
-  };
   for (const ShardPiece& piece : layout.pieces) {
     char* dst = out->data() + piece.byte_offset;
     const size_t bytes = piece.numel * sizeof(float);
     const ParamLocation location = plan_->locations[piece.param];
     if (location.bucket < 0) {  // no gradient: values only, zero state
-      SHARD_RETURN_IF_ERROR(
-          download(frozen_[piece.param].data() + piece.param_offset, dst, piece.numel));
+      SHARD_RETURN_IF_ERROR(device_->Download(frozen_[piece.param].data() + piece.param_offset,
+                                              reinterpret_cast<float*>(dst), piece.numel));
       std::memset(dst + bytes, 0, bytes * states);
       continue;
     }
@@ -499,10 +457,12 @@ absl::Status Engine::CopyOwnedState(std::vector<char>* out) const {
                                               " does not hold the state of its plan range of '",
                                               manifest_.params[piece.param].name, "'"));
     }
-    SHARD_RETURN_IF_ERROR(download(bucket.params.data() + offset, dst, piece.numel));
+    SHARD_RETURN_IF_ERROR(device_->Download(bucket.params.data() + offset,
+                                            reinterpret_cast<float*>(dst), piece.numel));
     for (int k = 0; k < states; ++k) {
-      SHARD_RETURN_IF_ERROR(download(bucket.state[k].data() + (offset - bucket.own_begin),
-                                     dst + (k + 1) * bytes, piece.numel));
+      SHARD_RETURN_IF_ERROR(
+          device_->Download(bucket.state[k].data() + (offset - bucket.own_begin),
+                            reinterpret_cast<float*>(dst + (k + 1) * bytes), piece.numel));
     }
   }
   return absl::OkStatus();
