@@ -233,6 +233,10 @@ class CheckpointReader : public StateSource {
   // each checked.
   absl::Status ReadWholeBlocks(int shard, uint64_t first, uint64_t bytes, char* out);
   absl::Status CheckBlock(int shard, uint64_t block, const char* data, uint64_t length) const;
+  absl::Status CheckBlockHash(int shard, uint64_t block, uint64_t xxh3, uint64_t length) const;
+  // Checks block `block` at `data` while copying it to `out`.
+  absl::Status CheckAndCopy(int shard, uint64_t block, const char* data, uint64_t length,
+                            char* out) const;
 
   std::string location_;
   CheckpointManifest manifest_;
@@ -247,10 +251,13 @@ class CheckpointReader : public StateSource {
     int shard = -1;  // -1: empty
     uint64_t block = 0;
     uint64_t used = 0;  // cache_clock_ at the last use
-    std::vector<char> bytes;
+    AlignedBuffer bytes{kCheckpointBlockBytes};
   };
   std::vector<CachedBlock> cache_;
   uint64_t cache_clock_ = 0;
+  // Two areas of one storage read each, allocated on first use, for reads whose destination is
+  // off a 64-byte line: one is read into while the other's blocks are checked and copied out.
+  std::vector<AlignedBuffer> staging_;
 };
 
 // Writes the checkpoint as one safetensors file with full tensors named as the model's

@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <new>
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
@@ -146,6 +148,15 @@ absl::Status ReadAt(int fd, uint64_t offset, void* out, size_t bytes, const std:
   }
   return absl::OkStatus();
 }
+
+AlignedBuffer::AlignedBuffer(size_t bytes)
+    : bytes_(static_cast<char*>(
+          std::aligned_alloc(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment))),
+      size_(bytes) {
+  if (bytes_ == nullptr && bytes > 0) throw std::bad_alloc();
+}
+
+void AlignedBuffer::Free::operator()(char* bytes) const { std::free(bytes); }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
   FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));

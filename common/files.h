@@ -51,6 +51,28 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 // ends early is DataLoss.
 absl::Status ReadAt(int fd, uint64_t offset, void* out, size_t bytes, const std::string& path);
 
+// Page-aligned memory to read into. The kernel's copy from the page cache into a read's
+// destination ran at 0.4x its speed on this project's AMD EPYC machines when the destination was
+// 1 to 31 bytes past a page boundary, as malloc's large blocks (16 bytes past) are; memory
+// from here starts on one.
+class AlignedBuffer {
+ public:
+  static constexpr size_t kAlignment = 4096;
+
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(size_t bytes);
+
+  char* data() const { return bytes_.get(); }
+  size_t size() const { return size_; }
+
+ private:
+  struct Free {
+    void operator()(char* bytes) const;
+  };
+  std::unique_ptr<char[], Free> bytes_;
+  size_t size_ = 0;
+};
+
 // Reads all of `path`; NotFound if it does not exist.
 absl::StatusOr<std::string> ReadFile(const std::string& path);
 

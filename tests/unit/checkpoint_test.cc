@@ -217,6 +217,57 @@ TEST(CheckpointTest, CorruptionInAWholeBlockReadNamesTheShardAndTheBlock) {
   EXPECT_EQ(values.back(), Expected(0, -1, piece.end - 1));
 }
 
+// Whole blocks are read straight into the destination, or (when it sits 1 to 31 bytes past a
+// page boundary, where the kernel's copy is slow) through staging and copied out: wherever the
+// destination is, the same bytes arrive, and a corrupt block is refused either way.
+TEST(CheckpointTest, EveryPlacementOfTheDestinationReadsTheSameCheckedBytes) {
+  // On one rank each of w's arrays is 52 MB: a dozen whole blocks per read, so reads overlap
+  // checks and staging areas are reused.
+  const Manifest model{{ParamSpec{"w", {5000, 2600}, DataType::kFloat32, true},
+                        ParamSpec{"b", {2600}, DataType::kFloat32, true}}};
+  const std::string dir = WriteCheckpoint("step-00000022", 1, std::nullopt, model);
+  SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest manifest, ReadCheckpointManifest(dir));
+  const int64_t count = model.params[0].numel();
+  ASSERT_EQ(manifest.tensors[0].pieces.size(), 1u);
+  // w's exp_avg, after its values.
+  const uint64_t state_begin = manifest.tensors[0].pieces[0].offset + count * sizeof(float);
+  AlignedBuffer memory(count * sizeof(float) + 4096);
+  // Where `values` go so that they sit `gap` bytes past the file's bytes modulo a page.
+  auto placed = [&](uint64_t gap) {
+    return reinterpret_cast<float*>(memory.data() + (gap + state_begin) % 4096);
+  };
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  // Direct (0, 32, 2048) and staged (4, 16, 28).
+  for (int gap : {0, 4, 16, 28, 32, 2048}) {
+    float* values = placed(gap);
+    std::fill(values, values + count, -1.0f);
+    SHARD_ASSERT_OK((*reader)->ReadElements(0, 0, 0, count, values));
+    for (int64_t i = 0; i < count; ++i) {
+      ASSERT_EQ(values[i], Expected(0, 0, i)) << "gap " << gap << " at " << i;
+    }
+  }
+  // A block well inside exp_avg is corrupt: refused whether read directly or staged.
+  const uint64_t corrupt_block = (state_begin + kCheckpointBlockBytes - 1) / kCheckpointBlockBytes + 9;
+  ASSERT_LT((corrupt_block + 1) * kCheckpointBlockBytes, state_begin + count * sizeof(float));
+  {
+    std::fstream file(dir + "/" + ShardFileName(0, 1),
+                      std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(corrupt_block * kCheckpointBlockBytes + 777);
+    file.put('\x5a');
+  }
+  for (int gap : {0, 16}) {
+    auto fresh = CheckpointReader::Open(dir);  // nothing cached
+    ASSERT_TRUE(fresh.ok()) << fresh.status();
+    const absl::Status status = (*fresh)->ReadElements(0, 0, 0, count, placed(gap));
+    EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << "gap " << gap << ": " << status;
+    EXPECT_NE(status.message().find(
+                  absl::StrCat("bytes [", corrupt_block * kCheckpointBlockBytes, ", ")),
+              absl::string_view::npos)
+        << status;
+  }
+}
+
 TEST(CheckpointTest, DamagedShardsAreNamedNeverReadAsWeights) {
   // A flipped byte.
   std::string dir = WriteCheckpoint("step-00000001", 2);
