@@ -232,11 +232,13 @@ int main(int argc, char** argv) {
       std::vector<double> pause_ms(world);
       std::vector<double> copy_ms(world);
       std::vector<std::vector<char>> snapshots(world);
-      std::vector<std::vector<char>> copies(world);
+      // Page-aligned, as the engine's arrays are (CpuDevice::Allocate).
+      std::vector<shard::AlignedBuffer> copies;
       for (int r = 0; r < world; ++r) {
         // An earlier save: warm buffer.
         shard::Check(ranks->engines[r]->CopyOwnedState(&snapshots[r]), "copying the state");
-        copies[r].assign(snapshots[r].size(), 1);  // the reference's warm buffer
+        copies.emplace_back(snapshots[r].size());  // the reference's warm buffer
+        std::memset(copies[r].data(), 1, copies[r].size());
       }
       const absl::Time start = absl::Now();
       shard::OnRanks(world, [&](int r) {
@@ -265,7 +267,7 @@ int main(int argc, char** argv) {
       });
       ranks.reset();
       auto restored = shard::MakeRanks(model, world, order);
-      for (std::vector<char>& buffer : copies) std::fill(buffer.begin(), buffer.end(), '\xff');
+      for (shard::AlignedBuffer& buffer : copies) std::memset(buffer.data(), 0xff, buffer.size());
       if (repeat % 2 == 0) read_raw();
       // Read: every rank reads and verifies what it owns (on the same world size, its own
       // shard: parameters, then each state, piece by piece, as Engine::Restore reads them)
@@ -300,7 +302,8 @@ int main(int argc, char** argv) {
       for (int r = 0; r < world; ++r) {
         std::vector<char> state;
         shard::Check(restored->engines[r]->CopyOwnedState(&state), "copying the restored state");
-        if (state != snapshots[r] || copies[r] != snapshots[r]) {
+        if (state != snapshots[r] ||
+            std::memcmp(copies[r].data(), snapshots[r].data(), snapshots[r].size()) != 0) {
           std::fprintf(stderr, "rank %d: the restored state differs from the saved one\n", r);
           return 1;
         }
