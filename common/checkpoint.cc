@@ -53,11 +53,10 @@ constexpr uint64_t kBlocksPerRead = 4;
 // bytes into a page and the page cache's pages on one, so every read of whole blocks into the
 // engine's buffers paid it. Such reads land in staging placed to avoid it (kStagingShift), and
 // such copies go in pieces below memcpy's `rep movsb` threshold (CopyBytes).
-constexpr uintptr_t kPageBytes = 4096;
-constexpr uintptr_t kStagingShift = kPageBytes / 2;
+constexpr uintptr_t kStagingShift = kPageAlignment / 2;
 
 bool SlowCopy(uintptr_t to, uintptr_t from) {
-  const uintptr_t gap = (to - from) % kPageBytes;
+  const uintptr_t gap = (to - from) % kPageAlignment;
   return gap > 0 && gap < 32;
 }
 

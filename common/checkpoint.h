@@ -255,8 +255,9 @@ class CheckpointReader : public StateSource {
   };
   std::vector<CachedBlock> cache_;
   uint64_t cache_clock_ = 0;
-  // Two areas of one storage read each, allocated on first use, for reads whose destination is
-  // off a 64-byte line: one is read into while the other's blocks are checked and copied out.
+  // Two areas of one storage read each, allocated on first use, for reads whose destination
+  // would make the kernel's copy slow (see ReadWholeBlocks): one is read into while the other's
+  // blocks are checked and copied out.
   std::vector<AlignedBuffer> staging_;
 };
 

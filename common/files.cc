@@ -149,10 +149,13 @@ absl::Status ReadAt(int fd, uint64_t offset, void* out, size_t bytes, const std:
   return absl::OkStatus();
 }
 
+void* AllocatePageAligned(size_t bytes) {
+  return std::aligned_alloc(kPageAlignment,
+                            (bytes + kPageAlignment - 1) / kPageAlignment * kPageAlignment);
+}
+
 AlignedBuffer::AlignedBuffer(size_t bytes)
-    : bytes_(static_cast<char*>(
-          std::aligned_alloc(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment))),
-      size_(bytes) {
+    : bytes_(static_cast<char*>(AllocatePageAligned(bytes))), size_(bytes) {
   if (bytes_ == nullptr && bytes > 0) throw std::bad_alloc();
 }
 

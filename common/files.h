@@ -55,9 +55,14 @@ absl::Status ReadAt(int fd, uint64_t offset, void* out, size_t bytes, const std:
 // destination ran at 0.4x its speed on this project's AMD EPYC machines when the destination was
 // 1 to 31 bytes past a page boundary, as malloc's large blocks (16 bytes past) are; memory
 // from here starts on one.
+constexpr size_t kPageAlignment = 4096;
+
+// `bytes` (rounded up to whole pages) of page-aligned memory, uninitialized, released with
+// std::free; nullptr when there is none.
+void* AllocatePageAligned(size_t bytes);
+
 class AlignedBuffer {
  public:
-  static constexpr size_t kAlignment = 4096;
 
   AlignedBuffer() = default;
   explicit AlignedBuffer(size_t bytes);

@@ -128,9 +128,7 @@ absl::StatusOr<DeviceArray> CpuDevice::Allocate(int64_t count) {
   // kernel's copy is slow into memory 1-31 bytes past a page, where malloc puts large blocks
   // (see AlignedBuffer).
   const size_t bytes = static_cast<size_t>(count) * sizeof(float);
-  const size_t alignment = AlignedBuffer::kAlignment;
-  float* data = static_cast<float*>(
-      std::aligned_alloc(alignment, (bytes + alignment - 1) / alignment * alignment));
+  float* data = static_cast<float*>(AllocatePageAligned(bytes));
   if (data == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
