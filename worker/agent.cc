@@ -434,7 +434,8 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     spdlog::info("restoring from checkpoint {} (step {}) in {}", start.checkpoint_id(),
                  start.step(), start.checkpoint_dir());
   }
-  trainer.on_restored = [&](const absl::Status& restored, absl::Duration took) -> absl::Status {
+  trainer.on_restored = [&](const absl::Status& restored, absl::Duration took,
+                            const RestoreTimings& timings) -> absl::Status {
     RestoreReport report;
     report.worker_id = options_.worker_id;
     report.incarnation = incarnation_;
@@ -452,9 +453,11 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
       }
     }
     if (restored.ok()) {
-      spdlog::info("restored {} {} (step {}) in {:.1f} ms{}",
+      spdlog::info("restored {} {} (step {}) in {:.1f} ms (read {:.1f} ms, parameters' "
+                   "all-gather {:.1f} ms){}",
                    start.in_memory() ? "memory snapshot" : "checkpoint", start.checkpoint_id(),
-                   start.step(), absl::ToDoubleMilliseconds(took),
+                   start.step(), absl::ToDoubleMilliseconds(took), timings.read_ms,
+                   timings.gather_ms,
                    start.in_memory() ? absl::StrCat(": ", report.bytes, " bytes, ",
                                                     report.bytes_from_peers, " from peers")
                                      : "");

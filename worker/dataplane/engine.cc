@@ -468,7 +468,7 @@ absl::Status Engine::CopyOwnedState(std::vector<char>* out) const {
   return absl::OkStatus();
 }
 
-absl::Status Engine::Restore(CheckpointReader& checkpoint) {
+absl::Status Engine::Restore(CheckpointReader& checkpoint, RestoreTimings* timings) {
   const CheckpointManifest& saved = checkpoint.manifest();
   if (absl::Status same = CompareManifests(manifest_, saved.model(),
                                            absl::StrCat("checkpoint ", saved.id));
@@ -485,9 +485,15 @@ absl::Status Engine::Restore(CheckpointReader& checkpoint) {
     return absl::FailedPreconditionError(
         "restoring needs the rebuilt plan (the checkpoint's gradient order)");
   }
+  const absl::Time read_start = absl::Now();
   SHARD_RETURN_IF_ERROR(ReadOwned(checkpoint, /*params=*/true, /*states=*/true));
+  const absl::Time gather_start = absl::Now();
   if (options_.zero_stage > 0) {
     SHARD_RETURN_IF_ERROR(GatherParameters());
+  }
+  if (timings != nullptr) {
+    timings->read_ms = Milliseconds(gather_start - read_start);
+    timings->gather_ms = Milliseconds(absl::Now() - gather_start);
   }
   steps_done_ = saved.step;
   return ContinueCounters(saved.counters.value_or(TrainingCounters{.optimizer_step = saved.step}));

@@ -87,6 +87,12 @@ struct StepTimings {
   bool rebuilt = false;         // this step switched to the rebuilt plan
 };
 
+// Where a restore's time went.
+struct RestoreTimings {
+  double read_ms = 0;    // reading (and checking) what this rank owns
+  double gather_ms = 0;  // then the parameters' all-gather from their owners (stages 1 and 2)
+};
+
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(Manifest manifest,
@@ -128,8 +134,9 @@ class Engine {
   absl::Status CopyOwnedState(std::vector<char>* out) const;
   // Loads the elements this rank owns from a checkpoint of the same model and optimizer, of any
   // world size, gathers the parameters, and continues the step count from the checkpoint's.
-  // Needs the rebuilt plan (the checkpoint's gradient order).
-  absl::Status Restore(CheckpointReader& checkpoint);
+  // Needs the rebuilt plan (the checkpoint's gradient order). `timings`, if given, says how long
+  // the read and the gather took.
+  absl::Status Restore(CheckpointReader& checkpoint, RestoreTimings* timings = nullptr);
   // Loads parameters (now) and, with `with_state`, optimizer state (now if the plan is
   // rebuilt, else right after the first step's rebuild, before any update) from full tensors,
   // e.g. a consolidated file; the step count continues from `steps_done`, the optimizer's and

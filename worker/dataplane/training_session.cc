@@ -109,15 +109,16 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
   if (options.open_restore || !options.restore_dir.empty()) {
     StallPoint("before-restore");
     const absl::Time start = absl::Now();
+    RestoreTimings timings;
     absl::Status restored = [&]() -> absl::Status {
       SHARD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> checkpoint,
                              options.open_restore ? options.open_restore()
                                                   : CheckpointReader::Open(options.restore_dir));
-      SHARD_RETURN_IF_ERROR(session->engine_->Restore(*checkpoint));
+      SHARD_RETURN_IF_ERROR(session->engine_->Restore(*checkpoint, &timings));
       session->next_step_ = checkpoint->manifest().step;
       return absl::OkStatus();
     }();
-    if (options.on_restored) restored = options.on_restored(restored, absl::Now() - start);
+    if (options.on_restored) restored = options.on_restored(restored, absl::Now() - start, timings);
     SHARD_RETURN_IF_ERROR(restored);
     session->restored_ = true;
   }

@@ -79,10 +79,11 @@ struct TrainerOptions {
   std::string restore_dir;
   // Or from the checkpoint this opens (a memory snapshot's holders, say), if set.
   std::function<absl::StatusOr<std::unique_ptr<CheckpointReader>>()> open_restore;
-  // Called with the restore's outcome and how long it took; what it returns is the outcome
-  // (e.g. a failed read of a memory snapshot becomes the end of the generation, not of the
-  // process).
-  std::function<absl::Status(const absl::Status&, absl::Duration)> on_restored;
+  // Called with the restore's outcome, how long it took and where the time went (on success);
+  // what it returns is the outcome (e.g. a failed read of a memory snapshot becomes the end of
+  // the generation, not of the process).
+  std::function<absl::Status(const absl::Status&, absl::Duration, const RestoreTimings&)>
+      on_restored;
   // In-memory snapshots (the job's snapshot.every_steps; common/snapshot.h): the worker's store
   // (null: this rank takes none) and the snapshot servers of this rank's buddies in this
   // generation, nearest first. `on_snapshot` runs on the snapshot thread once this rank holds its
