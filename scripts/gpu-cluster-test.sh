@@ -113,11 +113,23 @@ run() {
   done
   [ -n "${ON_START:-}" ] && "$ON_START" "$dir"
   local status=0 deadline=$((SECONDS + 300))
-  for pid in "${WORKER_PIDS[@]}" "$coordinator"; do
+  for pid in "${WORKER_PIDS[@]}"; do
     while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
     kill -0 "$pid" 2>/dev/null && { kill -KILL "$pid"; status=1; }
     wait "$pid" || { [ "$pid" = "${KILLED:-}" ] || status=1; }
   done
+  # Every worker has exited: a finished job's coordinator exits within a lease; one whose
+  # workers failed waits for replacements, so it is stopped (and the run has failed).
+  deadline=$((SECONDS + 10))
+  while kill -0 "$coordinator" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+  if kill -0 "$coordinator" 2>/dev/null; then
+    status=1
+    kill -TERM "$coordinator"
+    deadline=$((SECONDS + 5))
+    while kill -0 "$coordinator" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    kill -KILL "$coordinator" 2>/dev/null
+  fi
+  wait "$coordinator" || status=1
   for log in "$dir"/*.log; do cp "$log" "$OUT/$name-$(basename "$log")"; done
   return $status
 }

@@ -26,6 +26,8 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual absl::string_view backend() const = 0;
+  // Whether the buffers passed in are device memory (a GPU backend) rather than host memory.
+  virtual bool device_buffers() const { return false; }
 
   // recv[i] = op over ranks of send[i], for i < count. send == recv is allowed (in place).
   virtual absl::Status AllReduce(const void* send, void* recv, size_t count, DataType dtype,

@@ -52,6 +52,7 @@ class TrackingCommunicator : public Communicator {
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   absl::string_view backend() const override { return inner_->backend(); }
+  bool device_buffers() const override { return inner_->device_buffers(); }
 
   absl::Status AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                          ReduceOp op) override {

@@ -31,6 +31,8 @@ struct DeviceCommunicatorOptions {
 
 class DeviceCommunicator : public Communicator {
  public:
+  bool device_buffers() const final { return true; }
+
   // The stream the collectives run on.
   virtual cudaStream_t stream() const = 0;
 

@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "worker/gpu/cuda_check.h"
-#include "worker/gpu/device_communicator.h"
 #include "worker/gpu/gpu_mlp.h"
 #include "worker/gpu/kernels.h"
 
@@ -252,8 +251,8 @@ absl::StatusOr<std::unique_ptr<SpanKernels>> GpuDevice::PrepareSpans(
 
 absl::Status GpuDevice::AllReduceHostValues(Communicator& communicator, void* values,
                                             size_t count, DataType dtype, ReduceOp op) {
-  auto* device_communicator = dynamic_cast<DeviceCommunicator*>(&communicator);
-  if (device_communicator == nullptr) {
+  // Asked of the communicator, not of its type: the worker wraps it (TrackCollectives).
+  if (!communicator.device_buffers()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the ", communicator.backend(), " communicator works on host memory, not on ", name()));
   }
@@ -265,8 +264,8 @@ absl::Status GpuDevice::AllReduceHostValues(Communicator& communicator, void* va
   SHARD_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(values_.data(), values, bytes, cudaMemcpyHostToDevice, stream()));
   SHARD_RETURN_IF_ERROR(
-      device_communicator->AllReduce(values_.data(), values_.data(), count, dtype, op));
-  SHARD_RETURN_IF_ERROR(device_communicator->OrderComputeAfterCollectives());
+      communicator.AllReduce(values_.data(), values_.data(), count, dtype, op));
+  SHARD_RETURN_IF_ERROR(communicator.OrderComputeAfterCollectives());
   SHARD_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(values, values_.data(), bytes, cudaMemcpyDeviceToHost, stream()));
   SHARD_RETURN_IF_ERROR(WaitFor(stream(), "an all-reduce of host values"));

@@ -36,7 +36,7 @@ class GpuDevice final : public Device {
 
   absl::StatusOr<std::unique_ptr<SpanKernels>> PrepareSpans(
       const OptimizerConfig& optimizer, std::vector<OwnedSpan> spans) override;
-  // `communicator` must be a DeviceCommunicator on this device.
+  // `communicator` must take device buffers (device_buffers()) on this device.
   absl::Status AllReduceHostValues(Communicator& communicator, void* values, size_t count,
                                    DataType dtype, ReduceOp op) override;
   absl::StatusOr<std::unique_ptr<MlpRunner>> CreateMlp(const std::vector<int64_t>& widths,
