@@ -5,6 +5,10 @@
 //     element (+2 with a bf16 model copy); the copy moves 2 bytes (read + write) per byte
 //     copied. Target: >= 0.85x the copy.
 //   * MLP training steps (forward, backward, fused Adam) per second at each precision.
+//   * Shard's NCCL communicator at world size 1: each collective's device time from the compute
+//     stream's point of view (ordered after it, then the compute stream ordered after it), at
+//     a small size (what one call costs) and large ones against the copy. One GPU cannot show
+//     NCCL's bandwidth between GPUs: at world size 1 an out-of-place collective is a copy.
 // Timed with CUDA events around each repetition after warm-up; medians.
 #include <algorithm>
 #include <cstdio>
@@ -18,6 +22,7 @@
 #include "worker/gpu/cuda_resources.h"
 #include "worker/gpu/gpu_mlp.h"
 #include "worker/gpu/kernels.h"
+#include "worker/gpu/nccl_communicator.h"
 
 namespace shard {
 namespace {
@@ -65,6 +70,56 @@ double CopyGbps(cudaStream_t stream, int64_t bytes, int iters) {
                      "cudaMemcpyAsync"));
   });
   return 2.0 * bytes / (ms * 1e-3) / 1e9;
+}
+
+// NCCL rows: every collective the engine uses, out of place, on `bytes` of fp32 each.
+void NcclRows(cudaStream_t stream, const std::vector<int64_t>& sizes, int iters,
+              double copy_gbps) {
+  // At world size 1 rank 0 only publishes the unique id; nobody fetches it.
+  const IdExchange exchange{
+      [](const std::string&, const std::string&) { return absl::OkStatus(); },
+      [](const std::string& key) -> absl::StatusOr<std::string> {
+        return absl::InternalError("no peer at world size 1 fetches " + key);
+      }};
+  NcclOptions options;
+  options.compute_stream = stream;
+  std::unique_ptr<NcclCommunicator> nccl = Check(NcclCommunicator::Create(0, 1, exchange, options));
+  Check(nccl->WaitReady());
+  const int64_t largest = *std::max_element(sizes.begin(), sizes.end());
+  DeviceBuffer send = Check(DeviceBuffer::Allocate(largest));
+  DeviceBuffer recv = Check(DeviceBuffer::Allocate(largest));
+  Check(FillUniform(send.as<float>(), largest / 4, 3, -1.0f, 1.0f, stream));
+  const std::pair<const char*, std::function<absl::Status(size_t)>> collectives[] = {
+      {"all-reduce", [&](size_t n) {
+         return nccl->AllReduce(send.data(), recv.data(), n, DataType::kFloat32, ReduceOp::kSum);
+       }},
+      {"reduce-scatter", [&](size_t n) {
+         return nccl->ReduceScatter(send.data(), recv.data(), n, DataType::kFloat32,
+                                    ReduceOp::kSum);
+       }},
+      {"all-gather",
+       [&](size_t n) { return nccl->AllGather(send.data(), recv.data(), n, DataType::kFloat32); }},
+      {"broadcast", [&](size_t n) { return nccl->Broadcast(recv.data(), n, DataType::kFloat32, 0); }},
+  };
+  for (const auto& [name, collective] : collectives) {
+    for (int64_t bytes : sizes) {
+      const size_t count = static_cast<size_t>(bytes / 4);
+      const double ms = MedianMs(stream, 3, iters, [&] {
+        Check(collective(count));
+        Check(nccl->OrderComputeAfterCollectives());
+      });
+      // Read + write, as the copy is counted. In place (broadcast) NCCL moves nothing at world
+      // size 1: only its time is worth a row.
+      const double gbps = 2.0 * bytes / (ms * 1e-3) / 1e9;
+      if (std::string(name) == "broadcast") {
+        std::printf("| nccl %s (in place) | %lld | %.4f | - | - |\n", name,
+                    static_cast<long long>(bytes), ms);
+      } else {
+        std::printf("| nccl %s | %lld | %.4f | %.0f | %.2f |\n", name,
+                    static_cast<long long>(bytes), ms, gbps, gbps / copy_gbps);
+      }
+    }
+  }
 }
 
 // One Adam row: `elements` parameters as tensors of `tensor_elements` each.
@@ -169,8 +224,8 @@ void MlpRow(cudaStream_t stream, const std::vector<int64_t>& widths, int64_t bat
 }  // namespace shard
 
 int main(int argc, char** argv) {
-  CLI::App app{"shard-bench-gpu: the fused Adam step against a device-to-device copy, and MLP "
-               "training steps per second, on GPU 0.",
+  CLI::App app{"shard-bench-gpu: the fused Adam step against a device-to-device copy, MLP "
+               "training steps per second, and NCCL's collectives at world size 1, on GPU 0.",
                "shard-bench-gpu"};
   std::vector<int64_t> adam_elements = {100'000'000, 1'000'000'000};
   int64_t tensor_elements = int64_t{1} << 22;
@@ -179,6 +234,7 @@ int main(int argc, char** argv) {
   int64_t batch = 256;
   int iters = 20;
   int mlp_iters = 200;
+  std::vector<int64_t> nccl_bytes = {4096, int64_t{64} << 20, int64_t{1} << 30};
   app.add_option("--adam-elements", adam_elements, "Adam sizes (parameters)")
       ->delimiter(',')
       ->capture_default_str();
@@ -190,6 +246,9 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch, "MLP batch")->capture_default_str();
   app.add_option("--iters", iters, "timed Adam and copy repetitions")->capture_default_str();
   app.add_option("--mlp-iters", mlp_iters, "timed MLP steps")->capture_default_str();
+  app.add_option("--nccl-bytes", nccl_bytes, "bytes per NCCL collective (world size 1)")
+      ->delimiter(',')
+      ->capture_default_str();
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
 
   using shard::Check;
@@ -223,5 +282,8 @@ int main(int argc, char** argv) {
   shard::MlpRow(stream.get(), widths, batch, shard::DataType::kFloat32, true, mlp_iters);
   shard::MlpRow(stream.get(), widths, batch, shard::DataType::kBFloat16, false, mlp_iters);
   shard::MlpRow(stream.get(), widths, batch, shard::DataType::kFloat16, false, mlp_iters);
+  std::printf("\n| collective (world size 1) | bytes | ms | GB/s (read + write) | vs copy |\n");
+  std::printf("|---|---|---|---|---|\n");
+  shard::NcclRows(stream.get(), nccl_bytes, iters, copy_gbps);
   return 0;
 }

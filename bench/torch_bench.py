@@ -26,7 +26,17 @@ first steps of each pair are compared too: both sides train the same samples wit
 updates, so they agree to float32 rounding (a warning says when they do not).
 
     scripts/bench-torch.sh [--steps N] [--warmup K] [--repeats R] [--models mlp,transformer]
-                           [--json] [--timeout S] [--keep]
+                           [--device cpu|cuda:N] [--bf16] [--json] [--timeout S] [--keep]
+
+With --device cuda:N (one GPU) the configurations are those one GPU can compare:
+
+  plain       plain torch on the GPU, torch.optim.Adam/AdamW(fused=True), the whole batch
+  shard1      shard.torch W=1 on the GPU (NCCL), ZeRO-2
+  worker1     (mlp only) shard-worker's built-in MLP of the same widths on the GPU, its own
+              "steps/s over steps 2-N" (it has no per-step split)
+
+and --bf16 runs the forward and backward passes under torch.autocast in bf16 (shard-worker:
+the job's precision bf16); the targets are shard1/plain and worker1/plain >= 0.95.
 
 Everything it starts listens on 127.0.0.1 (the coordinator on a free port it reports in a port
 file; DDP rendezvous through a file store), is bounded by --timeout seconds per run and is
@@ -37,8 +47,10 @@ import argparse
 import atexit
 import datetime
 import json
+import math
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -69,18 +81,37 @@ MODELS = {
         "clip": 1.0,
     },
 }
-CONFIGS = [  # (key, label, world size)
+CPU_CONFIGS = [  # (key, label, world size)
     ("plain", "plain torch W=1", 1),
     ("shard1", "shard.torch W=1 ZeRO-2", 1),
     ("ddp2", "DDP+ZeroRedundancyOpt W=2", 2),
     ("ddp2bv", "DDP+ZeRO bucket view W=2", 2),
     ("shard2", "shard.torch W=2 ZeRO-2", 2),
 ]
-TARGETS = [  # (numerator, denominator, target, primary: the issue's target, in the main table)
+CPU_TARGETS = [  # (numerator, denominator, target, primary: the issue's target, in the main table)
     ("shard1", "plain", 0.95, True),
     ("shard2", "ddp2", 1.2, True),
     ("shard2", "ddp2bv", 1.2, False),
 ]
+GPU_CONFIGS = [
+    ("plain", "plain torch (fused Adam)", 1),
+    ("shard1", "shard.torch W=1 (NCCL)", 1),
+    ("worker1", "shard-worker built-in MLP", 1),
+]
+GPU_TARGETS = [
+    ("shard1", "plain", 0.95, True),
+    ("worker1", "plain", 0.95, True),
+]
+
+
+def configurations(model, device):
+    """The configurations run for `model` on `device`, and the ratios reported."""
+    if not device.startswith("cuda"):
+        return CPU_CONFIGS, CPU_TARGETS
+    if model == "mlp":
+        return GPU_CONFIGS, GPU_TARGETS
+    return ([c for c in GPU_CONFIGS if c[0] != "worker1"],
+            [t for t in GPU_TARGETS if t[0] != "worker1"])
 LOSS_CHECK_STEPS = 3
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -95,36 +126,44 @@ def worker_main(args):
     torch.set_num_interop_threads(1)
     sys.path.insert(0, EXAMPLES)
     spec = MODELS[args.model]
+    device = torch.device(args.device)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     torch.manual_seed(0)
     if args.model == "mlp":
         from mlp import Mlp
         from shard.safetensors import load_file
         data = load_file(args.data)
-        x, y = data["x"], data["y"]
-        model = Mlp(MLP_WIDTHS)
+        x, y = data["x"].to(device), data["y"].to(device)
+        model = Mlp(MLP_WIDTHS).to(device)
         loss_fn = torch.nn.CrossEntropyLoss()
 
         def loss_of(idx):
-            return loss_fn(model(x[idx]), y[idx])
+            idx = idx.to(device)
+            with autocast():
+                return loss_fn(model(x[idx]), y[idx])
         n = len(x)
     else:
         from transformer import Gpt, markov_sequences
         vocab, dim, heads, layers, context = 64, 64, 4, 2, 32  # the example's defaults
-        tokens = markov_sequences(4096, context, vocab, 0)
-        model = Gpt(vocab, dim, heads, layers, context)
+        tokens = markov_sequences(4096, context, vocab, 0).to(device)
+        model = Gpt(vocab, dim, heads, layers, context).to(device)
         loss_fn = torch.nn.CrossEntropyLoss()
 
         def loss_of(idx):
-            batch = tokens[idx]
-            logits = model(batch[:, :-1])
-            return loss_fn(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+            batch = tokens[idx.to(device)]
+            with autocast():
+                logits = model(batch[:, :-1])
+                return loss_fn(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
         n = len(tokens)
 
     total = args.warmup + args.steps + 1  # the top of step warmup+steps ends the timing
     clock = Clock(args.warmup, args.steps)
     if args.mode == "plain":
-        optimizer = torch_optimizer(torch, model.parameters, model.named_parameters(), spec)
+        optimizer = torch_optimizer(torch, model.parameters, model.named_parameters(), spec,
+                                    fused=device.type == "cuda")
         batch = spec["global_batch"]
         for step in range(total):
             clock.top(step)
@@ -175,7 +214,7 @@ def worker_main(args):
             clock.loss(loss.item())
     else:  # shard: the loop of docs/torch.md
         import shard.torch as shard
-        job = shard.join()
+        job = shard.join(device=args.device)
         engine = job.wrap(model)
         for step in job.steps():
             clock.top(step)
@@ -193,7 +232,8 @@ def worker_main(args):
             raise SystemExit(f"shard world size {world}, expected {args.world}")
     result = clock.result()
     result.update(rank=rank, world=world, mode=args.mode, model=args.model,
-                  torch=torch.__version__, threads=torch.get_num_threads())
+                  torch=torch.__version__, threads=torch.get_num_threads(), device=args.device,
+                  gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     with open(f"{args.result}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     if args.mode == "ddp":
@@ -206,11 +246,12 @@ def worker_main(args):
         os._exit(0)
 
 
-def torch_optimizer(torch, parameters, named, spec, zero=None, bucket_view=False):
-    """The job spec's optimizer as torch.optim (single-tensor arithmetic, as Shard's)."""
+def torch_optimizer(torch, parameters, named, spec, zero=None, bucket_view=False, fused=False):
+    """The job spec's optimizer as torch.optim: single-tensor arithmetic, as Shard's on the CPU;
+    `fused` (a GPU) torch's fastest, the fused multi-tensor kernel."""
     opt = spec["optimizer"]
     cls = torch.optim.Adam if opt["name"] == "adam" else torch.optim.AdamW
-    kwargs = {"lr": opt["lr"], "foreach": False}
+    kwargs = {"lr": opt["lr"], **({"fused": True} if fused else {"foreach": False})}
     if "betas" in opt:
         kwargs["betas"] = tuple(opt["betas"])
     kwargs["weight_decay"] = opt.get("weightDecay", 0.0)
@@ -359,7 +400,53 @@ def read_result(prefix, what):
         return json.load(f)
 
 
-def run_config(runner, model, config, steps, warmup, data, tag):
+def start_coordinator(runner, run_dir, job, deadline, what):
+    """A shard-coordinator for `job` (a dict) in `run_dir`; returns it and its port."""
+    rel = os.path.relpath(run_dir, runner.dir)
+    job_path = os.path.join(run_dir, "job.json")
+    with open(job_path, "w") as f:
+        json.dump(job, f)
+    port_file = os.path.join(run_dir, "port")
+    coordinator = runner.start(
+        [os.path.join(BIN, "shard-coordinator"), "--job", job_path, "--listen",
+         "127.0.0.1:0", "--port-file", port_file, "--state-dir",
+         os.path.join(run_dir, "state")], f"{rel}/coordinator.log")
+    while not (os.path.exists(port_file) and open(port_file).read().strip()):
+        if coordinator.poll() is not None or time.monotonic() > deadline:
+            runner.kill_all()
+            raise RunFailed(f"{what}: the coordinator did not start\n"
+                            f"{runner.tail(coordinator.log_name)}")
+        time.sleep(0.05)
+    return coordinator, int(open(port_file).read())
+
+
+def run_builtin_worker(runner, run_dir, steps, warmup, data, device, bf16, deadline, what):
+    """shard-worker's built-in MLP of MLP_WIDTHS on `device`: its own steps/s over steps 2-N
+    from its log (the worker prints no per-step split)."""
+    spec = MODELS["mlp"]
+    job = {"name": "bench-builtin", "worldSize": 1, "model": {"mlp": {"widths": MLP_WIDTHS}},
+           "data": {"path": data}, "optimizer": spec["optimizer"],
+           "globalBatch": spec["global_batch"], "steps": warmup + steps + 1, "zeroStage": 2,
+           "precision": "bf16" if bf16 else "fp32", "checkpoint": {"everySteps": 0},
+           "outputDir": os.path.join(run_dir, "out")}
+    coordinator, port = start_coordinator(runner, run_dir, job, deadline, what)
+    rel = os.path.relpath(run_dir, runner.dir)
+    worker = runner.start([os.path.join(BIN, "shard-worker"), "--coordinator",
+                           f"127.0.0.1:{port}", "--id", "w0", "--device", device],
+                          f"{rel}/worker.log")
+    runner.wait([worker, coordinator], deadline, what)
+    with open(os.path.join(runner.dir, rel, "worker.log")) as f:
+        finished = [line for line in f if "training finished" in line]
+    match = re.search(r"loss ([0-9.e+-]+) -> ([0-9.e+-]+), ([0-9.]+) steps/s", "".join(finished))
+    if not match:
+        raise RunFailed(f"{what}: the worker reported no steps/s\n{runner.tail(worker.log_name)}")
+    rate = float(match.group(3))
+    nan = float("nan")
+    return {"steps_per_second": rate, "ms_per_step": 1000.0 / rate, "compute_ms": nan,
+            "step_ms": nan, "rest_ms": nan, "losses": [float(match.group(1))], "torch": None}
+
+
+def run_config(runner, model, config, steps, warmup, data, tag, device="cpu", bf16=False):
     run_dir = os.path.join(runner.dir, tag)
     os.makedirs(run_dir)
     result = os.path.join(run_dir, "result")
@@ -367,8 +454,14 @@ def run_config(runner, model, config, steps, warmup, data, tag):
     env = python_env()
     what = f"{model} {config}"
     rel = os.path.relpath(run_dir, runner.dir)
+    target = ["--device", device] + (["--bf16"] if bf16 else [])
+    if config == "worker1":
+        result = run_builtin_worker(runner, run_dir, steps, warmup, data, device, bf16, deadline,
+                                    what)
+        runner.kill_all()
+        return result
     if config == "plain":
-        proc = runner.start(worker_argv(model, "plain", steps, warmup, data, result),
+        proc = runner.start(worker_argv(model, "plain", steps, warmup, data, result, target),
                             f"{rel}/plain.log", env)
         runner.wait([proc], deadline, what)
     elif config in ("ddp2", "ddp2bv"):
@@ -390,23 +483,9 @@ def run_config(runner, model, config, steps, warmup, data, tag):
                "checkpoint": {"everySteps": 0}, "outputDir": os.path.join(run_dir, "out")}
         if spec.get("clip"):
             job["gradClipNorm"] = spec["clip"]
-        job_path = os.path.join(run_dir, "job.json")
-        with open(job_path, "w") as f:
-            json.dump(job, f)
-        port_file = os.path.join(run_dir, "port")
-        coordinator = runner.start(
-            [os.path.join(BIN, "shard-coordinator"), "--job", job_path, "--listen",
-             "127.0.0.1:0", "--port-file", port_file, "--state-dir",
-             os.path.join(run_dir, "state")], f"{rel}/coordinator.log")
-        while not (os.path.exists(port_file) and open(port_file).read().strip()):
-            if coordinator.poll() is not None or time.monotonic() > deadline:
-                runner.kill_all()
-                raise RunFailed(f"{what}: the coordinator did not start\n"
-                                f"{runner.tail(coordinator.log_name)}")
-            time.sleep(0.05)
-        port = int(open(port_file).read())
+        coordinator, port = start_coordinator(runner, run_dir, job, deadline, what)
         workers = [runner.start(worker_argv(model, "shard", steps, warmup, data, result,
-                                            ["--world", str(world)]),
+                                            ["--world", str(world), *target]),
                                 f"{rel}/w{i}.log",
                                 dict(env, SHARD_COORDINATOR=f"127.0.0.1:{port}",
                                      SHARD_ID=f"w{i}"))
@@ -472,11 +551,12 @@ def driver_main(args):
         for model in models:
             steps = args.steps or MODELS[model]["steps"]
             warmup = args.warmup if args.warmup is not None else MODELS[model]["warmup"]
-            runs = {key: [] for key, _, _ in CONFIGS}
+            configs, _ = configurations(model, args.device)
+            runs = {key: [] for key, _, _ in configs}
             for repeat in range(args.repeats):
-                for key, label, _ in CONFIGS:
+                for key, label, _ in configs:
                     r = run_config(runner, model, key, steps, warmup, data,
-                                   f"{model}-{key}-{repeat}")
+                                   f"{model}-{key}-{repeat}", args.device, args.bf16)
                     runs[key].append(r)
                     log(f"{model:12s} {label:28s} repeat {repeat + 1}/{args.repeats}: "
                         f"{r['steps_per_second']:.2f} steps/s ({r['ms_per_step']:.1f} ms/step: "
@@ -491,6 +571,7 @@ def driver_main(args):
 
     report = {
         "date": started.isoformat(timespec="seconds"),
+        "device": args.device, "precision": "bf16 autocast" if args.bf16 else "fp32",
         "host": platform.node(), "cores": os.cpu_count(),
         "load_before": load_before, "load_after": load_average(),
         "python": platform.python_version(),
@@ -499,7 +580,8 @@ def driver_main(args):
     }
     for model, res in results.items():
         configs = {}
-        for key, label, world in CONFIGS:
+        model_configs, model_targets = configurations(model, args.device)
+        for key, label, world in model_configs:
             runs = res["runs"][key]
             configs[key] = {
                 "label": label, "world_size": world,
@@ -509,9 +591,11 @@ def driver_main(args):
                 "step_ms": statistics.median(r["step_ms"] for r in runs),
                 "rest_ms": statistics.median(r["rest_ms"] for r in runs),
             }
-            report["torch"] = runs[0]["torch"]
+            if runs[0]["torch"]:
+                report["torch"] = runs[0]["torch"]
+                report["gpu"] = runs[0].get("gpu")
         ratios = []
-        for num, den, target, primary in TARGETS:
+        for num, den, target, primary in model_targets:
             ratio = (configs[num]["steps_per_second"]["median"] /
                      configs[den]["steps_per_second"]["median"])
             # The same training in both: rank 0's losses of the first steps (the same start,
@@ -521,7 +605,11 @@ def driver_main(args):
             a = res["runs"][num][0]["losses"][:LOSS_CHECK_STEPS]
             b = res["runs"][den][0]["losses"][:LOSS_CHECK_STEPS]
             loss_difference = max(abs(u - v) / max(abs(v), 1e-12) for u, v in zip(a, b))
-            if loss_difference > 1e-4:
+            if num == "worker1":  # the built-in MLP starts from its own initial values
+                loss_difference = float("nan")
+            # bf16 autocast rounds differently in torch's and Shard's runs once the weights
+            # differ in their last bits: only fp32 must agree this closely.
+            elif loss_difference > (1e-2 if args.bf16 else 1e-4):
                 log(f"torch_bench: warning: {model} {num} and {den} do not train alike: rank 0's "
                     f"losses of the first steps {a} against {b}")
             ratios.append({"of": num, "over": den, "ratio": ratio, "target": target,
@@ -539,9 +627,10 @@ def driver_main(args):
 
 def print_table(report):
     load = report["load_before"]
-    print(f"# shard.torch vs PyTorch data parallelism, {report['date']}, {report['host']}, "
-          f"{report['cores']} cores, torch {report.get('torch')}, 1 thread per process, "
-          f"median of {report['repeats']} [min-max]")
+    where = report["device"] + (f" ({report['gpu']})" if report.get("gpu") else "")
+    print(f"# shard.torch vs PyTorch, {report['date']}, {report['host']}, {report['cores']} "
+          f"cores, {where}, {report['precision']}, torch {report.get('torch')}, 1 thread per "
+          f"process, median of {report['repeats']} [min-max]")
     if load:
         print(f"# load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; after: "
               + " ".join(f"{v:.2f}" for v in report["load_after"] or [])
@@ -557,12 +646,13 @@ def print_table(report):
     print(f"|{'-' * 13}|{'-' * 30}|{'-' * 29}|{'-' * 32}|{'-' * 15}|{'-' * 8}|--------|")
     for model, m in report["models"].items():
         ratio_of = {r["of"]: r for r in m["ratios"] if r["primary"]}
-        for key, label, _ in CONFIGS:
-            c = m["configs"][key]
+        for key, c in m["configs"].items():
+            label = c["label"]
             s = c["steps_per_second"]
             rate = f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
-            split = (f"{c['ms_per_step']:.1f}: {c['compute_ms']:.1f} / {c['step_ms']:.1f} / "
-                     f"{c['rest_ms']:.1f}")
+            split = (f"{c['ms_per_step']:.2f}: " + " / ".join(
+                "-" if math.isnan(c[part]) else f"{c[part]:.2f}"
+                for part in ("compute_ms", "step_ms", "rest_ms")))
             ratio, target, result = "", "", ""
             if key in ratio_of:
                 r = ratio_of[key]
@@ -599,12 +689,20 @@ def main():
     worker.add_argument("--store", help="DDP's file store")
     worker.add_argument("--zero-bucket-view", action="store_true",
                         help="ZeroRedundancyOptimizer(parameters_as_bucket_view=True)")
+    worker.add_argument("--device", default="cpu")
+    worker.add_argument("--bf16", action="store_true")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed steps per run (default: mlp 100, transformer 300)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps before them (default: mlp 10, transformer 30)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (3)")
     parser.add_argument("--models", default="mlp,transformer", help="mlp,transformer")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default) or cuda:N: on a GPU, plain torch, shard.torch and "
+                        "shard-worker on that GPU")
+    parser.add_argument("--bf16", action="store_true",
+                        help="forward and backward under torch.autocast in bf16 (shard-worker: "
+                        "precision bf16)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--timeout", type=float, default=300,
                         help="seconds one run (all its processes) may take (300)")

@@ -28,6 +28,11 @@
 #include "worker/coordinator_client.h"
 #include "worker/data_path.h"
 #include "worker/generation_handoff.h"
+#include "dlpack/dlpack.h"
+#include "shard/config.h"
+#if SHARD_HAVE_CUDA
+#include "worker/gpu/gpu_data_path.h"
+#endif
 
 struct shard_job {
   shard::GenerationHandoff handoff;
@@ -45,6 +50,11 @@ struct shard_job {
   absl::Time step_started;
   std::string info;         // shard_job_info's answer
   std::string output_path;  // shard_generation_end's
+  int gpu = -1;             // N of device cuda:N, -1 on the host
+  uintptr_t stream = 0;     // the caller's CUDA stream (shard_set_stream)
+  // What went wrong in shard_mark_ready, which returns nothing: the step reports it.
+  absl::Mutex mark_mu;
+  absl::Status mark_failure ABSL_GUARDED_BY(mark_mu);
 };
 
 namespace {
@@ -90,6 +100,16 @@ absl::Status NeedsSession(shard_job* job) {
   return absl::OkStatus();
 }
 
+// A call that reads what the caller wrote into the tensors first orders Shard's device work
+// after the caller's stream; one that wrote them orders the caller's stream after it on the
+// way out (events on a GPU, no host wait; nothing on the host).
+absl::Status AfterCaller(shard_job* job) {
+  return job->session->device().WaitForStream(job->stream);
+}
+absl::Status BeforeCaller(shard_job* job) {
+  return job->session->device().MakeStreamWait(job->stream);
+}
+
 // A config field of the expected JSON type, or InvalidArgument naming it.
 template <typename T>
 absl::Status Read(const nlohmann::json& config, const char* key, T* out) {
@@ -113,7 +133,7 @@ absl::Status Join(const char* config_json, shard_job** out) {
     return absl::InvalidArgumentError("shard_join: the config is not a JSON object");
   }
   static const char* const kKnown[] = {
-      "coordinator", "worker_id", "host", "device", "coordinator_timeout_s",
+      "coordinator", "worker_id", "host", "device", "backend", "coordinator_timeout_s",
       "collective_timeout_s", "log_level", "tls_ca", "tls_cert", "tls_key", "tls_server_name",
       "job_token_file"};
   for (const auto& [key, value] : config.items()) {
@@ -127,11 +147,13 @@ absl::Status Join(const char* config_json, shard_job** out) {
   double coordinator_timeout_s = 60;
   double collective_timeout_s = 60;
   std::string log_level = "info";
+  std::string backend = "auto";
   shard::ClientSecurityFiles files;
   SHARD_RETURN_IF_ERROR(Read(config, "coordinator", &coordinator));
   SHARD_RETURN_IF_ERROR(Read(config, "worker_id", &options.worker_id));
   SHARD_RETURN_IF_ERROR(Read(config, "host", &options.host));
   SHARD_RETURN_IF_ERROR(Read(config, "device", &options.device));
+  SHARD_RETURN_IF_ERROR(Read(config, "backend", &backend));
   SHARD_RETURN_IF_ERROR(Read(config, "coordinator_timeout_s", &coordinator_timeout_s));
   SHARD_RETURN_IF_ERROR(Read(config, "collective_timeout_s", &collective_timeout_s));
   SHARD_RETURN_IF_ERROR(Read(config, "log_level", &log_level));
@@ -150,31 +172,43 @@ absl::Status Join(const char* config_json, shard_job** out) {
     return absl::InvalidArgumentError("shard_join: timeouts must be positive seconds");
   }
   int gpu = -1;
-  SHARD_RETURN_IF_ERROR(shard::ResolveBackend(options.device, "auto", &gpu).status());
+  SHARD_ASSIGN_OR_RETURN([[maybe_unused]] const std::string resolved,
+                         shard::ResolveBackend(options.device, backend, &gpu));
+#if !SHARD_HAVE_CUDA
   if (gpu >= 0) {
-    return absl::UnimplementedError(absl::StrCat(
+    return absl::FailedPreconditionError(absl::StrCat(
         "shard_join: device ", options.device,
-        " is not supported by libshard yet; torch models train on cpu for now"));
+        " needs a libshard built with CUDA and NCCL; this one was built without "
+        "(SHARD_WITH_CUDA=OFF or no CUDA toolkit found): use device cpu"));
   }
+#endif
   SHARD_RETURN_IF_ERROR(
       shard::ConfigureLogging(log_level, absl::StrCat("worker=", options.worker_id)));
   SHARD_ASSIGN_OR_RETURN(const shard::ClientSecurity security, shard::LoadClientSecurity(files));
   options.coordinator_timeout = absl::Seconds(coordinator_timeout_s);
   options.collective_timeout = absl::Seconds(collective_timeout_s);
 
+  absl::StatusOr<std::unique_ptr<shard::DataPath>> data_path =
+      shard::CpuDataPath(options.host, options.collective_timeout);
+#if SHARD_HAVE_CUDA
+  if (gpu >= 0) {
+    data_path = shard::GpuDataPath(gpu, resolved, options.host, options.collective_timeout);
+  }
+#endif
+  SHARD_RETURN_IF_ERROR(data_path.status());
+
   auto job = std::make_unique<shard_job>();
   job->worker_id = options.worker_id;
+  job->gpu = gpu;
   shard_job* raw = job.get();
   options.trainer = [raw](const shard::JobConfig& config, shard::Communicator& communicator,
                           shard::PlanProvider& plans, const shard::TrainerOptions& trainer) {
     return raw->handoff.Train(config, communicator, plans, trainer);
   };
-  const absl::Duration collective_timeout = options.collective_timeout;
-  const std::string host = options.host;
   job->agent = std::make_unique<shard::WorkerAgent>(
       std::move(options),
       std::make_unique<shard::CoordinatorClient>(coordinator, absl::Seconds(10), security),
-      shard::CpuDataPath(host, collective_timeout));
+      std::move(*data_path));
   job->agent_thread = std::thread([raw] {
     const absl::Status ran = raw->agent->Run();
     if (!ran.ok()) spdlog::error("{}", ran.message());
@@ -246,6 +280,10 @@ absl::Status BeginGeneration(shard_job* job, int* began, int* needs_init) {
       }
       loaded = *init;
     }
+    if (absl::Status ordered = BeforeCaller(job); !ordered.ok()) {
+      Return(job, ordered);
+      continue;
+    }
     *began = 1;
     *needs_init = loaded ? 0 : 1;
     ++job->layout_version;
@@ -268,10 +306,16 @@ absl::Status StepBegin(shard_job* job, int64_t* step) {
   }
   shard::Engine& engine = session.engine();
   const shard::Manifest& manifest = engine.manifest();
+  SHARD_RETURN_IF_ERROR(AfterCaller(job));
   for (size_t i = 0; i < manifest.params.size(); ++i) {
     if (float* grad = engine.grad(static_cast<int>(i)); grad != nullptr) {
-      std::memset(grad, 0, sizeof(float) * static_cast<size_t>(manifest.params[i].numel()));
+      SHARD_RETURN_IF_ERROR(session.device().Zero(grad, manifest.params[i].numel()));
     }
+  }
+  SHARD_RETURN_IF_ERROR(BeforeCaller(job));
+  {
+    absl::MutexLock lock(&job->mark_mu);
+    job->mark_failure = absl::OkStatus();
   }
   engine.StartBackward();
   job->timings = shard::StepTimings{};
@@ -291,6 +335,7 @@ absl::Status GenerationEnd(shard_job* job, int code, const char* message,
     return absl::OkStatus();
   }
   shard::TrainingSession& session = *job->session;
+  SHARD_RETURN_IF_ERROR(AfterCaller(job));  // the export reads the parameters
   if (session.result().paused_at > 0) {
     Return(job, session.result());
     return absl::OkStatus();
@@ -308,6 +353,47 @@ absl::Status GenerationEnd(shard_job* job, int code, const char* message,
   const absl::Status finished = result.status();
   Return(job, std::move(result));
   return finished;
+}
+
+// A DLPack tensor over one of the engine's arrays: the descriptor and its shape are ours to
+// free, the memory stays the engine's.
+struct DlpackView {
+  DLManagedTensor managed;
+  std::vector<int64_t> shape;
+};
+
+void DeleteDlpackView(DLManagedTensor* managed) {
+  delete static_cast<DlpackView*>(managed->manager_ctx);
+}
+
+absl::Status TensorDlpack(shard_job* job, int index, int grad, DLManagedTensor** out) {
+  SHARD_RETURN_IF_ERROR(NeedsSession(job));
+  if (out == nullptr) return absl::InvalidArgumentError("shard_tensor_dlpack: null output");
+  shard::Engine& engine = job->session->engine();
+  const shard::Manifest& manifest = engine.manifest();
+  if (index < 0 || index >= static_cast<int>(manifest.params.size())) {
+    return absl::OutOfRangeError(absl::StrCat("tensor index ", index, " is not in [0, ",
+                                              manifest.params.size(), ")"));
+  }
+  float* data = grad ? engine.grad(index) : engine.param(index);
+  if (data == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat(manifest.params[index].name, " is frozen: it has no gradient"));
+  }
+  auto view = std::make_unique<DlpackView>();
+  view->shape = manifest.params[index].shape;
+  DLTensor& tensor = view->managed.dl_tensor;
+  tensor.data = data;
+  tensor.device = job->gpu >= 0 ? DLDevice{kDLCUDA, job->gpu} : DLDevice{kDLCPU, 0};
+  tensor.ndim = static_cast<int>(view->shape.size());
+  tensor.dtype = DLDataType{kDLFloat, 32, 1};
+  tensor.shape = view->shape.data();
+  tensor.strides = nullptr;  // compact, row-major
+  tensor.byte_offset = 0;
+  view->managed.manager_ctx = view.get();
+  view->managed.deleter = &DeleteDlpackView;
+  *out = &view.release()->managed;
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -372,7 +458,9 @@ int shard_generation_begin(shard_job* job, int* began, int* needs_init) {
 int shard_generation_init(shard_job* job) {
   return Guarded([&]() -> absl::Status {
     SHARD_RETURN_IF_ERROR(NeedsSession(job));
-    return job->session->BroadcastInitialValues();
+    SHARD_RETURN_IF_ERROR(AfterCaller(job));
+    SHARD_RETURN_IF_ERROR(job->session->BroadcastInitialValues());
+    return BeforeCaller(job);
   });
 }
 
@@ -386,6 +474,22 @@ int shard_tensor(shard_job* job, int index, float** param, float** grad) {
     }
     if (param != nullptr) *param = engine.param(index);
     if (grad != nullptr) *grad = engine.grad(index);
+    return absl::OkStatus();
+  });
+}
+
+int shard_tensor_dlpack(shard_job* job, int index, int grad, DLManagedTensor** tensor) {
+  return Guarded([&] { return TensorDlpack(job, index, grad, tensor); });
+}
+
+int shard_set_stream(shard_job* job, uintptr_t stream) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsJob(job));
+    if (job->gpu < 0 && stream != 0) {
+      return absl::InvalidArgumentError(
+          "shard_set_stream: this job trains on the host, which has no streams (pass 0)");
+    }
+    job->stream = stream;
     return absl::OkStatus();
   });
 }
@@ -413,8 +517,12 @@ int shard_broadcast(shard_job* job, int index) {
       return absl::InvalidArgumentError(absl::StrCat(
           spec.name, " is trained: its values are the engine's and the same on every rank"));
     }
-    return job->session->communicator().Broadcast(engine.param(index), spec.numel(),
-                                                  shard::DataType::kFloat32, /*root=*/0);
+    shard::Communicator& communicator = job->session->communicator();
+    SHARD_RETURN_IF_ERROR(AfterCaller(job));
+    SHARD_RETURN_IF_ERROR(
+        communicator.Broadcast(engine.param(index), spec.numel(), shard::DataType::kFloat32, 0));
+    SHARD_RETURN_IF_ERROR(communicator.OrderComputeAfterCollectives());
+    return BeforeCaller(job);
   });
 }
 
@@ -430,10 +538,15 @@ void shard_mark_ready(shard_job* job, int index) {
   // Each rank's loss is the mean over its own samples, so the ranks' gradients are averaged,
   // as DDP does: divided by the world size before the reduction sums them.
   const int world = job->session->communicator().size();
-  if (float* grad = engine.grad(index); grad != nullptr && world > 1) {
-    const float divisor = static_cast<float>(world);
-    const int64_t numel = manifest.params[index].numel();
-    for (int64_t k = 0; k < numel; ++k) grad[k] /= divisor;
+  absl::Status prepared = AfterCaller(job);
+  if (float* grad = engine.grad(index); prepared.ok() && grad != nullptr && world > 1) {
+    prepared = job->session->device().Divide(grad, manifest.params[index].numel(),
+                                             static_cast<float>(world));
+  }
+  if (!prepared.ok()) {
+    absl::MutexLock lock(&job->mark_mu);
+    if (job->mark_failure.ok()) job->mark_failure = prepared;
+    return;
   }
   engine.MarkGradReady(index);
 }
@@ -441,13 +554,18 @@ void shard_mark_ready(shard_job* job, int index) {
 int shard_step(shard_job* job) {
   return Guarded([&]() -> absl::Status {
     SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    {
+      absl::MutexLock lock(&job->mark_mu);
+      SHARD_RETURN_IF_ERROR(job->mark_failure);
+    }
     shard::Engine& engine = job->session->engine();
     const absl::Status stepped = engine.Step(&job->timings);
     if (engine.plan_version() != job->plan_version) {  // the first step rebuilt the buckets
       job->plan_version = engine.plan_version();
       ++job->layout_version;
     }
-    return stepped;
+    SHARD_RETURN_IF_ERROR(stepped);
+    return BeforeCaller(job);
   });
 }
 
@@ -456,6 +574,7 @@ int shard_step_end(shard_job* job, double loss, int* boundary) {
     SHARD_RETURN_IF_ERROR(NeedsSession(job));
     if (boundary == nullptr) return absl::InvalidArgumentError("shard_step_end: null output");
     shard::TrainingSession& session = *job->session;
+    SHARD_RETURN_IF_ERROR(AfterCaller(job));  // a checkpoint may read what the caller wrote
     // The global loss is the mean of the ranks' means: every rank has an equal share.
     SHARD_ASSIGN_OR_RETURN(
         const shard::TrainingSession::Boundary reached,

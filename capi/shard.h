@@ -43,7 +43,9 @@ const char* shard_last_error(void);
 
 /* Joins the coordinator and blocks until the world is formed and this worker holds a rank.
  * `config_json`: {"coordinator": "host:port", "worker_id": "...", "host": "127.0.0.1" (where
- * peers reach this rank), "device": "cpu", "coordinator_timeout_s": 60,
+ * peers reach this rank), "device": "cpu" or "cuda:N", "backend": "auto" (NCCL on a GPU, Gloo
+ * on the host) or "gloo" (on a GPU: staged through host memory, e.g. several ranks sharing one
+ * GPU) or "nccl", "coordinator_timeout_s": 60,
  * "collective_timeout_s": 60, "log_level": "info", "tls_ca", "tls_cert", "tls_key",
  * "tls_server_name", "job_token_file" (paths)}; only "coordinator" is required. */
 int shard_join(const char* config_json, shard_job** job);
@@ -69,6 +71,23 @@ int shard_generation_init(shard_job* job);
  * whenever they may have moved. */
 int shard_tensor(shard_job* job, int index, float** param, float** grad);
 int shard_layout_version(shard_job* job, int64_t* version);
+
+/* The same places as DLPack tensors (dlpack/dlpack.h, DLPack 0.6): tensor `index`'s values
+ * (grad = 0) or gradient (grad = 1), fp32 in the manifest's shape, on the job's device (kDLCPU,
+ * or kDLCUDA with the GPU's index). The caller owns the descriptor and frees it with its deleter
+ * (a framework that takes it, such as torch.from_dlpack, does); the memory stays Shard's and is
+ * valid until the layout version changes. NOT_FOUND for a frozen tensor's gradient. */
+struct DLManagedTensor;
+int shard_tensor_dlpack(shard_job* job, int index, int grad, struct DLManagedTensor** tensor);
+
+/* GPU jobs: the CUDA stream (a cudaStream_t; 0 is the legacy default stream) on which the caller
+ * computes with Shard's tensors, e.g. torch.cuda.current_stream().cuda_stream. Every call that
+ * reads what the caller wrote (shard_mark_ready, shard_step_end, ...) first makes Shard's work
+ * wait for what the caller enqueued there so far, and every call that writes the tensors
+ * (shard_generation_begin, shard_step_begin, shard_step, ...) makes the caller's later work
+ * there wait for it: CUDA events, no host wait and no device-wide synchronization. Set it before
+ * the step's first call; a host job takes only 0. */
+int shard_set_stream(shard_job* job, uintptr_t stream);
 
 /* Gives every rank rank 0's values of frozen tensor `index` (requires_grad false in the
  * manifest), e.g. a module buffer such as BatchNorm's running statistics, as DDP's

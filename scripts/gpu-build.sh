@@ -2,9 +2,10 @@
 # Builds the GPU test and benchmark binaries into build-gpu/ (CUDA required, -DSHARD_WITH_CUDA=ON)
 # and puts stripped copies in build-gpu/device/ for a GPU machine that has none of our Debian
 # packages: they need only the NVIDIA driver, cuBLAS and NCCL there (checked below with ldd).
-# It also packs the three programs with every shared library they need beyond the C/C++
-# runtime, CUDA and NCCL into build-gpu/device/cluster.tar.xz (bin/ and lib/), for
-# scripts/gpu-cluster-test.sh. Then, on the GPU machine, from the repository root:
+# It also packs the three programs and the shard Python package (libshard.so with it) with every
+# shared library they need beyond the C/C++ runtime, CUDA and NCCL into
+# build-gpu/device/cluster.tar.xz (bin/, python/ and lib/), for scripts/gpu-cluster-test.sh and
+# the GPU runs of scripts/bench-torch.sh. Then, on the GPU machine, from the repository root:
 #   scripts/gpu-test.sh build-gpu/device
 #   scripts/gpu-cluster-test.sh build-gpu/device/cluster.tar.xz
 set -euo pipefail
@@ -15,7 +16,7 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
     -DSHARD_WARNINGS_AS_ERRORS=ON -DSHARD_WITH_CUDA=ON
 fi
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target gpu_test shard-bench-gpu \
-  shard-coordinator shard-worker shardctl
+  shard-coordinator shard-worker shardctl shard_python
 mkdir -p "$BUILD_DIR/device"
 for binary in gpu_test shard-bench-gpu; do
   objcopy --strip-debug "$BUILD_DIR/bin/$binary" "$BUILD_DIR/device/$binary"
@@ -34,11 +35,13 @@ cp bench/gpu_torch_adam.py "$BUILD_DIR/device/"
 # least as new as this machine's (Debian 12: glibc 2.36).
 bundle="$BUILD_DIR/device/cluster"
 rm -rf "$bundle"
-mkdir -p "$bundle/bin" "$bundle/lib"
+mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/python/shard"
 for program in shard-coordinator shard-worker shardctl; do
   objcopy --strip-debug "$BUILD_DIR/bin/$program" "$bundle/bin/$program"
 done
-ldd "$bundle"/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
+cp "$BUILD_DIR"/python/shard/*.py "$bundle/python/shard/"
+objcopy --strip-debug "$BUILD_DIR/python/shard/libshard.so" "$bundle/python/shard/libshard.so"
+ldd "$bundle"/bin/* "$bundle/python/shard/libshard.so" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
   grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+)\.so|/ld-linux|libcuda\.so|libcublas|libnccl' |
   while read -r library; do cp -L "$library" "$bundle/lib/"; done
 tar -C "$BUILD_DIR/device" -cJf "$BUILD_DIR/device/cluster.tar.xz" cluster

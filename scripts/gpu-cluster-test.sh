@@ -10,11 +10,18 @@
 #   kill-1-of-3  three staged GPU workers, one SIGKILLed mid-run: the survivors abort, re-form
 #                at two, restore the latest checkpoint onto the GPU and finish
 #   speed        steps/s of the medium MLP on one GPU worker (fp32 and bf16) and one CPU worker
+#   torch        shard.torch on cuda:0 (tests/python/test_torch_gpu.py): NCCL at world size 1, two
+#                staged ranks sharing the GPU, bf16 autocast, a stream of the script's own, each
+#                against plain torch on the GPU (needs python3 with torch, CUDA and pytest)
+#   bench        with --bench: scripts/bench-torch.sh's GPU table (plain torch, shard.torch and
+#                shard-worker on the GPU) in fp32 and under bf16 autocast, printed at the end
 # Without a GPU, the GPU runs are reported skipped and only the CPU references run (so the
 # script itself is exercised anywhere). Ends with a summary table; logs go to $OUT (a temporary
 # folder when unset; KEEP_RUN=1 keeps the run folder with the jobs' outputs).
 #
-#   scripts/gpu-cluster-test.sh [BUNDLE] [--max-abs-diff X]
+#   scripts/gpu-cluster-test.sh [BUNDLE] [--max-abs-diff X] [--bench] [--torch-only]
+#
+# --torch-only skips the CPU references and the built-in MLP's runs (torch and bench only).
 #
 # BUNDLE holds bin/ (the three programs) and lib/ (their shared libraries beyond the C/C++
 # runtime, CUDA and NCCL): a folder, or the cluster.tar.xz that scripts/gpu-build.sh packs for a
@@ -25,10 +32,14 @@ cd "$(dirname "$0")/.."
 
 BUNDLE=""
 MAX_ABS_DIFF=1e-4
+BENCH=0
+TORCH_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --max-abs-diff) MAX_ABS_DIFF="$2"; shift 2 ;;
-    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --bench) BENCH=1; shift ;;
+    --torch-only) TORCH_ONLY=1; shift ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
     *) BUNDLE="$1"; shift ;;
   esac
 done
@@ -145,72 +156,105 @@ compare() {
 # ratio A B: A / B, and whether it is within [1-r, 1+r] for r = $3.
 within() { awk -v a="$1" -v b="$2" -v r="$3" 'BEGIN { q = a / b; printf "%.4f", q; exit !(q >= 1 - r && q <= 1 + r) }'; }
 
-echo "== CPU references"
-job cpu-1 1 small "64, 256, 256, 10" 30 fp32
-run cpu-1 1 --device cpu && record "cpu-1" "ok: loss $(final_loss cpu-1)" || record "cpu-1" "FAIL (logs in $OUT)"
-job cpu-2 2 small "64, 256, 256, 10" 30 fp32
-run cpu-2 2 --device cpu && record "cpu-2" "ok: loss $(final_loss cpu-2)" || record "cpu-2" "FAIL (logs in $OUT)"
-job cpu-speed 1 medium "512, 1024, 1024, 64" 200 fp32
-run cpu-speed 1 --device cpu && record "speed cpu" "$(steps_per_second cpu-speed) steps/s (4 threads)" \
-  || record "speed cpu" "FAIL"
+if [ $TORCH_ONLY = 0 ]; then
+  echo "== CPU references"
+  job cpu-1 1 small "64, 256, 256, 10" 30 fp32
+  run cpu-1 1 --device cpu && record "cpu-1" "ok: loss $(final_loss cpu-1)" || record "cpu-1" "FAIL (logs in $OUT)"
+  job cpu-2 2 small "64, 256, 256, 10" 30 fp32
+  run cpu-2 2 --device cpu && record "cpu-2" "ok: loss $(final_loss cpu-2)" || record "cpu-2" "FAIL (logs in $OUT)"
+  job cpu-speed 1 medium "512, 1024, 1024, 64" 200 fp32
+  run cpu-speed 1 --device cpu && record "speed cpu" "$(steps_per_second cpu-speed) steps/s (4 threads)" \
+    || record "speed cpu" "FAIL"
+fi
 
 if [ $GPU = 0 ]; then
-  for stage in nccl-1 staged-2 bf16 fp16 kill-1-of-3 "speed gpu"; do record "$stage" "skipped: no GPU"; done
+  for stage in nccl-1 staged-2 bf16 fp16 kill-1-of-3 "speed gpu" torch; do
+    record "$stage" "skipped: no GPU"
+  done
 else
-  echo "== GPU runs"
-  job nccl-1 1 small "64, 256, 256, 10" 30 fp32
-  if run nccl-1 1 --device cuda:0 && grep -q "over nccl" "$RUN/nccl-1/worker-0.log"; then
-    result=$(compare cpu-1 nccl-1) && record "nccl-1" "ok: $result" || record "nccl-1" "FAIL: $result"
-  else
-    record "nccl-1" "FAIL (logs in $OUT)"
-  fi
-  job staged-2 2 small "64, 256, 256, 10" 30 fp32
-  if run staged-2 2 --device cuda:0 --backend gloo && grep -q "gloo+staged" "$RUN/staged-2/worker-0.log"; then
-    result=$(compare cpu-2 staged-2) && record "staged-2" "ok: $result" || record "staged-2" "FAIL: $result"
-  else
-    record "staged-2" "FAIL (logs in $OUT)"
-  fi
-  fp32_loss=$(final_loss nccl-1)
-  # In these 30 steps fp32 takes the loss from 2.33 to 1.28 (the CPU run): a 16-bit run that
-  # did not learn ends far outside 10% of it.
-  for precision in bf16 fp16; do
-    job "$precision" 1 small "64, 256, 256, 10" 30 "$precision"
-    if run "$precision" 1 --device cuda:0; then
-      loss=$(final_loss "$precision")
-      ratio=$(within "$loss" "$fp32_loss" 0.1) && record "$precision" "ok: loss $loss, ${ratio}x fp32's" \
-        || record "$precision" "FAIL: loss $loss, ${ratio}x fp32's $fp32_loss"
+  if [ $TORCH_ONLY = 0 ]; then
+    echo "== GPU runs"
+    job nccl-1 1 small "64, 256, 256, 10" 30 fp32
+    if run nccl-1 1 --device cuda:0 && grep -q "over nccl" "$RUN/nccl-1/worker-0.log"; then
+      result=$(compare cpu-1 nccl-1) && record "nccl-1" "ok: $result" || record "nccl-1" "FAIL: $result"
     else
-      record "$precision" "FAIL (logs in $OUT)"
+      record "nccl-1" "FAIL (logs in $OUT)"
     fi
-  done
-
-  kill_one() {  # once rank 0 is past step 60 (a checkpoint at 50), SIGKILL worker 2
-    for _ in $(seq 600); do
-      grep -qE " step ([6-9][0-9]|[1-9][0-9]{2,})/" "$1"/worker-*.log 2>/dev/null && break
-      sleep 0.1
+    job staged-2 2 small "64, 256, 256, 10" 30 fp32
+    if run staged-2 2 --device cuda:0 --backend gloo && grep -q "gloo+staged" "$RUN/staged-2/worker-0.log"; then
+      result=$(compare cpu-2 staged-2) && record "staged-2" "ok: $result" || record "staged-2" "FAIL: $result"
+    else
+      record "staged-2" "FAIL (logs in $OUT)"
+    fi
+    fp32_loss=$(final_loss nccl-1)
+    # In these 30 steps fp32 takes the loss from 2.33 to 1.28 (the CPU run): a 16-bit run that
+    # did not learn ends far outside 10% of it.
+    for precision in bf16 fp16; do
+      job "$precision" 1 small "64, 256, 256, 10" 30 "$precision"
+      if run "$precision" 1 --device cuda:0; then
+        loss=$(final_loss "$precision")
+        ratio=$(within "$loss" "$fp32_loss" 0.1) && record "$precision" "ok: loss $loss, ${ratio}x fp32's" \
+          || record "$precision" "FAIL: loss $loss, ${ratio}x fp32's $fp32_loss"
+      else
+        record "$precision" "FAIL (logs in $OUT)"
+      fi
     done
-    KILLED=${WORKER_PIDS[2]}
-    kill -KILL "$KILLED"
-  }
-  job kill-1-of-3 3 medium "512, 1024, 1024, 64" 400 fp32 \
-    "\"checkpoint\": {\"dir\": \"$RUN/kill-1-of-3/ckpt\", \"everySteps\": 50, \"keepLast\": 2}"
-  if ON_START=kill_one run kill-1-of-3 3 --device cuda:0 --backend gloo \
-      && grep -q "restor" "$RUN/kill-1-of-3"/worker-0.log && [ -n "$(final_loss kill-1-of-3)" ]; then
-    record "kill-1-of-3" "ok: re-formed at 2, restored, loss $(final_loss kill-1-of-3)"
-  else
-    record "kill-1-of-3" "FAIL (logs in $OUT)"
-  fi
-  KILLED=""
 
-  for precision in fp32 bf16; do
-    job "gpu-speed-$precision" 1 medium "512, 1024, 1024, 64" 200 "$precision"
-    run "gpu-speed-$precision" 1 --device cuda:0 \
-      && record "speed gpu $precision" "$(steps_per_second "gpu-speed-$precision") steps/s" \
-      || record "speed gpu $precision" "FAIL"
-  done
+    kill_one() {  # once rank 0 is past step 60 (a checkpoint at 50), SIGKILL worker 2
+      for _ in $(seq 600); do
+        grep -qE " step ([6-9][0-9]|[1-9][0-9]{2,})/" "$1"/worker-*.log 2>/dev/null && break
+        sleep 0.1
+      done
+      KILLED=${WORKER_PIDS[2]}
+      kill -KILL "$KILLED"
+    }
+    job kill-1-of-3 3 medium "512, 1024, 1024, 64" 400 fp32 \
+      "\"checkpoint\": {\"dir\": \"$RUN/kill-1-of-3/ckpt\", \"everySteps\": 50, \"keepLast\": 2}"
+    if ON_START=kill_one run kill-1-of-3 3 --device cuda:0 --backend gloo \
+        && grep -q "restor" "$RUN/kill-1-of-3"/worker-0.log && [ -n "$(final_loss kill-1-of-3)" ]; then
+      record "kill-1-of-3" "ok: re-formed at 2, restored, loss $(final_loss kill-1-of-3)"
+    else
+      record "kill-1-of-3" "FAIL (logs in $OUT)"
+    fi
+    KILLED=""
+
+    for precision in fp32 bf16; do
+      job "gpu-speed-$precision" 1 medium "512, 1024, 1024, 64" 200 "$precision"
+      run "gpu-speed-$precision" 1 --device cuda:0 \
+        && record "speed gpu $precision" "$(steps_per_second "gpu-speed-$precision") steps/s" \
+        || record "speed gpu $precision" "FAIL"
+    done
+  fi
+
+  echo "== shard.torch on the GPU"
+  if [ ! -f "$BUNDLE/python/shard/libshard.so" ]; then
+    record "torch" "skipped: the bundle has no python/shard (scripts/gpu-build.sh packs it)"
+  elif ! python3 -c 'import pytest, torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    record "torch" "skipped: python3 has no torch with CUDA, or no pytest"
+  else
+    SHARD_BUILD_DIR="$BUNDLE" PYTHONPATH="$BUNDLE/python" timeout 600 \
+      python3 -m pytest -v -s -p no:cacheprovider tests/python/test_torch_gpu.py \
+      >"$OUT/torch-gpu.log" 2>&1
+    status=$?
+    grep -E "difference|PASSED|FAILED|SKIPPED" "$OUT/torch-gpu.log" | sed 's/^/  /'
+    summary=$(tail -n 1 "$OUT/torch-gpu.log" | tr -d '=')
+    [ $status = 0 ] && record "torch" "ok:$summary" || record "torch" "FAIL:$summary"
+    if [ $BENCH = 1 ]; then
+      for precision in "" --bf16; do
+        table="$OUT/bench-torch${precision:+-bf16}"
+        SHARD_BUILD_DIR="$BUNDLE" PYTHONPATH="$BUNDLE/python" timeout 300 \
+          python3 bench/torch_bench.py --device cuda:0 $precision --steps 300 --warmup 30 \
+          --repeats 2 >"$table.txt" 2>"$table.log"
+        status=$?
+        record "bench ${precision:-fp32}" "exit $status ($table.txt)"
+        [ $status = 0 ] || FAILED=1
+      done
+    fi
+  fi
 fi
 
 echo
 echo "== summary (logs in $OUT)"
 for i in "${!names[@]}"; do printf '%-18s %s\n' "${names[$i]}" "${results[$i]}"; done
+for table in "$OUT"/bench-torch*.txt; do [ -f "$table" ] && { echo; cat "$table"; }; done
 exit $FAILED

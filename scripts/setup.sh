@@ -8,7 +8,7 @@ PACKAGES=(
   protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev
   libabsl-dev libspdlog-dev libgtest-dev libgmock-dev libgloo-dev
   libcli11-dev nlohmann-json3-dev libxxhash-dev libopenblas-dev libcpp-httplib-dev
-  prometheus-cpp-dev
+  prometheus-cpp-dev libdlpack-dev
   docker-compose
   # The shard Python package's tests and examples: Debian's torch (CPU) for /usr/bin/python3.
   python3-torch python3-numpy python3-pytest

@@ -4,6 +4,9 @@ coordinator's job spec ("model": {"external": {}}). One process per rank:
 
     SHARD_COORDINATOR=127.0.0.1:7460 python3 examples/torch/mlp.py --data data.safetensors
 
+On a GPU: SHARD_DEVICE=cuda:0 (and --bf16 to compute under torch.autocast in bf16; Shard keeps
+the parameters and gradients in fp32).
+
 The data file holds x (F32 [N, in]) and y (I64 [N]), e.g. from `shardctl data generate` (512
 features and 64 classes make the medium MLP 512,1024,1024,1024,64). Every rank builds the model
 from the same seed; the engine starts from rank 0's values anyway.
@@ -41,6 +44,8 @@ def main():
                         help="hidden widths when --widths is not given (default: the medium MLP's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="forward and backward under torch.autocast in bf16")
     parser.add_argument("--micro-batches", type=int, default=1,
                         help="split each rank's share of a step into this many micro-batches, "
                         "accumulating gradients with engine.no_sync() (default 1)")
@@ -58,14 +63,17 @@ def main():
     loss_fn = torch.nn.CrossEntropyLoss()
 
     job = shard.join()
+    model.to(job.device)
+    x, y = x.to(job.device), y.to(job.device)
     engine = job.wrap(model)
     for step in job.steps():
-        idx = job.batch_indices(step, len(x))
+        idx = job.batch_indices(step, len(x)).to(job.device)
         parts = idx.chunk(args.micro_batches)
         loss_sum = 0.0
         for i, part in enumerate(parts):
             # Each micro-batch's share of this rank's mean loss; one reduction per step.
-            loss = loss_fn(model(x[part]), y[part]) * (len(part) / len(idx))
+            with torch.autocast(job.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                loss = loss_fn(model(x[part]), y[part]) * (len(part) / len(idx))
             if i + 1 < len(parts):
                 with engine.no_sync():
                     loss.backward()

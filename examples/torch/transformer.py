@@ -42,7 +42,7 @@ class Block(torch.nn.Module):
         shape = (batch, length, self.heads, dim // self.heads)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         scores = q @ k.transpose(-2, -1) / math.sqrt(dim // self.heads)
-        causal = torch.ones(length, length, dtype=torch.bool).tril()  # no buffer to keep in sync
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()  # no buffer
         scores = scores.masked_fill(~causal, float("-inf"))
         attended = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(batch, length, dim)
         x = x + self.projection(attended)
@@ -59,7 +59,7 @@ class Gpt(torch.nn.Module):
         self.head = torch.nn.Linear(dim, vocab)
 
     def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1])
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_emb(tokens) + self.position_emb(positions)
         for block in self.blocks:
             x = block(x)
@@ -90,6 +90,9 @@ def main():
     parser.add_argument("--sequences", type=int, default=4096, help="size of the data set")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="forward and backward under torch.autocast in bf16 (on a GPU: "
+                        "SHARD_DEVICE=cuda:0)")
     parser.add_argument("--data", help="ignored (scripts/local-cluster.sh passes its MLP data)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -100,11 +103,14 @@ def main():
     loss_fn = torch.nn.CrossEntropyLoss()
 
     job = shard.join()
+    model.to(job.device)
+    data = data.to(job.device)
     engine = job.wrap(model)
     for step in job.steps():
-        batch = data[job.batch_indices(step, len(data))]
-        logits = model(batch[:, :-1])
-        loss = loss_fn(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
+        batch = data[job.batch_indices(step, len(data)).to(job.device)]
+        with torch.autocast(job.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            logits = model(batch[:, :-1])
+            loss = loss_fn(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
         loss.backward()
         engine.step()
         job.report(loss=loss.item())

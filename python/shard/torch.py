@@ -3,9 +3,9 @@
     import torch
     import shard.torch as shard
 
-    model = Net()                                   # any nn.Module with fp32 parameters, on cpu
     job = shard.join()                              # SHARD_COORDINATOR (or coordinator="host:port");
                                                     # blocks until the world is formed
+    model = Net().to(job.device)                    # any nn.Module with fp32 parameters
     engine = job.wrap(model)                        # parameters and gradients become views of
                                                     # Shard's flat buckets
     for step in job.steps():                        # the global steps still to run
@@ -24,8 +24,16 @@ by the world size the result equals one process training on the whole batch. `jo
 hides re-formations: when a worker dies or the world is resized, the step in flight is dropped,
 the new world restores the newest checkpoint, and the loop goes on from the step after it.
 
+On a GPU (device "cuda:N"), the parameters and gradients are views of Shard's device buffers
+(DLPack), the gradient reductions run on NCCL (or, with backend "gloo", on Gloo staged through
+host memory, for several ranks on one GPU), and Shard's work is ordered with torch's current
+stream through CUDA events: no device-wide synchronization. Autocast (bf16, fp16) works as in
+plain torch: the parameters and gradients Shard keeps are fp32.
+
 Configuration comes from join()'s arguments or the environment: SHARD_COORDINATOR, SHARD_ID (the
-worker id; default host-pid), SHARD_HOST (where peers reach this rank; default 127.0.0.1),
+worker id; default host-pid), SHARD_DEVICE ("cpu" or "cuda:N"; default cpu), SHARD_BACKEND
+("auto": NCCL on a GPU, Gloo on the host; "gloo"; "nccl"), SHARD_HOST (where peers reach this
+rank; default 127.0.0.1),
 SHARD_COORDINATOR_TIMEOUT and SHARD_COLLECTIVE_TIMEOUT (seconds), SHARD_LOG_LEVEL,
 SHARD_JOB_TOKEN_FILE, SHARD_TLS_CA, SHARD_TLS_CERT, SHARD_TLS_KEY, SHARD_TLS_SERVER_NAME.
 """
@@ -39,6 +47,7 @@ import warnings
 import weakref
 
 import torch
+import torch.utils.dlpack
 
 from . import _lib
 from ._lib import ShardError, check, lib
@@ -46,9 +55,9 @@ from ._lib import ShardError, check, lib
 __all__ = ["join", "Job", "Engine", "ShardError"]
 
 
-def join(coordinator=None, worker_id=None, host=None, coordinator_timeout=None,
-         collective_timeout=None, log_level=None, job_token_file=None, tls_ca=None,
-         tls_cert=None, tls_key=None, tls_server_name=None):
+def join(coordinator=None, worker_id=None, host=None, device=None, backend=None,
+         coordinator_timeout=None, collective_timeout=None, log_level=None, job_token_file=None,
+         tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None):
     """Joins the job's coordinator and blocks until the world is formed and this process holds a
     rank. Arguments left out come from the SHARD_* environment variables (module docstring)."""
     env = os.environ.get
@@ -56,6 +65,8 @@ def join(coordinator=None, worker_id=None, host=None, coordinator_timeout=None,
         "coordinator": coordinator or env("SHARD_COORDINATOR"),
         "worker_id": worker_id or env("SHARD_ID") or f"{socket.gethostname()}-{os.getpid()}",
         "host": host or env("SHARD_HOST"),
+        "device": str(device or env("SHARD_DEVICE") or "cpu"),
+        "backend": backend or env("SHARD_BACKEND"),
         "coordinator_timeout_s": _seconds(coordinator_timeout or env("SHARD_COORDINATOR_TIMEOUT")),
         "collective_timeout_s": _seconds(collective_timeout or env("SHARD_COLLECTIVE_TIMEOUT")),
         "log_level": log_level or env("SHARD_LOG_LEVEL"),
@@ -71,7 +82,7 @@ def join(coordinator=None, worker_id=None, host=None, coordinator_timeout=None,
     config = {key: value for key, value in config.items() if value is not None}
     handle = ctypes.c_void_p()
     check(lib.shard_join(json.dumps(config).encode(), ctypes.byref(handle)))
-    return Job(handle)
+    return Job(handle, torch.device(config["device"]))
 
 
 def _seconds(value):
@@ -88,8 +99,9 @@ def _seconds(value):
 class Job:
     """One rank's membership in a Shard job (made by join())."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, device):
         self._handle = handle
+        self._device = device
         # Leaves the job when the Job is collected or the interpreter exits, whatever happened.
         self._close = weakref.finalize(self, lib.shard_job_close, handle)
         self._engine = None
@@ -111,6 +123,11 @@ class Job:
         return self._info["rank"]
 
     @property
+    def device(self):
+        """The torch.device this rank trains on (the model must be there before wrap())."""
+        return self._device
+
+    @property
     def world_size(self):
         return self._info["world_size"]
 
@@ -130,7 +147,7 @@ class Job:
 
     def wrap(self, model):
         """Puts `model`'s parameters and gradients in Shard's buffers and returns the Engine whose
-        step() trains it. Once per job; the model must be on the cpu with fp32 parameters and
+        step() trains it. Once per job; the model must be on job.device with fp32 parameters and
         must not be moved afterwards (model.to(...) would detach it from Shard)."""
         if self._engine is not None:
             raise ShardError(_lib.FAILED_PRECONDITION, "wrap() was called already: one model a job")
@@ -159,6 +176,7 @@ class Job:
             raise ShardError(_lib.FAILED_PRECONDITION, "wrap(model) before steps()")
         engine = self._engine
         while True:
+            engine._use_current_stream()
             began, needs_init = ctypes.c_int(), ctypes.c_int()
             check(lib.shard_generation_begin(self._handle, ctypes.byref(began),
                                              ctypes.byref(needs_init)))
@@ -181,6 +199,7 @@ class Job:
     def _generation_steps(self, engine):
         step = ctypes.c_int64()
         while True:
+            engine._use_current_stream()
             code = lib.shard_step_begin(self._handle, ctypes.byref(step))
             if code:
                 self._end_generation(code, lib.shard_last_error().decode())
@@ -242,6 +261,7 @@ class Engine:
     def __init__(self, job, model):
         self._job = job
         self._model = model
+        self._device = job.device
         self._params = []
         manifest = []
         for name, param in model.named_parameters():
@@ -249,10 +269,11 @@ class Engine:
                 raise ShardError(_lib.INVALID_ARGUMENT,
                                  f"parameter {name} is {param.dtype}; Shard keeps fp32 parameters "
                                  "(call model.float() before wrap)")
-            if param.device.type != "cpu":
+            if param.device != self._device:
                 raise ShardError(_lib.INVALID_ARGUMENT,
-                                 f"parameter {name} is on {param.device}; shard.torch trains on "
-                                 "the cpu for now")
+                                 f"parameter {name} is on {param.device} but this rank trains on "
+                                 f"{self._device}: move the model there (model.to(job.device)) "
+                                 "before wrap")
             manifest.append({"name": name, "shape": list(param.shape) or [1], "dtype": "f32",
                              "requires_grad": param.requires_grad})
             self._params.append(param)
@@ -268,7 +289,7 @@ class Engine:
         for name, buffer in model.named_buffers():
             if name not in persistent:
                 continue  # the module rebuilds it
-            if buffer.dtype in _EXACT_IN_FP32 and buffer.device.type == "cpu":
+            if buffer.dtype in _EXACT_IN_FP32 and buffer.device == self._device:
                 manifest.append({"name": name, "shape": list(buffer.shape) or [1], "dtype": "f32",
                                  "requires_grad": False})
                 self._buffer_names.append(name)
@@ -332,6 +353,13 @@ class Engine:
         finally:
             self._syncing = True
 
+    def _use_current_stream(self):
+        """Tells Shard the stream torch computes on now: Shard's work on the buffers is ordered
+        with it by CUDA events (capi/shard.h, shard_set_stream)."""
+        if self._device.type == "cuda":
+            stream = torch.cuda.current_stream(self._device).cuda_stream
+            check(lib.shard_set_stream(self._job._handle, stream))
+
     def _names(self):
         return [name for name, _ in self._model.named_parameters()]
 
@@ -368,12 +396,10 @@ class Engine:
         if version.value == self._layout:
             return
         views = []
+        handle = self._job._handle
         for index, param in enumerate(self._params):
-            param_ptr, grad_ptr = ctypes.c_void_p(), ctypes.c_void_p()
-            check(lib.shard_tensor(self._job._handle, index, ctypes.byref(param_ptr),
-                                   ctypes.byref(grad_ptr)))
-            param_view = _view(param_ptr.value, param.shape)
-            grad_view = _view(grad_ptr.value, param.shape) if grad_ptr.value else None
+            param_view = _view(handle, index, False, param.shape)
+            grad_view = _view(handle, index, True, param.shape) if param.requires_grad else None
             with torch.no_grad():
                 param.data = param_view
                 if grad_view is not None:
@@ -382,10 +408,8 @@ class Engine:
         self._views = views
         self._buffer_views = []
         for offset, name in enumerate(self._buffer_names):
-            address = ctypes.c_void_p()
-            check(lib.shard_tensor(self._job._handle, len(self._params) + offset,
-                                   ctypes.byref(address), None))
-            self._buffer_views.append(_view(address.value, self._model.get_buffer(name).shape))
+            self._buffer_views.append(_view(handle, len(self._params) + offset, False,
+                                            self._model.get_buffer(name).shape))
         self._layout = version.value
 
     def _buffers_in(self):
@@ -416,7 +440,7 @@ class Engine:
         from .safetensors import load_file, metadata, save_file
         tensors = load_file(path)
         for name in names:
-            tensors[name] = self._model.get_buffer(name)
+            tensors[name] = self._model.get_buffer(name).detach().cpu()
         save_file(tensors, path, metadata(path))
 
     def step(self):
@@ -445,10 +469,16 @@ _EXACT_IN_FP32 = (torch.float32, torch.float16, torch.bfloat16, torch.int64, tor
                   torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
-def _view(address, shape):
-    """A float32 tensor over `address` (Shard's memory), without a copy."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    buffer = (ctypes.c_float * numel).from_address(address)
-    return torch.frombuffer(buffer, dtype=torch.float32, count=numel).view(shape)
+_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+_PyCapsule_New.restype = ctypes.py_object
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_DLTENSOR = b"dltensor"  # a capsule keeps a pointer to its name: this object outlives them all
+
+
+def _view(handle, index, grad, shape):
+    """Tensor `index`'s values (or gradient) in Shard's memory, host or GPU, without a copy: a
+    DLPack descriptor from libshard, whose deleter torch calls when the view goes."""
+    managed = ctypes.c_void_p()
+    check(lib.shard_tensor_dlpack(handle, index, int(grad), ctypes.byref(managed)))
+    capsule = _PyCapsule_New(managed, _DLTENSOR, None)
+    return torch.utils.dlpack.from_dlpack(capsule).view(shape)

@@ -590,7 +590,9 @@ def test_the_transformer_with_groups_schedule_and_clipping_equals_plain_torch(cl
 def test_misuse_is_a_clear_error(cluster):
     (worker,) = run_script(cluster, MISUSE, world=1, steps=3)
     log = cluster.log(worker)
-    for expected in ("fp32 parameters", "wrap() was called already",
+    for expected in ("fp32 parameters", "is on meta but this rank trains on cpu: move the model",
+                     "this job trains on the host, which has no streams",
+                     "wrap() was called already",
                      "no longer Shard's buffer: do not call zero_grad(set_to_none=True)",
                      "do not move or replace the model's parameters"):
         assert expected in log, (expected, log)
@@ -601,8 +603,13 @@ import torch
 import shard.torch as shard
 
 job = shard.join()
+for wrong in (torch.nn.Linear(4, 2).double(), torch.nn.Linear(4, 2, device="meta")):
+    try:
+        job.wrap(wrong)
+    except shard.ShardError as e:
+        print(e)
 try:
-    job.wrap(torch.nn.Linear(4, 2).double())
+    shard.check(shard.lib.shard_set_stream(job._handle, 1))
 except shard.ShardError as e:
     print(e)
 model = torch.nn.Linear(4, 2)
@@ -633,6 +640,16 @@ for step in job.steps():
         break
 job.close()
 '''
+
+
+def test_a_gpu_that_is_not_there_is_a_clear_error_at_join():
+    # This machine has no GPU: a build with CUDA says the device is not there, one without
+    # says it was built without. Both refuse before contacting the coordinator.
+    import shard.torch as shard
+    with pytest.raises(shard.ShardError) as refused:
+        shard.join(coordinator="127.0.0.1:9", worker_id="w0", device="cuda:0")
+    assert refused.value.code == 9, refused.value  # FAILED_PRECONDITION
+    assert "cuda:0" in str(refused.value) and "device cpu" in str(refused.value), refused.value
 
 
 def test_workers_with_different_models_are_refused_naming_the_parameter(cluster):

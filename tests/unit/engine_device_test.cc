@@ -64,6 +64,10 @@ class StagingDevice final : public Device {
   absl::Status Copy(const float* from, float* to, int64_t count) override {
     return cpu_.Copy(from, to, count);
   }
+  absl::Status Zero(float* data, int64_t count) override { return cpu_.Zero(data, count); }
+  absl::Status Divide(float* data, int64_t count, float divisor) override {
+    return cpu_.Divide(data, count, divisor);
+  }
   absl::StatusOr<std::unique_ptr<SpanKernels>> PrepareSpans(
       const OptimizerConfig& optimizer, std::vector<OwnedSpan> spans) override {
     return cpu_.PrepareSpans(optimizer, std::move(spans));

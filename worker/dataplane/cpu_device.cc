@@ -155,6 +155,16 @@ absl::Status CpuDevice::Copy(const float* from, float* to, int64_t count) {
   return Upload(from, to, count);
 }
 
+absl::Status CpuDevice::Zero(float* data, int64_t count) {
+  std::fill(data, data + count, 0.0f);
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::Divide(float* data, int64_t count, float divisor) {
+  for (int64_t i = 0; i < count; ++i) data[i] /= divisor;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<SpanKernels>> CpuDevice::PrepareSpans(
     const OptimizerConfig& optimizer, std::vector<OwnedSpan> spans) {
   for (const OwnedSpan& span : spans) {

@@ -16,6 +16,8 @@ class CpuDevice final : public Device {
   absl::Status Upload(const float* host, float* device, int64_t count) override;
   absl::Status Download(const float* device, float* host, int64_t count) override;
   absl::Status Copy(const float* from, float* to, int64_t count) override;
+  absl::Status Zero(float* data, int64_t count) override;
+  absl::Status Divide(float* data, int64_t count, float divisor) override;
 
   absl::StatusOr<std::unique_ptr<SpanKernels>> PrepareSpans(
       const OptimizerConfig& optimizer, std::vector<OwnedSpan> spans) override;

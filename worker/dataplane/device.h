@@ -103,6 +103,18 @@ class Device {
   virtual absl::Status Upload(const float* host, float* device, int64_t count) = 0;
   virtual absl::Status Download(const float* device, float* host, int64_t count) = 0;
   virtual absl::Status Copy(const float* from, float* to, int64_t count) = 0;
+  // data[0, count) = 0.
+  virtual absl::Status Zero(float* data, int64_t count) = 0;
+  // data[i] /= divisor for i < count (IEEE division, as torch's div_).
+  virtual absl::Status Divide(float* data, int64_t count, float divisor) = 0;
+
+  // Ordering with a stream of the caller's own (a CUDA stream handle, 0 for the legacy default
+  // stream; libshard's callers compute on the device arrays there): this device's later work
+  // waits for what `stream` has enqueued so far (WaitForStream), or `stream`'s later work waits
+  // for what this device has enqueued so far (MakeStreamWait). Neither waits on the host. The
+  // host finishes its work before returning, so a host device has nothing to order.
+  virtual absl::Status WaitForStream(uintptr_t /*stream*/) { return absl::OkStatus(); }
+  virtual absl::Status MakeStreamWait(uintptr_t /*stream*/) { return absl::OkStatus(); }
 
   // Arithmetic over `spans` with `optimizer`'s rule; the spans' arrays must outlive the result.
   virtual absl::StatusOr<std::unique_ptr<SpanKernels>> PrepareSpans(

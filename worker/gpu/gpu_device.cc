@@ -169,7 +169,9 @@ absl::StatusOr<std::unique_ptr<GpuDevice>> GpuDevice::Create(int index) {
   SHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(index));
   SHARD_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
   SHARD_ASSIGN_OR_RETURN(DeviceBuffer values, DeviceBuffer::Allocate(kHostValueBytes));
-  return std::unique_ptr<GpuDevice>(new GpuDevice(index, std::move(stream), std::move(values)));
+  SHARD_ASSIGN_OR_RETURN(CudaEvent order, CudaEvent::Create());
+  return std::unique_ptr<GpuDevice>(
+      new GpuDevice(index, std::move(stream), std::move(values), std::move(order)));
 }
 
 std::string GpuDevice::name() const { return absl::StrCat("cuda:", index_); }
@@ -206,6 +208,28 @@ absl::Status GpuDevice::Copy(const float* from, float* to, int64_t count) {
   return CudaStatus(cudaMemcpyAsync(to, from, count * sizeof(float), cudaMemcpyDeviceToDevice,
                                     stream()),
                     "copying on the GPU");
+}
+
+absl::Status GpuDevice::Zero(float* data, int64_t count) {
+  return CudaStatus(cudaMemsetAsync(data, 0, count * sizeof(float), stream()), "zeroing on the GPU");
+}
+
+absl::Status GpuDevice::Divide(float* data, int64_t count, float divisor) {
+  return shard::Divide(data, count, divisor, stream());
+}
+
+absl::Status GpuDevice::WaitForStream(uintptr_t stream) {
+  return Order(reinterpret_cast<cudaStream_t>(stream), this->stream());
+}
+
+absl::Status GpuDevice::MakeStreamWait(uintptr_t stream) {
+  return Order(this->stream(), reinterpret_cast<cudaStream_t>(stream));
+}
+
+absl::Status GpuDevice::Order(cudaStream_t from, cudaStream_t to) {
+  absl::MutexLock lock(&order_mu_);
+  SHARD_CUDA_RETURN_IF_ERROR(cudaEventRecord(order_.get(), from));
+  return CudaStatus(cudaStreamWaitEvent(to, order_.get(), 0), "ordering two CUDA streams");
 }
 
 absl::StatusOr<std::unique_ptr<SpanKernels>> GpuDevice::PrepareSpans(

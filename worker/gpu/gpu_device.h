@@ -10,7 +10,9 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "worker/dataplane/device.h"
 #include "worker/gpu/cuda_resources.h"
 
@@ -33,6 +35,11 @@ class GpuDevice final : public Device {
   absl::Status Upload(const float* host, float* device, int64_t count) override;
   absl::Status Download(const float* device, float* host, int64_t count) override;
   absl::Status Copy(const float* from, float* to, int64_t count) override;
+  absl::Status Zero(float* data, int64_t count) override;
+  absl::Status Divide(float* data, int64_t count, float divisor) override;
+  // One event, recorded on one stream and waited on by the other (thread-safe).
+  absl::Status WaitForStream(uintptr_t stream) override;
+  absl::Status MakeStreamWait(uintptr_t stream) override;
 
   absl::StatusOr<std::unique_ptr<SpanKernels>> PrepareSpans(
       const OptimizerConfig& optimizer, std::vector<OwnedSpan> spans) override;
@@ -44,12 +51,18 @@ class GpuDevice final : public Device {
                                                        DataType precision) override;
 
  private:
-  GpuDevice(int index, CudaStream stream, DeviceBuffer values)
-      : index_(index), stream_(std::move(stream)), values_(std::move(values)) {}
+  GpuDevice(int index, CudaStream stream, DeviceBuffer values, CudaEvent order)
+      : index_(index), stream_(std::move(stream)), values_(std::move(values)),
+        order_(std::move(order)) {}
+
+  // Records `order_` on `from` and makes `to` wait for it.
+  absl::Status Order(cudaStream_t from, cudaStream_t to);
 
   const int index_;
   CudaStream stream_;
   DeviceBuffer values_;  // AllReduceHostValues' staging
+  absl::Mutex order_mu_;  // a record and its wait go together
+  CudaEvent order_ ABSL_GUARDED_BY(order_mu_);
 };
 
 }  // namespace shard

@@ -225,6 +225,13 @@ __global__ void FillKernel(float* data, int64_t count, float value) {
   }
 }
 
+__global__ void DivideKernel(float* data, int64_t count, float divisor) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    data[i] = __fdiv_rn(data[i], divisor);
+  }
+}
+
 __device__ __forceinline__ uint64_t SplitMix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -429,6 +436,12 @@ absl::Status Fill(float* data, int64_t count, float value, cudaStream_t stream) 
   if (count <= 0) return absl::OkStatus();
   FillKernel<<<GridStrideBlocks(count), kThreads, 0, stream>>>(data, count, value);
   return LaunchStatus("FillKernel");
+}
+
+absl::Status Divide(float* data, int64_t count, float divisor, cudaStream_t stream) {
+  if (count <= 0) return absl::OkStatus();
+  DivideKernel<<<GridStrideBlocks(count), kThreads, 0, stream>>>(data, count, divisor);
+  return LaunchStatus("DivideKernel");
 }
 
 absl::Status FillUniform(float* data, int64_t count, uint64_t seed, float low, float high,

@@ -115,6 +115,9 @@ absl::Status GradSquaredNorm(const TensorList& tensors, double* sum_of_squares,
 // data[0, count) = value.
 absl::Status Fill(float* data, int64_t count, float value, cudaStream_t stream);
 
+// data[i] /= divisor for i < count, rounded as the host's division (__fdiv_rn).
+absl::Status Divide(float* data, int64_t count, float divisor, cudaStream_t stream);
+
 // data[i] uniform in [low, high) from a counter-based hash of (seed, i): the same values for
 // the same seed on every GPU, without a generator state. For tests and benchmarks.
 absl::Status FillUniform(float* data, int64_t count, uint64_t seed, float low, float high,
