@@ -4,11 +4,11 @@
 // MLP takes too. Errors become codes plus a thread-local message here and nowhere else.
 #include "capi/shard.h"
 
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -19,17 +19,17 @@
 #include "common/manifest.h"
 #include "common/names.h"
 #include "common/status_macros.h"
+#include "dlpack/dlpack.h"
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "proto/channel_security.h"
 #include "proto/job_convert.h"
+#include "shard/config.h"
 #include "spdlog/spdlog.h"
 #include "worker/agent.h"
 #include "worker/coordinator_client.h"
 #include "worker/data_path.h"
 #include "worker/generation_handoff.h"
-#include "dlpack/dlpack.h"
-#include "shard/config.h"
 #if SHARD_HAVE_CUDA
 #include "worker/gpu/gpu_data_path.h"
 #endif

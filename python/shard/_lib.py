@@ -36,8 +36,6 @@ def _load():
         "shard_generation_begin": ([job, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)],
                                    ctypes.c_int),
         "shard_generation_init": ([job], ctypes.c_int),
-        "shard_tensor": ([job, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
-                          ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int),
         "shard_layout_version": ([job, ctypes.POINTER(ctypes.c_int64)], ctypes.c_int),
         "shard_tensor_dlpack": ([job, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)],
                                 ctypes.c_int),

@@ -27,8 +27,9 @@ the new world restores the newest checkpoint, and the loop goes on from the step
 On a GPU (device "cuda:N"), the parameters and gradients are views of Shard's device buffers
 (DLPack), the gradient reductions run on NCCL (or, with backend "gloo", on Gloo staged through
 host memory, for several ranks on one GPU), and Shard's work is ordered with torch's current
-stream through CUDA events: no device-wide synchronization. Autocast (bf16, fp16) works as in
-plain torch: the parameters and gradients Shard keeps are fp32.
+stream through CUDA events: no device-wide synchronization. bf16 autocast works as in plain
+torch (the parameters and gradients Shard keeps are fp32); fp16 autocast would need a gradient
+scaler that knows Shard's step, which there is not yet.
 
 Configuration comes from join()'s arguments or the environment: SHARD_COORDINATOR, SHARD_ID (the
 worker id; default host-pid), SHARD_DEVICE ("cpu" or "cuda:N"; default cpu), SHARD_BACKEND
