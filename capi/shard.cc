@@ -305,13 +305,8 @@ absl::Status StepBegin(shard_job* job, int64_t* step) {
         absl::StrCat("training stopped before step ", session.next_step() + 1));
   }
   shard::Engine& engine = session.engine();
-  const shard::Manifest& manifest = engine.manifest();
   SHARD_RETURN_IF_ERROR(AfterCaller(job));
-  for (size_t i = 0; i < manifest.params.size(); ++i) {
-    if (float* grad = engine.grad(static_cast<int>(i)); grad != nullptr) {
-      SHARD_RETURN_IF_ERROR(session.device().Zero(grad, manifest.params[i].numel()));
-    }
-  }
+  SHARD_RETURN_IF_ERROR(engine.ZeroGradients());
   SHARD_RETURN_IF_ERROR(BeforeCaller(job));
   {
     absl::MutexLock lock(&job->mark_mu);

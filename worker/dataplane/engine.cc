@@ -224,6 +224,13 @@ absl::Status Engine::BroadcastParameters() {
   return communicator_->OrderComputeAfterCollectives();
 }
 
+absl::Status Engine::ZeroGradients() {
+  for (BucketState& bucket : buckets_) {
+    SHARD_RETURN_IF_ERROR(device_->Zero(bucket.grads.data(), bucket.grads.size()));
+  }
+  return absl::OkStatus();
+}
+
 void Engine::StartBackward() { backward_start_ = absl::Now(); }
 
 void Engine::MarkGradReady(int index) {

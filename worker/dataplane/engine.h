@@ -124,6 +124,9 @@ class Engine {
   // Makes every rank's parameters rank 0's (as DDP does at construction).
   absl::Status BroadcastParameters();
 
+  // Zeroes every gradient, one bucket at a time (for callers whose backward accumulates into
+  // the gradients, as torch's autograd does).
+  absl::Status ZeroGradients();
   void StartBackward();
   void MarkGradReady(int index);
   absl::Status Step(StepTimings* timings);

@@ -211,6 +211,7 @@ absl::Status GpuDevice::Copy(const float* from, float* to, int64_t count) {
 }
 
 absl::Status GpuDevice::Zero(float* data, int64_t count) {
+  if (count == 0) return absl::OkStatus();
   return CudaStatus(cudaMemsetAsync(data, 0, count * sizeof(float), stream()), "zeroing on the GPU");
 }
 
