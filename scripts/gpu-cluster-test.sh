@@ -23,7 +23,7 @@
 #
 # --torch-only skips the CPU references and the built-in MLP's runs (torch and bench only).
 #
-# BUNDLE holds bin/ (the three programs) and lib/ (their shared libraries beyond the C/C++
+# BUNDLE holds bin/ (the programs) and lib/ (their shared libraries beyond the C/C++
 # runtime, CUDA and NCCL): a folder, or the cluster.tar.xz that scripts/gpu-build.sh packs for a
 # GPU machine that has none of our Debian packages. Default build-gpu/device/cluster.tar.xz,
 # else build/ (a local build).
