@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <barrier>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -233,7 +234,11 @@ int main(int argc, char** argv) {
       auto read_raw = [&] { raw_read = std::max(raw_read, shard::RawRead(shard_files, bytes)); };
       // Save: each rank copies its owned state (the pause) into its snapshot buffer (kept from an
       // earlier save, as the trainer keeps it), then writes its shard; the commit follows the
-      // last shard.
+      // last shard. The writes start once every rank has copied, so that a rank's pause is not
+      // measured while a rank that copied sooner writes and hashes on the same 2 cores: ranks
+      // with cores of their own do not slow each other's copies (here, at 4 ranks of 1 GiB,
+      // overlapping phases made the pause 1.07-1.68x the copy, 1.09-1.34x apart). The save's
+      // time still includes that wait.
       std::vector<shard::ShardRecord> records(world);
       std::vector<double> pause_ms(world);
       std::vector<double> copy_ms(world);
@@ -247,10 +252,12 @@ int main(int argc, char** argv) {
         std::memset(copies[r].data(), 1, copies[r].size());
       }
       const absl::Time start = absl::Now();
+      std::barrier copied(world);  // every rank's pause is over
       shard::OnRanks(world, [&](int r) {
         const absl::Time pause_start = absl::Now();
         shard::Check(ranks->engines[r]->CopyOwnedState(&snapshots[r]), "copying the state");
         pause_ms[r] = absl::ToDoubleMilliseconds(absl::Now() - pause_start);
+        copied.arrive_and_wait();
         auto writer = shard::ShardWriter::Create(path, r, world);
         shard::Check(writer.status(), "creating the shard");
         shard::Check((*writer)->Append(snapshots[r].data(), snapshots[r].size()),
