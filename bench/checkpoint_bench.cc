@@ -19,11 +19,11 @@
 // reads Engine::Restore makes); "restore" is Engine::Restore itself, which at ZeRO stage 1/2
 // then all-gathers the parameters over the communicator: with W ranks on one machine that is a
 // loopback copy of (W - 1)/W of the parameters into every rank, which the raw read does not do.
-// Both are checked: what was read and restored must be the bytes that were saved. "gather_ms"
-// is that all-gather's part of the restore, as Engine::Restore times it on the rank that
-// finished reading last (the others' gathers also wait for that rank's reads), and the last
-// ratio is the restore against the raw read followed by that all-gather: what the restore
-// must do at least, on this machine.
+// Both are checked: what was read and restored must be the bytes that were saved. The gather
+// runs bucket by bucket during the reads; "gather_ms" is what is left of it once the reads are
+// done, as Engine::Restore times it on the rank that finished reading last (the others' gathers
+// also wait for that rank's reads), and the last ratio is the restore against the raw read
+// followed by that remainder.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -127,8 +127,10 @@ struct Ranks {
   std::vector<std::unique_ptr<Engine>> engines;
 };
 
-// Creates `world` engines (threads connect their communicators concurrently).
-std::unique_ptr<Ranks> MakeRanks(const Manifest& model, int world, const std::vector<int>& order) {
+// Creates `world` engines (threads connect their communicators concurrently), gathering the
+// parameters during a restore's reads or after them.
+std::unique_ptr<Ranks> MakeRanks(const Manifest& model, int world, const std::vector<int>& order,
+                                 bool gather_during_reads) {
   auto ranks = std::make_unique<Ranks>();
   ranks->communicators.resize(world);
   ranks->plans.resize(world);
@@ -147,6 +149,7 @@ std::unique_ptr<Ranks> MakeRanks(const Manifest& model, int world, const std::ve
       EngineOptions engine;
       engine.zero_stage = 2;
       engine.overlap = false;
+      engine.gather_during_reads = gather_during_reads;
       ranks->engines[r] = std::move(
           *Engine::Create(model, ranks->communicators[r].get(), ranks->plans[r].get(), engine));
     });
@@ -183,6 +186,12 @@ int main(int argc, char** argv) {
                  "varies from one second to the next)")
       ->capture_default_str()
       ->check(CLI::Range(1, 20));
+  std::string gather = "auto";
+  app.add_option("--gather-during-reads", gather,
+                 "restores all-gather the parameters during their reads (on), after them (off), "
+                 "or as a worker chooses (auto: during, where this process has 2 cores per rank)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
 
   // Four parameters; parameters plus exp_avg and exp_avg_sq make `gib` GiB.
@@ -202,19 +211,22 @@ int main(int argc, char** argv) {
               "# raw_read: the checkpoint's shard files read in parallel as dd would; read: "
               "every rank reads and verifies what it owns; restore: Engine::Restore, with the "
               "parameters' all-gather; ratios to raw_read: read, then restore;\n"
-              "# gather_ms: the restore's all-gather; ratio: restore against raw_read then "
-              "that all-gather\n",
+              "# gather_ms: the restore's all-gather left after its reads; ratio: restore against "
+              "raw_read then that remainder; gather: during the reads or after them "
+              "(--gather-during-reads)\n",
               bytes / 1073741824.0, static_cast<long long>(rows));
-  std::printf("%6s %9s %9s %8s %9s %9s %9s %8s %8s %9s %8s %9s %10s %8s\n", "ranks", "save",
+  std::printf("%6s %9s %9s %8s %9s %9s %9s %8s %8s %9s %8s %9s %10s %8s %7s\n", "ranks", "save",
               "raw_write", "ratio", "read", "restore", "raw_read", "ratio", "ratio", "gather_ms",
-              "ratio", "pause_ms", "memcpy_ms", "ratio");
+              "ratio", "pause_ms", "memcpy_ms", "ratio", "gather");
   for (absl::string_view text : absl::StrSplit(worlds, ',')) {
     int world = 0;
     if (!absl::SimpleAtoi(text, &world) || world < 1) return 2;
+    const bool gather_during_reads =
+        gather == "auto" ? shard::GatherDuringReadsPays(world) : gather == "on";
     double raw_write = 0, raw_read = 0, pause = 1e30, copy = 1e30;
     double best_save_s = 1e30, best_read_s = 1e30, best_restore_s = 1e30, gather_s = 0;
     for (int repeat = 0; repeat < repeats; ++repeat) {
-      auto ranks = shard::MakeRanks(model, world, order);
+      auto ranks = shard::MakeRanks(model, world, order, gather_during_reads);
       // The state as training leaves it (see PatternSource).
       shard::OnRanks(world, [&](int r) {
         shard::Check(ranks->engines[r]->LoadState(std::make_unique<shard::PatternSource>(),
@@ -279,7 +291,7 @@ int main(int argc, char** argv) {
         copy_ms[r] = absl::ToDoubleMilliseconds(absl::Now() - copy_start);
       });
       ranks.reset();
-      auto restored = shard::MakeRanks(model, world, order);
+      auto restored = shard::MakeRanks(model, world, order, gather_during_reads);
       for (shard::AlignedBuffer& buffer : copies) std::memset(buffer.data(), 0xff, buffer.size());
       if (repeat % 2 == 0) read_raw();
       // Read: every rank reads and verifies what it owns (on the same world size, its own
@@ -342,10 +354,10 @@ int main(int argc, char** argv) {
     const double floor_s = bytes / (raw_read * 1e9) + gather_s;
     std::printf(
         "%6d %9.2f %9.2f %7.2fx %9.2f %9.2f %9.2f %7.2fx %7.2fx %9.1f %7.2fx %9.1f %10.1f "
-        "%7.2fx\n",
+        "%7.2fx %7s\n",
         world, save_gbps, raw_write, save_gbps / raw_write, read_gbps, restore_gbps, raw_read,
         read_gbps / raw_read, restore_gbps / raw_read, gather_s * 1e3, floor_s / best_restore_s,
-        pause, copy, pause / copy);
+        pause, copy, pause / copy, gather_during_reads ? "during" : "after");
   }
   std::filesystem::remove_all(dir);
   return 0;

@@ -1,5 +1,6 @@
 #include "worker/agent.h"
 
+#include <algorithm>
 #include <random>
 #include <thread>
 
@@ -7,12 +8,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/host_cores.h"
 #include "common/logging.h"
 #include "common/progress_lease.h"
 #include "common/status_macros.h"
 #include "proto/control_convert.h"
 #include "proto/job_convert.h"
 #include "spdlog/spdlog.h"
+#include "worker/dataplane/engine.h"
 #include "worker/dataplane/self_check.h"
 #include "worker/dataplane/snapshot_fetch.h"
 #include "worker/dataplane/trainer.h"
@@ -267,26 +270,37 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
     absl::MutexLock lock(&mu_);
     job = job_;
   }
-  // Where this rank's snapshots are served, published before connecting: once the data path is
-  // connected, every peer's is in the store.
+  // This rank's host and where its snapshots are served, published before connecting: once the
+  // data path is connected, every peer's are in the store.
   const bool snapshots = job.has_value() && job->snapshot_every > 0;
+  const auto host_key = [](int rank) { return absl::StrCat("host/", rank); };
   const auto snapshot_key = [](int rank) { return absl::StrCat("snapshot/", rank); };
+  SHARD_RETURN_IF_ERROR(rendezvous->Set(host_key(world.rank), options_.host));
   if (snapshots) {
     SHARD_RETURN_IF_ERROR(
         rendezvous->Set(snapshot_key(world.rank), snapshot_server_->address()));
   }
   absl::StatusOr<std::unique_ptr<Communicator>> created =
       data_path_->Connect(rendezvous.get(), world.rank, world.world_size);
-  std::vector<std::string> peers;
-  for (int rank = 0; snapshots && created.ok() && rank < world.world_size; ++rank) {
-    absl::StatusOr<std::string> address = rendezvous->Get(snapshot_key(rank));
-    if (!address.ok()) {
-      created = absl::Status(address.status().code(),
-                             absl::StrCat("rank ", rank, "'s snapshot server: ",
-                                          address.status().message()));
+  Peers peers;
+  // Appends rank `rank`'s value of `key` to `values`; false (with `created` the error) if absent.
+  const auto collect = [&](int rank, const std::string& key, absl::string_view what,
+                           std::vector<std::string>* values) {
+    absl::StatusOr<std::string> value = rendezvous->Get(key);
+    if (!value.ok()) {
+      created = absl::Status(value.status().code(), absl::StrCat("rank ", rank, "'s ", what, ": ",
+                                                                 value.status().message()));
+      return false;
+    }
+    values->push_back(*std::move(value));
+    return true;
+  };
+  for (int rank = 0; created.ok() && rank < world.world_size; ++rank) {
+    if (!collect(rank, host_key(rank), "host", &peers.hosts)) break;
+    if (snapshots &&
+        !collect(rank, snapshot_key(rank), "snapshot server", &peers.snapshot_servers)) {
       break;
     }
-    peers.push_back(*std::move(address));
   }
   {
     absl::MutexLock lock(&mu_);
@@ -393,7 +407,7 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> WorkerAgent::OpenMemoryRestore
 }
 
 absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generation,
-                                const std::vector<std::string>& peers) {
+                                const Peers& peers) {
   std::shared_ptr<Communicator> communicator;
   v1::TrainingStart start;
   {
@@ -453,8 +467,8 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
       }
     }
     if (restored.ok()) {
-      spdlog::info("restored {} {} (step {}) in {:.1f} ms (read {:.1f} ms, parameters' "
-                   "all-gather {:.1f} ms){}",
+      spdlog::info("restored {} {} (step {}) in {:.1f} ms (read {:.1f} ms, then the parameters' "
+                   "all-gather's last {:.1f} ms){}",
                    start.in_memory() ? "memory snapshot" : "checkpoint", start.checkpoint_id(),
                    start.step(), absl::ToDoubleMilliseconds(took), timings.read_ms,
                    timings.gather_ms,
@@ -472,12 +486,18 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     }
     return restored;
   };
+  trainer.ranks_on_host =
+      static_cast<int>(std::count(peers.hosts.begin(), peers.hosts.end(), peers.hosts[rank]));
+  if (job.zero_stage > 0) {
+    spdlog::info("{} of the {} ranks on this host, {} usable cores: a restore gathers the "
+                 "parameters {} its reads",
+                 trainer.ranks_on_host, peers.hosts.size(), UsableCores(),
+                 GatherDuringReadsPays(trainer.ranks_on_host) ? "during" : "after");
+  }
   if (job.snapshot_every > 0) {
     trainer.snapshots = &snapshots_;
-    std::vector<std::string> hosts;
-    for (const std::string& peer : peers) hosts.push_back(peer.substr(0, peer.rfind(':')));
-    for (int buddy : SnapshotBuddies(hosts, rank, job.snapshot_replicas)) {
-      trainer.snapshot_buddies.push_back(peers[buddy]);
+    for (int buddy : SnapshotBuddies(peers.hosts, rank, job.snapshot_replicas)) {
+      trainer.snapshot_buddies.push_back(peers.snapshot_servers[buddy]);
     }
     trainer.on_snapshot = [this](const SnapshotShard& shard,
                                  const std::vector<std::string>& dropped) {

@@ -84,10 +84,13 @@ class WorkerAgent {
   absl::Status ConnectGeneration(const WorldSnapshot& world);
   // Registers the manifest, applies the plan, and after the first iteration the rebuilt one.
   absl::Status ApplyPlan();
+  // What the ranks of a generation published when they connected, by rank.
+  struct Peers {
+    std::vector<std::string> hosts;             // each one's --host
+    std::vector<std::string> snapshot_servers;  // empty without snapshots
+  };
   // Trains the job on the connected communicator of `generation` and reports the result.
-  // `peers`: the snapshot servers of the generation's ranks (empty without snapshots).
-  absl::Status Train(const JobConfig& job, int rank, int64_t generation,
-                     const std::vector<std::string>& peers);
+  absl::Status Train(const JobConfig& job, int rank, int64_t generation, const Peers& peers);
   // Tells the coordinator which snapshot shards this worker now holds and dropped; if it cannot,
   // everything held is told again before the next heartbeat.
   void ReportHeld(const std::vector<SnapshotShard>& held, const std::vector<std::string>& dropped);

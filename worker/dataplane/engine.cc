@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/host_cores.h"
 #include "common/param_groups.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
@@ -329,22 +330,20 @@ absl::StatusOr<bool> Engine::UnscaleGradients(StepTimings* timings) {
   return scaler_->Update(found > 0);
 }
 
-absl::Status Engine::GatherParameters() {
-  const int rank = communicator_->rank();
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    BucketState& state = buckets_[b];
-    const Bucket& bucket = plan_->buckets[b];
-    absl::Status s;
-    if (plan_->options.mode == ShardMode::kRange) {
-      const int64_t shard = ShardNumel(bucket, communicator_->size());
-      s = communicator_->AllGather(state.params.data() + rank * shard, state.params.data(), shard,
-                                   DataType::kFloat32);
-    } else {
-      s = communicator_->Broadcast(state.params.data(), state.params.size(), DataType::kFloat32,
-                                   bucket.owner);
-    }
-    if (!s.ok()) return s;
+absl::Status Engine::GatherBucket(size_t b) {
+  BucketState& state = buckets_[b];
+  const Bucket& bucket = plan_->buckets[b];
+  if (plan_->options.mode == ShardMode::kRange) {
+    const int64_t shard = ShardNumel(bucket, communicator_->size());
+    return communicator_->AllGather(state.params.data() + communicator_->rank() * shard,
+                                    state.params.data(), shard, DataType::kFloat32);
   }
+  return communicator_->Broadcast(state.params.data(), state.params.size(), DataType::kFloat32,
+                                  bucket.owner);
+}
+
+absl::Status Engine::GatherParameters() {
+  for (size_t b = 0; b < buckets_.size(); ++b) SHARD_RETURN_IF_ERROR(GatherBucket(b));
   // The next forward pass reads the gathered parameters.
   return communicator_->OrderComputeAfterCollectives();
 }
@@ -492,16 +491,7 @@ absl::Status Engine::Restore(CheckpointReader& checkpoint, RestoreTimings* timin
     return absl::FailedPreconditionError(
         "restoring needs the rebuilt plan (the checkpoint's gradient order)");
   }
-  const absl::Time read_start = absl::Now();
-  SHARD_RETURN_IF_ERROR(ReadOwned(checkpoint, /*params=*/true, /*states=*/true));
-  const absl::Time gather_start = absl::Now();
-  if (options_.zero_stage > 0) {
-    SHARD_RETURN_IF_ERROR(GatherParameters());
-  }
-  if (timings != nullptr) {
-    timings->read_ms = Milliseconds(gather_start - read_start);
-    timings->gather_ms = Milliseconds(absl::Now() - gather_start);
-  }
+  SHARD_RETURN_IF_ERROR(ReadAndGather(checkpoint, /*states=*/true, timings));
   steps_done_ = saved.step;
   return ContinueCounters(saved.counters.value_or(TrainingCounters{.optimizer_step = saved.step}));
 }
@@ -524,20 +514,93 @@ absl::Status Engine::ContinueCounters(const TrainingCounters& counters) {
   return absl::OkStatus();
 }
 
-absl::Status Engine::ReadOwned(StateSource& source, bool params, bool states) {
+bool GatherDuringReadsPays(int ranks_on_host) {
+  return UsableCores() >= 2 * ranks_on_host;
+}
+
+absl::Status Engine::ReadAndGather(StateSource& source, bool states, RestoreTimings* timings) {
+  const absl::Time read_start = absl::Now();
+  absl::Time gather_start;
+  if (options_.zero_stage == 0 || !options_.gather_during_reads || !device_->host_memory()) {
+    // On a GPU the gather follows the reads: NCCL gathers in milliseconds what the disk reads
+    // in seconds.
+    SHARD_RETURN_IF_ERROR(ReadOwned(source, /*params=*/true, states));
+    gather_start = absl::Now();
+    if (options_.zero_stage > 0) SHARD_RETURN_IF_ERROR(GatherParameters());
+  } else {
+    // A host collective holds its caller until it is done: each bucket is gathered on a second
+    // thread once this rank's part of its parameters is read.
+    absl::Mutex mu;
+    size_t params_read = 0;  // buckets [0, params_read) are ready to gather
+    bool reads_failed = false;
+    absl::Status gathered;
+    std::thread gatherer([&] {
+      for (size_t b = 0; b < buckets_.size(); ++b) {
+        {
+          absl::MutexLock lock(&mu);
+          auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+            return params_read > b || reads_failed;
+          };
+          mu.Await(absl::Condition(&ready));
+          if (params_read <= b) return;  // this rank will not take part: its restore failed
+        }
+        if (absl::Status status = GatherBucket(b); !status.ok()) {
+          absl::MutexLock lock(&mu);
+          gathered = std::move(status);
+          return;
+        }
+      }
+    });
+    absl::Status read = ReadOwned(source, /*params=*/true, states, [&](size_t bucket) {
+      absl::MutexLock lock(&mu);
+      params_read = bucket + 1;
+    });
+    gather_start = absl::Now();
+    {
+      absl::MutexLock lock(&mu);
+      if (!read.ok()) reads_failed = true;
+    }
+    gatherer.join();
+    SHARD_RETURN_IF_ERROR(read);
+    SHARD_RETURN_IF_ERROR(gathered);
+    SHARD_RETURN_IF_ERROR(communicator_->OrderComputeAfterCollectives());
+  }
+  if (timings != nullptr) {
+    timings->read_ms = Milliseconds(gather_start - read_start);
+    timings->gather_ms = Milliseconds(absl::Now() - gather_start);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::ReadOwned(StateSource& source, bool params, bool states,
+                               const std::function<void(size_t)>& params_read) {
   const int state_count = states ? static_cast<int>(optimizer_.state_names().size()) : 0;
   // What this rank owns: its owned span of every bucket.
   for (size_t b = 0; b < buckets_.size(); ++b) {
     BucketState& bucket = buckets_[b];
-    for (const BucketEntry& entry : plan_->buckets[b].entries) {
-      const int64_t begin = std::max(entry.offset, bucket.own_begin);
-      const int64_t end = std::min(entry.offset + entry.numel, bucket.own_end);
+    const std::vector<BucketEntry>& entries = plan_->buckets[b].entries;
+    auto owned_begin = [&](const BucketEntry& e) { return std::max(e.offset, bucket.own_begin); };
+    auto owned_end = [&](const BucketEntry& e) {
+      return std::min(e.offset + e.numel, bucket.own_end);
+    };
+    // An entry's parameters and states lie together in a shard, so entries are read one after
+    // the other, each whole; the bucket's parameters are all in after its last owned entry's.
+    size_t last_owned = entries.size();
+    for (size_t e = 0; e < entries.size(); ++e) {
+      if (owned_begin(entries[e]) < owned_end(entries[e])) last_owned = e;
+    }
+    if (last_owned == entries.size() && params_read) params_read(b);
+    for (size_t e = 0; e < entries.size(); ++e) {
+      const BucketEntry& entry = entries[e];
+      const int64_t begin = owned_begin(entry);
+      const int64_t end = owned_end(entry);
       if (begin >= end) continue;
       const int64_t param_offset = begin - entry.offset;
       if (params) {
         SHARD_RETURN_IF_ERROR(ReadInto(source, entry.param, -1, param_offset, end - begin,
                                        bucket.params.data() + begin));
       }
+      if (e == last_owned && params_read) params_read(b);
       for (int k = 0; k < state_count; ++k) {
         SHARD_RETURN_IF_ERROR(ReadInto(source, entry.param, k, param_offset, end - begin,
                                        bucket.state[k].data() + (begin - bucket.own_begin)));
@@ -563,10 +626,7 @@ absl::Status Engine::ReadInto(StateSource& source, int param, int array, int64_t
 
 absl::Status Engine::LoadState(std::unique_ptr<StateSource> source, bool with_state,
                                int64_t steps_done, const TrainingCounters& counters) {
-  SHARD_RETURN_IF_ERROR(ReadOwned(*source, /*params=*/true, with_state && rebuilt_));
-  if (options_.zero_stage > 0) {
-    SHARD_RETURN_IF_ERROR(GatherParameters());
-  }
+  SHARD_RETURN_IF_ERROR(ReadAndGather(*source, with_state && rebuilt_, nullptr));
   steps_done_ = steps_done;
   SHARD_RETURN_IF_ERROR(ContinueCounters(counters));
   // Before the rebuild the owned spans are not final: the state waits for the new layout.

@@ -519,7 +519,9 @@ class GlooCommunicator::Impl {
         status = absl::UnavailableError(absl::StrCat("connection to a peer failed: ", message));
       }
     } catch (const std::exception& e) {
-      status = absl::InternalError(e.what());
+      // An abort that closes the connections under a collective can also surface as Gloo's
+      // own check failing ("epoll_ctl: Bad file descriptor"): the abort is the cause to name.
+      status = aborted() ? AbortedStatus() : absl::InternalError(e.what());
     }
     if (status.ok()) return status;
     status = absl::Status(status.code(), absl::StrCat(what, " on rank ", rank(), " of ", size(),
