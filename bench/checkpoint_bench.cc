@@ -20,8 +20,8 @@
 // then all-gathers the parameters over the communicator: with W ranks on one machine that is a
 // loopback copy of (W - 1)/W of the parameters into every rank, which the raw read does not do.
 // Both are checked: what was read and restored must be the bytes that were saved. The gather
-// runs bucket by bucket during the reads; "gather_ms" is what is left of it once the reads are
-// done, as Engine::Restore times it on the rank that finished reading last (the others' gathers
+// runs after the reads, or bucket by bucket during them (--gather-during-reads; by default as a
+// worker chooses); "gather_ms" is what is left of it once the reads are done, as Engine::Restore times it on the rank that finished reading last (the others' gathers
 // also wait for that rank's reads), and the last ratio is the restore against the raw read
 // followed by that remainder.
 #include <fcntl.h>
