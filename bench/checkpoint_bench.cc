@@ -21,9 +21,10 @@
 // loopback copy of (W - 1)/W of the parameters into every rank, which the raw read does not do.
 // Both are checked: what was read and restored must be the bytes that were saved. The gather
 // runs after the reads, or bucket by bucket during them (--gather-during-reads; by default as a
-// worker chooses); "gather_ms" is what is left of it once the reads are done, as Engine::Restore times it on the rank that finished reading last (the others' gathers
-// also wait for that rank's reads), and the last ratio is the restore against the raw read
-// followed by that remainder.
+// worker chooses); "gather_ms" is what is left of it once the reads are done, as
+// Engine::Restore times it on the rank that finished reading last (the others' gathers also wait
+// for that rank's reads), and the last ratio is the restore against the raw read followed by
+// that remainder.
 #include <fcntl.h>
 #include <unistd.h>
 

@@ -486,13 +486,14 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     }
     return restored;
   };
-  trainer.ranks_on_host =
+  const int ranks_on_host =
       static_cast<int>(std::count(peers.hosts.begin(), peers.hosts.end(), peers.hosts[rank]));
+  trainer.gather_during_reads = GatherDuringReadsPays(ranks_on_host);
   if (job.zero_stage > 0) {
     spdlog::info("{} of the {} ranks on this host, {} usable cores: a restore gathers the "
                  "parameters {} its reads",
-                 trainer.ranks_on_host, peers.hosts.size(), UsableCores(),
-                 GatherDuringReadsPays(trainer.ranks_on_host) ? "during" : "after");
+                 ranks_on_host, peers.hosts.size(), UsableCores(),
+                 trainer.gather_during_reads ? "during" : "after");
   }
   if (job.snapshot_every > 0) {
     trainer.snapshots = &snapshots_;

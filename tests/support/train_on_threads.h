@@ -68,6 +68,9 @@ inline void TrainMlpOnThreads(const JobConfig& job, const RankThreadsOptions& ru
       LocalPlanProvider plans(plan);
       TrainerOptions options;
       options.restore_dir = run.restore_dir;
+      // The gather that a worker with cores to spare runs during a restore's reads, so that the
+      // restores of these tests check it.
+      options.gather_during_reads = true;
       if (!run.consolidate_path.empty()) {
         options.consolidate_to_rank = job.world_size - 1;
         options.consolidate_path = run.consolidate_path;

@@ -33,13 +33,15 @@ float Value(int param, int array, int64_t element) {
   return static_cast<float>(param * 1000 + element) + 0.125f * static_cast<float>(array + 2);
 }
 
-// Every element's value from Value(); with `fail_at` >= 0, that call (counting from 0) fails.
+// Every element's value from Value(). With `fail_at` >= 0, that call (counting from 0) fails;
+// `calls` (may be null) counts the calls.
 class FormulaSource : public StateSource {
  public:
-  explicit FormulaSource(int fail_at = -1) : fail_at_(fail_at) {}
+  explicit FormulaSource(int fail_at, int* calls = nullptr) : fail_at_(fail_at), calls_(calls) {}
   absl::Status ReadElements(int param, int array, int64_t begin, int64_t count,
                             float* out) override {
-    if (calls_++ == fail_at_) {
+    if (calls_ != nullptr) ++*calls_;
+    if (call_++ == fail_at_) {
       return absl::DataLossError(absl::StrCat("read ", fail_at_, " failed on purpose"));
     }
     for (int64_t i = 0; i < count; ++i) out[i] = Value(param, array, begin + i);
@@ -48,7 +50,8 @@ class FormulaSource : public StateSource {
 
  private:
   const int fail_at_;
-  int calls_ = 0;
+  int* const calls_;
+  int call_ = 0;
 };
 
 struct Rank {
@@ -126,7 +129,7 @@ TEST_P(EngineLoadTest, EveryRankEndsWithEveryParameter) {
     ASSERT_TRUE(loaded[r].ok()) << "rank " << r << ": " << loaded[r];
     for (size_t p = 0; p < model.params.size(); ++p) {
       SHARD_ASSERT_OK_AND_ASSIGN(std::vector<float> values,
-                           ranks[r].engine->ParamValues(static_cast<int>(p)));
+                                 ranks[r].engine->ParamValues(static_cast<int>(p)));
       ASSERT_EQ(static_cast<int64_t>(values.size()), model.params[p].numel());
       for (size_t i = 0; i < values.size(); ++i) {
         ASSERT_EQ(values[i], Value(static_cast<int>(p), -1, static_cast<int64_t>(i)))
@@ -138,9 +141,12 @@ TEST_P(EngineLoadTest, EveryRankEndsWithEveryParameter) {
 
 INSTANTIATE_TEST_SUITE_P(
     WorldsModesStages, EngineLoadTest,
-    ::testing::Values(LoadSetup{2, ShardMode::kRange, 1, true}, LoadSetup{2, ShardMode::kRange, 2, true},
-                      LoadSetup{3, ShardMode::kRange, 2, true}, LoadSetup{2, ShardMode::kParam, 1, true},
-                      LoadSetup{3, ShardMode::kParam, 2, true}, LoadSetup{3, ShardMode::kRange, 2, false},
+    ::testing::Values(LoadSetup{2, ShardMode::kRange, 1, true},
+                      LoadSetup{2, ShardMode::kRange, 2, true},
+                      LoadSetup{3, ShardMode::kRange, 2, true},
+                      LoadSetup{2, ShardMode::kParam, 1, true},
+                      LoadSetup{3, ShardMode::kParam, 2, true},
+                      LoadSetup{3, ShardMode::kRange, 2, false},
                       LoadSetup{3, ShardMode::kParam, 1, false}),
     [](const ::testing::TestParamInfo<LoadSetup>& info) {
       return absl::StrCat("World", info.param.world,
@@ -162,22 +168,10 @@ TEST_P(EngineLoadFailureTest, ARankWhoseReadFailsReturnsThatFailureAtEveryPoint)
     InProcessKeyValueStore store;
     std::vector<Rank> ranks = MakeRanks(&store, 2, ShardMode::kRange, 2, during);
     ASSERT_EQ(ranks.size(), 2u);
-    // Count rank 1's reads: a source that never fails, counted through a failure far away.
-    class Counting : public FormulaSource {
-     public:
-      explicit Counting(int* calls) : calls_(calls) {}
-      absl::Status ReadElements(int param, int array, int64_t begin, int64_t count,
-                                float* out) override {
-        ++*calls_;
-        return FormulaSource::ReadElements(param, array, begin, count, out);
-      }
-
-     private:
-      int* calls_;
-    };
+    // Rank 1's reads, counted on a load that succeeds.
     std::thread rank0([&] { SHARD_EXPECT_OK(Load(*ranks[0].engine, -1)); });
-    SHARD_EXPECT_OK(ranks[1].engine->LoadState(std::make_unique<Counting>(&rank1_reads), true, 3,
-                                         TrainingCounters{.optimizer_step = 3}));
+    SHARD_EXPECT_OK(ranks[1].engine->LoadState(std::make_unique<FormulaSource>(-1, &rank1_reads),
+                                               true, 3, TrainingCounters{.optimizer_step = 3}));
     rank0.join();
   }
   ASSERT_GT(rank1_reads, 6);

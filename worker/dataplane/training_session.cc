@@ -97,7 +97,7 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
   engine_options.optimizer = job.optimizer;
   engine_options.grad_clip_norm = job.grad_clip_norm;
   engine_options.device = &device;
-  engine_options.gather_during_reads = GatherDuringReadsPays(options.ranks_on_host);
+  engine_options.gather_during_reads = options.gather_during_reads;
   // fp16's range needs the loss scaled (bf16 has fp32's exponent and needs no scaling).
   if (precision == DataType::kFloat16) engine_options.loss_scaling = LossScalerOptions{};
   SHARD_ASSIGN_OR_RETURN(session->engine_, Engine::Create(std::move(manifest), &communicator,

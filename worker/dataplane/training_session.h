@@ -84,10 +84,9 @@ struct TrainerOptions {
   // the generation, not of the process).
   std::function<absl::Status(const absl::Status&, absl::Duration, const RestoreTimings&)>
       on_restored;
-  // Ranks of this world on this rank's host (itself included), which share its cores: a
-  // restore gathers the parameters during its reads where each has 2 of its own
-  // (EngineOptions::gather_during_reads).
-  int ranks_on_host = 1;
+  // A restore gathers the parameters during its reads, not after them
+  // (EngineOptions::gather_during_reads; the worker decides with GatherDuringReadsPays).
+  bool gather_during_reads = false;
   // In-memory snapshots (the job's snapshot.every_steps; common/snapshot.h): the worker's store
   // (null: this rank takes none) and the snapshot servers of this rank's buddies in this
   // generation, nearest first. `on_snapshot` runs on the snapshot thread once this rank holds its
