@@ -166,6 +166,20 @@ void Check(const absl::Status& status, const std::string& what) {
   std::exit(1);
 }
 
+// Seconds for every rank at once to run `read` on its own reader of the checkpoint in `path`,
+// dropped from the page cache first.
+double TimeCheckpointReads(const std::string& path, int world,
+                           const std::function<void(int, CheckpointReader&)>& read) {
+  DropDirectory(path);
+  const absl::Time start = absl::Now();
+  OnRanks(world, [&](int r) {
+    auto reader = CheckpointReader::Open(path);
+    Check(reader.status(), "opening the checkpoint");
+    read(r, **reader);
+  });
+  return absl::ToDoubleSeconds(absl::Now() - start);
+}
+
 }  // namespace
 }  // namespace shard
 
@@ -299,36 +313,29 @@ int main(int argc, char** argv) {
       // into a warm buffer laid out as the shard.
       double read_s = 0;
       auto read_checked = [&] {
-        shard::DropDirectory(path);
-        const absl::Time read_start = absl::Now();
-        shard::OnRanks(world, [&](int r) {
-          auto reader = shard::CheckpointReader::Open(path);
-          shard::Check(reader.status(), "opening the checkpoint");
-          const shard::ShardLayout layout =
-              shard::MakeShardLayout(model, restored->engines[r]->plan(), r, 2);
-          for (const shard::ShardPiece& piece : layout.pieces) {
-            for (int array = -1; array < 2; ++array) {
-              char* out = copies[r].data() + piece.byte_offset + (array + 1) * piece.numel * 4;
-              shard::Check((*reader)->ReadElements(piece.param, array, piece.param_offset,
+        read_s = shard::TimeCheckpointReads(
+            path, world, [&](int r, shard::CheckpointReader& reader) {
+              const shard::ShardLayout layout =
+                  shard::MakeShardLayout(model, restored->engines[r]->plan(), r, 2);
+              for (const shard::ShardPiece& piece : layout.pieces) {
+                for (int array = -1; array < 2; ++array) {
+                  char* out =
+                      copies[r].data() + piece.byte_offset + (array + 1) * piece.numel * 4;
+                  shard::Check(reader.ReadElements(piece.param, array, piece.param_offset,
                                                    piece.numel, reinterpret_cast<float*>(out)),
-                           "reading the checkpoint");
-            }
-          }
-        });
-        read_s = absl::ToDoubleSeconds(absl::Now() - read_start);
+                               "reading the checkpoint");
+                }
+              }
+            });
       };
       // Restore on the same number of ranks from the disk.
       double restore_s = 0;
       std::vector<shard::RestoreTimings> timings(world);
       auto restore = [&] {
-        shard::DropDirectory(path);
-        const absl::Time restore_start = absl::Now();
-        shard::OnRanks(world, [&](int r) {
-          auto reader = shard::CheckpointReader::Open(path);
-          shard::Check(reader.status(), "opening the checkpoint");
-          shard::Check(restored->engines[r]->Restore(**reader, &timings[r]), "restoring");
-        });
-        restore_s = absl::ToDoubleSeconds(absl::Now() - restore_start);
+        restore_s = shard::TimeCheckpointReads(
+            path, world, [&](int r, shard::CheckpointReader& reader) {
+              shard::Check(restored->engines[r]->Restore(reader, &timings[r]), "restoring");
+            });
       };
       // The three reads take turns going first, so that none is always the one right after
       // the save's writes: with the raw read first in even repeats and the checked read first
