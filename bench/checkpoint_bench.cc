@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cstdio>
 #include <cstdlib>
@@ -115,7 +116,7 @@ double RawRead(const std::vector<std::string>& files, uint64_t bytes) {
 
 // The same files read around the page cache (O_DIRECT), 8 reads of 8 MiB in flight per file
 // (there is no readahead): the disk's figure when no processor copies what it reads. Absent
-// where the file system refuses O_DIRECT (tmpfs).
+// where the file system refuses O_DIRECT, at the open or at a read.
 std::optional<double> RawDirectRead(const std::vector<std::string>& files, uint64_t bytes) {
   constexpr size_t kPiece = 8 << 20;
   constexpr int kInFlight = 8;
@@ -128,18 +129,20 @@ std::optional<double> RawDirectRead(const std::vector<std::string>& files, uint6
     }
     fds.push_back(fd);
   }
+  std::atomic<bool> refused = false;
   const absl::Time start = absl::Now();
   OnRanks(static_cast<int>(files.size()), [&](int s) {
     const off_t size = ::lseek(fds[s], 0, SEEK_END);
     OnRanks(kInFlight, [&](int t) {
       AlignedBuffer buffer(kPiece);
-      for (off_t offset = t * kPiece; offset < size; offset += kInFlight * kPiece) {
-        if (::pread(fds[s], buffer.data(), kPiece, offset) < 0) std::perror("pread");
+      for (off_t offset = t * kPiece; offset < size && !refused; offset += kInFlight * kPiece) {
+        if (::pread(fds[s], buffer.data(), kPiece, offset) < 0) refused = true;
       }
     });
   });
   const double gbps = bytes / absl::ToDoubleSeconds(absl::Now() - start) / 1e9;
   for (int fd : fds) ::close(fd);
+  if (refused) return std::nullopt;
   return gbps;
 }
 
