@@ -12,11 +12,11 @@
 // goes around the page cache (O_DIRECT, 8 reads in flight): the disk with no copy out of the
 // page cache, which the raw read makes into a buffer that stays in the processor's caches and
 // a restore into the engine's gigabytes. The four reads of a repeat (raw, raw O_DIRECT,
-// checked, restore) take turns going first (see the loop). On this project's
-// virtual machines a read that keeps what it read in the page cache ran at half speed when the
-// memory it needed had not been freed just before (the guest hands freed memory back to the
-// host, and touching it again faults on the host): a plain read of other files right after
-// writing (and so freeing) them, the reference before, measured that rather than the disk.
+// checked, restore) take turns going first (see the loop). On this project's virtual machines
+// a read that keeps what it read in the page cache ran at half speed when the memory it needed
+// had not been freed just before (the guest hands freed memory back to the host, and touching
+// it again faults on the host): a plain read of other files right after writing (and so
+// freeing) them, the reference before, measured that rather than the disk.
 //
 // The restore is reported twice. "read" is every rank reading and verifying what it owns (the
 // reads Engine::Restore makes); "restore" is Engine::Restore itself, which at ZeRO stage 1/2
