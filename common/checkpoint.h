@@ -190,6 +190,13 @@ class ShardStorage {
   virtual absl::Status Read(int shard, uint64_t offset, uint64_t bytes, char* out) = 0;
   // Where shard `shard` is, for errors: "checkpoint shard '/ck/step-8/shard-00001-of-00002.bin'".
   virtual std::string Describe(int shard) const = 0;
+
+  // Whether View can give shard `shard`'s bytes in place, without a copy (a mapped file).
+  virtual absl::StatusOr<bool> CanView(int /*shard*/) { return false; }
+  // Bytes [offset, offset + bytes) of shard `shard`, in memory until Release of a range that
+  // covers them; `offset` is a multiple of kCheckpointBlockBytes. Only where CanView(shard).
+  virtual absl::StatusOr<const char*> View(int shard, uint64_t offset, uint64_t bytes);
+  virtual void Release(int /*shard*/, uint64_t /*offset*/, uint64_t /*bytes*/) {}
 };
 
 // The shard files of checkpoint directory `dir`, opened on first use; a file whose size differs

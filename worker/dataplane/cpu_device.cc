@@ -1,9 +1,5 @@
 #include "worker/dataplane/cpu_device.h"
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,41 +8,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
+#include "common/stream_copy.h"
 #include "common/mlp.h"
 #include "common/param_groups.h"
 #include "worker/dataplane/optimizer.h"
 
 namespace shard {
 namespace {
-
-// Copies with streaming (non-temporal) stores: memcpy streams only copies larger than a share of
-// the last-level cache (glibc: 3/4 of it), and below that it reads every destination line into
-// the cache before overwriting it, a third memory pass. A snapshot is downloaded piece by piece,
-// each below that size: streamed, the pause went from 1.6-1.9x to 1.0-1.1x a memcpy of the whole
-// snapshot on the 2-core VM (AMD EPYC; docs/checkpoints.md, "Benchmark"). Linearly: glibc's own
-// pattern, four pages interleaved, ran 3.5x slower there.
-void StreamCopy(char* to, const char* src, size_t bytes) {
-#if defined(__SSE2__)
-  constexpr size_t kLine = 64;
-  const size_t head = std::min(bytes, (kLine - reinterpret_cast<uintptr_t>(to) % kLine) % kLine);
-  std::memcpy(to, src, head);
-  src += head;
-  to += head;
-  bytes -= head;
-  for (; bytes >= kLine; bytes -= kLine, src += kLine, to += kLine) {
-    const __m128i* in = reinterpret_cast<const __m128i*>(src);
-    __m128i* stream = reinterpret_cast<__m128i*>(to);
-    const __m128i a = _mm_loadu_si128(in), b = _mm_loadu_si128(in + 1);
-    const __m128i c = _mm_loadu_si128(in + 2), d = _mm_loadu_si128(in + 3);
-    _mm_stream_si128(stream, a);
-    _mm_stream_si128(stream + 1, b);
-    _mm_stream_si128(stream + 2, c);
-    _mm_stream_si128(stream + 3, d);
-  }
-  _mm_sfence();  // streamed stores are weakly ordered: the writer thread reads the copy next
-#endif
-  std::memcpy(to, src, bytes);
-}
 
 void FreeHost(float* data) { std::free(data); }
 
