@@ -49,28 +49,17 @@ uint64_t ArrayBytes(int64_t numel) { return static_cast<uint64_t>(numel) * sizeo
 // Blocks a restore asks the storage for at once, checked one by one as they arrive.
 constexpr uint64_t kBlocksPerRead = 4;
 
-// AMD EPYC's `rep movsb`, which both the kernel's copy from the page cache into a read's
-// destination and glibc's memcpy of 4 KiB or more use, ran at 0.4x its speed here when the
-// destination was 1 to 31 bytes past the source modulo a page. malloc's large blocks start 16
-// bytes into a page and the page cache's pages on one, so every read of whole blocks into the
-// engine's buffers paid it. Such reads land in staging placed to avoid it (kStagingShift), and
-// such copies go in pieces below memcpy's `rep movsb` threshold (CopyBytes).
+// AMD EPYC's `rep movsb`, which the kernel's copy from the page cache into a read's destination
+// uses, ran at 0.4x its speed here when the destination was 1 to 31 bytes past the source modulo
+// a page. malloc's large blocks start 16 bytes into a page and the page cache's pages on one, so
+// every `pread` of whole blocks into the engine's buffers paid it. Such reads land in staging
+// placed to avoid it (kStagingShift); the reader's own copies out (StreamCopy) use vector stores,
+// which do not pay it.
 constexpr uintptr_t kStagingShift = kPageAlignment / 2;
 
 bool SlowCopy(uintptr_t to, uintptr_t from) {
   const uintptr_t gap = (to - from) % kPageAlignment;
   return gap > 0 && gap < 32;
-}
-
-void CopyBytes(char* to, const char* from, uint64_t bytes) {
-  if (!SlowCopy(reinterpret_cast<uintptr_t>(to), reinterpret_cast<uintptr_t>(from))) {
-    std::memcpy(to, from, bytes);
-    return;
-  }
-  constexpr uint64_t kPiece = 2048;  // glibc's vector loop: 4.9 GB/s against 2.8
-  for (uint64_t done = 0; done < bytes; done += kPiece) {
-    std::memcpy(to + done, from + done, std::min(kPiece, bytes - done));
-  }
 }
 
 // Smaller appends hash on the writing thread: a second thread would cost more than it saves.
@@ -754,7 +743,7 @@ absl::Status CheckpointReader::ReadBytes(int shard, uint64_t offset, uint64_t by
     }
     SHARD_ASSIGN_OR_RETURN(const char* data, Block(shard, block));
     const uint64_t take = std::min(bytes, kCheckpointBlockBytes - within);
-    CopyBytes(out, data + within, take);
+    StreamCopy(out, data + within, take);
     out += take;
     offset += take;
     bytes -= take;
