@@ -629,7 +629,14 @@ class DirectoryShardStorage : public ShardStorage {
     file.fd = fd;
     if (size > 0 && KernelPopulatesMappings()) {
       void* map = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
-      if (map != MAP_FAILED) file.map = static_cast<char*>(map);
+      if (map != MAP_FAILED) {
+        file.map = static_cast<char*>(map);
+        // The reader goes front to back: a miss reads ahead twice the disk's readahead instead
+        // of reading around the page it missed. On a 16-core machine, interleaved, the 1-rank
+        // restore went from 0.79-0.86x to 0.90-0.95x the raw read (docs/checkpoints.md).
+        ::madvise(map, static_cast<size_t>(size), MADV_SEQUENTIAL);
+        ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+      }
     }
     return &file;
   }
