@@ -263,13 +263,15 @@ TEST(CheckpointTest, EveryPlacementOfTheDestinationReadsTheSameCheckedBytes) {
   };
   for (bool mapped : {true, false}) {
     std::unique_ptr<CheckpointReader> reader = OpenReader(dir, mapped);
-    // Read with pread: direct (0, 32, 2048) and staged (4, 16, 28).
+    // Mapped, the checker copies every block out; with pread, direct (0, 32, 2048) and staged
+    // (4, 16, 28).
     for (int gap : {0, 4, 16, 28, 32, 2048}) {
       float* values = placed(gap);
       std::fill(values, values + count, -1.0f);
       SHARD_ASSERT_OK(reader->ReadElements(0, 0, 0, count, values));
       for (int64_t i = 0; i < count; ++i) {
-        ASSERT_EQ(values[i], Expected(0, 0, i)) << "mapped " << mapped << " gap " << gap << " at " << i;
+        ASSERT_EQ(values[i], Expected(0, 0, i))
+            << "mapped " << mapped << " gap " << gap << " at " << i;
       }
     }
   }

@@ -8,9 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
-#include "common/stream_copy.h"
 #include "common/mlp.h"
 #include "common/param_groups.h"
+#include "common/stream_copy.h"
 #include "worker/dataplane/optimizer.h"
 
 namespace shard {
