@@ -22,8 +22,13 @@
 #                            [--grace DURATION] [--torch SCRIPT] [--keep-logs]
 #
 # --workers is at least 3 (default 4); --restore-workers defaults to N-1. --torch runs the same
-# story with PyTorch workers: `python3 SCRIPT --data DATA` per rank (e.g. examples/torch/mlp.py,
-# the same MLP in torch) with the shard package of the build, the job's model being external.
+# story with PyTorch workers: the launcher, `python3 -m shard.run --coordinator ...
+# --nproc-per-node N --max-restarts 1`, starts `python3 SCRIPT --data DATA` per rank (e.g.
+# examples/torch/mlp.py, the same MLP in torch) with the shard package of the build, the job's
+# model being external. There the killed worker's replacement is the launcher's restart of it,
+# under a new id, at once: it waits as a standby while the dead worker's lease runs out (or,
+# arriving later, takes the free rank or is folded in), so the world is whole again without the
+# separate grow stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,7 +48,7 @@ while [ $# -gt 0 ]; do
     --grace) GRACE="$2"; shift 2 ;;
     --torch) TORCH_SCRIPT="$2"; shift 2 ;;
     --keep-logs) KEEP_LOGS=1; shift ;;
-    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "local-cluster: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -120,31 +125,59 @@ echo "job spec ($RUN_DIR/job-first.json):"
 sed 's/^/  /' "$RUN_DIR/job-first.json"
 
 COORDINATOR_PID=
+# The lines of a worker's log that are shown: the loss per step, training, checkpoints, restores.
+WORKER_LINES=" step [0-9]+/|training job|training finished:|training paused|restor|checkpoint|ended|told to| E "
 WORKER_PIDS=()
 WORKER_NAMES=()
 SHARDCTL=()
-# start_worker NAME STAGE: one shard-worker (or torch script); its loss, checkpoint and restore
-# lines are shown.
+# start_worker NAME STAGE: one shard-worker; its loss, checkpoint and restore lines are shown.
 start_worker() {
   local name=$1 stage=$2
   : >"$RUN_DIR/$name-$stage.log"
-  if [ -n "$TORCH_SCRIPT" ]; then
-    SHARD_COORDINATOR="127.0.0.1:$(cat "$RUN_DIR/port")" SHARD_ID="$name" OMP_NUM_THREADS=1 \
-      PYTHONPATH="$PYTHON_PATH${PYTHONPATH:+:$PYTHONPATH}" \
-      /usr/bin/python3 "$TORCH_SCRIPT" --data "$RUN_DIR/data.safetensors" \
-      >"$RUN_DIR/$name-$stage.log" 2>&1 &
-  else
-    "$BIN/shard-worker" --coordinator "127.0.0.1:$(cat "$RUN_DIR/port")" --id "$name" \
-      --compute-threads 1 >"$RUN_DIR/$name-$stage.log" 2>&1 &
-  fi
+  "$BIN/shard-worker" --coordinator "127.0.0.1:$(cat "$RUN_DIR/port")" --id "$name" \
+    --compute-threads 1 >"$RUN_DIR/$name-$stage.log" 2>&1 &
   WORKER_PIDS+=("$!")
   WORKER_NAMES+=("$name")
   PIDS+=("$!")
   # Rank 0 logs the loss per step; show it, and every worker's checkpoint and restore lines.
   tail -n +1 -f --pid="$COORDINATOR_PID" "$RUN_DIR/$name-$stage.log" \
-    | grep --line-buffered -E " step [0-9]+/|training job|training finished:|training paused|restor|checkpoint|ended|told to| E " \
+    | grep --line-buffered -E "$WORKER_LINES" \
     | sed -u "s/^/  [$name] /" &
   PIDS+=("$!")
+}
+
+# start_launcher STAGE WORKERS: the torch workers, through the launcher (python3 -m shard.run):
+# WORKERS ranks with ids worker-<i>, restarted once under a new id if one dies; its log
+# directory ($RUN_DIR/ranks-STAGE) has a log per rank process and processes.json (their pids).
+# The launcher's own lines and the ranks' loss, checkpoint and restore lines are shown.
+start_launcher() {
+  local stage=$1 workers=$2
+  LAUNCH_DIR="$RUN_DIR/ranks-$stage"
+  say "$stage: starting $workers torch worker processes with python3 -m shard.run"
+  OMP_NUM_THREADS=1 PYTHONPATH="$PYTHON_PATH${PYTHONPATH:+:$PYTHONPATH}" \
+    /usr/bin/python3 -m shard.run --coordinator "127.0.0.1:$(cat "$RUN_DIR/port")" \
+    --nproc-per-node "$workers" --max-restarts 1 --device cpu --id-prefix worker \
+    --log-dir "$LAUNCH_DIR" "$TORCH_SCRIPT" --data "$RUN_DIR/data.safetensors" \
+    > >(grep --line-buffered -E "^\[shard.run\]|$WORKER_LINES" | sed -u 's/^/  /') 2>&1 &
+  WORKER_PIDS+=("$!")
+  WORKER_NAMES+=("the launcher (shard.run)")
+  PIDS+=("$!")
+}
+
+# rank_process LOCAL_RANK: "PID WORKER_ID" of the launcher's current process for that rank.
+rank_process() {
+  /usr/bin/python3 -c 'import json, sys
+rank = json.load(open(sys.argv[1]))["ranks"][int(sys.argv[2])]
+print(rank["pid"], rank["worker_id"])' "$LAUNCH_DIR/processes.json" "$1"
+}
+
+# worker_logs STAGE: the log files of the stage's worker processes.
+worker_logs() {
+  if [ -n "$TORCH_SCRIPT" ]; then
+    ls "$RUN_DIR/ranks-$1"/*.log
+  else
+    ls "$RUN_DIR"/worker-*-"$1".log
+  fi
 }
 
 # start_job STAGE WORKERS [coordinator flags...]: a coordinator on a free port and WORKERS
@@ -166,14 +199,22 @@ start_job() {
     | sed -u 's/^/  [coordinator] /' &
   PIDS+=("$!")
 
-  say "$stage: starting $workers ${TORCH_SCRIPT:+torch }worker processes"
   WORKER_PIDS=()
   WORKER_NAMES=()
-  for i in $(seq 0 $((workers - 1))); do start_worker "worker-$i" "$stage"; done
+  if [ -n "$TORCH_SCRIPT" ]; then
+    start_launcher "$stage" "$workers"
+  else
+    say "$stage: starting $workers worker processes"
+    for i in $(seq 0 $((workers - 1))); do start_worker "worker-$i" "$stage"; done
+  fi
   if ! "${SHARDCTL[@]}" wait --wait-timeout 60s >/dev/null; then
     say "$stage: the world did not form with every self-check passed"
     "${SHARDCTL[@]}" status || true
-    for name in "${WORKER_NAMES[@]}"; do echo "--- $name"; tail -5 "$RUN_DIR/$name-$stage.log"; done
+    if [ -n "$TORCH_SCRIPT" ]; then
+      for log in $(worker_logs "$stage"); do echo "--- $log"; tail -5 "$log"; done
+    else
+      for name in "${WORKER_NAMES[@]}"; do echo "--- $name"; tail -5 "$RUN_DIR/$name-$stage.log"; done
+    fi
     exit 1
   fi
   say "$stage: world of $workers formed, every worker passed its data-path self-check"
@@ -215,6 +256,12 @@ wait_world() {
   done
   exit 1
 }
+# holds_rank WORKER: whether WORKER holds a rank (a replacement that took one).
+holds_rank() {
+  "${SHARDCTL[@]}" workers --json 2>/dev/null | /usr/bin/python3 -c 'import json, sys
+workers = json.load(sys.stdin)
+sys.exit(0 if any(w["id"] == sys.argv[1] and w["rank"] >= 0 for w in workers) else 1)' "$1" 2>/dev/null
+}
 # log_time TEXT FILE...: when the latest line containing TEXT in the FILEs was written (ms since
 # the epoch; empty if none).
 log_time() {
@@ -236,32 +283,62 @@ for _ in $(seq 600); do [ "$(checkpoints_committed)" -ge 2 ] && break; sleep 0.1
 [ "$(checkpoints_committed)" -ge 2 ] || { echo "no two checkpoints committed within 60s"; exit 1; }
 
 VICTIM=$(( WORKERS - 1 ))
-say "chaos: SIGKILL ${WORKER_NAMES[$VICTIM]} in the middle of training (job minWorldSize $MIN_WORKERS)"
-GENERATION_BEFORE=$(status_field generation)
-KILLED_AT=$(now_ms)
-kill -KILL "${WORKER_PIDS[$VICTIM]}"
-wait "${WORKER_PIDS[$VICTIM]}" 2>/dev/null || true
-unset "WORKER_PIDS[$VICTIM]" "WORKER_NAMES[$VICTIM]"
-wait_world $(( WORKERS - 1 ))
-for _ in $(seq 300); do
-  RESUMED_AT=$(log_time "first step of this run done" "$RUN_DIR"/worker-*-first.log)
-  [ -n "$RESUMED_AT" ] && [ "$RESUMED_AT" -ge "$KILLED_AT" ] && break
-  sleep 0.1
-done
-[ "$RESUMED_AT" -ge "$KILLED_AT" ] || { echo "training did not resume within 30s"; exit 1; }
-DEAD_AT=$(log_time "declared dead" "$RUN_DIR/coordinator-first.log")
-REFORMED_AT=$(log_time "re-forming with" "$RUN_DIR/coordinator-first.log")
-say "chaos: recovered from generation $GENERATION_BEFORE to $(status_field generation) on $(( WORKERS - 1 )) workers:" \
-  "declared dead after $(( DEAD_AT - KILLED_AT )) ms (lease $LEASE), re-formed after" \
-  "$(( REFORMED_AT - KILLED_AT )) ms (grace $GRACE), training again after $(( RESUMED_AT - KILLED_AT )) ms"
+if [ -n "$TORCH_SCRIPT" ]; then
+  read -r VICTIM_PID VICTIM_NAME < <(rank_process "$VICTIM")
+  REPLACEMENT="$VICTIM_NAME-r1"
+  say "chaos: SIGKILL $VICTIM_NAME (pid $VICTIM_PID) in the middle of training (job minWorldSize" \
+    "$MIN_WORKERS); shard.run restarts it at once as $REPLACEMENT, which joins as a standby"
+  GENERATION_BEFORE=$(status_field generation)
+  KILLED_AT=$(now_ms)
+  kill -KILL "$VICTIM_PID"
+  for _ in $(seq 600); do holds_rank "$REPLACEMENT" && break; sleep 0.1; done
+  holds_rank "$REPLACEMENT" || { echo "$REPLACEMENT did not take a rank within 60s"; "${SHARDCTL[@]}" status || true; exit 1; }
+  wait_world "$WORKERS"
+  for _ in $(seq 300); do
+    RESUMED_AT=$(log_time "first step of this run done" $(worker_logs first))
+    [ -n "$RESUMED_AT" ] && [ "$RESUMED_AT" -ge "$KILLED_AT" ] && break
+    sleep 0.1
+  done
+  [ "$RESUMED_AT" -ge "$KILLED_AT" ] || { echo "training did not resume within 30s"; exit 1; }
+  DEAD_AT=$(log_time "declared dead" "$RUN_DIR/coordinator-first.log")
+  JOINED_AT=$(log_time "worker $REPLACEMENT joined" "$RUN_DIR/coordinator-first.log")
+  say "chaos: recovered from generation $GENERATION_BEFORE to $(status_field generation) on $WORKERS workers:" \
+    "$REPLACEMENT joined after $(( JOINED_AT - KILLED_AT )) ms, $VICTIM_NAME declared dead after" \
+    "$(( DEAD_AT - KILLED_AT )) ms (lease $LEASE), training again after $(( RESUMED_AT - KILLED_AT )) ms"
+  # How the replacement got its rank: as a standby (joined before the lease ran out), the free
+  # rank (joined within the grace) or folded in after a re-formation without it.
+  grep -hE "worker $REPLACEMENT joined|standby $REPLACEMENT|re-forming with|folded in" \
+    "$RUN_DIR/coordinator-first.log" | sed 's/^/  /' || true
+else
+  say "chaos: SIGKILL ${WORKER_NAMES[$VICTIM]} in the middle of training (job minWorldSize $MIN_WORKERS)"
+  GENERATION_BEFORE=$(status_field generation)
+  KILLED_AT=$(now_ms)
+  kill -KILL "${WORKER_PIDS[$VICTIM]}"
+  wait "${WORKER_PIDS[$VICTIM]}" 2>/dev/null || true
+  unset "WORKER_PIDS[$VICTIM]" "WORKER_NAMES[$VICTIM]"
+  wait_world $(( WORKERS - 1 ))
+  for _ in $(seq 300); do
+    RESUMED_AT=$(log_time "first step of this run done" "$RUN_DIR"/worker-*-first.log)
+    [ -n "$RESUMED_AT" ] && [ "$RESUMED_AT" -ge "$KILLED_AT" ] && break
+    sleep 0.1
+  done
+  [ "$RESUMED_AT" -ge "$KILLED_AT" ] || { echo "training did not resume within 30s"; exit 1; }
+  DEAD_AT=$(log_time "declared dead" "$RUN_DIR/coordinator-first.log")
+  REFORMED_AT=$(log_time "re-forming with" "$RUN_DIR/coordinator-first.log")
+  say "chaos: recovered from generation $GENERATION_BEFORE to $(status_field generation) on $(( WORKERS - 1 )) workers:" \
+    "declared dead after $(( DEAD_AT - KILLED_AT )) ms (lease $LEASE), re-formed after" \
+    "$(( REFORMED_AT - KILLED_AT )) ms (grace $GRACE), training again after $(( RESUMED_AT - KILLED_AT )) ms"
+fi
 "${SHARDCTL[@]}" status || true
 # The coordinator's account of where the new world's state came from, and what it cost.
 "${SHARDCTL[@]}" events | grep -E "restore_point|restored" | tail -2 || true
 
-say "grow: a replacement worker joins; it waits as a standby and is folded in at the next pause, from memory"
-start_worker "worker-$WORKERS" first
-wait_world "$WORKERS"
-"${SHARDCTL[@]}" status || true
+if [ -z "$TORCH_SCRIPT" ]; then
+  say "grow: a replacement worker joins; it waits as a standby and is folded in at the next pause, from memory"
+  start_worker "worker-$WORKERS" first
+  wait_world "$WORKERS"
+  "${SHARDCTL[@]}" status || true
+fi
 train_a_while
 
 say "resize: the operator shrinks the live job to $RESIZED workers (no step is lost)"
@@ -300,11 +377,16 @@ say "verifying and exporting the last checkpoint (no coordinator needed)"
   --out "$RUN_DIR/out/exported.safetensors"
 
 say "summary"
-echo "first run on $WORKERS, $(( WORKERS - 1 )), $WORKERS and $RESIZED workers, last step logged before the stop:" \
-  "$(grep -h " step [0-9]*/$STEPS loss" "$RUN_DIR"/worker-*-first.log | sort | tail -1 | sed -E 's/^.* (step [0-9]+\/[0-9]+ loss [0-9.]+).*$/\1/')"
+if [ -n "$TORCH_SCRIPT" ]; then
+  FIRST_SIZES="$WORKERS (one worker killed and replaced by shard.run's restart) and $RESIZED"
+else
+  FIRST_SIZES="$WORKERS, $(( WORKERS - 1 )), $WORKERS and $RESIZED"
+fi
+echo "first run on $FIRST_SIZES workers, last step logged before the stop:" \
+  "$(grep -h " step [0-9]*/$STEPS loss" $(worker_logs first) | sort | tail -1 | sed -E 's/^.* (step [0-9]+\/[0-9]+ loss [0-9.]+).*$/\1/')"
 echo "a killed worker cost $(( RESUMED_AT - KILLED_AT )) ms of training plus the steps since the last snapshot"
 echo "restores in the first run: $FROM_MEMORY from memory, $FROM_DISK from disk"
-grep -h "training finished" "$RUN_DIR"/worker-*-restored.log | grep "parameters written" \
+grep -h "training finished" $(worker_logs restored) | grep "parameters written" \
   | sed 's/^.* training finished: /restored run: /' || { echo "no training summary"; exit 1; }
 echo "checkpoint saved on $WORKERS workers and restored on $RESTORE_WORKERS: $RESUME_ID"
 echo "last checkpoint $LAST_ID verified and exported:" \
