@@ -4,6 +4,7 @@
 // MLP takes too. Errors become codes plus a thread-local message here and nowhere else.
 #include "capi/shard.h"
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/checkpoint.h"
 #include "common/cli.h"
 #include "common/logging.h"
 #include "common/manifest.h"
@@ -44,6 +46,16 @@ struct shard_job {
   std::optional<shard::GenerationHandoff::Generation> generation;
   std::unique_ptr<shard::TrainingSession> session;
   std::optional<shard::Manifest> manifest;
+  // The script's own optimizer (shard_job_set_optimizer): its class and per-element state.
+  std::optional<shard::OptimizerStateKind> torch_optimizer;
+  std::vector<shard::OwnedRange> ranges;  // shard_updated_ranges's, at layout_version
+  std::string ranges_json;
+  shard_extras_fn extras_callback = nullptr;
+  void* extras_context = nullptr;
+  // shard_put_extra's, while the callback runs (null otherwise).
+  std::vector<std::pair<int, std::string>>* put_extras = nullptr;
+  std::string sent_bytes;  // shard_gather_extra's answer
+  absl::Time update_started;  // shard_step_reduce's return, for the step's optimizer time
   int64_t layout_version = 0;
   int64_t plan_version = 0;  // the engine's, when the layout was last counted
   shard::StepTimings timings;
@@ -108,6 +120,23 @@ absl::Status AfterCaller(shard_job* job) {
 }
 absl::Status BeforeCaller(shard_job* job) {
   return job->session->device().MakeStreamWait(job->stream);
+}
+
+// A step's gradients are all marked (or shard_mark_ready found something wrong).
+absl::Status StepReady(shard_job* job) {
+  SHARD_RETURN_IF_ERROR(NeedsSession(job));
+  absl::MutexLock lock(&job->mark_mu);
+  return job->mark_failure;
+}
+
+// The first step of a generation that started from scratch rebuilds the buckets: the views
+// move.
+void CountLayout(shard_job* job) {
+  const int64_t version = job->session->engine().plan_version();
+  if (version != job->plan_version) {
+    job->plan_version = version;
+    ++job->layout_version;
+  }
 }
 
 // A config field of the expected JSON type, or InvalidArgument naming it.
@@ -238,6 +267,44 @@ void Return(shard_job* job, absl::StatusOr<shard::TrainResult> result) {
   job->handoff.Return(std::move(result));
 }
 
+// The job spec's optimizer with the script's declaration: a "torch" one needs it, a built-in
+// one refuses it (a script that brings an optimizer the job would not run).
+absl::Status WithScriptOptimizer(const shard_job* job, shard::OptimizerConfig* optimizer) {
+  const bool torch = optimizer->kind == shard::OptimizerKind::kTorch;
+  if (torch && !job->torch_optimizer.has_value()) {
+    return absl::FailedPreconditionError(
+        "the job spec's optimizer is \"torch\", the training script's own: create it with "
+        "engine.optimizer(torch.optim.X, ...) (shard_job_set_optimizer) before job.steps()");
+  }
+  if (!torch && job->torch_optimizer.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the script brings its own optimizer (", job->torch_optimizer->torch_class,
+        ") but the job spec runs the built-in ", shard::OptimizerKindName(optimizer->kind),
+        ": set \"optimizer\": {\"name\": \"torch\"} in the job spec, or drop "
+        "engine.optimizer(...)"));
+  }
+  if (torch) {
+    optimizer->torch_class = job->torch_optimizer->torch_class;
+    optimizer->torch_state = job->torch_optimizer->names;
+  }
+  return absl::OkStatus();
+}
+
+// The session's extras provider: the script's callback hands them over through shard_put_extra.
+absl::StatusOr<std::vector<std::pair<int, std::string>>> CollectExtras(shard_job* job) {
+  std::vector<std::pair<int, std::string>> extras;
+  if (job->extras_callback == nullptr) return extras;
+  job->put_extras = &extras;
+  const int failed = job->extras_callback(job->extras_context);
+  job->put_extras = nullptr;
+  if (failed != 0) {
+    return absl::InternalError(
+        "the training script could not hand over its optimizer's state for the save (its "
+        "extras callback failed)");
+  }
+  return extras;
+}
+
 absl::Status BeginGeneration(shard_job* job, int* began, int* needs_init) {
   SHARD_RETURN_IF_ERROR(NeedsJob(job));
   if (began == nullptr || needs_init == nullptr) {
@@ -261,16 +328,19 @@ absl::Status BeginGeneration(shard_job* job, int* began, int* needs_init) {
       job->generation = *next;
     }
     const shard::GenerationHandoff::Generation& generation = *job->generation;
+    shard::JobConfig config = *generation.job;
+    SHARD_RETURN_IF_ERROR(WithScriptOptimizer(job, &config.optimizer));
     // A failure here ends this generation; the agent says whether there is a next one (the
     // world moved on) or the job fails (then Next answers with the error).
     absl::StatusOr<std::unique_ptr<shard::TrainingSession>> session =
-        shard::TrainingSession::Create(*generation.job, *job->manifest, *generation.communicator,
+        shard::TrainingSession::Create(config, *job->manifest, *generation.communicator,
                                        *generation.plans, *generation.options);
     if (!session.ok()) {
       Return(job, session.status());
       continue;
     }
     job->session = std::move(*session);
+    job->session->SetExtrasProvider([job] { return CollectExtras(job); });
     bool loaded = job->session->restored();
     if (!loaded) {
       absl::StatusOr<bool> init = job->session->LoadInitFile();
@@ -361,6 +431,23 @@ void DeleteDlpackView(DLManagedTensor* managed) {
   delete static_cast<DlpackView*>(managed->manager_ctx);
 }
 
+// A DLPack descriptor over `data`, compact fp32 of `shape`, on the job's device.
+DLManagedTensor* MakeDlpack(const shard_job* job, float* data, std::vector<int64_t> shape) {
+  auto view = std::make_unique<DlpackView>();
+  view->shape = std::move(shape);
+  DLTensor& tensor = view->managed.dl_tensor;
+  tensor.data = data;
+  tensor.device = job->gpu >= 0 ? DLDevice{kDLCUDA, job->gpu} : DLDevice{kDLCPU, 0};
+  tensor.ndim = static_cast<int>(view->shape.size());
+  tensor.dtype = DLDataType{kDLFloat, 32, 1};
+  tensor.shape = view->shape.data();
+  tensor.strides = nullptr;  // compact, row-major
+  tensor.byte_offset = 0;
+  view->managed.manager_ctx = view.get();
+  view->managed.deleter = &DeleteDlpackView;
+  return &view.release()->managed;
+}
+
 absl::Status TensorDlpack(shard_job* job, int index, int grad, DLManagedTensor** out) {
   SHARD_RETURN_IF_ERROR(NeedsSession(job));
   if (out == nullptr) return absl::InvalidArgumentError("shard_tensor_dlpack: null output");
@@ -375,19 +462,44 @@ absl::Status TensorDlpack(shard_job* job, int index, int grad, DLManagedTensor**
     return absl::NotFoundError(
         absl::StrCat(manifest.params[index].name, " is frozen: it has no gradient"));
   }
-  auto view = std::make_unique<DlpackView>();
-  view->shape = manifest.params[index].shape;
-  DLTensor& tensor = view->managed.dl_tensor;
-  tensor.data = data;
-  tensor.device = job->gpu >= 0 ? DLDevice{kDLCUDA, job->gpu} : DLDevice{kDLCPU, 0};
-  tensor.ndim = static_cast<int>(view->shape.size());
-  tensor.dtype = DLDataType{kDLFloat, 32, 1};
-  tensor.shape = view->shape.data();
-  tensor.strides = nullptr;  // compact, row-major
-  tensor.byte_offset = 0;
-  view->managed.manager_ctx = view.get();
-  view->managed.deleter = &DeleteDlpackView;
-  *out = &view.release()->managed;
+  *out = MakeDlpack(job, data, manifest.params[index].shape);
+  return absl::OkStatus();
+}
+
+absl::Status RangeDlpack(shard_job* job, int range, int array, DLManagedTensor** out) {
+  SHARD_RETURN_IF_ERROR(NeedsSession(job));
+  if (out == nullptr) return absl::InvalidArgumentError("shard_range_dlpack: null output");
+  shard::Engine& engine = job->session->engine();
+  if (range < 0 || range >= static_cast<int>(job->ranges.size())) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "range ", range, " is not in [0, ", job->ranges.size(),
+        "): ask shard_updated_ranges again after the layout version changed"));
+  }
+  const int states = static_cast<int>(engine.optimizer_state_names().size());
+  if (array < -2 || array >= states) {
+    return absl::OutOfRangeError(absl::StrCat("array ", array, " is not -2 (the gradient), -1 "
+                                              "(the values) or a state tensor in [0, ", states, ")"));
+  }
+  const shard::OwnedRange& owned = job->ranges[range];
+  float* data = array == -2 ? engine.RangeGrad(owned) : engine.RangeData(owned, array);
+  *out = MakeDlpack(job, data, {owned.numel});
+  return absl::OkStatus();
+}
+
+absl::Status UpdatedRanges(shard_job* job, const char** json) {
+  SHARD_RETURN_IF_ERROR(NeedsSession(job));
+  if (json == nullptr) return absl::InvalidArgumentError("shard_updated_ranges: null output");
+  shard::Engine& engine = job->session->engine();
+  job->ranges = engine.UpdatedRanges();
+  nlohmann::json ranges = nlohmann::json::array();
+  for (const shard::OwnedRange& range : job->ranges) {
+    ranges.push_back({{"param", range.param},
+                      {"offset", range.param_offset},
+                      {"numel", range.numel},
+                      {"extras", range.param_offset == 0 && engine.SavesExtrasOf(range.param)}});
+  }
+  job->ranges_json = ranges.dump();
+  *json = job->ranges_json.c_str();
   return absl::OkStatus();
 }
 
@@ -419,8 +531,43 @@ int shard_job_info(shard_job* job, const char** json) {
       if (!printed.ok()) return absl::InternalError(printed.message().as_string());
       info["job"] = nlohmann::json::parse(spec);
     }
+    // The step a generation being trained runs next (after a restore: the one after it).
+    if (job->session != nullptr) {
+      info["next_step"] = job->session->next_step();
+      info["optimizer_step"] = job->session->engine().optimizer_steps();
+    }
     job->info = info.dump();
     *json = job->info.c_str();
+    return absl::OkStatus();
+  });
+}
+
+int shard_job_set_optimizer(shard_job* job, const char* optimizer_json) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsJob(job));
+    if (job->torch_optimizer.has_value()) {
+      return absl::FailedPreconditionError("the optimizer is declared already (once per job)");
+    }
+    if (job->session != nullptr) {
+      return absl::FailedPreconditionError(
+          "declare the optimizer before the first generation begins (before job.steps())");
+    }
+    const nlohmann::json declared =
+        nlohmann::json::parse(optimizer_json != nullptr ? optimizer_json : "", nullptr, false);
+    shard::OptimizerConfig optimizer;
+    optimizer.kind = shard::OptimizerKind::kTorch;
+    try {
+      optimizer.torch_class = declared.at("class").get<std::string>();
+      optimizer.torch_state = declared.at("state").get<std::vector<std::string>>();
+    } catch (const nlohmann::json::exception&) {
+      return absl::InvalidArgumentError(
+          "shard_job_set_optimizer: expected {\"class\": \"...\", \"state\": [names]}");
+    }
+    if (optimizer.torch_class.empty()) {
+      return absl::InvalidArgumentError("shard_job_set_optimizer: the class has no name");
+    }
+    SHARD_RETURN_IF_ERROR(shard::ValidateOptimizerConfig(optimizer));
+    job->torch_optimizer = shard::StateKindOf(optimizer);
     return absl::OkStatus();
   });
 }
@@ -548,19 +695,133 @@ void shard_mark_ready(shard_job* job, int index) {
 
 int shard_step(shard_job* job) {
   return Guarded([&]() -> absl::Status {
-    SHARD_RETURN_IF_ERROR(NeedsSession(job));
-    {
-      absl::MutexLock lock(&job->mark_mu);
-      SHARD_RETURN_IF_ERROR(job->mark_failure);
-    }
+    SHARD_RETURN_IF_ERROR(StepReady(job));
     shard::Engine& engine = job->session->engine();
-    const absl::Status stepped = engine.Step(&job->timings);
-    if (engine.plan_version() != job->plan_version) {  // the first step rebuilt the buckets
-      job->plan_version = engine.plan_version();
-      ++job->layout_version;
+    if (engine.optimizer_config().kind == shard::OptimizerKind::kTorch) {
+      return absl::FailedPreconditionError(
+          "this job's optimizer is the script's own: shard_step_reduce, update, "
+          "shard_step_finish");
     }
+    const absl::Status stepped = engine.Step(&job->timings);
+    CountLayout(job);
     SHARD_RETURN_IF_ERROR(stepped);
     return BeforeCaller(job);
+  });
+}
+
+int shard_step_reduce(shard_job* job, int* update) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(StepReady(job));
+    if (update == nullptr) return absl::InvalidArgumentError("shard_step_reduce: null output");
+    absl::StatusOr<bool> reduced = job->session->engine().ReduceGradients(&job->timings);
+    CountLayout(job);
+    SHARD_RETURN_IF_ERROR(reduced.status());
+    *update = *reduced ? 1 : 0;
+    job->update_started = absl::Now();
+    return BeforeCaller(job);  // the script's update reads the reduced gradients
+  });
+}
+
+int shard_step_finish(shard_job* job, int update) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    job->timings.optimizer_ms = absl::ToDoubleMilliseconds(absl::Now() - job->update_started);
+    SHARD_RETURN_IF_ERROR(AfterCaller(job));  // the gather reads what the update wrote
+    SHARD_RETURN_IF_ERROR(job->session->engine().EndStep(update != 0, &job->timings));
+    return BeforeCaller(job);
+  });
+}
+
+int shard_updated_ranges(shard_job* job, const char** json) {
+  return Guarded([&] { return UpdatedRanges(job, json); });
+}
+
+int shard_range_dlpack(shard_job* job, int range, int array, DLManagedTensor** tensor) {
+  return Guarded([&] { return RangeDlpack(job, range, array, tensor); });
+}
+
+int shard_set_extras_callback(shard_job* job, shard_extras_fn callback, void* context) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsJob(job));
+    job->extras_callback = callback;
+    job->extras_context = context;
+    return absl::OkStatus();
+  });
+}
+
+int shard_put_extra(shard_job* job, int param, const char* data, size_t size) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    if (job->put_extras == nullptr) {
+      return absl::FailedPreconditionError(
+          "shard_put_extra is for the extras callback, while a save collects them");
+    }
+    const int params = static_cast<int>(job->session->engine().manifest().params.size());
+    if (param < -1 || param >= params || (size > 0 && data == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard_put_extra: parameter ", param, " is not -1 or in [0, ", params,
+                       "), or no data"));
+    }
+    for (const auto& [put, bytes] : *job->put_extras) {
+      if (put == param) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("shard_put_extra: parameter ", param, "'s extras were put already"));
+      }
+    }
+    job->put_extras->emplace_back(param, std::string(data != nullptr ? data : "", size));
+    return absl::OkStatus();
+  });
+}
+
+int shard_restored_extra(shard_job* job, int param, const char** data, size_t* size) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    if (data == nullptr || size == nullptr) {
+      return absl::InvalidArgumentError("shard_restored_extra: null output");
+    }
+    const std::map<int, std::string>& restored = job->session->restored_extras();
+    auto it = restored.find(param);
+    *data = it == restored.end() ? nullptr : it->second.data();
+    *size = it == restored.end() ? 0 : it->second.size();
+    return absl::OkStatus();
+  });
+}
+
+int shard_gather_to_rank(shard_job* job, int param, int array, int to, float* out) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    if (to < 0 || to >= job->session->communicator().size()) {
+      return absl::InvalidArgumentError(absl::StrCat("shard_gather_to_rank: no rank ", to));
+    }
+    SHARD_RETURN_IF_ERROR(AfterCaller(job));  // the script's update may have written the state
+    return job->session->engine().GatherToRank(param, array, to, out);
+  });
+}
+
+int shard_gather_extra(shard_job* job, int param, int to, const char* data, size_t size,
+                       const char** out, size_t* out_size) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    shard::Engine& engine = job->session->engine();
+    const int world = job->session->communicator().size();
+    const int params = static_cast<int>(engine.manifest().params.size());
+    if (param < 0 || param >= params || to < 0 || to >= world || out == nullptr ||
+        out_size == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard_gather_extra: parameter ", param, " of ", params, ", rank ", to,
+                       " of ", world, ", or a null output"));
+    }
+    const int from = engine.ExtrasHolder(param);
+    if (from < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shard_gather_extra: ", engine.manifest().params[param].name, " is frozen: no state"));
+    }
+    const int rank = job->session->communicator().rank();
+    job->sent_bytes = rank == from && data != nullptr ? std::string(data, size) : std::string();
+    SHARD_RETURN_IF_ERROR(engine.SendBytes(from, to, &job->sent_bytes));
+    *out = job->sent_bytes.data();
+    *out_size = job->sent_bytes.size();
+    return absl::OkStatus();
   });
 }
 

@@ -7,12 +7,15 @@
  *
  *   shard_join(config, &job)                          blocks until the world is formed
  *   shard_job_set_model(job, manifest_json)           once
+ *   [shard_job_set_optimizer(job, json)               once, for a job spec's "torch" optimizer]
  *   while (shard_generation_begin(job, &began, &needs_init) == 0 && began) {
  *     [needs_init: write initial values into the parameters; shard_generation_init(job)]
  *     shard_tensor(job, i, &param, &grad)             views, again after every shard_step
  *     while (shard_step_begin(job, &step) == 0 && step >= 0) {
  *       forward; backward into grad, shard_mark_ready(job, i) as each gradient is complete
  *       shard_step(job)                                ABORTED: the generation ended
+ *       [or, with the script's own optimizer: shard_step_reduce(job, &update); if update,
+ *        update the ranges of shard_updated_ranges; shard_step_finish(job, update)]
  *       shard_step_end(job, loss, &boundary)           CONTINUE, PAUSED or FINISHED
  *     }
  *     shard_generation_end(job, code, message, &path)  after PAUSED, FINISHED (rank 0 exports
@@ -27,6 +30,7 @@
 #ifndef SHARD_CAPI_SHARD_H_
 #define SHARD_CAPI_SHARD_H_
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -50,14 +54,24 @@ const char* shard_last_error(void);
  * "tls_server_name", "job_token_file" (paths)}; only "coordinator" is required. */
 int shard_join(const char* config_json, shard_job** job);
 
-/* {"worker_id", "rank", "world_size", "generation", "job": the job spec (protobuf JSON)} of the
- * current generation; valid until the next call with this job. */
+/* {"worker_id", "rank", "world_size", "generation", "job": the job spec (protobuf JSON), and
+ * while a generation is being trained "next_step" (the 0-based step it runs next) and
+ * "optimizer_step" (updates so far)} of the current generation; valid until the next call. */
 int shard_job_info(shard_job* job, const char** json);
 
 /* The model's parameters in registration order (common/manifest.h's JSON: {"params": [{"name",
  * "shape", "dtype": "f32", "requires_grad"}]}). Once, before the first generation; every
  * worker of the job must register the same one. */
 int shard_job_set_model(shard_job* job, const char* manifest_json);
+
+/* The training script's own optimizer, for a job spec whose optimizer is "torch":
+ * {"class": "torch.optim.adamw.AdamW", "state": ["exp_avg", "exp_avg_sq"]}: its class (checked
+ * against a checkpoint's on restore) and the names of its state tensors that hold one value per
+ * parameter element, which Shard keeps sharded like the parameters (shard_range_dlpack, array
+ * k). Once, after shard_job_set_model and before the first generation; every worker must
+ * declare the same one. The rest of its state the script hands over at every save
+ * (shard_set_extras_callback). */
+int shard_job_set_optimizer(shard_job* job, const char* optimizer_json);
 
 /* Waits for the next generation and builds its engine (restoring the coordinator's restore
  * point, or the job's init file). *began = 0 when the job is over. *needs_init = 1 when
@@ -101,6 +115,48 @@ int shard_step_begin(shard_job* job, int64_t* step);
 void shard_mark_ready(shard_job* job, int index);
 /* Waits for the reductions, clips, updates what this rank owns and gathers the parameters. */
 int shard_step(shard_job* job);
+/* The same in parts, for the script's own optimizer: shard_step_reduce waits for the reductions
+ * (the first step of a generation that started from scratch also rebuilds the buckets: the
+ * layout version changes) and clips; *update = 0 when this step must not update (loss scaling
+ * found an inf or NaN). The script then updates the ranges shard_updated_ranges names and calls
+ * shard_step_finish(job, update), which gathers the parameters. */
+int shard_step_reduce(shard_job* job, int* update);
+int shard_step_finish(shard_job* job, int update);
+
+/* What this rank updates: [{"param": index, "offset": first element, "numel": n, "extras": true
+ * when this rank saves the parameter's extras (it holds its first element)}], by bucket; whole
+ * parameters in param mode (and at stage 0: everything), ranges in range mode. Valid until the
+ * layout version changes. */
+int shard_updated_ranges(shard_job* job, const char** json);
+/* A 1-D DLPack tensor over range `range` (an index into shard_updated_ranges) of the parameter
+ * values (array -1), its reduced gradient (array -2, valid between shard_step_reduce and
+ * shard_step_finish) or optimizer state tensor `array` (k >= 0, shard_job_set_optimizer's
+ * order): Shard's memory, which its checkpoints and snapshots save and its restores fill. */
+int shard_range_dlpack(shard_job* job, int range, int array, struct DLManagedTensor** tensor);
+
+/* Called at every save (checkpoint or memory snapshot) during shard_step_end, on the caller's
+ * thread, to hand over what the script's own optimizer keeps besides its per-element state: the
+ * callback calls shard_put_extra for each parameter whose extras this rank saves and, on rank 0,
+ * for the job's (param -1: param groups, scheduler state), then returns 0 (non-zero fails the
+ * save and the step). */
+typedef int (*shard_extras_fn)(void* context);
+int shard_set_extras_callback(shard_job* job, shard_extras_fn callback, void* context);
+int shard_put_extra(shard_job* job, int param, const char* data, size_t size);
+/* What the generation's restore read of those: parameter `param`'s extras (-1: the job's), or
+ * *data = NULL when it has none (training started from scratch, or the parameter has none). Valid
+ * until the generation ends. */
+int shard_restored_extra(shard_job* job, int param, const char** data, size_t* size);
+
+/* Consolidation (ZeroRedundancyOptimizer.consolidate_state_dict): parameter `param`'s values
+ * (array -1) or optimizer state tensor `array` in full on rank `to` (into `out`, numel floats of
+ * host memory; NULL on other ranks). Collective: every rank calls it for the same parameters in
+ * the same order; no rank but `to` holds more than one parameter's range at a time. */
+int shard_gather_to_rank(shard_job* job, int param, int array, int to, float* out);
+/* Parameter `param`'s extras as the rank that saves them (shard_updated_ranges' "extras") has
+ * them now (`data`, `size`; other ranks' are ignored) on rank `to` (*out, valid until the next
+ * call). Collective. */
+int shard_gather_extra(shard_job* job, int param, int to, const char* data, size_t size,
+                       const char** out, size_t* out_size);
 /* The step boundary: `loss` is the mean loss over this rank's samples. *boundary is one of
  * shard_boundary: go on, paused for a re-formation, or the job's last step done; after either of
  * the latter, end the generation. */

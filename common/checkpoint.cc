@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/fault.h"
@@ -176,6 +177,29 @@ uint64_t CheckpointManifest::total_bytes() const {
   return total;
 }
 
+OptimizerStateKind StateKindOf(const OptimizerConfig& optimizer) {
+  return OptimizerStateKind{optimizer.kind == OptimizerKind::kTorch ? optimizer.torch_class : "",
+                            OptimizerStateNames(optimizer)};
+}
+
+absl::StatusOr<OptimizerConfig> SavedOptimizer(const OptimizerConfig& job,
+                                               const OptimizerStateKind& saved) {
+  OptimizerConfig optimizer = job;
+  if (job.kind == OptimizerKind::kTorch) {
+    optimizer.torch_class = saved.torch_class;
+    optimizer.torch_state = saved.names;
+    return optimizer;
+  }
+  if (saved != StateKindOf(job)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a rank saved optimizer state [", absl::StrJoin(saved.names, ", "), "]",
+        saved.torch_class.empty() ? "" : absl::StrCat(" of ", saved.torch_class),
+        " but the job's ", OptimizerKindName(job.kind), " keeps [",
+        absl::StrJoin(OptimizerStateNames(job), ", "), "]"));
+  }
+  return optimizer;
+}
+
 absl::StatusOr<CheckpointManifest> MakeCheckpointManifest(
     const std::string& job, const std::string& id, int64_t step, int zero_stage,
     const Manifest& model, const Plan& plan, const OptimizerConfig& optimizer,
@@ -201,10 +225,20 @@ absl::StatusOr<CheckpointManifest> MakeCheckpointManifest(
   for (int rank = 0; rank < world; ++rank) {
     const ShardLayout layout =
         MakeShardLayout(model, plan, rank, static_cast<int>(state_names.size()));
-    if (shards[rank].rank != rank || shards[rank].bytes != layout.bytes) {
+    uint64_t end = layout.bytes;  // of the extras, back to back after the pieces
+    for (const ShardExtra& extra : shards[rank].extras) {
+      if (extra.offset != end || extra.param < -1 ||
+          extra.param >= static_cast<int>(model.params.size())) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "rank ", rank, " reported extra bytes of parameter ", extra.param, " at offset ",
+            extra.offset, " where ", end, " was due"));
+      }
+      end += extra.bytes;
+    }
+    if (shards[rank].rank != rank || shards[rank].bytes != end) {
       return absl::FailedPreconditionError(absl::StrCat(
           "rank ", rank, " reported a shard of ", shards[rank].bytes, " bytes but the plan puts ",
-          layout.bytes, " bytes there"));
+          layout.bytes, " bytes there (and its extras ", end - layout.bytes, ")"));
     }
     for (const ShardPiece& piece : layout.pieces) {
       manifest.tensors[piece.param].pieces.push_back(
@@ -235,12 +269,16 @@ std::string CheckpointManifestToJson(const CheckpointManifest& m) {
   }
   nlohmann::ordered_json shards = nlohmann::ordered_json::array();
   for (const ShardRecord& s : m.shards) {
-    shards.push_back({{"file", s.file},
-                      {"rank", s.rank},
-                      {"bytes", s.bytes},
-                      {"xxh3", s.xxh3},
-                      {"block_bytes", kCheckpointBlockBytes},
-                      {"block_xxh3", s.block_xxh3}});
+    nlohmann::ordered_json shard = {{"file", s.file},
+                                    {"rank", s.rank},
+                                    {"bytes", s.bytes},
+                                    {"xxh3", s.xxh3},
+                                    {"block_bytes", kCheckpointBlockBytes},
+                                    {"block_xxh3", s.block_xxh3}};
+    for (const ShardExtra& e : s.extras) {
+      shard["extras"].push_back({{"param", e.param}, {"offset", e.offset}, {"bytes", e.bytes}});
+    }
+    shards.push_back(std::move(shard));
   }
   const OptimizerConfig& o = m.optimizer;
   nlohmann::ordered_json doc = {
@@ -261,14 +299,19 @@ std::string CheckpointManifestToJson(const CheckpointManifest& m) {
         {"hash", m.plan_hash}}},
       {"manifest_hash", m.manifest_hash},
       {"optimizer",
-       {{"name", std::string(OptimizerKindName(o.kind))},
-        {"lr", o.lr},
-        {"betas", {o.beta1, o.beta2}},
-        {"eps", o.eps},
-        {"weight_decay", o.weight_decay},
-        {"momentum", o.momentum},
-        {"nesterov", o.nesterov},
-        {"state", m.state_names}}},
+       o.kind == OptimizerKind::kTorch
+           // The script's class holds its settings: only what the state is.
+           ? nlohmann::ordered_json{{"name", "torch"},
+                                    {"class", o.torch_class},
+                                    {"state", m.state_names}}
+           : nlohmann::ordered_json{{"name", std::string(OptimizerKindName(o.kind))},
+                                    {"lr", o.lr},
+                                    {"betas", {o.beta1, o.beta2}},
+                                    {"eps", o.eps},
+                                    {"weight_decay", o.weight_decay},
+                                    {"momentum", o.momentum},
+                                    {"nesterov", o.nesterov},
+                                    {"state", m.state_names}}},
       {"tensors", tensors},
       {"shards", shards}};
   if (m.counters.has_value()) {
@@ -382,17 +425,23 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
       m.optimizer.kind = OptimizerKind::kAdamW;
     } else if (name == "sgd") {
       m.optimizer.kind = OptimizerKind::kSgd;
+    } else if (name == "torch") {
+      m.optimizer.kind = OptimizerKind::kTorch;
+      m.optimizer.torch_class = o.at("class").get<std::string>();
     } else {
       return Corrupt(path, absl::StrCat("optimizer '", name, "' is unknown"));
     }
-    m.optimizer.lr = o.at("lr").get<double>();
-    m.optimizer.beta1 = o.at("betas").at(0).get<double>();
-    m.optimizer.beta2 = o.at("betas").at(1).get<double>();
-    m.optimizer.eps = o.at("eps").get<double>();
-    m.optimizer.weight_decay = o.at("weight_decay").get<double>();
-    m.optimizer.momentum = o.at("momentum").get<double>();
-    m.optimizer.nesterov = o.at("nesterov").get<bool>();
+    if (m.optimizer.kind != OptimizerKind::kTorch) {
+      m.optimizer.lr = o.at("lr").get<double>();
+      m.optimizer.beta1 = o.at("betas").at(0).get<double>();
+      m.optimizer.beta2 = o.at("betas").at(1).get<double>();
+      m.optimizer.eps = o.at("eps").get<double>();
+      m.optimizer.weight_decay = o.at("weight_decay").get<double>();
+      m.optimizer.momentum = o.at("momentum").get<double>();
+      m.optimizer.nesterov = o.at("nesterov").get<bool>();
+    }
     m.state_names = o.at("state").get<std::vector<std::string>>();
+    if (m.optimizer.kind == OptimizerKind::kTorch) m.optimizer.torch_state = m.state_names;
     for (const nlohmann::json& s : Array(doc, "shards")) {
       ShardRecord record;
       record.file = s.at("file").get<std::string>();
@@ -400,6 +449,12 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
       record.bytes = Integer<uint64_t>(s, "bytes");
       record.xxh3 = s.at("xxh3").get<std::string>();
       record.block_xxh3 = s.at("block_xxh3").get<std::vector<std::string>>();
+      if (s.contains("extras")) {
+        for (const nlohmann::json& e : Array(s, "extras")) {
+          record.extras.push_back(ShardExtra{Integer<int>(e, "param"), Integer<uint64_t>(e, "offset"),
+                                             Integer<uint64_t>(e, "bytes")});
+        }
+      }
       if (Integer<uint64_t>(s, "block_bytes") != kCheckpointBlockBytes) {
         return Corrupt(path, "shards use a block size this Shard does not read");
       }
@@ -441,6 +496,15 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
   if (absl::Status job = ValidateName("job name", m.job); !job.ok()) return Corrupt(path, job.message());
   if (absl::Status model = ValidateManifest(m.model()); !model.ok()) {
     return Corrupt(path, model.message());
+  }
+  for (const ShardRecord& shard : m.shards) {
+    for (const ShardExtra& extra : shard.extras) {
+      if (extra.param < -1 || extra.param >= static_cast<int>(m.tensors.size()) ||
+          extra.offset > shard.bytes || extra.bytes > shard.bytes - extra.offset) {
+        return Corrupt(path, absl::StrCat("shard '", shard.file, "' lists extra bytes of "
+                                          "parameter ", extra.param, " outside it or of no tensor"));
+      }
+    }
   }
   // Every tensor is covered exactly, by pieces inside their shards. (Compared so that nothing
   // overflows: a forged offset near 2^64 must not wrap around to "inside".)
@@ -902,6 +966,12 @@ absl::Status CheckpointReader::ReadElements(int param, int array, int64_t begin,
     next = stop;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> CheckpointReader::ReadExtra(int shard, const ShardExtra& extra) {
+  std::string bytes(extra.bytes, '\0');
+  SHARD_RETURN_IF_ERROR(ReadBytes(shard, extra.offset, extra.bytes, bytes.data()));
+  return bytes;
 }
 
 absl::Status CheckpointReader::VerifyShard(int shard, const std::function<void(uint64_t)>& progress) {

@@ -59,12 +59,26 @@ struct ShardLayout {
 // (whole, with zero state).
 ShardLayout MakeShardLayout(const Manifest& model, const Plan& plan, int rank, int state_tensors);
 
+// Bytes a rank appends to its shard after its pieces, opaque to Shard: what a training script's
+// own optimizer keeps of a parameter besides its per-element state (step counts, factored
+// moments; saved by the rank that holds the parameter's first element), or the job's extras
+// (the optimizer's param groups, a scheduler's state; saved by rank 0). The script wrote them;
+// a restore hands each rank those of the parameters it updates, and the job's.
+struct ShardExtra {
+  int param = -1;       // the parameter whose state it is; -1: the job's
+  uint64_t offset = 0;  // in the shard
+  uint64_t bytes = 0;
+
+  bool operator==(const ShardExtra&) const = default;
+};
+
 struct ShardRecord {
   std::string file;
   int rank = 0;
   uint64_t bytes = 0;
   std::string xxh3;                     // of the whole file
   std::vector<std::string> block_xxh3;  // of each kCheckpointBlockBytes block
+  std::vector<ShardExtra> extras;       // back to back after the shard layout's bytes
 
   bool operator==(const ShardRecord&) const = default;
 };
@@ -108,6 +122,22 @@ std::map<std::string, std::string> TrainedFileMetadata(int64_t step, OptimizerKi
 // `step` and no loss scale. InvalidArgument naming the key for a malformed or impossible value.
 absl::StatusOr<TrainingCounters> TrainingCountersFromMetadata(
     const std::map<std::string, std::string>& metadata, int64_t step);
+
+// The optimizer state a rank saved: the per-element state tensors each piece holds after its
+// parameter values and, for a training script's own optimizer (kTorch), its class. Ranks report
+// it with every shard; for a built-in optimizer it follows from the job spec.
+struct OptimizerStateKind {
+  std::string torch_class;  // empty for a built-in optimizer
+  std::vector<std::string> names;
+
+  bool operator==(const OptimizerStateKind&) const = default;
+};
+
+OptimizerStateKind StateKindOf(const OptimizerConfig& optimizer);
+// The job's optimizer as a rank saved it: kTorch takes the class and state names of `saved`;
+// a built-in optimizer must have saved its own (FailedPrecondition naming both otherwise).
+absl::StatusOr<OptimizerConfig> SavedOptimizer(const OptimizerConfig& job,
+                                               const OptimizerStateKind& saved);
 
 struct CheckpointManifest {
   int format_version = kCheckpointFormatVersion;
@@ -224,6 +254,8 @@ class CheckpointReader : public StateSource {
   // state `array` (0-based, as in manifest().state_names) into `out`.
   absl::Status ReadElements(int param, int array, int64_t begin, int64_t count,
                             float* out) override;
+  // The extra bytes `extra` of shard `shard` names (one of its record's extras), checked.
+  absl::StatusOr<std::string> ReadExtra(int shard, const ShardExtra& extra);
 
   // Re-reads every shard in full, checking sizes and every checksum; `progress(bytes)` is
   // called as it goes. The error names the shard and what is wrong.

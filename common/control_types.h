@@ -177,6 +177,7 @@ struct ShardReport {
   double write_ms = 0;
   std::string error;  // the rank could not write its shard
   TrainingCounters counters;
+  OptimizerStateKind state;
 
   bool operator==(const ShardReport&) const = default;
 };

@@ -1,5 +1,6 @@
 #include "common/job_spec.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -22,11 +23,13 @@ absl::string_view OptimizerKindName(OptimizerKind kind) {
     case OptimizerKind::kAdam: return "adam";
     case OptimizerKind::kAdamW: return "adamw";
     case OptimizerKind::kSgd: return "sgd";
+    case OptimizerKind::kTorch: return "torch";
   }
   return "unknown";
 }
 
 std::vector<std::string> OptimizerStateNames(const OptimizerConfig& optimizer) {
+  if (optimizer.kind == OptimizerKind::kTorch) return optimizer.torch_state;
   if (optimizer.kind == OptimizerKind::kSgd) {
     return optimizer.momentum > 0 ? std::vector<std::string>{"momentum_buffer"}
                                   : std::vector<std::string>{};
@@ -96,6 +99,25 @@ absl::Status ValidateOptimizerConfig(const OptimizerConfig& o) {
   auto invalid = [](absl::string_view field, absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat("optimizer.", field, " ", why));
   };
+  if (o.kind == OptimizerKind::kTorch) {
+    // The script's optimizer and scheduler hold the hyper-parameters, groups and schedule.
+    if (!o.param_groups.empty()) {
+      return invalid("param_groups", "are the torch optimizer's own: pass them to "
+                                     "engine.optimizer(cls, groups) instead of the job spec");
+    }
+    if (o.schedule.warmup_steps != 0 || o.schedule.decay != LrDecay::kConstant) {
+      return invalid("schedule", "is the script's own with a torch optimizer: use a "
+                                 "torch.optim.lr_scheduler on it");
+    }
+    for (size_t k = 0; k < o.torch_state.size(); ++k) {
+      if (o.torch_state[k].empty() ||
+          std::count(o.torch_state.begin(), o.torch_state.end(), o.torch_state[k]) != 1) {
+        return invalid("torch_state", absl::StrCat("entry ", k, " ('", o.torch_state[k],
+                                                   "') is empty or repeated"));
+      }
+    }
+    return absl::OkStatus();
+  }
   if (!(o.lr > 0) || !std::isfinite(o.lr)) return invalid("lr", "must be positive");
   if (!(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1)) {
     return invalid("betas", "must be two numbers in [0, 1)");
@@ -158,6 +180,10 @@ absl::Status ValidateJobConfig(const JobConfig& job) {
   if (job.min_world_size < 1 || job.min_world_size > job.world_size) {
     return Invalid("min_world_size", absl::StrCat("must be in [1, world_size = ", job.world_size,
                                                   "], got ", job.min_world_size));
+  }
+  if (job.optimizer.kind == OptimizerKind::kTorch && !job.external_model) {
+    return Invalid("optimizer.name", "\"torch\" (the training script's own torch.optim class) "
+                                     "needs an external model: a shard.torch script brings both");
   }
   if (job.external_model) {
     if (!job.widths.empty()) return Invalid("model", "is either mlp or external, not both");

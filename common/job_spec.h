@@ -16,7 +16,9 @@
 
 namespace shard {
 
-enum class OptimizerKind { kAdam, kAdamW, kSgd };
+// kTorch: the training script brings a torch.optim class of its own (shard.torch's
+// engine.optimizer); the engine keeps its state but runs no update rule of its own.
+enum class OptimizerKind { kAdam, kAdamW, kSgd, kTorch };
 
 // Settings for the parameters whose names match, as one of torch.optim's param groups. The
 // first group with a matching pattern takes a parameter; unmatched parameters use the
@@ -54,6 +56,12 @@ struct OptimizerConfig {
   // The updates the schedule spans: the job's `steps` (JobConfigFromProto fills it in), where a
   // decay reaches min_lr. 0 = unknown, allowed only without a decay.
   int64_t total_steps = 0;
+  // kTorch only, declared by the training script, not the job spec: the optimizer's class
+  // ("torch.optim.adamw.AdamW") and its state tensors that have one value per parameter element
+  // (exp_avg, ...), which the engine keeps in its sharded state arrays. The script keeps the
+  // rest (step counts, factored moments) and hands it over with every save (checkpoint extras).
+  std::string torch_class;
+  std::vector<std::string> torch_state;
 };
 
 absl::string_view OptimizerKindName(OptimizerKind kind);
@@ -62,7 +70,8 @@ absl::string_view LrDecayName(LrDecay decay);
 absl::StatusOr<LrDecay> ParseLrDecay(absl::string_view name);
 
 // The optimizer's state tensors per parameter element, by PyTorch's names: exp_avg and
-// exp_avg_sq for Adam/AdamW, momentum_buffer for SGD with momentum, none for plain SGD.
+// exp_avg_sq for Adam/AdamW, momentum_buffer for SGD with momentum, none for plain SGD, and
+// torch_state for a script's own optimizer.
 std::vector<std::string> OptimizerStateNames(const OptimizerConfig& optimizer);
 
 // Snapshot defaults (docs/recovery.md has the measured overhead behind them).

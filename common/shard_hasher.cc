@@ -46,7 +46,7 @@ ShardRecord ShardHasher::Finish(std::string file, int rank) {
     XXH3_64bits_reset(State(block_));
   }
   return ShardRecord{std::move(file), rank, bytes_,
-                     absl::StrFormat("%016x", XXH3_64bits_digest(State(whole_))), blocks_};
+                     absl::StrFormat("%016x", XXH3_64bits_digest(State(whole_))), blocks_, {}};
 }
 
 ShardRecord HashShard(const char* data, uint64_t bytes, std::string file, int rank) {

@@ -100,7 +100,7 @@ absl::StatusOr<CheckpointManifest> SnapshotManifest(const std::string& job, int 
     const SnapshotShard& shard = shards[rank];
     if (shard.rank != rank || shard.id != first.id || shard.step != first.step ||
         shard.generation != first.generation || shard.plan_hash != first.plan_hash ||
-        shard.counters != first.counters) {
+        shard.counters != first.counters || shard.state != first.state) {
       return absl::FailedPreconditionError(absl::StrCat(
           "snapshot ", first.id, ": the shard given for rank ", rank, " is rank ", shard.rank,
           "'s of ", shard.id, " (step ", shard.step, ", plan ", shard.plan_hash,
@@ -117,10 +117,11 @@ absl::StatusOr<CheckpointManifest> SnapshotManifest(const std::string& job, int 
         absl::StrCat("snapshot ", first.id, " was laid out by plan ", first.plan_hash,
                      " but its plan options make plan ", plan.hash, " of this model"));
   }
+  SHARD_ASSIGN_OR_RETURN(const OptimizerConfig saved, SavedOptimizer(optimizer, first.state));
   SHARD_ASSIGN_OR_RETURN(
       CheckpointManifest manifest,
-      MakeCheckpointManifest(job, first.id, first.step, zero_stage, model, plan, optimizer,
-                             OptimizerStateNames(optimizer), std::move(records)));
+      MakeCheckpointManifest(job, first.id, first.step, zero_stage, model, plan, saved,
+                             OptimizerStateNames(saved), std::move(records)));
   manifest.counters = first.counters;
   return manifest;
 }
@@ -148,7 +149,12 @@ std::string SnapshotShardToJson(const SnapshotShard& shard) {
         {"bytes", shard.record.bytes},
         {"xxh3", shard.record.xxh3},
         {"block_xxh3", shard.record.block_xxh3}}},
-      {"request", shard.request}};
+      {"request", shard.request},
+      {"state", {{"torch_class", shard.state.torch_class}, {"names", shard.state.names}}}};
+  for (const ShardExtra& e : shard.record.extras) {
+    json["record"]["extras"].push_back(
+        {{"param", e.param}, {"offset", e.offset}, {"bytes", e.bytes}});
+  }
   return json.dump();
 }
 
@@ -192,7 +198,30 @@ absl::StatusOr<SnapshotShard> SnapshotShardFromJson(absl::string_view text) {
     shard.record.bytes = Integer<uint64_t>(record, "bytes");
     shard.record.xxh3 = record.at("xxh3").get<std::string>();
     shard.record.block_xxh3 = record.at("block_xxh3").get<std::vector<std::string>>();
+    if (record.contains("extras")) {
+      const nlohmann::json& extras = record.at("extras");
+      if (!extras.is_array()) throw nlohmann::json::type_error::create(302, "extras", &extras);
+      uint64_t end = 0;  // extras lie back to back, inside the shard
+      for (const nlohmann::json& e : extras) {
+        const nlohmann::json& param = e.at("param");  // -1: the job's
+        if (!param.is_number_integer() || param.get<int64_t>() < -1 ||
+            param.get<int64_t>() > std::numeric_limits<int>::max()) {
+          return absl::InvalidArgumentError("an extra's param is not a parameter index or -1");
+        }
+        ShardExtra extra{param.get<int>(), Integer<uint64_t>(e, "offset"),
+                         Integer<uint64_t>(e, "bytes")};
+        if (extra.offset < end || extra.offset > shard.record.bytes ||
+            extra.bytes > shard.record.bytes - extra.offset) {
+          return absl::InvalidArgumentError("the shard's extras lie outside it or overlap");
+        }
+        end = extra.offset + extra.bytes;
+        shard.record.extras.push_back(extra);
+      }
+    }
     shard.request = Integer<int64_t>(json, "request");
+    const nlohmann::json& state = json.at("state");
+    shard.state.torch_class = state.at("torch_class").get<std::string>();
+    shard.state.names = state.at("names").get<std::vector<std::string>>();
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("a snapshot shard's description is missing or mistypes a field: ", e.what()));

@@ -30,8 +30,9 @@ struct SnapshotShard {
   PlanOptions plan;        // the plan it is laid out by (gradient order included)
   std::string plan_hash;
   TrainingCounters counters;
-  ShardRecord record;    // size and XXH3 checksums of the bytes
+  ShardRecord record;    // size and XXH3 checksums of the bytes, and its extras
   int64_t request = 0;   // the pausing request it answers (0: a periodic snapshot)
+  OptimizerStateKind state;  // what its pieces hold besides the parameter values
 
   bool operator==(const SnapshotShard&) const = default;
 };
@@ -55,8 +56,8 @@ std::vector<int> SnapshotSources(const std::vector<std::string>& hosts, int rank
 
 // The manifest a snapshot is read by, from one shard of each rank (`shards[r].rank == r`): the
 // plan is remade from their plan options for `model` and must have their hash; every shard must
-// be of the same snapshot (id, step, generation, plan and counters). FailedPrecondition naming
-// what differs otherwise.
+// be of the same snapshot (id, step, generation, plan, counters and optimizer state, which must
+// be the job optimizer's: SavedOptimizer). FailedPrecondition naming what differs otherwise.
 absl::StatusOr<CheckpointManifest> SnapshotManifest(const std::string& job, int zero_stage,
                                                     const Manifest& model,
                                                     const OptimizerConfig& optimizer,

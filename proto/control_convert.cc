@@ -158,12 +158,33 @@ v1::ShardRecord ToProto(const ShardRecord& record) {
   out.set_bytes(record.bytes);
   out.set_xxh3(record.xxh3);
   for (const std::string& block : record.block_xxh3) out.add_block_xxh3(block);
+  for (const ShardExtra& extra : record.extras) {
+    v1::ShardExtra* e = out.add_extras();
+    e->set_param(extra.param);
+    e->set_offset(extra.offset);
+    e->set_bytes(extra.bytes);
+  }
   return out;
 }
 
 ShardRecord FromProto(const v1::ShardRecord& record) {
-  return ShardRecord{record.file(), record.rank(), record.bytes(), record.xxh3(),
-                     {record.block_xxh3().begin(), record.block_xxh3().end()}};
+  ShardRecord out{record.file(), record.rank(), record.bytes(), record.xxh3(),
+                  {record.block_xxh3().begin(), record.block_xxh3().end()}, {}};
+  for (const v1::ShardExtra& e : record.extras()) {
+    out.extras.push_back(ShardExtra{e.param(), e.offset(), e.bytes()});
+  }
+  return out;
+}
+
+v1::OptimizerStateKind ToProto(const OptimizerStateKind& state) {
+  v1::OptimizerStateKind out;
+  out.set_torch_class(state.torch_class);
+  for (const std::string& name : state.names) out.add_names(name);
+  return out;
+}
+
+OptimizerStateKind FromProto(const v1::OptimizerStateKind& state) {
+  return OptimizerStateKind{state.torch_class(), {state.names().begin(), state.names().end()}};
 }
 
 v1::SnapshotShard ToProto(const SnapshotShard& shard) {
@@ -185,6 +206,7 @@ v1::SnapshotShard ToProto(const SnapshotShard& shard) {
   out.set_loss_scale_growth_tracker(shard.counters.loss_scale_growth_tracker);
   *out.mutable_record() = ToProto(shard.record);
   out.set_request(shard.request);
+  *out.mutable_state() = ToProto(shard.state);
   return out;
 }
 
@@ -201,6 +223,7 @@ absl::StatusOr<SnapshotShard> FromProto(const v1::SnapshotShard& shard) {
   out.record = FromProto(shard.record());
   out.record.rank = out.rank;
   out.request = shard.request();
+  out.state = FromProto(shard.state());
   // The same checks as a peer's description of it.
   return SnapshotShardFromJson(SnapshotShardToJson(out));
 }
@@ -289,6 +312,7 @@ v1::ReportCheckpointShardRequest ToProto(const ShardReport& report) {
   out.set_optimizer_step(report.counters.optimizer_step);
   out.set_loss_scale(report.counters.loss_scale);
   out.set_loss_scale_growth_tracker(report.counters.loss_scale_growth_tracker);
+  *out.mutable_state() = ToProto(report.state);
   return out;
 }
 
@@ -309,6 +333,7 @@ ShardReport FromProto(const v1::ReportCheckpointShardRequest& request) {
   report.error = request.error();
   report.counters = TrainingCounters{request.optimizer_step(), request.loss_scale(),
                                      request.loss_scale_growth_tracker()};
+  report.state = FromProto(request.state());
   return report;
 }
 

@@ -25,6 +25,89 @@ std::string Resolve(const std::string& path, const std::string& base_dir) {
 // job read from JSON would compare unequal to the same job written back; both mean 0.
 double WithoutNegativeZero(double value) { return value == 0 ? 0.0 : value; }
 
+// The optimizer's part of the spec (total_steps aside: the job's steps).
+absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSpec& o) {
+  OptimizerConfig optimizer;
+  if (o.name() == "torch") {
+    // The script's own optimizer: its settings, groups and schedule live in the script.
+    if (o.lr() != 0 || o.betas_size() != 0 || o.has_eps() || o.weight_decay() != 0 ||
+        o.momentum() != 0 || o.nesterov() || o.param_groups_size() != 0 || o.has_schedule()) {
+      return absl::InvalidArgumentError(
+          "job spec: optimizer \"torch\" takes its settings from the training script "
+          "(engine.optimizer(torch.optim.X, lr=..., ...) and its lr_scheduler): give only "
+          "{\"name\": \"torch\"}");
+    }
+    optimizer.kind = OptimizerKind::kTorch;
+    return optimizer;
+  }
+  if (o.name() == "adam") {
+    optimizer.kind = OptimizerKind::kAdam;
+  } else if (o.name() == "adamw") {
+    optimizer.kind = OptimizerKind::kAdamW;
+  } else if (o.name() == "sgd") {
+    optimizer.kind = OptimizerKind::kSgd;
+  } else if (o.name().empty()) {
+    return Missing("optimizer.name (adam, adamw, sgd, or torch for the script's own)");
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: optimizer.name '", o.name(),
+                     "' is unknown; use adam, adamw or sgd, or torch for the script's own"));
+  }
+  if (o.lr() == 0) return Missing("optimizer.lr");
+  optimizer.lr = o.lr();
+  if (o.betas_size() != 0 && o.betas_size() != 2) {
+    return absl::InvalidArgumentError("job spec: optimizer.betas needs exactly two numbers");
+  }
+  if (o.betas_size() == 2) {
+    optimizer.beta1 = o.betas(0);
+    optimizer.beta2 = o.betas(1);
+  }
+  if (o.has_eps()) optimizer.eps = o.eps();
+  optimizer.weight_decay = WithoutNegativeZero(o.weight_decay());
+  optimizer.momentum = WithoutNegativeZero(o.momentum());
+  optimizer.nesterov = o.nesterov();
+  for (const v1::ParamGroupSpec& g : o.param_groups()) {
+    ParamGroup group;
+    group.match.assign(g.match().begin(), g.match().end());
+    if (g.has_weight_decay()) group.weight_decay = WithoutNegativeZero(g.weight_decay());
+    if (g.has_lr_scale()) group.lr_scale = g.lr_scale();
+    optimizer.param_groups.push_back(std::move(group));
+  }
+  optimizer.schedule.warmup_steps = o.schedule().warmup_steps();
+  if (!o.schedule().decay().empty()) {
+    absl::StatusOr<LrDecay> decay = ParseLrDecay(o.schedule().decay());
+    if (!decay.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job spec: optimizer.schedule.decay ", decay.status().message()));
+    }
+    optimizer.schedule.decay = *decay;
+  }
+  optimizer.schedule.min_lr = WithoutNegativeZero(o.schedule().min_lr());
+  return optimizer;
+}
+
+void OptimizerToProto(const OptimizerConfig& optimizer, v1::OptimizerSpec* o) {
+  o->set_name(std::string(OptimizerKindName(optimizer.kind)));
+  if (optimizer.kind == OptimizerKind::kTorch) return;  // the script holds the rest
+  o->set_lr(optimizer.lr);
+  o->add_betas(optimizer.beta1);
+  o->add_betas(optimizer.beta2);
+  o->set_eps(optimizer.eps);
+  o->set_weight_decay(optimizer.weight_decay);
+  o->set_momentum(optimizer.momentum);
+  o->set_nesterov(optimizer.nesterov);
+  for (const ParamGroup& group : optimizer.param_groups) {
+    v1::ParamGroupSpec* g = o->add_param_groups();
+    for (const std::string& pattern : group.match) g->add_match(pattern);
+    // Explicit: a group without its own weight decay has the optimizer's.
+    g->set_weight_decay(group.weight_decay.value_or(optimizer.weight_decay));
+    g->set_lr_scale(group.lr_scale);
+  }
+  o->mutable_schedule()->set_warmup_steps(optimizer.schedule.warmup_steps);
+  o->mutable_schedule()->set_decay(std::string(LrDecayName(optimizer.schedule.decay)));
+  o->mutable_schedule()->set_min_lr(optimizer.schedule.min_lr);
+}
+
 }  // namespace
 
 absl::StatusOr<v1::JobSpec> ParseJobSpecJson(absl::string_view json) {
@@ -59,49 +142,7 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
   job.init_path = Resolve(spec.init().path(), base_dir);
   job.seed = spec.seed();
 
-  const v1::OptimizerSpec& o = spec.optimizer();
-  if (o.name() == "adam") {
-    job.optimizer.kind = OptimizerKind::kAdam;
-  } else if (o.name() == "adamw") {
-    job.optimizer.kind = OptimizerKind::kAdamW;
-  } else if (o.name() == "sgd") {
-    job.optimizer.kind = OptimizerKind::kSgd;
-  } else if (o.name().empty()) {
-    return Missing("optimizer.name (adam, adamw or sgd)");
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat("job spec: optimizer.name '", o.name(),
-                                                   "' is unknown; use adam, adamw or sgd"));
-  }
-  if (o.lr() == 0) return Missing("optimizer.lr");
-  job.optimizer.lr = o.lr();
-  if (o.betas_size() != 0 && o.betas_size() != 2) {
-    return absl::InvalidArgumentError("job spec: optimizer.betas needs exactly two numbers");
-  }
-  if (o.betas_size() == 2) {
-    job.optimizer.beta1 = o.betas(0);
-    job.optimizer.beta2 = o.betas(1);
-  }
-  if (o.has_eps()) job.optimizer.eps = o.eps();
-  job.optimizer.weight_decay = WithoutNegativeZero(o.weight_decay());
-  job.optimizer.momentum = WithoutNegativeZero(o.momentum());
-  job.optimizer.nesterov = o.nesterov();
-  for (const v1::ParamGroupSpec& g : o.param_groups()) {
-    ParamGroup group;
-    group.match.assign(g.match().begin(), g.match().end());
-    if (g.has_weight_decay()) group.weight_decay = WithoutNegativeZero(g.weight_decay());
-    if (g.has_lr_scale()) group.lr_scale = g.lr_scale();
-    job.optimizer.param_groups.push_back(std::move(group));
-  }
-  job.optimizer.schedule.warmup_steps = o.schedule().warmup_steps();
-  if (!o.schedule().decay().empty()) {
-    absl::StatusOr<LrDecay> decay = ParseLrDecay(o.schedule().decay());
-    if (!decay.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("job spec: optimizer.schedule.decay ", decay.status().message()));
-    }
-    job.optimizer.schedule.decay = *decay;
-  }
-  job.optimizer.schedule.min_lr = WithoutNegativeZero(o.schedule().min_lr());
+  SHARD_ASSIGN_OR_RETURN(job.optimizer, OptimizerFromProto(spec.optimizer()));
 
   if (spec.global_batch() == 0) return Missing("global_batch");
   job.global_batch = spec.global_batch();
@@ -158,25 +199,7 @@ v1::JobSpec ToProto(const JobConfig& job) {
   spec.mutable_data()->set_path(job.data_path);
   spec.mutable_init()->set_path(job.init_path);
   spec.set_seed(job.seed);
-  v1::OptimizerSpec* o = spec.mutable_optimizer();
-  o->set_name(std::string(OptimizerKindName(job.optimizer.kind)));
-  o->set_lr(job.optimizer.lr);
-  o->add_betas(job.optimizer.beta1);
-  o->add_betas(job.optimizer.beta2);
-  o->set_eps(job.optimizer.eps);
-  o->set_weight_decay(job.optimizer.weight_decay);
-  o->set_momentum(job.optimizer.momentum);
-  o->set_nesterov(job.optimizer.nesterov);
-  for (const ParamGroup& group : job.optimizer.param_groups) {
-    v1::ParamGroupSpec* g = o->add_param_groups();
-    for (const std::string& pattern : group.match) g->add_match(pattern);
-    // Explicit: a group without its own weight decay has the optimizer's.
-    g->set_weight_decay(group.weight_decay.value_or(job.optimizer.weight_decay));
-    g->set_lr_scale(group.lr_scale);
-  }
-  o->mutable_schedule()->set_warmup_steps(job.optimizer.schedule.warmup_steps);
-  o->mutable_schedule()->set_decay(std::string(LrDecayName(job.optimizer.schedule.decay)));
-  o->mutable_schedule()->set_min_lr(job.optimizer.schedule.min_lr);
+  OptimizerToProto(job.optimizer, spec.mutable_optimizer());
   spec.set_global_batch(job.global_batch);
   spec.set_steps(job.steps);
   spec.set_zero_stage(job.zero_stage);

@@ -234,6 +234,7 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
     pending.step = report.step;
     pending.plan_hash = report.plan_hash;
     pending.counters = report.counters;
+    pending.state = report.state;
   }
   if (report.step != pending.step) {
     return absl::InvalidArgumentError(absl::StrCat("shard report of rank ", report.rank, " for ",
@@ -262,6 +263,18 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
         ", other ranks ", pending.counters.optimizer_step, ", ", pending.counters.loss_scale,
         " after ", pending.counters.loss_scale_growth_tracker, "; the ranks' updates diverged");
   }
+  if (report_error.empty() && report.state != pending.state) {
+    report_error = absl::StrCat("rank ", report.rank, " saved optimizer state [",
+                                absl::StrJoin(report.state.names, ", "), "] of '",
+                                report.state.torch_class, "' for ", report.id, ", other ranks [",
+                                absl::StrJoin(pending.state.names, ", "), "] of '",
+                                pending.state.torch_class, "'; every rank must run the same optimizer");
+  }
+  absl::StatusOr<OptimizerConfig> saved_optimizer =
+      SavedOptimizer(options_.optimizer, report.state);
+  if (report_error.empty() && !saved_optimizer.ok()) {
+    report_error = absl::StrCat("rank ", report.rank, ": ", saved_optimizer.status().message());
+  }
   if (!report_error.empty()) {
     FailLocked(report.id, report_error);
     return false;
@@ -276,7 +289,7 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
   for (const std::optional<ShardRecord>& shard : pending.shards) shards.push_back(*shard);
   absl::StatusOr<CheckpointManifest> manifest = MakeCheckpointManifest(
       options_.job, report.id, pending.step, options_.zero_stage, *plan.manifest, *plan.plan,
-      options_.optimizer, options_.state_names, std::move(shards));
+      *saved_optimizer, OptimizerStateNames(*saved_optimizer), std::move(shards));
   if (manifest.ok()) manifest->counters = pending.counters;
   const std::string dir = Directory(report.id);
   absl::Status committed = manifest.ok() ? storage_->Commit(dir, *manifest) : manifest.status();

@@ -35,8 +35,8 @@ struct CheckpointOptions {
   std::string root;  // checkpoints live in <root>/<job>/<id>/
   int keep_last = 3;
   int zero_stage = 1;
+  // The job's; the ranks' reports say which state a kTorch optimizer keeps (SavedOptimizer).
   OptimizerConfig optimizer;
-  std::vector<std::string> state_names;
   // Take back where training stood (started, from which checkpoint, the pending requests) from
   // the state directory: a coordinator restarted on a live job. Otherwise training starts
   // afresh.
@@ -141,6 +141,7 @@ class CheckpointManager {
     int64_t request = 0;
     std::string plan_hash;
     TrainingCounters counters;
+    OptimizerStateKind state;  // what the first report's pieces hold; the others' must match
     std::vector<std::optional<ShardRecord>> shards;
     double max_pause_ms = 0;
     double max_write_ms = 0;

@@ -89,7 +89,10 @@ absl::Status CheckRestorable(const JobConfig& job, const Manifest* registered,
           same.message(), ")"));
     }
   }
-  if (manifest.state_names != OptimizerStateNames(job.optimizer)) {
+  // A script's own optimizer is known only to the workers, which check its class and state.
+  if (job.optimizer.kind == OptimizerKind::kTorch
+          ? manifest.optimizer.kind != OptimizerKind::kTorch
+          : manifest.state_names != OptimizerStateNames(job.optimizer)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "cannot restore checkpoint ", manifest.id, ": it holds ",
         OptimizerKindName(manifest.optimizer.kind), " state but the job uses ",
@@ -123,7 +126,6 @@ absl::StatusOr<std::unique_ptr<CoordinatorCore>> CoordinatorCore::Create(
     checkpoint_options.keep_last = job.checkpoint_keep_last;
     checkpoint_options.zero_stage = job.zero_stage;
     checkpoint_options.optimizer = job.optimizer;
-    checkpoint_options.state_names = OptimizerStateNames(job.optimizer);
     checkpoint_options.recover = recovered;
     SHARD_ASSIGN_OR_RETURN(core->checkpoints_,
                            CheckpointManager::Create(checkpoint_options, store, storage, generation,

@@ -523,6 +523,7 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     report.pause_ms = saved.pause_ms;
     report.write_ms = saved.write_ms;
     report.counters = saved.counters;
+    report.state = saved.state;
     if (saved.record.ok()) {
       report.record = *saved.record;
       if (rank == 0) {

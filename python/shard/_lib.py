@@ -11,6 +11,9 @@ ABORTED = 10
 
 CONTINUE, PAUSED, FINISHED = 0, 1, 2
 
+# shard_set_extras_callback's callback: int (*)(void* context).
+EXTRAS_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
 
 class ShardError(RuntimeError):
     """A failed libshard call: `code` is absl's status code, the message says what to do."""
@@ -33,6 +36,7 @@ def _load():
         "shard_join": ([ctypes.c_char_p, ctypes.POINTER(job)], ctypes.c_int),
         "shard_job_info": ([job, ctypes.POINTER(ctypes.c_char_p)], ctypes.c_int),
         "shard_job_set_model": ([job, ctypes.c_char_p], ctypes.c_int),
+        "shard_job_set_optimizer": ([job, ctypes.c_char_p], ctypes.c_int),
         "shard_generation_begin": ([job, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)],
                                    ctypes.c_int),
         "shard_generation_init": ([job], ctypes.c_int),
@@ -44,6 +48,20 @@ def _load():
         "shard_step_begin": ([job, ctypes.POINTER(ctypes.c_int64)], ctypes.c_int),
         "shard_mark_ready": ([job, ctypes.c_int], None),
         "shard_step": ([job], ctypes.c_int),
+        "shard_step_reduce": ([job, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+        "shard_step_finish": ([job, ctypes.c_int], ctypes.c_int),
+        "shard_updated_ranges": ([job, ctypes.POINTER(ctypes.c_char_p)], ctypes.c_int),
+        "shard_range_dlpack": ([job, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)],
+                               ctypes.c_int),
+        "shard_set_extras_callback": ([job, EXTRAS_CALLBACK, ctypes.c_void_p], ctypes.c_int),
+        "shard_put_extra": ([job, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
+        "shard_restored_extra": ([job, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                                  ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
+        "shard_gather_to_rank": ([job, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
+                                 ctypes.c_int),
+        "shard_gather_extra": ([job, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t,
+                                ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)],
+                               ctypes.c_int),
         "shard_step_end": ([job, ctypes.c_double, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
         "shard_generation_end": ([job, ctypes.c_int, ctypes.c_char_p,
                                   ctypes.POINTER(ctypes.c_char_p)], ctypes.c_int),

@@ -40,7 +40,9 @@ SHARD_JOB_TOKEN_FILE, SHARD_TLS_CA, SHARD_TLS_CERT, SHARD_TLS_KEY, SHARD_TLS_SER
 """
 
 import contextlib
+import copy
 import ctypes
+import fnmatch
 import json
 import os
 import socket
@@ -50,10 +52,17 @@ import weakref
 import torch
 import torch.utils.dlpack
 
-from . import _lib
-from ._lib import ShardError, check, lib
+import sys
 
-__all__ = ["join", "Job", "Engine", "ShardError"]
+from . import _lib, data
+from ._lib import ShardError, check, lib
+from .optim import ShardOptimizer, dumps, loads
+
+# shard.torch is a module: `import shard.torch.data` and `from shard.torch.data import ...`
+# find the data module under this name too.
+sys.modules[__name__ + ".data"] = data
+
+__all__ = ["join", "Job", "Engine", "ShardOptimizer", "ShardError", "data"]
 
 
 def join(coordinator=None, worker_id=None, host=None, device=None, backend=None,
@@ -109,8 +118,14 @@ class Job:
         self._info = None
         self._loss = None
         self._failure = None  # (code, message) of a step the generation's end made fail
+        self._extras_error = None  # what the extras callback raised during a save
         self._over = False
         self._output_path = ""
+        self._step = None  # the step being trained
+        self._initial_state = None  # the job's extras and optimizer settings before any step
+        self.checkpoint_extras = {}
+        self._extras_callback = _lib.EXTRAS_CALLBACK(self._put_extras)
+        check(lib.shard_set_extras_callback(handle, self._extras_callback, None))
         self._refresh()
 
     def _refresh(self):
@@ -139,6 +154,57 @@ class Job:
     @property
     def worker_id(self):
         return self._info["worker_id"]
+
+    @property
+    def next_step(self):
+        """The 0-based step the latest generation began with (after a restore, the one after the
+        restored step); None before job.steps() began one. A DataLoader's sampler iterated anew
+        for each generation starts there (shard.torch.data.ElasticSampler, job.steps(loader))."""
+        return self._info.get("next_step")
+
+    # checkpoint_extras (a dict, set in __init__): small values saved by rank 0 with every
+    # checkpoint and memory snapshot and restored on every rank. A value with state_dict() and
+    # load_state_dict() (an lr_scheduler, a sampler) is saved and restored through them, in
+    # place; others (numbers, lists, dicts) are replaced by their saved values. When a generation
+    # starts afresh (no checkpoint yet), they go back to what they were before the first step.
+
+    def _extras_state(self):
+        return {key: value.state_dict() if hasattr(value, "state_dict") else value
+                for key, value in self.checkpoint_extras.items()}
+
+    def _job_state(self):
+        """What rank 0 saves for the whole job: the extras and the optimizer's settings."""
+        optimizer = self._engine._optimizer if self._engine is not None else None
+        return {"extras": self._extras_state(),
+                "optimizer": optimizer._job_state() if optimizer is not None else None}
+
+    def _load_job_state(self, state):
+        optimizer = self._engine._optimizer
+        if optimizer is not None and state.get("optimizer") is not None:
+            optimizer._load_job_state(state["optimizer"])
+        for key, value in state["extras"].items():
+            current = self.checkpoint_extras.get(key)
+            if hasattr(current, "load_state_dict"):
+                current.load_state_dict(value)
+            else:
+                self.checkpoint_extras[key] = value
+
+    def _put_extras(self, _context):
+        """libshard's extras callback, at every save: hands over what this rank saves besides
+        Shard's arrays. Returns non-zero on failure (raised again by steps())."""
+        try:
+            def put(param, data):
+                check(lib.shard_put_extra(self._handle, param, data, len(data)))
+
+            optimizer = self._engine._optimizer
+            if optimizer is not None:
+                optimizer._put_extras(put)
+            if self.rank == 0 and (optimizer is not None or self.checkpoint_extras):
+                put(-1, dumps(self._job_state()))
+            return 0
+        except BaseException as e:  # noqa: BLE001 - kept and raised by steps()
+            self._extras_error = e
+            return 1
 
     @property
     def spec(self):
@@ -170,9 +236,15 @@ class Job:
         if loss is not None:
             self._loss = float(loss)
 
-    def steps(self):
+    def steps(self, loader=None):
         """Yields the global step numbers (0-based) still to run, across re-formations of the
-        world and restores; ends when the job is over (trained, or stopped by an operator)."""
+        world and restores; ends when the job is over (trained, or stopped by an operator).
+
+        With `loader` (an iterable such as a DataLoader, typically over an ElasticSampler), yields
+        (step, batch) pairs instead: the loader is iterated anew at the start of every generation,
+        once the world and the restored step are known, so that after a re-formation its batches
+        start at the step training goes on from; what a DataLoader's workers had prefetched for
+        the steps that were dropped is thrown away."""
         if self._engine is None:
             raise ShardError(_lib.FAILED_PRECONDITION, "wrap(model) before steps()")
         engine = self._engine
@@ -186,8 +258,28 @@ class Job:
                 return
             self._refresh()
             ended = self._train_generation(engine, bool(needs_init.value))
-            if ended is not None:
+            if ended is None:
+                continue
+            if loader is None:
                 yield from ended
+            else:
+                yield from self._with_batches(ended, loader)
+
+    def _with_batches(self, steps, loader):
+        """Pairs one generation's steps with the batches of a fresh iterator over `loader`."""
+        batches = iter(loader)
+        try:
+            for step in steps:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    raise ShardError(_lib.FAILED_PRECONDITION,
+                                     f"the loader ran out of batches at step {step}: it must yield "
+                                     "one batch per step up to the job's last "
+                                     "(shard.torch.data.ElasticSampler does)") from None
+                yield step, batch
+        finally:
+            del batches  # a DataLoader's workers stop with their iterator
 
     def _train_generation(self, engine, needs_init):
         """Runs one generation; returns a generator of its steps (None when it ended at once)."""
@@ -195,6 +287,15 @@ class Job:
         if code:
             self._end_generation(code, message)
             return None
+        if self._initial_state is None:
+            self._initial_state = copy.deepcopy(self._job_state())
+        saved = engine._restored_extra(-1)
+        if saved is not None:
+            self._load_job_state(loads(saved))
+        elif needs_init:
+            self._load_job_state(copy.deepcopy(self._initial_state))
+        if engine._optimizer is not None:
+            engine._optimizer._on_generation(restored=saved is not None)
         return self._generation_steps(engine)
 
     def _generation_steps(self, engine):
@@ -210,6 +311,7 @@ class Job:
                 return
             self._loss = None
             self._failure = None
+            self._step = step.value
             code = engine._buffers_in()
             if code:
                 self._end_generation(code, lib.shard_last_error().decode())
@@ -224,6 +326,9 @@ class Job:
             code = lib.shard_step_end(self._handle, ctypes.c_double(loss), ctypes.byref(boundary))
             if code:
                 self._end_generation(code, lib.shard_last_error().decode())
+                if self._extras_error is not None:
+                    error, self._extras_error = self._extras_error, None
+                    raise error
                 return
             if boundary.value != _lib.CONTINUE:
                 self._end_generation(0, "")
@@ -311,6 +416,7 @@ class Engine:
         self._hooks = []
         self._syncing = True  # False inside no_sync(): gradients accumulate, nothing reduces
         self._misuse = None  # what a gradient hook found wrong, raised by step()
+        self._optimizer = None  # the script's own (optimizer()), else the job spec's runs
         self._install_hooks()
 
     def _install_hooks(self):
@@ -361,8 +467,33 @@ class Engine:
             stream = torch.cuda.current_stream(self._device).cuda_stream
             check(lib.shard_set_stream(self._job._handle, stream))
 
+    def _named_params(self):
+        """(name, parameter) in registration order: the manifest's order of self._params."""
+        return list(zip(self._names(), self._params))
+
     def _names(self):
         return [name for name, _ in self._model.named_parameters()]
+
+    def optimizer(self, optimizer_class, params=None, **defaults):
+        """The script's own torch.optim class as the sharded update rule, for a job spec whose
+        optimizer is {"name": "torch"}: `optimizer_class(params, **defaults)` as with torch
+        (params: None for every trainable parameter, parameters, or param groups whose "params"
+        are parameters or name patterns such as "*.bias"), run by each rank over what it updates
+        (shard.optim). Returns a torch.optim.Optimizer: its step() is this engine's step (call
+        one of them per step), its param_groups take an lr_scheduler. Once, before steps()."""
+        if self._optimizer is not None:
+            raise ShardError(_lib.FAILED_PRECONDITION, "optimizer() was called already: one a job")
+        if self._layout is not None or self._job.next_step is not None:
+            raise ShardError(_lib.FAILED_PRECONDITION,
+                             "make the optimizer before job.steps() begins")
+        name = self._job.spec.get("optimizer", {}).get("name")
+        if name != "torch":
+            raise ShardError(_lib.FAILED_PRECONDITION,
+                             f"the job spec's optimizer is the built-in \"{name}\", which "
+                             "engine.step() runs; to bring your own class, set \"optimizer\": "
+                             "{\"name\": \"torch\"} in the job spec")
+        self._optimizer = ShardOptimizer(self, optimizer_class, params, defaults)
+        return self._optimizer
 
     def _attach(self, needs_init):
         """Points the parameters at this generation's buffers, and fills them when it starts from
@@ -383,6 +514,8 @@ class Engine:
         after training and between generations."""
         if self._layout is None:
             return
+        if self._optimizer is not None:
+            self._optimizer._detach()
         with torch.no_grad():
             for param in self._params:
                 param.data = param.data.clone()
@@ -432,38 +565,183 @@ class Engine:
                 view.copy_(self._model.get_buffer(name).reshape(view.shape))
 
     def _complete_export(self, path):
-        """Writes the buffers into rank 0's export in their own dtype and shape (Shard holds
-        them as fp32), and those it does not hold at all, so that the export loads with
-        load_state_dict(strict=True)."""
-        names = self._buffer_names + self._unmanaged
-        if not names:
-            return
+        """Makes rank 0's export hold every key of the model's state_dict, so that it loads with
+        load_state_dict(strict=True): the buffers in their own dtype and shape (Shard holds them
+        as fp32, or not at all), and the other names of shared (tied) parameters, which
+        named_parameters() and so the manifest list once."""
         from .safetensors import load_file, metadata, save_file
         tensors = load_file(path)
-        for name in names:
-            tensors[name] = self._model.get_buffer(name).detach().cpu()
+        missing = {name: value for name, value in self._model.state_dict().items()
+                   if name not in tensors or name in self._buffer_names}
+        if not missing:
+            return
+        for name, value in missing.items():
+            tensors[name] = value.detach().cpu()
         save_file(tensors, path, metadata(path))
 
     def step(self):
         """Waits for the gradient reductions, clips, updates the part of the optimizer state this
-        rank owns, and gathers the parameters. If the generation ended under it (a worker died,
-        the world is resized), it returns quietly and steps() restores the newest checkpoint; any
-        other failure is raised by steps() once the worker has given up the job."""
-        if self._misuse is not None:
-            misuse, self._misuse = self._misuse, None
-            raise ShardError(_lib.FAILED_PRECONDITION, misuse)
-        for index, param in enumerate(self._params):
-            if param.data_ptr() != self._views[index][0].data_ptr():
-                raise ShardError(
-                    _lib.FAILED_PRECONDITION,
-                    f"parameter {self._names()[index]} is no longer Shard's buffer: do not move "
-                    "or replace the model's parameters after wrap() (model.to(), .data = ...)")
+        rank owns, and gathers the parameters (with the script's own optimizer: its step(), which
+        an lr_scheduler counts). If the generation ended under it (a worker died, the world is
+        resized), it returns quietly and steps() restores the newest checkpoint; any other
+        failure is raised by steps() once the worker has given up the job."""
+        if self._optimizer is not None:
+            self._optimizer.step()
+            return
+        self._check_buffers()
         code = lib.shard_step(self._job._handle)
         if code:
             # steps() hands the failure to the worker, which ends this generation or the job.
             self._job._failure = (code, lib.shard_last_error().decode())
             return
         self._repoint()  # the first step rebuilds the buckets in the gradients' ready order
+
+    def _check_buffers(self):
+        """Raises what went wrong with the parameters' and gradients' views since the last step."""
+        if self._misuse is not None:
+            misuse, self._misuse = self._misuse, None
+            raise ShardError(_lib.FAILED_PRECONDITION, misuse)
+        if not self._views:
+            raise ShardError(_lib.FAILED_PRECONDITION, "step() belongs inside job.steps()")
+        for index, param in enumerate(self._params):
+            if param.data_ptr() != self._views[index][0].data_ptr():
+                raise ShardError(
+                    _lib.FAILED_PRECONDITION,
+                    f"parameter {self._names()[index]} is no longer Shard's buffer: do not move "
+                    "or replace the model's parameters after wrap() (model.to(), .data = ...)")
+
+    def _torch_step(self, optimizer):
+        """The step with the script's optimizer: Shard reduces (and clips), the optimizer updates
+        what this rank owns, Shard gathers."""
+        self._check_buffers()
+        if optimizer._stepped_at == (self._job.generation, self._job._step):
+            raise ShardError(_lib.FAILED_PRECONDITION,
+                             f"step {self._job._step} was stepped already: call opt.step() or "
+                             "engine.step(), once a step")
+        optimizer._stepped_at = (self._job.generation, self._job._step)
+        handle = self._job._handle
+        update = ctypes.c_int()
+        code = lib.shard_step_reduce(handle, ctypes.byref(update))
+        if code:
+            self._job._failure = (code, lib.shard_last_error().decode())
+            return
+        self._repoint()  # the first step rebuilds the buckets in the gradients' ready order
+        if update.value:
+            optimizer._update()
+        code = lib.shard_step_finish(handle, update.value)
+        if code:
+            self._job._failure = (code, lib.shard_last_error().decode())
+
+    def consolidated_state_dict(self, to=0, model=True):
+        """ZeroRedundancyOptimizer's consolidate_state_dict for the model and its optimizer:
+        collective (every rank calls it, inside job.steps()); rank `to` gets {"model": the
+        model's state_dict (every key, tied names included), "optimizer": the optimizer's
+        state_dict as a plain torch optimizer of its class over the same groups has it}, in
+        host memory, and the other ranks None. One parameter at a time: no rank but `to` holds
+        more than the largest parameter's state beyond its own shard."""
+        if not self._views:
+            raise ShardError(_lib.FAILED_PRECONDITION,
+                             "consolidated_state_dict() works inside job.steps(), while a "
+                             "generation trains")
+        self._use_current_stream()
+        mine = self._job.rank == to
+        result = {}
+        if model:
+            result["model"] = self._host_state_dict() if mine else None
+        if self._optimizer is not None:
+            result["optimizer"] = self._optimizer._consolidate(to)
+        else:
+            result["optimizer"] = self._consolidate_builtin(to)
+        return result if mine else None
+
+    def _host_state_dict(self):
+        """The model's state_dict copied to host memory, tied names sharing one copy."""
+        copies, state = {}, {}
+        for name, value in self._model.state_dict().items():
+            key = (value.data_ptr(), value.dtype, tuple(value.shape))
+            if key not in copies:
+                copies[key] = value.detach().to("cpu", copy=True)
+            state[name] = copies[key]
+        return state
+
+    def _gather_extra(self, param, to, data):
+        """Parameter `param`'s extras as their saving rank has them (`data` there), on rank `to`
+        (b"" elsewhere, and where the parameter has none). Collective."""
+        out, size = ctypes.c_void_p(), ctypes.c_size_t()
+        check(lib.shard_gather_extra(self._job._handle, param, to, data, len(data),
+                                     ctypes.byref(out), ctypes.byref(size)))
+        return ctypes.string_at(out.value, size.value) if size.value else b""
+
+    def _gather_arrays(self, param, to, count):
+        """Parameter `param`'s optimizer state arrays 0..count-1 in full, in the parameter's
+        shape, on rank `to` (None elsewhere). Collective."""
+        shape = self._params[param].shape
+        arrays = []
+        for array in range(count):
+            values = torch.empty(self._params[param].numel()) if self._job.rank == to else None
+            check(lib.shard_gather_to_rank(self._job._handle, param, array, to,
+                                           values.data_ptr() if values is not None else None))
+            arrays.append(values.view(shape) if values is not None else None)
+        return arrays
+
+    def _consolidate_builtin(self, to):
+        """The job spec's optimizer's state as torch's Adam, AdamW or SGD state_dict holds it:
+        its groups (parameters in no group first), their settings, each parameter's state
+        tensors and step count."""
+        spec = self._job.spec["optimizer"]
+        kind = spec["name"]
+        names = (["momentum_buffer"] if float(spec.get("momentum", 0)) > 0 else []) \
+            if kind == "sgd" else ["exp_avg", "exp_avg_sq"]
+        self._job._refresh()
+        step = float(self._job._info["optimizer_step"])
+        settings = {"lr": float(spec["lr"]), "weight_decay": float(spec.get("weight_decay", 0))}
+        if kind == "sgd":
+            settings.update(momentum=float(spec.get("momentum", 0)), dampening=0,
+                            nesterov=bool(spec.get("nesterov", False)))
+        else:
+            settings.update(betas=tuple(float(b) for b in spec.get("betas", (0.9, 0.999))),
+                            eps=float(spec.get("eps", 1e-8)), amsgrad=False)
+        patterns = spec.get("param_groups", [])
+        members = [[] for _ in range(len(patterns) + 1)]
+        for index, (name, param) in enumerate(self._named_params()):
+            if not param.requires_grad:
+                continue
+            group = next((g + 1 for g, pattern in enumerate(patterns)
+                          if any(fnmatch.fnmatchcase(name, m) for m in pattern["match"])), 0)
+            members[group].append(index)
+        state, groups, position = {}, [], 0
+        for group, indices in enumerate(members):
+            if not indices:
+                continue
+            hyper = dict(settings)
+            if group > 0:
+                pattern = patterns[group - 1]
+                hyper["lr"] = settings["lr"] * float(pattern.get("lr_scale", 1))
+                hyper["weight_decay"] = float(pattern.get("weight_decay", settings["weight_decay"]))
+            groups.append(dict(hyper, params=list(range(position, position + len(indices)))))
+            for index in indices:
+                arrays = self._gather_arrays(index, to, len(names))
+                if self._job.rank == to and step > 0:
+                    state[position] = dict(zip(names, arrays))
+                    if kind != "sgd":
+                        state[position]["step"] = torch.tensor(step)
+                position += 1
+        return {"state": state, "param_groups": groups} if self._job.rank == to else None
+
+    def _range_view(self, index, array):
+        """A 1-D view of range `index` of shard_updated_ranges: values (array -1), gradient (-2)
+        or optimizer state `array`."""
+        managed = ctypes.c_void_p()
+        check(lib.shard_range_dlpack(self._job._handle, index, array, ctypes.byref(managed)))
+        return torch.utils.dlpack.from_dlpack(_PyCapsule_New(managed, _DLTENSOR, None))
+
+    def _restored_extra(self, param):
+        """What the generation's restore read of parameter `param`'s extras (-1: the job's), or
+        None."""
+        data, size = ctypes.c_void_p(), ctypes.c_size_t()
+        check(lib.shard_restored_extra(self._job._handle, param, ctypes.byref(data),
+                                       ctypes.byref(size)))
+        return ctypes.string_at(data.value, size.value) if data.value else None
 
 
 _EXACT_IN_FP32 = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,

@@ -969,6 +969,7 @@ void Simulation::Step(int64_t generation) {
       shard.plan_hash = plan.hash;
       shard.counters.optimizer_step = group.step;
       shard.request = boundary.snapshot_request;
+      shard.state = StateKindOf(job_.optimizer);
       shard.record.file = ShardFileName(rank, group.size);
       shard.record.rank = rank;
       shard.record.bytes =
@@ -1045,6 +1046,7 @@ void Simulation::ShardWritten(int index, int64_t generation, std::string id, int
   report.record.rank = worker.session->rank;
   report.record.xxh3 = absl::StrFormat("%016x", hash);
   report.counters.optimizer_step = step;
+  report.state = StateKindOf(job_.optimizer);
   auto reported = [this, index, generation](Worker& w) {
     if (w.session.has_value() && w.session->generation == generation) WritesDone(index);
   };

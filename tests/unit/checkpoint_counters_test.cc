@@ -48,7 +48,6 @@ class CheckpointCountersTest : public ::testing::Test {
     options.root = root_;
     options.zero_stage = 2;
     options.optimizer.kind = OptimizerKind::kAdam;
-    options.state_names = {"exp_avg", "exp_avg_sq"};
     return options;
   }
 
@@ -65,6 +64,7 @@ class CheckpointCountersTest : public ::testing::Test {
     report.plan_version = view_.version;
     report.plan_hash = view_.plan->hash;
     report.counters = counters;
+    report.state = OptimizerStateKind{"", {"exp_avg", "exp_avg_sq"}};
     absl::StatusOr<std::unique_ptr<ShardWriter>> writer =
         ShardWriter::Create(Directory(id), rank, kWorld);
     EXPECT_TRUE(writer.ok()) << writer.status();

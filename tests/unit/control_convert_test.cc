@@ -76,8 +76,9 @@ SnapshotShard HeldShard() {
   shard.plan_hash = "0123456789abcdef";
   shard.counters = TrainingCounters{38, 512.0f, 7};
   shard.record = ShardRecord{"shard-00001-of-00002.bin", 1, (8 << 20) + 12, "00ff",
-                             {"01", "02", "03"}};
+                             {"01", "02", "03"}, {{-1, 8 << 20, 4}, {3, (8 << 20) + 4, 8}}};
   shard.request = 6;
+  shard.state = OptimizerStateKind{"torch.optim.adamw.AdamW", {"exp_avg", "exp_avg_sq"}};
   return shard;
 }
 
@@ -150,7 +151,8 @@ TEST(ControlConvertTest, WorkerReportsRoundTrip) {
   shard.request = 4;
   shard.plan_version = 2;
   shard.plan_hash = "abc";
-  shard.record = ShardRecord{"shard-00002.bin", 2, 8 << 20, "00ff", {"01", "02"}};
+  shard.record = ShardRecord{"shard-00002.bin", 2, 8 << 20, "00ff", {"01", "02"}, {{0, 64, 8}}};
+  shard.state = OptimizerStateKind{"my.Lion", {"exp_avg"}};
   shard.pause_ms = 1.5;
   shard.write_ms = 20;
   shard.counters = TrainingCounters{9, 1024.0f, 3};

@@ -331,7 +331,7 @@ TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
       shard.rank = rank;
       shard.plan.world_size = 2;
       shard.counters.optimizer_step = step;
-      shard.record = ShardRecord{ShardFileName(rank, 2), rank, 8, "00", {"00"}};
+      shard.record = ShardRecord{ShardFileName(rank, 2), rank, 8, "00", {"00"}, {}};
       SnapshotReport report;
       report.worker_id = absl::StrCat("w", rank);
       report.incarnation = 1;

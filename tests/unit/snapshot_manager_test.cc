@@ -33,8 +33,9 @@ SnapshotShard Shard(int64_t generation, int64_t step, int rank, int world,
   shard.plan.world_size = world;
   shard.plan_hash = "0123456789abcdef";
   shard.counters.optimizer_step = step;
-  shard.record = ShardRecord{ShardFileName(rank, world), rank, 64, state, {state}};
+  shard.record = ShardRecord{ShardFileName(rank, world), rank, 64, state, {state}, {}};
   shard.request = request;
+  shard.state = StateKindOf(OptimizerConfig{});  // the default job's Adam
   return shard;
 }
 
@@ -176,7 +177,6 @@ std::unique_ptr<CheckpointManager> Checkpoints(StateStore* store, CheckpointStor
   CheckpointOptions options;
   options.job = "job";
   options.root = ::testing::TempDir() + "/shard-snapshot-manager-test";
-  options.state_names = {"exp_avg", "exp_avg_sq"};
   return *CheckpointManager::Create(options, store, storage, /*generation=*/1, false);
 }
 

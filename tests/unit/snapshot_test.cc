@@ -84,7 +84,8 @@ std::vector<SnapshotShard> Shards(int world) {
     shard.counters = TrainingCounters{40, 0, 0};
     const uint64_t bytes = MakeShardLayout(Model(), plan, rank, 2).bytes;
     shard.record = ShardRecord{ShardFileName(rank, world), rank, bytes,
-                               absl::StrCat("000000000000000", rank), {"0000000000000001"}};
+                               absl::StrCat("000000000000000", rank), {"0000000000000001"}, {}};
+    shard.state = StateKindOf(OptimizerConfig{});  // Adam's exp_avg, exp_avg_sq
     shards.push_back(shard);
   }
   return shards;

@@ -64,6 +64,7 @@ void CheckpointSaver::Loop() {
     } else {
       FaultPoint("shard-before-sync");
       saved.record = (*writer)->Finish();
+      if (saved.record.ok()) saved.record->extras = saved.extras;
     }
     saved.write_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
     on_saved_(saved);

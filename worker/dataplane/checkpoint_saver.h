@@ -28,6 +28,8 @@ struct SavedShard {
   std::shared_ptr<const Plan> plan;  // the plan the shard is laid out by
   int64_t plan_version = 0;
   TrainingCounters counters;
+  OptimizerStateKind state;          // what the pieces hold besides the parameter values
+  std::vector<ShardExtra> extras;    // where the bytes after the pieces belong
   double pause_ms = 0;               // training was held this long (copy, and a previous save)
   double write_ms = 0;
   absl::StatusOr<ShardRecord> record = absl::UnknownError("not written");

@@ -25,6 +25,10 @@ class CpuSpanKernels final : public SpanKernels {
 
   absl::Status OptimizerStep(int64_t step) override {
     const OptimizerConfig& config = optimizer_.config();
+    if (config.kind == OptimizerKind::kTorch) {
+      return absl::FailedPreconditionError(
+          "the training script's own optimizer updates the parameters; the engine has no rule");
+    }
     // Index 0 is the optimizer's own settings (group -1), g + 1 group g's.
     hyper_.clear();
     for (int g = -1; g < static_cast<int>(config.param_groups.size()); ++g) {

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/host_cores.h"
 #include "common/param_groups.h"
 #include "common/safetensors.h"
@@ -349,6 +350,12 @@ absl::Status Engine::GatherParameters() {
 }
 
 absl::Status Engine::Step(StepTimings* timings) {
+  SHARD_ASSIGN_OR_RETURN(const bool update, ReduceGradients(timings));
+  if (update) SHARD_RETURN_IF_ERROR(UpdateOwned(timings));
+  return EndStep(update, timings);
+}
+
+absl::StatusOr<bool> Engine::ReduceGradients(StepTimings* timings) {
   *timings = StepTimings{};
   for (size_t p = 0; p < manifest_.params.size(); ++p) {
     if (manifest_.params[p].requires_grad && !marked_[p]) {
@@ -413,14 +420,20 @@ absl::Status Engine::Step(StepTimings* timings) {
   if (update && options_.grad_clip_norm > 0) {
     SHARD_RETURN_IF_ERROR(ClipGradients(timings));
   }
+  return update;
+}
+
+absl::Status Engine::UpdateOwned(StepTimings* timings) {
   const absl::Time update_start = absl::Now();
-  if (update) {
-    SHARD_RETURN_IF_ERROR(kernels_->OptimizerStep(optimizer_steps_ + 1));
-    ++optimizer_steps_;
-  }
+  SHARD_RETURN_IF_ERROR(kernels_->OptimizerStep(optimizer_steps_ + 1));
   timings->optimizer_ms = Milliseconds(absl::Now() - update_start);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::EndStep(bool updated, StepTimings* timings) {
+  if (updated) ++optimizer_steps_;
   // A skipped update changed no parameter: every rank still holds the gathered ones.
-  if (update && options_.zero_stage > 0) {
+  if (updated && options_.zero_stage > 0) {
     const absl::Time gather_start = absl::Now();
     SHARD_RETURN_IF_ERROR(GatherParameters());
     timings->gather_ms = Milliseconds(absl::Now() - gather_start);
@@ -439,6 +452,40 @@ absl::Status Engine::Step(StepTimings* timings) {
   reduced_ = 0;
   first_step_all_reduce_ = false;
   return absl::OkStatus();
+}
+
+std::vector<OwnedRange> Engine::UpdatedRanges() const {
+  std::vector<OwnedRange> ranges;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const BucketState& bucket = buckets_[b];
+    for (const BucketEntry& entry : plan_->buckets[b].entries) {
+      const int64_t begin = std::max(entry.offset, bucket.own_begin);
+      const int64_t end = std::min(entry.offset + entry.numel, bucket.own_end);
+      if (begin >= end) continue;
+      ranges.push_back(OwnedRange{entry.param, static_cast<int>(b), begin - entry.offset, begin,
+                                  end - begin});
+    }
+  }
+  return ranges;
+}
+
+float* Engine::RangeData(const OwnedRange& range, int array) {
+  BucketState& bucket = buckets_[range.bucket];
+  if (array < 0) return bucket.params.data() + range.bucket_offset;
+  return bucket.state[array].data() + (range.bucket_offset - bucket.own_begin);
+}
+
+float* Engine::RangeGrad(const OwnedRange& range) {
+  return buckets_[range.bucket].grads.data() + range.bucket_offset;
+}
+
+int Engine::ExtrasHolder(int param) const {
+  for (const RankOwnership& owner : plan_->ranks) {
+    for (const OwnedRange& range : owner.ranges) {
+      if (range.param == param && range.param_offset == 0) return owner.rank;
+    }
+  }
+  return -1;
 }
 
 absl::Status Engine::CopyOwnedState(std::vector<char>* out) const {
@@ -482,10 +529,16 @@ absl::Status Engine::Restore(CheckpointReader& checkpoint, RestoreTimings* timin
     return absl::FailedPreconditionError(
         absl::StrCat("checkpoint ", saved.id, " is of a different model: ", same.message()));
   }
-  if (saved.state_names != optimizer_.state_names()) {
+  if (StateKindOf(saved.optimizer) != StateKindOf(optimizer_.config()) ||
+      saved.state_names != optimizer_.state_names()) {
+    auto describe = [](const OptimizerConfig& o) {
+      return o.kind == OptimizerKind::kTorch
+                 ? absl::StrCat(o.torch_class, " (state ", absl::StrJoin(o.torch_state, ", "), ")")
+                 : std::string(OptimizerKindName(o.kind));
+    };
     return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint ", saved.id, " holds ", OptimizerKindName(saved.optimizer.kind),
-        " state but this job's optimizer is ", OptimizerKindName(optimizer_.config().kind)));
+        "checkpoint ", saved.id, " holds the state of ", describe(saved.optimizer),
+        " but this job's optimizer is ", describe(optimizer_.config())));
   }
   if (!rebuilt_) {
     return absl::FailedPreconditionError(
@@ -681,6 +734,78 @@ absl::Status Engine::ConsolidateStateDict(int to_rank, const std::string& path) 
   }
   return WriteSafetensors(path, tensors, data,
                           TrainedFileMetadata(steps_done_, optimizer_.config().kind, counters()));
+}
+
+absl::Status Engine::GatherToRank(int param, int array, int to_rank, float* out) {
+  const int rank = communicator_->rank();
+  if (param < 0 || param >= static_cast<int>(manifest_.params.size()) ||
+      array >= static_cast<int>(optimizer_.state_names().size()) ||
+      (array >= 0 && !manifest_.params[param].requires_grad)) {
+    return absl::OutOfRangeError(absl::StrCat("parameter ", param, " has no array ", array));
+  }
+  if (rank == to_rank && out == nullptr) {
+    return absl::InvalidArgumentError("the gathering rank needs a place for the values");
+  }
+  // Parameter values are on every rank after a step, and at stage 0 so is the state.
+  if (array < 0 || options_.zero_stage == 0) {
+    if (rank != to_rank) return absl::OkStatus();
+    if (array < 0) {
+      return device_->Download(ParamData(param), out, manifest_.params[param].numel());
+    }
+    const ParamLocation location = plan_->locations[param];
+    const BucketState& bucket = buckets_[location.bucket];
+    return device_->Download(bucket.state[array].data() + (location.offset - bucket.own_begin),
+                             out, manifest_.params[param].numel());
+  }
+  // Each range from the rank that updates it, in the plan's order on every rank.
+  for (int owner = 0; owner < communicator_->size(); ++owner) {
+    for (const OwnedRange& range : plan_->ranks[owner].ranges) {
+      if (range.param != param) continue;
+      float* to = out != nullptr ? out + range.param_offset : nullptr;
+      if (owner == to_rank) {
+        if (rank == to_rank) {
+          SHARD_RETURN_IF_ERROR(device_->Download(RangeData(range, array), to, range.numel));
+        }
+        continue;
+      }
+      SHARD_ASSIGN_OR_RETURN(DeviceArray piece, device_->Allocate(range.numel));
+      if (rank == owner) {
+        SHARD_RETURN_IF_ERROR(device_->Copy(RangeData(range, array), piece.data(), range.numel));
+      }
+      SHARD_RETURN_IF_ERROR(
+          communicator_->Broadcast(piece.data(), range.numel, DataType::kFloat32, owner));
+      SHARD_RETURN_IF_ERROR(communicator_->OrderComputeAfterCollectives());
+      if (rank == to_rank) SHARD_RETURN_IF_ERROR(device_->Download(piece.data(), to, range.numel));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::SendBytes(int from_rank, int to_rank, std::string* bytes) {
+  if (from_rank == to_rank) return absl::OkStatus();
+  const int rank = communicator_->rank();
+  int64_t size = rank == from_rank ? static_cast<int64_t>(bytes->size()) : 0;
+  SHARD_RETURN_IF_ERROR(device_->AllReduceHostValues(*communicator_, &size, 1, DataType::kInt64,
+                                                     ReduceOp::kMax));
+  if (size == 0) {
+    if (rank == to_rank) bytes->clear();
+    return absl::OkStatus();
+  }
+  // The bytes travel as floats in the device's memory, which every communicator moves.
+  const int64_t floats = (size + 3) / 4;
+  SHARD_ASSIGN_OR_RETURN(DeviceArray carrier, device_->Allocate(floats));
+  std::vector<float> host(floats, 0.0f);
+  if (rank == from_rank) {
+    std::memcpy(host.data(), bytes->data(), size);
+    SHARD_RETURN_IF_ERROR(device_->Upload(host.data(), carrier.data(), floats));
+  }
+  SHARD_RETURN_IF_ERROR(
+      communicator_->Broadcast(carrier.data(), floats, DataType::kFloat32, from_rank));
+  SHARD_RETURN_IF_ERROR(communicator_->OrderComputeAfterCollectives());
+  if (rank != to_rank) return absl::OkStatus();
+  SHARD_RETURN_IF_ERROR(device_->Download(carrier.data(), host.data(), floats));
+  bytes->assign(reinterpret_cast<const char*>(host.data()), size);
+  return absl::OkStatus();
 }
 
 int64_t Engine::optimizer_state_bytes() const {

@@ -144,7 +144,33 @@ class Engine {
   absl::Status ZeroGradients();
   void StartBackward();
   void MarkGradReady(int index);
+  // ReduceGradients, then (if it says so) UpdateOwned, then EndStep.
   absl::Status Step(StepTimings* timings);
+
+  // Step in its parts, for an update rule outside the engine (a training script's own
+  // optimizer: optimizer kind kTorch), which runs between ReduceGradients and EndStep on the
+  // ranges UpdatedRanges() names, through RangeData and RangeGrad.
+  //
+  // Waits for the reductions, switches to the rebuilt plan after the first step, unscales and
+  // clips. Returns whether this step updates (false: loss scaling found an inf or NaN).
+  absl::StatusOr<bool> ReduceGradients(StepTimings* timings);
+  // The built-in optimizer's update of everything this rank updates.
+  absl::Status UpdateOwned(StepTimings* timings);
+  // Counts the update (if `updated`), gathers the parameters and readies the next step.
+  absl::Status EndStep(bool updated, StepTimings* timings);
+
+  // The elements this rank updates, by parameter: its owned span of every bucket (at stage 0
+  // every bucket) cut at parameter bounds, in bucket order. Valid until the layout changes (the
+  // first step's rebuild).
+  std::vector<OwnedRange> UpdatedRanges() const;
+  // Where `range`'s (one of UpdatedRanges) parameter values (array -1) or optimizer state tensor
+  // `array` live, and its reduced gradient.
+  float* RangeData(const OwnedRange& range, int array);
+  float* RangeGrad(const OwnedRange& range);
+  // The rank whose plan range holds the first element of `param`: the one that saves the
+  // parameter's checkpoint extras (common/checkpoint.h ShardExtra). -1 for a frozen parameter.
+  int ExtrasHolder(int param) const;
+  bool SavesExtrasOf(int param) const { return ExtrasHolder(param) == communicator_->rank(); }
 
   // Checkpoints. The bytes this rank saves (its plan ranges: parameters and optimizer state,
   // laid out as common/checkpoint.h MakeShardLayout says), copied out of the live buffers into
@@ -165,12 +191,21 @@ class Engine {
   // and `to_rank` writes `path`, a safetensors file with every parameter and its optimizer state
   // (<name>.<state>) in full, and the step count in its metadata. Collective.
   absl::Status ConsolidateStateDict(int to_rank, const std::string& path);
+  // Parameter `param`'s values (array -1) or optimizer state tensor `array` in full on rank
+  // `to_rank`, into `out` (numel floats of host memory; other ranks pass null): each range comes
+  // from the rank that updates it. Collective, one parameter at a time, so that no rank but
+  // `to_rank` ever holds more than one parameter's range (ZeroRedundancyOptimizer's
+  // consolidate_state_dict with memory bounded by the largest parameter).
+  absl::Status GatherToRank(int param, int array, int to_rank, float* out);
+  // Rank `from_rank`'s `*bytes` to rank `to_rank` (whose `*bytes` it replaces). Collective.
+  absl::Status SendBytes(int from_rank, int to_rank, std::string* bytes);
 
   // Bytes of optimizer state this rank holds, and the state's names (exp_avg, ...).
   int64_t optimizer_state_bytes() const;
   const std::vector<std::string>& optimizer_state_names() const {
     return optimizer_.state_names();
   }
+  const OptimizerConfig& optimizer_config() const { return optimizer_.config(); }
 
  private:
   struct BucketState {

@@ -386,7 +386,8 @@ void SnapshotServer::Serve(int fd) {
     hasher.Append(buffer.data() + done, take);
     done += take;
   }
-  const ShardRecord record = hasher.Finish(shard->record.file, shard->rank);
+  ShardRecord record = hasher.Finish(shard->record.file, shard->rank);
+  record.extras = shard->record.extras;  // where the bytes belong, which hashing cannot tell
   if (record != shard->record) {
     reply(absl::DataLossError(absl::StrCat("rank ", shard->rank, "'s shard of snapshot ",
                                            shard->id, " arrived at ", address_,

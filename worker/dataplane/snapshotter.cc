@@ -68,8 +68,10 @@ void Snapshotter::Loop() {
       shard = std::move(shard_);
       bytes.swap(bytes_);
     }
+    std::vector<ShardExtra> extras = std::move(shard.record.extras);  // placed by the trainer
     shard.record = HashShard(bytes->data(), bytes->size(),
                              ShardFileName(shard.rank, shard.plan.world_size), shard.rank);
+    shard.record.extras = std::move(extras);
     const std::vector<std::string> dropped = store_->Add(shard, bytes);
     if (callbacks_.on_held) callbacks_.on_held(shard, dropped);
     PeerCallOptions options;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -116,6 +117,7 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
                              options.open_restore ? options.open_restore()
                                                   : CheckpointReader::Open(options.restore_dir));
       SHARD_RETURN_IF_ERROR(session->engine_->Restore(*checkpoint, &timings));
+      SHARD_RETURN_IF_ERROR(session->ReadRestoredExtras(*checkpoint));
       session->next_step_ = checkpoint->manifest().step;
       return absl::OkStatus();
     }();
@@ -125,6 +127,20 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
   }
   session->result_.start_step = session->next_step_;
   return session;
+}
+
+absl::Status TrainingSession::ReadRestoredExtras(CheckpointReader& checkpoint) {
+  std::set<int> wanted = {-1};
+  for (const OwnedRange& range : engine_->UpdatedRanges()) wanted.insert(range.param);
+  const std::vector<ShardRecord>& shards = checkpoint.manifest().shards;
+  for (size_t shard = 0; shard < shards.size(); ++shard) {
+    for (const ShardExtra& extra : shards[shard].extras) {
+      if (!wanted.contains(extra.param)) continue;
+      SHARD_ASSIGN_OR_RETURN(restored_extras_[extra.param],
+                             checkpoint.ReadExtra(static_cast<int>(shard), extra));
+    }
+  }
+  return absl::OkStatus();
 }
 
 bool TrainingSession::stop_requested() const {
@@ -141,7 +157,10 @@ absl::StatusOr<bool> TrainingSession::LoadInitFile() {
   std::vector<std::string> state_names;
   int64_t steps_done = 0;
   TrainingCounters counters;
-  if (HoldsOptimizerState(*init, manifest, engine_->optimizer_state_names())) {
+  // A script's own optimizer starts fresh: an init file holds no state of its that is not
+  // per element (its step counts).
+  if (engine_->optimizer_config().kind != OptimizerKind::kTorch &&
+      HoldsOptimizerState(*init, manifest, engine_->optimizer_state_names())) {
     state_names = engine_->optimizer_state_names();
     auto step = init->metadata().find("step");
     if (step == init->metadata().end() || !absl::SimpleAtoi(step->second, &steps_done)) {
@@ -245,6 +264,16 @@ absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& bounda
   std::vector<char> buffer =
       boundary.snapshot ? options_.snapshots->TakeBuffer(bytes) : saver_.TakeBuffer();
   SHARD_RETURN_IF_ERROR(engine_->CopyOwnedState(&buffer));
+  std::vector<ShardExtra> extras;
+  if (extras_provider_) {
+    using Extras = std::vector<std::pair<int, std::string>>;
+    SHARD_ASSIGN_OR_RETURN(const Extras provided, extras_provider_());
+    for (const auto& [param, bytes] : provided) {
+      extras.push_back(ShardExtra{param, buffer.size(), bytes.size()});
+      buffer.insert(buffer.end(), bytes.begin(), bytes.end());
+    }
+  }
+  const OptimizerStateKind state = StateKindOf(engine_->optimizer_config());
   auto copy = std::make_shared<std::vector<char>>(std::move(buffer));
   if (boundary.snapshot) {
     SnapshotShard shard;
@@ -256,6 +285,8 @@ absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& bounda
     shard.plan_hash = engine_->plan().hash;
     shard.counters = engine_->counters();
     shard.request = boundary.snapshot_request;
+    shard.state = state;
+    shard.record.extras = extras;
     // Waits only for a pausing snapshot: a periodic one is never taken while one is in flight.
     SHARD_RETURN_IF_ERROR(
         snapshotter_->Start(std::move(shard), copy, [this] { return Interrupted(); }));
@@ -273,6 +304,8 @@ absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& bounda
     saved.plan = engine_->plan_pointer();
     saved.plan_version = engine_->plan_version();
     saved.counters = engine_->counters();
+    saved.state = state;
+    saved.extras = std::move(extras);
     saved.pause_ms = pause_ms;
     ++result_.checkpoints_saved;
     saver_.Start(std::move(saved), communicator_.size(), std::move(copy));

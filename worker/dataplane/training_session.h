@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -151,6 +152,16 @@ class TrainingSession {
   // goes on, paused for a re-formation, or did its last step.
   absl::StatusOr<Boundary> EndStep(double loss_share, const StepTimings& timings,
                                    absl::Time started);
+  // A training script's own optimizer (kTorch) keeps part of its state itself: at every save
+  // (checkpoint or snapshot) `provider` returns the extras this rank saves (common/checkpoint.h
+  // ShardExtra), by parameter (-1: the job's), appended to its shard after the pieces.
+  using ExtrasProvider =
+      std::function<absl::StatusOr<std::vector<std::pair<int, std::string>>>()>;
+  void SetExtrasProvider(ExtrasProvider provider) { extras_provider_ = std::move(provider); }
+  // What the restore read of those: the extras of every parameter this rank updates, and the
+  // job's (-1). Empty when training did not start from a checkpoint or snapshot.
+  const std::map<int, std::string>& restored_extras() const { return restored_extras_; }
+
   // After the last step: waits for checkpoint writes, consolidates if asked, and rank 0 writes
   // the parameters to job.output_dir/final.safetensors. Collective.
   absl::StatusOr<TrainResult> Finish();
@@ -165,6 +176,8 @@ class TrainingSession {
   bool Interrupted() const;
   // The copy of what this rank owns for a snapshot and/or a disk checkpoint of step `step`.
   absl::Status SaveState(int64_t step, const StepBoundary& boundary, StepRecord* record);
+  // Reads the extras of the parameters this rank updates and the job's from `checkpoint`.
+  absl::Status ReadRestoredExtras(CheckpointReader& checkpoint);
 
   const JobConfig job_;
   Communicator& communicator_;
@@ -176,6 +189,8 @@ class TrainingSession {
   bool restored_ = false;
   int64_t next_step_ = 0;
   StepBoundaryState boundary_state_;
+  ExtrasProvider extras_provider_;
+  std::map<int, std::string> restored_extras_;
   TrainResult result_;
   absl::Time steady_start_;  // end of this run's first step
   double hidden_ms_ = 0;

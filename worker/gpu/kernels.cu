@@ -357,14 +357,21 @@ absl::StatusOr<TensorList> TensorList::Create(const std::vector<TensorSlot>& ten
 }
 
 int FusedOptimizer::states() const {
-  if (config_.kind != OptimizerKind::kSgd) return 2;
-  return config_.momentum > 0 ? 1 : 0;
+  switch (config_.kind) {
+    case OptimizerKind::kSgd: return config_.momentum > 0 ? 1 : 0;
+    case OptimizerKind::kTorch: return 0;  // the script's optimizer updates, not this one
+    default: return 2;
+  }
 }
 
 absl::Status FusedOptimizer::Step(int64_t step, const StepHyperParameters& hyper,
                                   const TensorList& tensors, cudaStream_t stream) const {
   if (step < 1) {
     return absl::InvalidArgumentError(absl::StrCat("optimizer step must be >= 1, got ", step));
+  }
+  if (config_.kind == OptimizerKind::kTorch) {
+    return absl::FailedPreconditionError(
+        "the training script's own optimizer updates the parameters; the fused one has no rule");
   }
   if (tensors.chunks() > 0 &&
       (!tensors.has_params() || !tensors.has_grads() || tensors.states() < states())) {
