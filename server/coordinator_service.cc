@@ -325,7 +325,10 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetCheckpoint(grpc::CallbackServerCo
   if (!manifest.ok()) return Reply(context, manifest.status());
   response->set_tensors(static_cast<int32_t>(manifest->tensors.size()));
   response->set_zero_stage(manifest->zero_stage);
-  response->set_optimizer(std::string(OptimizerKindName(manifest->optimizer.kind)));
+  // A script's own optimizer by its class ("torch.optim.adamw.AdamW").
+  response->set_optimizer(manifest->optimizer.kind == OptimizerKind::kTorch
+                              ? manifest->optimizer.torch_class
+                              : std::string(OptimizerKindName(manifest->optimizer.kind)));
   for (const ShardRecord& shard : manifest->shards) *response->add_shards() = ToProto(shard);
   return Reply(context, absl::OkStatus());
 }

@@ -579,15 +579,17 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     reporter.Submit(std::move(report));
   };
   trainer.device = &data_path_->device();
-  spdlog::info("training job '{}': {} in {} on {}, {} steps, global batch {}, {} with lr {}, "
+  spdlog::info("training job '{}': {} in {} on {}, {} steps, global batch {}, {}, "
                "ZeRO stage {}, {} shards, overlap {}",
                job.name,
                job.external_model ? "the training script's model"
                                   : absl::StrCat("MLP ", absl::StrJoin(job.widths, "x")),
-               job.precision, trainer.device->name(),
-               job.steps, job.global_batch, OptimizerKindName(job.optimizer.kind),
-               job.optimizer.lr, job.zero_stage, ShardModeName(job.shard_mode),
-               job.overlap ? "on" : "off");
+               job.precision, trainer.device->name(), job.steps, job.global_batch,
+               job.optimizer.kind == OptimizerKind::kTorch
+                   ? std::string("the script's own optimizer")
+                   : absl::StrCat(OptimizerKindName(job.optimizer.kind), " with lr ",
+                                  job.optimizer.lr),
+               job.zero_stage, ShardModeName(job.shard_mode), job.overlap ? "on" : "off");
   absl::StatusOr<TrainResult> result = options_.trainer
                                            ? options_.trainer(job, *communicator, plans, trainer)
                                            : TrainMlp(job, *communicator, plans, trainer);

@@ -136,13 +136,23 @@ def main():
     torch.set_num_threads(1)
     model, inputs, targets = build(config)
     optimizer_class, settings, _ = OPTIMIZERS[config["optimizer"]]
+    # Going on from a plain torch run's state_dicts, `offset` steps into the data.
+    resumed = torch.load(config["resume"]) if "resume" in config else None
+    if resumed is not None:
+        model.load_state_dict(resumed["model"])
     job = shard.join()
+    model.to(job.device)
+    inputs, targets = inputs.to(job.device), targets.to(job.device)
     engine = job.wrap(model)
     opt = engine.optimizer(optimizer_class, groups(model, config, by_name=True), **settings)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    if resumed is not None:
+        opt.load_state_dict(resumed["optimizer"])
+        schedule.load_state_dict(resumed["schedule"])
     job.checkpoint_extras["schedule"] = schedule
+    offset = config.get("offset", 0)
     for step in job.steps():
-        idx = job.batch_indices(step, len(inputs))
+        idx = job.batch_indices(step + offset, len(inputs)).to(job.device)
         loss = torch.nn.functional.cross_entropy(model(inputs[idx]), targets[idx])
         loss.backward()
         opt.step()
@@ -153,8 +163,13 @@ def main():
             largest = max(p.numel() * 4 for p in model.parameters())
             print("consolidation memory " + json.dumps(
                 {"rank": job.rank, "grown": grown, "largest_param_bytes": largest}), flush=True)
+            # The optimizer's own consolidate_state_dict gives rank 0 the same state_dict.
+            opt.consolidate_state_dict(to=0)
             if job.rank == 0:
                 torch.save(state, config["consolidated"])
+                same = repr(opt.state_dict()) == repr(state["optimizer"])
+                print(f"opt.state_dict() {'equals' if same else 'differs from'} "
+                      "engine.consolidated_state_dict()", flush=True)
     path = job.finish()
     if path:
         print(f"parameters written to {path}")

@@ -132,3 +132,19 @@ def test_training_on_a_stream_of_the_scripts_own_is_ordered_with_it(cluster, mon
     difference = max_difference(exported(cluster), gpu_reference(cluster.data, STEPS))
     print(f"on a side stream against plain torch on the GPU: max |difference| {difference:.3g}")
     assert difference < 1e-5
+
+
+@pytest.mark.parametrize("name,mode", [("AdamW", "range"), ("Factored", "param")])
+def test_the_scripts_own_optimizer_on_the_gpu_equals_plain_torch_there(cluster, monkeypatch,
+                                                                         name, mode):
+    # The class runs on views of Shard's device buffers (two staged ranks sharing the GPU).
+    from test_torch_optim import config_of, max_relative_difference, parameters, reference, train
+    monkeypatch.setenv("SHARD_DEVICE", "cuda:0")
+    monkeypatch.setenv("SHARD_BACKEND", "gloo")
+    config = config_of(cluster, name)
+    train(cluster, config, 2, STEPS, mode)
+    model, _ = reference(config, STEPS, device="cuda:0")
+    difference = max_relative_difference(exported(cluster), parameters(model))
+    print(f"{name} in {mode} mode on two staged GPU ranks against plain torch on the GPU: "
+          f"{difference:.3g}")
+    assert difference <= 1e-5

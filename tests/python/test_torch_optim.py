@@ -30,25 +30,31 @@ def config_of(cluster, optimizer, **extra):
     return dict(optimizer=optimizer, widths=WIDTHS, data=cluster.data, **extra)
 
 
-def reference(config, steps):
+def reference(config, steps, save=None, device="cpu"):
     """Plain torch in one process on the whole global batch of every step: the model and its
-    optimizer after `steps` steps."""
+    optimizer after `steps` steps; with `save`, their state_dicts and the schedule's are written
+    to that path."""
     torch.set_num_threads(1)
     model, inputs, targets = build(config)
+    model.to(device)
+    inputs, targets = inputs.to(device), targets.to(device)
     optimizer_class, settings, _ = OPTIMIZERS[config["optimizer"]]
     optimizer = optimizer_class(groups(model, config, by_name=False), **settings)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     for step in range(steps):
-        idx = torch.arange(step * BATCH, (step + 1) * BATCH) % len(inputs)
+        idx = (torch.arange(step * BATCH, (step + 1) * BATCH) % len(inputs)).to(device)
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(inputs[idx]), targets[idx]).backward()
         optimizer.step()
         schedule.step()
+    if save is not None:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict()}, save)
     return model, optimizer
 
 
 def parameters(model):
-    return {name: p.detach() for name, p in model.named_parameters()}
+    return {name: p.detach().cpu() for name, p in model.named_parameters()}
 
 
 def train(cluster, config, world, steps, mode, *coordinator_args, prefix="w", **job):
@@ -143,6 +149,43 @@ def test_a_killed_worker_is_survived_and_training_ends_equal_to_torch(cluster, s
     assert difference <= 1e-4
 
 
+def test_resize_and_drain_move_the_optimizers_state_and_training_ends_equal_to_torch(cluster):
+    # Three ranks, resized to two by the operator, then one of them drained: the optimizer's
+    # state moves through memory snapshots each time.
+    steps = 300
+    config = config_of(cluster, "AdamW")
+    cluster.start_coordinator(cluster.write_job(world=3, min_world=1, steps=steps,
+                                                snapshot_every=10, optimizer={"name": "torch"}))
+    workers = [cluster.start_worker(f"w{i}", script=WORKER, args=["--config", json.dumps(config)])
+               for i in range(3)]
+
+    def status():
+        answer = cluster.shardctl("status", "--json")
+        return json.loads(answer.stdout) if answer.returncode == 0 else None
+
+    def at(world, step):
+        now = status()
+        return (now is not None and now["world_size"] == world and
+                (now["progress"]["step"] or 0) >= step)
+
+    wait_for(lambda: at(3, 20), 60, "step 20 on three ranks")
+    resized = cluster.shardctl("resize", "--world-size", "2", "--no-wait")
+    assert resized.returncode == 0, resized.stdout + resized.stderr
+    wait_for(lambda: at(2, 80), 60, "step 80 on two ranks")
+    ranked = [w["id"] for w in status()["workers"] if w["rank"] >= 0]
+    drained = cluster.shardctl("drain", ranked[-1], "--no-wait")
+    assert drained.returncode == 0, drained.stdout + drained.stderr
+    for worker in workers:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    events = cluster.log("coordinator.log").lower()
+    assert "resiz" in events and "drain" in events, events
+    model, _ = reference(config, steps)
+    difference = max_relative_difference(exported(cluster), parameters(model))
+    print(f"AdamW, resized 3 -> 2 and drained to 1 while training: against one torch process "
+          f"{difference:.3g}")
+    assert difference <= 1e-4
+
+
 def consolidated_against_torch(got, model, optimizer):
     """The largest relative difference of a consolidated state dict from the reference's model
     and optimizer state_dicts, which must have the same keys, groups and state entries."""
@@ -170,11 +213,29 @@ CONSOLIDATIONS = [("AdamW", "range"), ("Factored", "param")]
 def test_consolidated_state_dict_equals_torch_mid_training(cluster, name, mode):
     consolidated = os.path.join(cluster.tmp, "consolidated.pt")
     config = config_of(cluster, name, consolidate_after=10, consolidated=consolidated)
-    train(cluster, config, 3, 12, mode)
+    workers = train(cluster, config, 3, 12, mode)
     model, optimizer = reference(config, 10)
     difference = consolidated_against_torch(torch.load(consolidated), model, optimizer)
     print(f"{name} in {mode} mode, consolidated at step 10 of 3 workers, against torch's "
           f"state_dicts: {difference:.3g}")
+    assert difference <= 1e-5
+    log = "".join(cluster.log(worker) for worker in workers)
+    assert "opt.state_dict() equals engine.consolidated_state_dict()" in log, log
+
+
+@pytest.mark.parametrize("name,mode", CONSOLIDATIONS, ids=[f"{n}-{m}" for n, m in CONSOLIDATIONS])
+def test_a_plain_torch_optimizers_state_dict_loads_and_training_goes_on_equal(cluster, name,
+                                                                             mode):
+    # Ten steps of plain torch, saved with state_dict(); Shard loads them (model, optimizer,
+    # schedule) on 3 ranks and trains ten more: equal to plain torch's twenty.
+    saved = os.path.join(cluster.tmp, "plain.pt")
+    config = config_of(cluster, name, resume=saved, offset=10)
+    reference(config, 10, save=saved)
+    train(cluster, config, 3, 10, mode)
+    model, _ = reference(config, 20)
+    difference = max_relative_difference(exported(cluster), parameters(model))
+    print(f"{name} in {mode} mode: 10 steps of plain torch loaded, 10 more on 3 workers, "
+          f"against 20 of plain torch: {difference:.3g}")
     assert difference <= 1e-5
 
 

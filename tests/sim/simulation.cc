@@ -199,6 +199,10 @@ class Simulation {
   void TakeSnapshot(int index, int64_t generation, SnapshotShard shard,
                     std::vector<int> buddies);
   void SnapshotWorkDone(int index, int64_t generation);
+  // Rank `rank`'s shard record laid out by `plan`, for the state the ranks save and with the
+  // job's extras on rank 0 of a script's own optimizer; `hash` stands in for every checksum.
+  ShardRecord ShardRecordOf(const Manifest& model, const Plan& plan, int rank,
+                            uint64_t hash) const;
   std::string SnapshotAddress(int index) const {
     return absl::StrCat("10.0.0.", index % 250 + 1, ":9000");
   }
@@ -233,8 +237,13 @@ class Simulation {
   SimulationResult result_;
   Failure failure_;
 
-  // The job.
+  // The job. Its model is the MLP's manifest, registered by the workers either as the built-in
+  // MLP or as an external model whose script brings its own optimizer (kTorch): then the ranks
+  // report the state that optimizer keeps, and rank 0 appends the job's extras to its shards.
   JobConfig job_;
+  Manifest model_;
+  OptimizerStateKind saved_state_;
+  std::set<std::string> manifests_checked_;
   CoreOptions core_options_;
   uint64_t reference_hash_ = 0;
   absl::Duration step_time_;
@@ -764,7 +773,7 @@ void Simulation::OnConnected(int index) {
               }
               if (core_ == nullptr) return;
               absl::StatusOr<PlanView> view =
-                  core_->RegisterManifest(id, incarnation, MlpManifest(job_.widths));
+                  core_->RegisterManifest(id, incarnation, model_);
               if (view.ok()) view = core_->AckPlan(id, incarnation, view->version, view->plan->hash);
               deliver([this, view, generation, index, failed](Worker& w) {
                 if (!view.ok()) {
@@ -969,19 +978,9 @@ void Simulation::Step(int64_t generation) {
       shard.plan_hash = plan.hash;
       shard.counters.optimizer_step = group.step;
       shard.request = boundary.snapshot_request;
-      shard.state = StateKindOf(job_.optimizer);
+      shard.state = saved_state_;
+      shard.record = ShardRecordOf(model_, plan, rank, group.hash);
       shard.record.file = ShardFileName(rank, group.size);
-      shard.record.rank = rank;
-      shard.record.bytes =
-          MakeShardLayout(MlpManifest(job_.widths), plan, rank,
-                          static_cast<int>(OptimizerStateNames(job_.optimizer).size()))
-              .bytes;
-      // The state hash stands in for the checksums, as in the disk shards' reports.
-      shard.record.xxh3 = absl::StrFormat("%016x", group.hash);
-      shard.record.block_xxh3.assign(
-          shard.record.bytes / kCheckpointBlockBytes +
-              (shard.record.bytes % kCheckpointBlockBytes != 0 ? 1 : 0),
-          shard.record.xxh3);
       std::vector<int> buddies;
       for (int buddy : SnapshotBuddies(hosts, rank, job_.snapshot_replicas)) {
         buddies.push_back(by_rank[buddy]);
@@ -1031,6 +1030,24 @@ void Simulation::Step(int64_t generation) {
   After(step_time_, [this, generation] { Step(generation); });
 }
 
+ShardRecord Simulation::ShardRecordOf(const Manifest& model, const Plan& plan, int rank,
+                                      uint64_t hash) const {
+  ShardRecord record;
+  record.rank = rank;
+  record.bytes =
+      MakeShardLayout(model, plan, rank, static_cast<int>(saved_state_.names.size())).bytes;
+  if (job_.optimizer.kind == OptimizerKind::kTorch && rank == 0) {
+    record.extras.push_back(ShardExtra{-1, record.bytes, 24});
+    record.bytes += 24;
+  }
+  record.xxh3 = absl::StrFormat("%016x", hash);
+  // One block checksum per block started, as the writer leaves them.
+  record.block_xxh3.assign(
+      record.bytes / kCheckpointBlockBytes + (record.bytes % kCheckpointBlockBytes != 0 ? 1 : 0),
+      record.xxh3);
+  return record;
+}
+
 void Simulation::ShardWritten(int index, int64_t generation, std::string id, int64_t step,
                               int64_t request, uint64_t hash) {
   Worker& worker = *workers_[index];
@@ -1046,28 +1063,21 @@ void Simulation::ShardWritten(int index, int64_t generation, std::string id, int
   report.record.rank = worker.session->rank;
   report.record.xxh3 = absl::StrFormat("%016x", hash);
   report.counters.optimizer_step = step;
-  report.state = StateKindOf(job_.optimizer);
+  report.state = saved_state_;
   auto reported = [this, index, generation](Worker& w) {
     if (w.session.has_value() && w.session->generation == generation) WritesDone(index);
   };
   Call(
       index,
-      [this, report, reported](CoordinatorCore& core, Deliver deliver) mutable {
+      [this, report, reported, hash](CoordinatorCore& core, Deliver deliver) mutable {
         // The worker lays its shard out by the plan it applied: the generation's current one.
         std::optional<PlanView> plan = core.plan().Current();
         if (plan.has_value() && plan->generation == report.generation &&
             report.record.rank < plan->plan->options.world_size) {
           report.plan_hash = plan->plan->hash;
-          report.record.bytes =
-              MakeShardLayout(*plan->manifest, *plan->plan, report.record.rank,
-                              static_cast<int>(OptimizerStateNames(job_.optimizer).size()))
-                  .bytes;
-          // One block checksum per block started, as the writer leaves them (the state hash
-          // stands in for each).
-          report.record.block_xxh3.assign(
-              report.record.bytes / kCheckpointBlockBytes +
-                  (report.record.bytes % kCheckpointBlockBytes != 0 ? 1 : 0),
-              report.record.xxh3);
+          const std::string file = report.record.file;
+          report.record = ShardRecordOf(*plan->manifest, *plan->plan, report.record.rank, hash);
+          report.record.file = file;
         }
         absl::StatusOr<bool> committed = core.ReportCheckpointShard(report, now_);
         if (!committed.ok()) {
@@ -1440,6 +1450,28 @@ void Simulation::CheckInvariants() {
   if (storage_.overwritten().has_value()) {
     failure_.Set(absl::StrCat("committed checkpoint ", *storage_.overwritten(), " was written again"));
   }
+  // A committed checkpoint says what its ranks saved: their optimizer's class and state, and
+  // where rank 0's extras are.
+  for (const auto& [dir, json] : storage_.manifests()) {
+    if (!manifests_checked_.insert(dir).second) continue;
+    absl::StatusOr<CheckpointManifest> manifest = CheckpointManifestFromJson(json, dir);
+    if (!manifest.ok()) {
+      failure_.Set(absl::StrCat("committed checkpoint ", dir, " does not read back: ",
+                                manifest.status().message()));
+      continue;
+    }
+    const bool extras = job_.optimizer.kind == OptimizerKind::kTorch;
+    if (StateKindOf(manifest->optimizer) != saved_state_ ||
+        manifest->state_names != saved_state_.names ||
+        manifest->shards[0].extras.size() != (extras ? 1u : 0u)) {
+      failure_.Set(absl::StrCat("committed checkpoint ", dir, " holds ",
+                                manifest->optimizer.torch_class, " state [",
+                                absl::StrJoin(manifest->state_names, ", "), "] with ",
+                                manifest->shards[0].extras.size(), " extras on rank 0; its ranks "
+                                "saved ", saved_state_.torch_class, " [",
+                                absl::StrJoin(saved_state_.names, ", "), "]"));
+    }
+  }
   // A committed checkpoint leaves only by retention or an operator's delete.
   for (; removals_checked_ < storage_.removals().size(); ++removals_checked_) {
     const SimCheckpointStorage::Removal& removal = storage_.removals()[removals_checked_];
@@ -1573,8 +1605,16 @@ SimulationResult Simulation::Run() {
   job_.name = "sim";
   job_.world_size = 2 + Pick(4);
   job_.min_world_size = 1 + Pick(job_.world_size);
-  job_.widths = {4, 8, 2};
-  job_.data_path = "/sim/data.safetensors";  // never read: the simulated ranks only step
+  model_ = MlpManifest({4, 8, 2});
+  if (Chance(0.3)) {
+    job_.external_model = true;
+    job_.optimizer.kind = OptimizerKind::kTorch;
+    saved_state_ = OptimizerStateKind{"sim.Lion", {"exp_avg"}};
+  } else {
+    job_.widths = {4, 8, 2};
+    job_.data_path = "/sim/data.safetensors";  // never read: the simulated ranks only step
+    saved_state_ = StateKindOf(job_.optimizer);
+  }
   job_.output_dir = "/sim/out";
   job_.seed = options_.seed;
   job_.global_batch = Chance(0.7) ? 60 : 8;  // 60 divides by 1..6; 8 refuses 3, 5, 6

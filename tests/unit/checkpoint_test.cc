@@ -632,5 +632,132 @@ TEST(CheckpointTest, ExportWritesTheTrainingCountersIntoTheMetadata) {
   EXPECT_EQ(old_file->metadata().count("loss_scale"), 0u);
 }
 
+// A training script's own optimizer: its class and per-element state names in the manifest,
+// and bytes of its own after each rank's pieces (a parameter's step counts, the job's scheduler
+// state), which the manifest places and a reader hands back checked.
+TEST(CheckpointTest, ExtrasAfterThePiecesAreCommittedAndReadBackChecked) {
+  const std::string root =
+      ::testing::TempDir() + "/shard-checkpoint-test-" + std::to_string(getpid());
+  const std::string dir = CheckpointDirectory(root, "job", "step-00000009");
+  std::filesystem::remove_all(dir);
+  PlanOptions options;
+  options.world_size = 2;
+  options.bucket_cap_bytes = 16 << 10;
+  SHARD_ASSERT_OK_AND_ASSIGN(const Plan plan, MakePlan(Model(), options));
+  // Rank 0 saves the job's extras and w's, rank 1 b's.
+  const std::map<int, std::vector<std::pair<int, std::string>>> extras = {
+      {0, {{-1, "the scheduler's state"}, {0, std::string("w's steps\0and more", 19)}}},
+      {1, {{1, "b's steps"}}}};
+  std::vector<ShardRecord> records;
+  for (int rank = 0; rank < 2; ++rank) {
+    const ShardLayout layout = MakeShardLayout(Model(), plan, rank, 2);
+    std::string bytes(layout.bytes, '\x01');
+    std::vector<ShardExtra> placed;
+    for (const auto& [param, data] : extras.at(rank)) {
+      placed.push_back(ShardExtra{param, bytes.size(), data.size()});
+      bytes += data;
+    }
+    SHARD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShardWriter> writer,
+                               ShardWriter::Create(dir, rank, 2));
+    SHARD_ASSERT_OK(writer->Append(bytes.data(), bytes.size()));
+    SHARD_ASSERT_OK_AND_ASSIGN(ShardRecord record, writer->Finish());
+    record.extras = placed;
+    records.push_back(record);
+  }
+  OptimizerConfig lion;
+  lion.kind = OptimizerKind::kTorch;
+  lion.torch_class = "mine.Lion";
+  lion.torch_state = {"exp_avg", "exp_avg_sq"};
+  SHARD_ASSERT_OK_AND_ASSIGN(
+      const CheckpointManifest manifest,
+      MakeCheckpointManifest("job", "step-00000009", 9, 2, Model(), plan, lion,
+                             lion.torch_state, records));
+  SHARD_ASSERT_OK(CommitCheckpoint(dir, manifest));
+  // The script's class holds its settings: the manifest keeps only what its state is.
+  const std::string text = ReadManifestText(dir);
+  EXPECT_NE(text.find("\"class\": \"mine.Lion\""), std::string::npos) << text;
+  EXPECT_EQ(text.find("\"lr\""), std::string::npos) << text;
+
+  SHARD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<CheckpointReader> reader,
+                             CheckpointReader::Open(dir));
+  EXPECT_EQ(reader->manifest().optimizer.kind, OptimizerKind::kTorch);
+  EXPECT_EQ(reader->manifest().optimizer.torch_class, "mine.Lion");
+  EXPECT_EQ(reader->manifest().optimizer.torch_state, lion.torch_state);
+  EXPECT_EQ(reader->manifest().shards, records);
+  for (int rank = 0; rank < 2; ++rank) {
+    for (size_t e = 0; e < extras.at(rank).size(); ++e) {
+      SHARD_ASSERT_OK_AND_ASSIGN(const std::string read,
+                                 reader->ReadExtra(rank, records[rank].extras[e]));
+      EXPECT_EQ(read, extras.at(rank)[e].second);
+    }
+    SHARD_EXPECT_OK(reader->VerifyShard(rank, nullptr));
+  }
+  std::vector<float> values(300);
+  SHARD_ASSERT_OK(reader->ReadElements(1, 0, 0, 300, values.data()));
+
+  // A flipped byte inside an extra is found, naming the shard.
+  {
+    std::fstream file(dir + "/" + ShardFileName(1, 2),
+                      std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(static_cast<std::streamoff>(records[1].extras[0].offset + 2));
+    file.put('X');
+  }
+  SHARD_ASSERT_OK_AND_ASSIGN(reader, CheckpointReader::Open(dir));
+  const absl::StatusOr<std::string> damaged = reader->ReadExtra(1, records[1].extras[0]);
+  EXPECT_EQ(damaged.status().code(), absl::StatusCode::kDataLoss) << damaged.status();
+  EXPECT_NE(damaged.status().message().find(ShardFileName(1, 2)), absl::string_view::npos)
+      << damaged.status();
+}
+
+TEST(CheckpointTest, ExtrasOutOfPlaceAreRefused) {
+  PlanOptions options;
+  options.world_size = 1;
+  SHARD_ASSERT_OK_AND_ASSIGN(const Plan plan, MakePlan(Model(), options));
+  const uint64_t bytes = MakeShardLayout(Model(), plan, 0, 2).bytes;
+  ShardRecord record{ShardFileName(0, 1), 0, bytes + 8, "00", {"00"}, {{0, bytes + 1, 7}}};
+  OptimizerConfig adam;
+  const std::vector<std::string> state = {"exp_avg", "exp_avg_sq"};
+  // Not straight after the pieces.
+  EXPECT_EQ(MakeCheckpointManifest("job", "step-1", 1, 2, Model(), plan, adam, state, {record})
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Of a parameter the model does not have.
+  record.extras = {{2, bytes, 8}};
+  EXPECT_EQ(MakeCheckpointManifest("job", "step-1", 1, 2, Model(), plan, adam, state, {record})
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Past the end of the shard, in a manifest read from disk.
+  const std::string dir = WriteCheckpoint("step-00000010", 1);
+  const std::string path = dir + "/manifest.json";
+  std::string json = ReadManifestText(dir);
+  const size_t at = json.find("\"block_bytes\"");
+  ASSERT_NE(at, std::string::npos);
+  json.insert(at, "\"extras\": [{\"param\": -1, \"offset\": 8, \"bytes\": 99999999}], ");
+  const absl::Status past = CheckpointManifestFromJson(json, path).status();
+  EXPECT_EQ(past.code(), absl::StatusCode::kDataLoss) << past;
+  EXPECT_NE(past.message().find("extra bytes"), absl::string_view::npos) << past;
+}
+
+// The state a rank reports saving must be the job's built-in optimizer's; a script's own
+// optimizer's comes from the report.
+TEST(CheckpointTest, ASavedOptimizerIsTheJobsWithTheStateItsRanksReport) {
+  OptimizerConfig adam;
+  SHARD_ASSERT_OK_AND_ASSIGN(const OptimizerConfig same, SavedOptimizer(adam, StateKindOf(adam)));
+  EXPECT_EQ(same.kind, OptimizerKind::kAdam);
+  const absl::Status other =
+      SavedOptimizer(adam, OptimizerStateKind{"", {"momentum_buffer"}}).status();
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(other.message().find("momentum_buffer"), absl::string_view::npos) << other;
+  OptimizerConfig torch;
+  torch.kind = OptimizerKind::kTorch;
+  SHARD_ASSERT_OK_AND_ASSIGN(
+      const OptimizerConfig reported,
+      SavedOptimizer(torch, OptimizerStateKind{"torch.optim.rmsprop.RMSprop", {"square_avg"}}));
+  EXPECT_EQ(reported.torch_class, "torch.optim.rmsprop.RMSprop");
+  EXPECT_EQ(OptimizerStateNames(reported), std::vector<std::string>{"square_avg"});
+}
+
 }  // namespace
 }  // namespace shard

@@ -150,6 +150,41 @@ TEST(JobSpecTest, AnExternalModelNeedsNoWidthsAndNoDataAndConvertsBack) {
   EXPECT_FALSE(JobConfigFromProto(*spec, "").ok());
 }
 
+// "torch": the training script brings its own optimizer class and its settings.
+TEST(JobSpecTest, AScriptsOwnOptimizerTakesNoSettingsFromTheSpecAndNeedsAnExternalModel) {
+  const std::string mlp = R"("mlp": {"widths": [8, 16, 4]})";
+  const std::string adamw = R"("name": "adamw", "lr": 0.001, "weightDecay": 0.1)";
+  std::string json = JobWith(mlp, R"("external": {})");
+  json.replace(json.find(adamw), adamw.size(), R"("name": "torch")");
+  auto spec = ParseJobSpecJson(json);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  auto job = JobConfigFromProto(*spec, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer.kind, OptimizerKind::kTorch);
+  EXPECT_TRUE(ValidateJobConfig(*job).ok()) << ValidateJobConfig(*job);
+  // It converts back to the same spec: the name alone.
+  auto again = JobConfigFromProto(ToProto(*job), "");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->optimizer.kind, OptimizerKind::kTorch);
+  EXPECT_EQ(ToProto(*job).optimizer().ShortDebugString(), R"(name: "torch")");
+
+  // Settings in the spec would be ignored: refused, saying where they go.
+  std::string with_lr = json;
+  with_lr.replace(with_lr.find(R"("name": "torch")"), 15, R"("name": "torch", "lr": 0.1)");
+  auto refused = JobConfigFromProto(*ParseJobSpecJson(with_lr), "");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("engine.optimizer"), std::string::npos)
+      << refused.status();
+
+  // The built-in MLP has no script to bring one.
+  JobConfig builtin = *job;
+  builtin.external_model = false;
+  builtin.widths = {8, 16, 4};
+  builtin.data_path = "data.safetensors";
+  const absl::Status no_script = ValidateJobConfig(builtin);
+  EXPECT_NE(no_script.message().find("needs an external model"), std::string::npos) << no_script;
+}
+
 TEST(JobSpecTest, ParamGroupsAndTheScheduleConvertAndRoundTrip) {
   const std::string json = JobWith(
       "\"weightDecay\": 0.1",

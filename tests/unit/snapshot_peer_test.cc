@@ -138,6 +138,22 @@ TEST(SnapshotPeerTest, APushedReplicaIsKeptAndAnsweredAndItsRangesFetchBack) {
   EXPECT_TRUE(absl::IsOutOfRange(past)) << past;
 }
 
+// A training script's own optimizer appends extras to its shard: the replica keeps where they
+// are (the checksums cannot say it).
+TEST(SnapshotPeerTest, AReplicaKeepsItsExtrasAndItsOptimizerState) {
+  Peer peer;
+  const std::vector<char> bytes = Bytes(5000, 4);
+  SnapshotShard shard = Shard(5, 40, 1, 2, bytes);
+  shard.record.extras = {{-1, 4000, 600}, {3, 4600, 400}};
+  shard.state = OptimizerStateKind{"torch.optim.adamw.AdamW", {"exp_avg", "exp_avg_sq"}};
+  SHARD_ASSERT_OK(PushSnapshotShard(peer.server->address(), shard, bytes, PeerCallOptions{}));
+  std::optional<SnapshotStore::Held> held = peer.store.Find(shard.id, 1);
+  ASSERT_TRUE(held.has_value());
+  absl::MutexLock lock(&peer.mu);
+  ASSERT_EQ(peer.replicas.size(), 1u);
+  EXPECT_EQ(peer.replicas[0], shard);
+}
+
 TEST(SnapshotPeerTest, AReplicaWhoseBytesDoNotMatchItsChecksumsIsRefusedAndNotKept) {
   Peer peer;
   std::vector<char> bytes = Bytes(100000, 3);

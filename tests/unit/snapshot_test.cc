@@ -12,6 +12,7 @@
 #include "common/step_boundary.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_assertions.h"
 
 namespace shard {
 namespace {
@@ -166,6 +167,45 @@ TEST(SnapshotTest, ThePeersDescriptionRoundTripsAndRefusesWhatIsMalformed) {
               HasSubstr("gradient_order"));
   EXPECT_THAT(mutate(R"("optimizer_step":40)", R"("optimizer_step":41)").message(),
               HasSubstr("optimizer_step"));
+}
+
+// A training script's own optimizer: the shards say what state they hold and carry extras after
+// their pieces; the manifest takes both, and the ranks must agree.
+TEST(SnapshotTest, AScriptsOwnOptimizersShardsMakeTheManifestOfTheStateTheyHold) {
+  OptimizerConfig torch;
+  torch.kind = OptimizerKind::kTorch;
+  const OptimizerStateKind rmsprop{"torch.optim.rmsprop.RMSprop", {"square_avg"}};
+  std::vector<SnapshotShard> shards = Shards(2);
+  const Plan plan = *MakePlan(Model(), shards[0].plan);
+  for (SnapshotShard& shard : shards) {
+    shard.state = rmsprop;
+    const uint64_t pieces = MakeShardLayout(Model(), plan, shard.rank, 1).bytes;
+    shard.record.bytes = pieces + 5;
+    shard.record.extras = {{shard.rank == 0 ? -1 : 1, pieces, 5}};
+    shard.record.block_xxh3.assign(1, shard.record.block_xxh3[0]);
+  }
+  SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest manifest,
+                             SnapshotManifest("job", 2, Model(), torch, shards));
+  EXPECT_EQ(manifest.optimizer.torch_class, rmsprop.torch_class);
+  EXPECT_EQ(manifest.state_names, rmsprop.names);
+  EXPECT_EQ(manifest.shards[1].extras, shards[1].record.extras);
+
+  // The description peers exchange keeps both.
+  SHARD_ASSERT_OK_AND_ASSIGN(const SnapshotShard back,
+                             SnapshotShardFromJson(SnapshotShardToJson(shards[1])));
+  EXPECT_EQ(back, shards[1]);
+  std::string json = SnapshotShardToJson(shards[1]);
+  const std::string offset = absl::StrCat(R"("offset":)", shards[1].record.extras[0].offset);
+  json.replace(json.find(offset), offset.size(), R"("offset":999999)");
+  EXPECT_THAT(SnapshotShardFromJson(json).status().message(), HasSubstr("extras lie outside"));
+
+  // Ranks that disagree on the optimizer make no manifest, nor does a built-in optimizer's job.
+  shards[1].state.torch_class = "torch.optim.adagrad.Adagrad";
+  EXPECT_THAT(SnapshotManifest("job", 2, Model(), torch, shards).status().message(),
+              HasSubstr("not of the same snapshot"));
+  shards[1].state = rmsprop;
+  EXPECT_THAT(SnapshotManifest("job", 2, Model(), OptimizerConfig{}, shards).status().message(),
+              HasSubstr("square_avg"));
 }
 
 // --- The step boundary -------------------------------------------------------------------------
