@@ -2,7 +2,7 @@
 
 For each model (the medium MLP 512,1024,1024,1024,64 with Adam at global batch 256; the example
 transformer at its default size with AdamW, a no-decay group and gradient clipping at global
-batch 32) it runs five configurations, each as real processes with one compute thread each
+batch 32) it runs seven configurations, each as real processes with one compute thread each
 (OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1, torch.set_num_threads(1)):
 
   plain       plain torch, one process, torch.optim.Adam/AdamW(foreach=False), the whole batch
@@ -13,6 +13,14 @@ batch 32) it runs five configurations, each as real processes with one compute t
               parameter broadcast per rank instead of one per parameter
   shard2      shard.torch at W=2, ZeRO-2 (bucket cap 25 MiB, the job spec's default), half
               batch each
+  plainopt    plain torch, one process, with the optimizer as a script that brings its own
+              writes it: the torch.optim class (Adam/AdamW), its settings and foreach=False, and
+              for the transformer the no-decay group by name pattern (Shard's rule: a pattern
+              takes the parameters no earlier group took)
+  shard1opt   shard.torch at W=1 with that same class, settings and groups as the script's own
+              optimizer: the job spec's optimizer is {"name": "torch"}, the loop makes
+              `opt = engine.optimizer(cls, groups, **settings)` and calls `opt.step()` (Shard's
+              whole step: reduce, clip, the class's update on the rank's shard, gather)
 
 Every worker is this file run with `worker --mode ...`: it builds the model from
 examples/torch/, trains `--warmup` steps, then times `--steps` steps on rank 0's wall clock (from
@@ -20,13 +28,20 @@ the top of step K to the top of step K+N, so the step boundary of every timed st
 and writes steps/s and the per-step split (forward+backward, optimizer or engine step, the rest).
 The driver repeats each configuration `--repeats` times (configurations interleaved within a
 repeat so slow drift of the machine's load hits all of them) and prints the median and range,
-the ratios shard2/ddp2 (target >= 1.2) and shard1/plain (target >= 0.95), PASS or MISS, and
-shard2/ddp2bv beside them (the same 1.2, against the better-tuned torch). Rank 0's losses of the
-first steps of each pair are compared too: both sides train the same samples with the same
-updates, so they agree to float32 rounding (a warning says when they do not).
+the ratios shard2/ddp2 (target >= 1.2), shard1/plain (target >= 0.95) and shard1opt/plainopt
+(target >= 0.91: the script's class through shard.torch within 10% of the same class in plain
+torch), PASS or MISS, and shard2/ddp2bv beside them (the same 1.2, against the better-tuned
+torch). Rank 0's losses of the first steps of each pair are compared too: both sides train the
+same samples with the same updates, so they agree to float32 rounding (a warning says when they
+do not).
 
     scripts/bench-torch.sh [--steps N] [--warmup K] [--repeats R] [--models mlp,transformer]
-                           [--device cpu|cuda:N] [--bf16] [--json] [--timeout S] [--keep]
+                           [--configs KEY,...] [--device cpu|cuda:N] [--bf16] [--json]
+                           [--timeout S] [--keep]
+
+--configs runs only the configurations named (the keys above; default: all of the device's), and
+reports the ratios whose two sides ran: `--configs plainopt,shard1opt` measures the script's own
+optimizer path alone.
 
 With --device cuda:N (one GPU) the configurations are those one GPU can compare:
 
@@ -87,11 +102,14 @@ CPU_CONFIGS = [  # (key, label, world size)
     ("ddp2", "DDP+ZeroRedundancyOpt W=2", 2),
     ("ddp2bv", "DDP+ZeRO bucket view W=2", 2),
     ("shard2", "shard.torch W=2 ZeRO-2", 2),
+    ("plainopt", "plain torch W=1 optim class", 1),
+    ("shard1opt", "shard.torch W=1 optim class", 1),
 ]
 CPU_TARGETS = [  # (numerator, denominator, target, primary: the issue's target, in the main table)
     ("shard1", "plain", 0.95, True),
     ("shard2", "ddp2", 1.2, True),
     ("shard2", "ddp2bv", 1.2, False),
+    ("shard1opt", "plainopt", 0.91, True),  # within 10%: 1/1.1
 ]
 GPU_CONFIGS = [
     ("plain", "plain torch (fused Adam)", 1),
@@ -104,14 +122,20 @@ GPU_TARGETS = [
 ]
 
 
-def configurations(model, device):
-    """The configurations run for `model` on `device`, and the ratios reported."""
+def configurations(model, device, only=None):
+    """The configurations run for `model` on `device` (of those, the keys in `only` when given),
+    and the ratios reported: those whose two sides run."""
     if not device.startswith("cuda"):
-        return CPU_CONFIGS, CPU_TARGETS
-    if model == "mlp":
-        return GPU_CONFIGS, GPU_TARGETS
-    return ([c for c in GPU_CONFIGS if c[0] != "worker1"],
-            [t for t in GPU_TARGETS if t[0] != "worker1"])
+        configs, targets = CPU_CONFIGS, CPU_TARGETS
+    elif model == "mlp":
+        configs, targets = GPU_CONFIGS, GPU_TARGETS
+    else:
+        configs = [c for c in GPU_CONFIGS if c[0] != "worker1"]
+        targets = [t for t in GPU_TARGETS if t[0] != "worker1"]
+    if only is not None:
+        configs = [c for c in configs if c[0] in only]
+    keys = {c[0] for c in configs}
+    return configs, [t for t in targets if t[0] in keys and t[1] in keys]
 LOSS_CHECK_STEPS = 3
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -162,8 +186,12 @@ def worker_main(args):
     total = args.warmup + args.steps + 1  # the top of step warmup+steps ends the timing
     clock = Clock(args.warmup, args.steps)
     if args.mode == "plain":
-        optimizer = torch_optimizer(torch, model.parameters, model.named_parameters(), spec,
-                                    fused=device.type == "cuda")
+        if args.own_optimizer:  # as a script that brings its class writes it
+            cls, groups, settings = script_optimizer(torch, spec)
+            optimizer = cls(by_pattern(groups, model.named_parameters()), **settings)
+        else:
+            optimizer = torch_optimizer(torch, model.parameters, model.named_parameters(), spec,
+                                        fused=device.type == "cuda")
         batch = spec["global_batch"]
         for step in range(total):
             clock.top(step)
@@ -216,12 +244,16 @@ def worker_main(args):
         import shard.torch as shard
         job = shard.join(device=args.device)
         engine = job.wrap(model)
+        step_fn = engine.step
+        if args.own_optimizer:  # the job spec's optimizer is "torch": the script brings its class
+            cls, groups, settings = script_optimizer(torch, spec)
+            step_fn = engine.optimizer(cls, groups, **settings).step  # Shard's whole step
         for step in job.steps():
             clock.top(step)
             loss = loss_of(job.batch_indices(step, n))
             loss.backward()
             clock.computed()
-            engine.step()
+            step_fn()
             clock.stepped()
             value = loss.item()
             job.report(loss=value)
@@ -267,6 +299,40 @@ def torch_optimizer(torch, parameters, named, spec, zero=None, bucket_view=False
     if zero is not None:
         return zero(groups, optimizer_class=cls, parameters_as_bucket_view=bucket_view, **kwargs)
     return cls(groups, **kwargs)
+
+
+def script_optimizer(torch, spec):
+    """The job spec's optimizer as a script that brings its own writes it: (the torch.optim
+    class, param groups by name pattern or None for every parameter, settings). The same
+    arithmetic as torch_optimizer's (single-tensor, foreach=False); the no-decay group comes
+    first and a last group "*" takes the rest, as engine.optimizer resolves patterns."""
+    opt = spec["optimizer"]
+    cls = torch.optim.Adam if opt["name"] == "adam" else torch.optim.AdamW
+    settings = {"lr": opt["lr"], "weight_decay": opt.get("weightDecay", 0.0), "foreach": False}
+    if "betas" in opt:
+        settings["betas"] = tuple(opt["betas"])
+    groups = None
+    if opt.get("paramGroups"):
+        groups = [{"params": list(g["match"]), "weight_decay": g["weightDecay"]}
+                  for g in opt["paramGroups"]] + [{"params": ["*"]}]
+    return cls, groups, settings
+
+
+def by_pattern(groups, named):
+    """Param groups whose "params" are name patterns, resolved to parameters as
+    engine.optimizer does (a pattern takes the parameters no earlier group took; None: every
+    parameter), for plain torch."""
+    import fnmatch
+    named = [(name, p) for name, p in named if p.requires_grad]
+    if groups is None:
+        return [p for _, p in named]
+    taken, resolved = set(), []
+    for group in groups:
+        chosen = [p for name, p in named if id(p) not in taken and
+                  any(fnmatch.fnmatchcase(name, m) for m in group["params"])]
+        taken.update(id(p) for p in chosen)
+        resolved.append(dict(group, params=chosen))
+    return resolved
 
 
 class Clock:
@@ -460,9 +526,10 @@ def run_config(runner, model, config, steps, warmup, data, tag, device="cpu", bf
                                     what)
         runner.kill_all()
         return result
-    if config == "plain":
-        proc = runner.start(worker_argv(model, "plain", steps, warmup, data, result, target),
-                            f"{rel}/plain.log", env)
+    own = ["--own-optimizer"] if config in ("plainopt", "shard1opt") else []
+    if config in ("plain", "plainopt"):
+        proc = runner.start(worker_argv(model, "plain", steps, warmup, data, result,
+                                        target + own), f"{rel}/plain.log", env)
         runner.wait([proc], deadline, what)
     elif config in ("ddp2", "ddp2bv"):
         ddp_extra = ["--zero-bucket-view"] if config == "ddp2bv" else []
@@ -475,17 +542,18 @@ def run_config(runner, model, config, steps, warmup, data, tag, device="cpu", bf
                  for r in range(2)]
         runner.wait(procs, deadline, what)
     else:
-        world = 1 if config == "shard1" else 2
+        world = 1 if config in ("shard1", "shard1opt") else 2
         spec = MODELS[model]
         job = {"name": f"bench-{model}", "worldSize": world, "model": {"external": {}},
-               "optimizer": spec["optimizer"], "globalBatch": spec["global_batch"],
+               "optimizer": {"name": "torch"} if own else spec["optimizer"],
+               "globalBatch": spec["global_batch"],
                "steps": warmup + steps + 1, "zeroStage": 2,
                "checkpoint": {"everySteps": 0}, "outputDir": os.path.join(run_dir, "out")}
         if spec.get("clip"):
             job["gradClipNorm"] = spec["clip"]
         coordinator, port = start_coordinator(runner, run_dir, job, deadline, what)
         workers = [runner.start(worker_argv(model, "shard", steps, warmup, data, result,
-                                            ["--world", str(world), *target]),
+                                            ["--world", str(world), *target, *own]),
                                 f"{rel}/w{i}.log",
                                 dict(env, SHARD_COORDINATOR=f"127.0.0.1:{port}",
                                      SHARD_ID=f"w{i}"))
@@ -513,6 +581,15 @@ def driver_main(args):
     for m in models:
         if m not in MODELS:
             print(f"torch_bench: unknown model '{m}' (mlp, transformer)", file=sys.stderr)
+            return 2
+    only = None
+    if args.configs:
+        only = {c.strip() for c in args.configs.split(",") if c.strip()}
+        known = {key for m in models for key, _, _ in configurations(m, args.device)[0]}
+        unknown = sorted(only - known)
+        if unknown or not only:
+            print(f"torch_bench: unknown configuration {', '.join(unknown) or '(none)'} on "
+                  f"{args.device} ({', '.join(sorted(known))})", file=sys.stderr)
             return 2
     for binary in ("shard-coordinator", "shardctl"):
         if not os.path.exists(os.path.join(BIN, binary)):
@@ -551,7 +628,7 @@ def driver_main(args):
         for model in models:
             steps = args.steps or MODELS[model]["steps"]
             warmup = args.warmup if args.warmup is not None else MODELS[model]["warmup"]
-            configs, _ = configurations(model, args.device)
+            configs, _ = configurations(model, args.device, only)
             runs = {key: [] for key, _, _ in configs}
             for repeat in range(args.repeats):
                 for key, label, _ in configs:
@@ -576,11 +653,12 @@ def driver_main(args):
         "load_before": load_before, "load_after": load_average(),
         "python": platform.python_version(),
         "threads_per_process": 1, "repeats": args.repeats,
+        "configs_selected": sorted(only) if only else None,
         "models": {},
     }
     for model, res in results.items():
         configs = {}
-        model_configs, model_targets = configurations(model, args.device)
+        model_configs, model_targets = configurations(model, args.device, only)
         for key, label, world in model_configs:
             runs = res["runs"][key]
             configs[key] = {
@@ -689,6 +767,10 @@ def main():
     worker.add_argument("--store", help="DDP's file store")
     worker.add_argument("--zero-bucket-view", action="store_true",
                         help="ZeroRedundancyOptimizer(parameters_as_bucket_view=True)")
+    worker.add_argument("--own-optimizer", action="store_true",
+                        help="the optimizer as a script brings it: plain, the torch.optim class "
+                        "over groups by name pattern; shard, engine.optimizer(class) and "
+                        "opt.step()")
     worker.add_argument("--device", default="cpu")
     worker.add_argument("--bf16", action="store_true")
     parser.add_argument("--steps", type=int, default=None,
@@ -697,6 +779,9 @@ def main():
                         help="untimed steps before them (default: mlp 10, transformer 30)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (3)")
     parser.add_argument("--models", default="mlp,transformer", help="mlp,transformer")
+    parser.add_argument("--configs", default=None,
+                        help="only these configurations, e.g. plainopt,shard1opt (default: all: "
+                        + ",".join(key for key, _, _ in CPU_CONFIGS) + " on the cpu)")
     parser.add_argument("--device", default="cpu",
                         help="cpu (default) or cuda:N: on a GPU, plain torch, shard.torch and "
                         "shard-worker on that GPU")

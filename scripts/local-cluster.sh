@@ -270,6 +270,16 @@ log_time() {
   [ -z "$stamp" ] || date -d "${stamp/T/ }" +%s%3N
 }
 now_ms() { date +%s%3N; }
+# wait_resumed LOG...: sets RESUMED_AT, when training first ran a step again after KILLED_AT.
+wait_resumed() {
+  for _ in $(seq 300); do
+    RESUMED_AT=$(log_time "first step of this run done" "$@")
+    [ -n "$RESUMED_AT" ] && [ "$RESUMED_AT" -ge "$KILLED_AT" ] && return 0
+    sleep 0.1
+  done
+  echo "training did not resume within 30s"
+  exit 1
+}
 # train_a_while: until the job commits one more checkpoint (the current world trained).
 train_a_while() {
   local before; before=$(checkpoint_ids | tail -1)
@@ -294,12 +304,7 @@ if [ -n "$TORCH_SCRIPT" ]; then
   for _ in $(seq 600); do holds_rank "$REPLACEMENT" && break; sleep 0.1; done
   holds_rank "$REPLACEMENT" || { echo "$REPLACEMENT did not take a rank within 60s"; "${SHARDCTL[@]}" status || true; exit 1; }
   wait_world "$WORKERS"
-  for _ in $(seq 300); do
-    RESUMED_AT=$(log_time "first step of this run done" $(worker_logs first))
-    [ -n "$RESUMED_AT" ] && [ "$RESUMED_AT" -ge "$KILLED_AT" ] && break
-    sleep 0.1
-  done
-  [ "$RESUMED_AT" -ge "$KILLED_AT" ] || { echo "training did not resume within 30s"; exit 1; }
+  wait_resumed $(worker_logs first)
   DEAD_AT=$(log_time "declared dead" "$RUN_DIR/coordinator-first.log")
   JOINED_AT=$(log_time "worker $REPLACEMENT joined" "$RUN_DIR/coordinator-first.log")
   say "chaos: recovered from generation $GENERATION_BEFORE to $(status_field generation) on $WORKERS workers:" \
@@ -317,12 +322,7 @@ else
   wait "${WORKER_PIDS[$VICTIM]}" 2>/dev/null || true
   unset "WORKER_PIDS[$VICTIM]" "WORKER_NAMES[$VICTIM]"
   wait_world $(( WORKERS - 1 ))
-  for _ in $(seq 300); do
-    RESUMED_AT=$(log_time "first step of this run done" "$RUN_DIR"/worker-*-first.log)
-    [ -n "$RESUMED_AT" ] && [ "$RESUMED_AT" -ge "$KILLED_AT" ] && break
-    sleep 0.1
-  done
-  [ "$RESUMED_AT" -ge "$KILLED_AT" ] || { echo "training did not resume within 30s"; exit 1; }
+  wait_resumed "$RUN_DIR"/worker-*-first.log
   DEAD_AT=$(log_time "declared dead" "$RUN_DIR/coordinator-first.log")
   REFORMED_AT=$(log_time "re-forming with" "$RUN_DIR/coordinator-first.log")
   say "chaos: recovered from generation $GENERATION_BEFORE to $(status_field generation) on $(( WORKERS - 1 )) workers:" \

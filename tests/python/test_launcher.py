@@ -17,22 +17,12 @@ import pytest
 
 from shard.safetensors import load_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILD = os.path.abspath(os.environ.get("SHARD_BUILD_DIR", os.path.join(ROOT, "build")))
-BIN = os.path.join(BUILD, "bin")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_torch import BIN, ROOT, wait_for  # noqa: E402  (the processes' harness)
+from test_torch import TRANSFORMER_ARGS as TINY  # noqa: E402
+
 TRANSFORMER = os.path.join(ROOT, "examples", "torch", "transformer.py")
-TINY = ["--vocab", "16", "--dim", "16", "--heads", "2", "--layers", "1", "--context", "8",
-        "--sequences", "64"]
 DEADLINE = 60  # seconds a launch may take: a hang fails the test instead of CI
-
-
-def wait_for(predicate, seconds, what):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {seconds}s waiting for {what}")
 
 
 def alive(pid):

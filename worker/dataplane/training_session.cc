@@ -256,22 +256,28 @@ absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& bounda
                                         StepRecord* record) {
   const absl::Time pause_start = absl::Now();
   const int rank = communicator_.rank();
-  const uint64_t bytes = MakeShardLayout(engine_->manifest(), engine_->plan(), rank,
-                                         static_cast<int>(engine_->optimizer_state_names().size()))
-                             .bytes;
+  const uint64_t pieces =
+      MakeShardLayout(engine_->manifest(), engine_->plan(), rank,
+                      static_cast<int>(engine_->optimizer_state_names().size()))
+          .bytes;
+  using Extras = std::vector<std::pair<int, std::string>>;
+  Extras provided;
+  if (extras_provider_) {
+    SHARD_ASSIGN_OR_RETURN(provided, extras_provider_());
+  }
+  uint64_t bytes = pieces;
+  for (const auto& [param, extra] : provided) bytes += extra.size();
   // One copy serves both: a snapshot's buffer comes from the store (a dropped snapshot's), a
-  // checkpoint's alone from the writer (its previous one).
+  // checkpoint's alone from the writer (its previous one). Room for the extras is reserved
+  // first: growing a buffer of the whole state would copy it again.
   std::vector<char> buffer =
       boundary.snapshot ? options_.snapshots->TakeBuffer(bytes) : saver_.TakeBuffer();
+  buffer.reserve(bytes);
   SHARD_RETURN_IF_ERROR(engine_->CopyOwnedState(&buffer));
   std::vector<ShardExtra> extras;
-  if (extras_provider_) {
-    using Extras = std::vector<std::pair<int, std::string>>;
-    SHARD_ASSIGN_OR_RETURN(const Extras provided, extras_provider_());
-    for (const auto& [param, bytes] : provided) {
-      extras.push_back(ShardExtra{param, buffer.size(), bytes.size()});
-      buffer.insert(buffer.end(), bytes.begin(), bytes.end());
-    }
+  for (const auto& [param, extra] : provided) {
+    extras.push_back(ShardExtra{param, buffer.size(), extra.size()});
+    buffer.insert(buffer.end(), extra.begin(), extra.end());
   }
   const OptimizerStateKind state = StateKindOf(engine_->optimizer_config());
   auto copy = std::make_shared<std::vector<char>>(std::move(buffer));
