@@ -556,8 +556,10 @@ absl::StatusOr<std::unique_ptr<ShardWriter>> ShardWriter::Create(const std::stri
                                                                  int world_size) {
   // A committed checkpoint is never written into again.
   if (std::filesystem::exists(std::filesystem::path(dir) / kManifestFile)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("checkpoint '", dir, "' is already committed; it is never overwritten"));
+    return absl::AlreadyExistsError(absl::StrCat(
+        "checkpoint '", dir, "' is already committed; it is never overwritten (a new run into "
+        "an earlier run's checkpoint directory meets its ids: give each run its own outputDir "
+        "or checkpoint.dir, or continue the earlier run on its --state-dir)"));
   }
   SHARD_RETURN_IF_ERROR(MakeDirectories(dir));
   std::unique_ptr<ShardWriter> writer(new ShardWriter());

@@ -203,8 +203,21 @@ void CheckpointManager::FailLocked(const std::string& id, const std::string& err
   const int64_t request = it == pending_.end() ? 0 : it->second.request;
   errors_[request] = error;
   spdlog::error("checkpoint {} failed: {}", id, error);
-  storage_->Remove(Directory(id), "a failed checkpoint");
+  DiscardLocked(id, "a failed checkpoint");
   if (it != pending_.end()) pending_.erase(it);
+}
+
+void CheckpointManager::DiscardLocked(const std::string& id, absl::string_view why) {
+  const std::string dir = Directory(id);
+  // A pending checkpoint's directory with a manifest is another run's committed checkpoint
+  // (a new state directory over the same checkpoint directory meets its ids): never ours to
+  // remove.
+  if (storage_->IsCommitted(dir)) {
+    spdlog::warn("{} holds a committed checkpoint this coordinator did not write: left as it is",
+                 dir);
+    return;
+  }
+  storage_->Remove(dir, why);
 }
 
 absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
@@ -576,7 +589,7 @@ void CheckpointManager::OnGeneration(int64_t generation) {
   const int64_t ended = generation_;
   generation_ = generation;
   for (const auto& [id, pending] : pending_) {
-    storage_->Remove(Directory(id), "a checkpoint of an ended generation");
+    DiscardLocked(id, "a checkpoint of an ended generation");
   }
   pending_.clear();
   BeginGenerationLocked(ended);

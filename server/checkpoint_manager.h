@@ -162,6 +162,10 @@ class CheckpointManager {
   // A request is answered once a checkpoint committed for it (or a later one) or it failed.
   bool AnsweredLocked(int64_t request) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   StepOrders OrdersLocked(int64_t generation) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Removes the directory of pending checkpoint `id` (`why`, for the log), unless it holds a
+  // committed checkpoint: another run's.
+  void DiscardLocked(const std::string& id, absl::string_view why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the pending checkpoint `id` (and the requests it would answer) with `error`.
   void FailLocked(const std::string& id, const std::string& error)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -417,6 +417,7 @@ class Engine:
         self._syncing = True  # False inside no_sync(): gradients accumulate, nothing reduces
         self._misuse = None  # what a gradient hook found wrong, raised by step()
         self._optimizer = None  # the script's own (optimizer()), else the job spec's runs
+        self._grad_versions = {}  # by index: the gradient's version when backward last made it
         self._install_hooks()
 
     def _install_hooks(self):
@@ -438,8 +439,12 @@ class Engine:
                         f"the gradient of {self._names()[index]} is no longer Shard's buffer: "
                         "do not call zero_grad(set_to_none=True) or assign .grad (Shard zeroes "
                         "the gradients itself at every step)")
-                elif self._syncing:
-                    lib.shard_mark_ready(handle, index)
+                else:
+                    # What the gradient's version is once backward is done with it: a change
+                    # after that (clip_grad_norm_) would hit values the bucket is reducing.
+                    self._grad_versions[index] = param.grad._version
+                    if self._syncing:
+                        lib.shard_mark_ready(handle, index)
 
             if hasattr(param, "register_post_accumulate_grad_hook"):  # torch >= 2.1
                 self._hooks.append(param.register_post_accumulate_grad_hook(ready))
@@ -609,6 +614,22 @@ class Engine:
                     _lib.FAILED_PRECONDITION,
                     f"parameter {self._names()[index]} is no longer Shard's buffer: do not move "
                     "or replace the model's parameters after wrap() (model.to(), .data = ...)")
+        versions, self._grad_versions = self._grad_versions, {}
+        for index, version in versions.items():
+            grad = self._params[index].grad
+            if grad is None:  # zero_grad(set_to_none=True) after backward
+                raise ShardError(
+                    _lib.FAILED_PRECONDITION,
+                    f"the gradient of {self._names()[index]} is no longer Shard's buffer: do not "
+                    "call zero_grad(set_to_none=True) or assign .grad (Shard zeroes the gradients "
+                    "itself at every step)")
+            if grad._version != version:
+                raise ShardError(
+                    _lib.FAILED_PRECONDITION,
+                    f"the gradient of {self._names()[index]} changed after backward made it "
+                    "(clip_grad_norm_, or another in-place change of .grad before the step): "
+                    "Shard reduces gradients during backward, so the change would hit values "
+                    "being reduced. Clip with the job spec's gradClipNorm instead")
 
     def _torch_step(self, optimizer):
         """The step with the script's optimizer: Shard reduces (and clips), the optimizer updates

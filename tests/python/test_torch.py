@@ -594,7 +594,8 @@ def test_misuse_is_a_clear_error(cluster):
                      "this job trains on the host, which has no streams",
                      "wrap() was called already",
                      "no longer Shard's buffer: do not call zero_grad(set_to_none=True)",
-                     "do not move or replace the model's parameters"):
+                     "do not move or replace the model's parameters",
+                     "changed after backward made it (clip_grad_norm_"):
         assert expected in log, (expected, log)
 
 
@@ -629,6 +630,14 @@ for step in job.steps():
         except shard.ShardError as e:
             print(e)
         model.weight.data = saved
+        engine.step()
+    elif step == 1:
+        model(x).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)  # the job spec's gradClipNorm
+        try:
+            engine.step()
+        except shard.ShardError as e:
+            print(e)
         engine.step()
     else:
         model.zero_grad(set_to_none=True)

@@ -88,6 +88,54 @@ class CheckpointCountersTest : public ::testing::Test {
   std::unique_ptr<CheckpointManager> manager_;
 };
 
+// A new run on a fresh state directory over an earlier run's checkpoint directory meets that
+// run's ids: its ranks cannot write into the committed checkpoint, and the failed save must
+// leave it as it is (it used to be removed as "a failed checkpoint").
+TEST_F(CheckpointCountersTest, AFailedSaveNeverRemovesAnotherRunsCommittedCheckpoint) {
+  const TrainingCounters counters{.optimizer_step = kStep};
+  const std::string id = CheckpointIdForStep(kStep);
+  SHARD_ASSERT_OK(manager_->ReportShard(Shard(id, 0, counters), view_, kNow).status());
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool done,
+                             manager_->ReportShard(Shard(id, 1, counters), view_, kNow));
+  ASSERT_TRUE(done);
+
+  InMemoryStateStore fresh_store;
+  SHARD_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<CheckpointManager> fresh,
+      CheckpointManager::Create(Options(), &fresh_store, &storage_, kGeneration,
+                                /*generation_kept=*/false));
+  // Its ranks' writers refuse the committed directory and report so.
+  ShardReport refused;
+  refused.worker_id = "w0";
+  refused.generation = kGeneration;
+  refused.id = id;
+  refused.step = kStep;
+  refused.plan_version = view_.version;
+  refused.plan_hash = view_.plan->hash;
+  refused.counters = counters;
+  refused.state = OptimizerStateKind{"", {"exp_avg", "exp_avg_sq"}};
+  refused.error = "checkpoint '...' is already committed; it is never overwritten";
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool committed, fresh->ReportShard(refused, view_, kNow));
+  EXPECT_FALSE(committed);
+  EXPECT_TRUE(storage_.IsCommitted(Directory(id)));
+  SHARD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<CheckpointReader> reader,
+                             CheckpointReader::Open(Directory(id)));
+  for (int shard = 0; shard < kWorld; ++shard) SHARD_EXPECT_OK(reader->VerifyShard(shard, nullptr));
+  // Nor when the world moves on while a save of that id is pending.
+  const std::string next = CheckpointIdForStep(2 * kStep);
+  refused.id = next;
+  refused.step = 2 * kStep;
+  refused.error.clear();
+  refused.record = ShardRecord{ShardFileName(0, kWorld), 0, 0, "", {}, {}};
+  SHARD_ASSERT_OK(manager_->ReportShard(Shard(next, 0, counters), view_, kNow).status());
+  SHARD_ASSERT_OK_AND_ASSIGN(const bool both, manager_->ReportShard(Shard(next, 1, counters),
+                                                                      view_, kNow));
+  ASSERT_TRUE(both);
+  (void)fresh->ReportShard(refused, view_, kNow);  // pending in the new run
+  fresh->OnGeneration(kGeneration + 1);
+  EXPECT_TRUE(storage_.IsCommitted(Directory(next)));
+}
+
 TEST_F(CheckpointCountersTest, TheCommittedManifestKeepsTheRanksCounters) {
   // A skipped update: the optimizer is a step behind, the scale backed off.
   const TrainingCounters counters{
