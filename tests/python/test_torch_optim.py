@@ -299,3 +299,13 @@ def test_the_job_spec_and_the_script_must_agree_on_the_optimizer(cluster):
                                   args=["--config", json.dumps(config_of(cluster, "AdamW"))])
     assert cluster.wait(worker) != 0
     assert 'set "optimizer": {"name": "torch"} in the job spec' in cluster.log(worker)
+
+
+def test_ranks_that_bring_different_optimizers_are_refused(cluster):
+    cluster.start_coordinator(cluster.write_job(world=2, steps=5, optimizer={"name": "torch"}))
+    workers = [cluster.start_worker(f"w{i}", script=WORKER,
+                                    args=["--config", json.dumps(config_of(cluster, name))])
+               for i, name in enumerate(("AdamW", "Adagrad"))]
+    for worker in workers:
+        assert cluster.wait(worker) != 0
+        assert "the ranks run different optimizers" in cluster.log(worker), cluster.log(worker)

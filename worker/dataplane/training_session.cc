@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/fault.h"
 #include "common/files.h"
 #include "common/safetensors.h"
@@ -103,6 +104,9 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
   if (precision == DataType::kFloat16) engine_options.loss_scaling = LossScalerOptions{};
   SHARD_ASSIGN_OR_RETURN(session->engine_, Engine::Create(std::move(manifest), &communicator,
                                                           &plans, engine_options));
+  if (job.optimizer.kind == OptimizerKind::kTorch) {
+    SHARD_RETURN_IF_ERROR(session->CheckSameOptimizer());
+  }
   if (options.snapshots != nullptr && job.snapshot_every > 0) {
     session->snapshotter_ = std::make_unique<Snapshotter>(
         options.snapshots, options.snapshot_buddies,
@@ -127,6 +131,25 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
   }
   session->result_.start_step = session->next_step_;
   return session;
+}
+
+absl::Status TrainingSession::CheckSameOptimizer() {
+  const OptimizerStateKind mine = StateKindOf(engine_->optimizer_config());
+  std::string identity = mine.torch_class;
+  for (const std::string& name : mine.names) absl::StrAppend(&identity, "\n", name);
+  // 60 bits of its hash, so that a maximum and a minimum over the ranks compare it exactly.
+  const int64_t hash =
+      static_cast<int64_t>(std::stoull(ContentHash(identity).substr(0, 15), nullptr, 16));
+  int64_t extremes[2] = {hash, -hash};
+  SHARD_RETURN_IF_ERROR(device_.AllReduceHostValues(communicator_, extremes, 2,
+                                                    DataType::kInt64, ReduceOp::kMax));
+  if (extremes[0] != hash || -extremes[1] != hash) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the ranks run different optimizers: this rank's is ", mine.torch_class, " with state [",
+        absl::StrJoin(mine.names, ", "), "], another rank's is not; every rank must make the "
+        "same engine.optimizer(cls, ...)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status TrainingSession::ReadRestoredExtras(CheckpointReader& checkpoint) {

@@ -176,6 +176,9 @@ class TrainingSession {
   bool Interrupted() const;
   // The copy of what this rank owns for a snapshot and/or a disk checkpoint of step `step`.
   absl::Status SaveState(int64_t step, const StepBoundary& boundary, StepRecord* record);
+  // A training script's own optimizer: FailedPrecondition unless every rank declared the same
+  // class and per-element state (one small all-reduce).
+  absl::Status CheckSameOptimizer();
   // Reads the extras of the parameters this rank updates and the job's from `checkpoint`.
   absl::Status ReadRestoredExtras(CheckpointReader& checkpoint);
 
