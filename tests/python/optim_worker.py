@@ -68,7 +68,7 @@ OPTIMIZERS = {
     "SGD": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
             {"lr": 0.1}),
 }
-WARMUP = 5
+WARMUP = 15  # longer than the 10 steps before a restore: the schedule must come back
 
 
 def warmup(count):
