@@ -55,6 +55,22 @@ class CheckpointCountersTest : public ::testing::Test {
   // report, with `counters`.
   ShardReport Shard(const std::string& id, int rank, const TrainingCounters& counters) {
     const ShardLayout layout = MakeShardLayout(Model(), *view_.plan, rank, 2);
+    ShardReport report = Report(id, rank, counters);
+    absl::StatusOr<std::unique_ptr<ShardWriter>> writer =
+        ShardWriter::Create(Directory(id), rank, kWorld);
+    EXPECT_TRUE(writer.ok()) << writer.status();
+    if (!writer.ok()) return report;
+    const std::vector<char> zeros(layout.bytes, 0);
+    EXPECT_TRUE((*writer)->Append(zeros.data(), zeros.size()).ok());
+    absl::StatusOr<ShardRecord> record = (*writer)->Finish();
+    EXPECT_TRUE(record.ok()) << record.status();
+    if (record.ok()) report.record = *record;
+    return report;
+  }
+
+  // Rank `rank`'s report of checkpoint `id` at kStep, with `counters` and Adam's state, without
+  // a shard.
+  ShardReport Report(const std::string& id, int rank, const TrainingCounters& counters) const {
     ShardReport report;
     report.worker_id = absl::StrCat("w", rank);
     report.rank = rank;
@@ -65,15 +81,6 @@ class CheckpointCountersTest : public ::testing::Test {
     report.plan_hash = view_.plan->hash;
     report.counters = counters;
     report.state = OptimizerStateKind{"", {"exp_avg", "exp_avg_sq"}};
-    absl::StatusOr<std::unique_ptr<ShardWriter>> writer =
-        ShardWriter::Create(Directory(id), rank, kWorld);
-    EXPECT_TRUE(writer.ok()) << writer.status();
-    if (!writer.ok()) return report;
-    const std::vector<char> zeros(layout.bytes, 0);
-    EXPECT_TRUE((*writer)->Append(zeros.data(), zeros.size()).ok());
-    absl::StatusOr<ShardRecord> record = (*writer)->Finish();
-    EXPECT_TRUE(record.ok()) << record.status();
-    if (record.ok()) report.record = *record;
     return report;
   }
 
@@ -105,15 +112,7 @@ TEST_F(CheckpointCountersTest, AFailedSaveNeverRemovesAnotherRunsCommittedCheckp
       CheckpointManager::Create(Options(), &fresh_store, &storage_, kGeneration,
                                 /*generation_kept=*/false));
   // Its ranks' writers refuse the committed directory and report so.
-  ShardReport refused;
-  refused.worker_id = "w0";
-  refused.generation = kGeneration;
-  refused.id = id;
-  refused.step = kStep;
-  refused.plan_version = view_.version;
-  refused.plan_hash = view_.plan->hash;
-  refused.counters = counters;
-  refused.state = OptimizerStateKind{"", {"exp_avg", "exp_avg_sq"}};
+  ShardReport refused = Report(id, 0, counters);
   refused.error = "checkpoint '...' is already committed; it is never overwritten";
   SHARD_ASSERT_OK_AND_ASSIGN(const bool committed, fresh->ReportShard(refused, view_, kNow));
   EXPECT_FALSE(committed);
