@@ -688,50 +688,28 @@ absl::Status Engine::LoadState(std::unique_ptr<StateSource> source, bool with_st
 }
 
 absl::Status Engine::ConsolidateStateDict(int to_rank, const std::string& path) {
-  const int rank = communicator_->rank();
+  const bool mine = communicator_->rank() == to_rank;
   const int states = static_cast<int>(optimizer_.state_names().size());
-  // Full optimizer state of every bucket on `to_rank`: owned spans add up to the whole (the
-  // others contribute zeros); at stage 0 every rank already holds it all.
-  std::vector<std::vector<std::vector<float>>> full(buckets_.size());
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    const BucketState& bucket = buckets_[b];
-    for (int k = 0; k < states; ++k) {
-      const float* whole = bucket.state[k].data();  // at stage 0 the owned span is the bucket
-      DeviceArray reduced;
-      if (options_.zero_stage > 0) {
-        SHARD_ASSIGN_OR_RETURN(reduced, device_->Allocate(bucket.params.size()));
-        SHARD_RETURN_IF_ERROR(device_->Copy(bucket.state[k].data(),
-                                            reduced.data() + bucket.own_begin,
-                                            bucket.state[k].size()));
-        SHARD_RETURN_IF_ERROR(communicator_->Reduce(reduced.data(), reduced.data(),
-                                                    reduced.size(), DataType::kFloat32,
-                                                    ReduceOp::kSum, to_rank));
-        SHARD_RETURN_IF_ERROR(communicator_->OrderComputeAfterCollectives());
-        whole = reduced.data();
-      }
-      if (rank != to_rank) continue;
-      std::vector<float> host(bucket.params.size());
-      SHARD_RETURN_IF_ERROR(device_->Download(whole, host.data(), host.size()));
-      full[b].push_back(std::move(host));
-    }
-  }
-  if (rank != to_rank) return absl::OkStatus();
+  // Every tensor in full on `to_rank`, one parameter at a time (GatherToRank).
   std::vector<TensorDecl> tensors;
-  std::vector<const void*> data;
-  std::vector<std::vector<float>> param_values(manifest_.params.size());
+  std::vector<std::vector<float>> values;
   for (size_t p = 0; p < manifest_.params.size(); ++p) {
     const ParamSpec& param = manifest_.params[p];
-    tensors.push_back(TensorDecl{param.name, param.dtype, param.shape});
-    SHARD_ASSIGN_OR_RETURN(param_values[p], ParamValues(static_cast<int>(p)));
-    data.push_back(param_values[p].data());
-    const ParamLocation location = plan_->locations[p];
-    if (location.bucket < 0) continue;
-    for (int k = 0; k < states; ++k) {
-      tensors.push_back(TensorDecl{param.name + "." + optimizer_.state_names()[k], DataType::kFloat32,
-                                   param.shape});
-      data.push_back(full[location.bucket][k].data() + location.offset);
+    const int last = param.requires_grad ? states : 0;
+    for (int array = -1; array < last; ++array) {
+      std::vector<float> full(mine ? param.numel() : 0);
+      SHARD_RETURN_IF_ERROR(GatherToRank(static_cast<int>(p), array, to_rank,
+                                         mine ? full.data() : nullptr));
+      if (!mine) continue;
+      tensors.push_back(TensorDecl{
+          array < 0 ? param.name : param.name + "." + optimizer_.state_names()[array],
+          DataType::kFloat32, param.shape});
+      values.push_back(std::move(full));
     }
   }
+  if (!mine) return absl::OkStatus();
+  std::vector<const void*> data;
+  for (const std::vector<float>& full : values) data.push_back(full.data());
   return WriteSafetensors(path, tensors, data,
                           TrainedFileMetadata(steps_done_, optimizer_.config().kind, counters()));
 }

@@ -187,9 +187,10 @@ class Engine {
   // the loss scale's from `counters`. Collective (the parameters are gathered).
   absl::Status LoadState(std::unique_ptr<StateSource> source, bool with_state,
                          int64_t steps_done, const TrainingCounters& counters);
-  // Like ZeroRedundancyOptimizer.consolidate_state_dict(to=rank): every rank sends what it owns
-  // and `to_rank` writes `path`, a safetensors file with every parameter and its optimizer state
-  // (<name>.<state>) in full, and the step count in its metadata. Collective.
+  // Like ZeroRedundancyOptimizer.consolidate_state_dict(to=rank): every rank sends what it owns,
+  // one parameter at a time (GatherToRank), and `to_rank` writes `path`, a safetensors file with
+  // every parameter and its optimizer state (<name>.<state>) in full, and the step count in its
+  // metadata. Collective.
   absl::Status ConsolidateStateDict(int to_rank, const std::string& path);
   // Parameter `param`'s values (array -1) or optimizer state tensor `array` in full on rank
   // `to_rank`, into `out` (numel floats of host memory; other ranks pass null): each range comes
