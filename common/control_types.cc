@@ -34,6 +34,15 @@ absl::string_view SelfCheckStateName(SelfCheckState state) {
   return "unknown";
 }
 
+absl::string_view LinkFailureName(LinkFailure how) {
+  switch (how) {
+    case LinkFailure::kConnect: return "connect";
+    case LinkFailure::kSend: return "send";
+    case LinkFailure::kReceive: return "receive";
+  }
+  return "unknown";
+}
+
 absl::string_view OverlapStatusName(OverlapStatus status) {
   switch (status) {
     case OverlapStatus::kUninitialized: return "UNINITIALIZED";

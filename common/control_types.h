@@ -19,12 +19,15 @@ namespace shard {
 enum class JobState { kForming, kRunning, kStopping, kStopped };
 enum class WorkerState { kJoining, kReady, kFailed, kLeft, kDead, kStandby, kLeaving };
 enum class SelfCheckState { kPending, kPassed, kFailed };
+// How a worker fails to reach a peer over the data path.
+enum class LinkFailure { kConnect, kSend, kReceive };
 // The job's bucket-rebuild state, as PyTorch's ZeroRedundancyOptimizer._OverlapStatus.
 enum class OverlapStatus { kUninitialized, kRebuilt, kInitialized };
 
 absl::string_view JobStateName(JobState state);
 absl::string_view WorkerStateName(WorkerState state);
 absl::string_view SelfCheckStateName(SelfCheckState state);
+absl::string_view LinkFailureName(LinkFailure how);  // "connect", "send", "receive"
 absl::string_view OverlapStatusName(OverlapStatus status);
 
 // The world as the coordinator sees it now.
@@ -94,6 +97,8 @@ struct RestoreReport {
   uint64_t bytes_from_peers = 0;
   uint64_t bytes = 0;
   std::string error;
+  // Copies of a memory snapshot's shards that failed their checksums and were read elsewhere.
+  std::vector<std::string> refused;
 
   bool operator==(const RestoreReport&) const = default;
 };
@@ -134,6 +139,37 @@ struct TrainingActivity {
   bool operator==(const TrainingActivity&) const = default;
 };
 
+// A peer of a generation that a rank could not reach.
+struct PeerFault {
+  int peer_rank = -1;
+  LinkFailure how = LinkFailure::kConnect;
+  std::string detail;
+
+  bool operator==(const PeerFault&) const = default;
+};
+
+// A worker to connect to (a connectivity probe), and how that went.
+struct PeerProbe {
+  std::string worker_id;
+  std::string address;  // host:port
+  bool reachable = false;
+  std::string detail;   // why not
+
+  bool operator==(const PeerProbe&) const = default;
+};
+
+// A rank's self-check of its generation's data path, or the failure of that data path later.
+struct SelfCheckReport {
+  std::string worker_id;
+  uint64_t incarnation = 0;
+  int64_t generation = 0;
+  bool passed = false;
+  std::string detail;
+  std::vector<PeerFault> unreachable;  // the peers it could not reach
+
+  bool operator==(const SelfCheckReport&) const = default;
+};
+
 // A heartbeat, which may wait for the world to change.
 struct HeartbeatParams {
   std::string worker_id;
@@ -144,6 +180,7 @@ struct HeartbeatParams {
   // The generation in which this worker's training paused for a re-formation (0: not paused).
   int64_t paused_generation = 0;
   TrainingActivity activity;
+  std::vector<PeerProbe> probed;  // an isolated standby's answer to the probe it was asked for
 
   bool operator==(const HeartbeatParams&) const = default;
 };
@@ -176,6 +213,9 @@ struct ShardReport {
   double pause_ms = 0;
   double write_ms = 0;
   std::string error;  // the rank could not write its shard
+  // Rank 0: the save was not written at all, and why (a periodic one skipped while the one
+  // before was still being written); the rest of the report is the save's.
+  std::string skipped;
   TrainingCounters counters;
   OptimizerStateKind state;
 
@@ -220,6 +260,14 @@ struct TrainingProgress {
   int last_snapshot_copies = 0;
   int64_t replica_lag_steps = 0;
   std::optional<absl::Duration> replica_lag;
+  // Saves since the newest commit that failed (a full disk, EIO) or were skipped (a periodic
+  // save while the previous one was still being written), and the latest of each: its
+  // checkpoint id, what happened, and how long ago.
+  int64_t checkpoint_failures = 0;
+  std::string last_checkpoint_failure;
+  std::optional<absl::Duration> last_checkpoint_failure_age;
+  int64_t checkpoints_skipped = 0;
+  std::string last_checkpoint_skip;
 
   bool operator==(const TrainingProgress&) const = default;
 };
@@ -234,6 +282,7 @@ struct WorkerSnapshot {
   absl::Duration since_heartbeat;
   SelfCheckRecord self_check;
   int64_t joined_generation = 0;
+  std::string unreachable;  // a standby kept out because peers could not reach it: why
 
   bool operator==(const WorkerSnapshot&) const = default;
 };

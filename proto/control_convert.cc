@@ -278,6 +278,7 @@ v1::ReportRestoreRequest ToProto(const RestoreReport& report) {
   out.set_bytes_from_peers(report.bytes_from_peers);
   out.set_bytes(report.bytes);
   out.set_error(report.error);
+  for (const std::string& refused : report.refused) out.add_refused(refused);
   return out;
 }
 
@@ -292,6 +293,7 @@ RestoreReport FromProto(const v1::ReportRestoreRequest& request) {
   report.bytes_from_peers = request.bytes_from_peers();
   report.bytes = request.bytes();
   report.error = request.error();
+  report.refused.assign(request.refused().begin(), request.refused().end());
   return report;
 }
 
@@ -309,6 +311,7 @@ v1::ReportCheckpointShardRequest ToProto(const ShardReport& report) {
   out.set_pause_ms(report.pause_ms);
   out.set_write_ms(report.write_ms);
   out.set_error(report.error);
+  out.set_skipped(report.skipped);
   out.set_optimizer_step(report.counters.optimizer_step);
   out.set_loss_scale(report.counters.loss_scale);
   out.set_loss_scale_growth_tracker(report.counters.loss_scale_growth_tracker);
@@ -331,6 +334,7 @@ ShardReport FromProto(const v1::ReportCheckpointShardRequest& request) {
   report.pause_ms = request.pause_ms();
   report.write_ms = request.write_ms();
   report.error = request.error();
+  report.skipped = request.skipped();
   report.counters = TrainingCounters{request.optimizer_step(), request.loss_scale(),
                                      request.loss_scale_growth_tracker()};
   report.state = FromProto(request.state());
@@ -366,6 +370,71 @@ absl::StatusOr<JoinParams> FromProto(const v1::JoinRequest& request) {
   return params;
 }
 
+namespace {
+
+v1::LinkFailure ToProto(LinkFailure how) {
+  switch (how) {
+    case LinkFailure::kConnect: return v1::LINK_FAILURE_CONNECT;
+    case LinkFailure::kSend: return v1::LINK_FAILURE_SEND;
+    case LinkFailure::kReceive: return v1::LINK_FAILURE_RECEIVE;
+  }
+  return v1::LINK_FAILURE_UNSPECIFIED;
+}
+
+// UNSPECIFIED reads as a failed connect: the one kind that is always a link's fault.
+LinkFailure FromProto(v1::LinkFailure how) {
+  switch (how) {
+    case v1::LINK_FAILURE_SEND: return LinkFailure::kSend;
+    case v1::LINK_FAILURE_RECEIVE: return LinkFailure::kReceive;
+    default: return LinkFailure::kConnect;
+  }
+}
+
+}  // namespace
+
+v1::PeerProbe ToProto(const PeerProbe& probe) {
+  v1::PeerProbe out;
+  out.set_worker_id(probe.worker_id);
+  out.set_address(probe.address);
+  out.set_reachable(probe.reachable);
+  out.set_detail(probe.detail);
+  return out;
+}
+
+PeerProbe FromProto(const v1::PeerProbe& probe) {
+  return PeerProbe{probe.worker_id(), probe.address(), probe.reachable(), probe.detail()};
+}
+
+v1::ReportSelfCheckRequest ToProto(const SelfCheckReport& report) {
+  v1::ReportSelfCheckRequest out;
+  out.set_worker_id(report.worker_id);
+  out.set_incarnation(report.incarnation);
+  out.set_generation(report.generation);
+  out.set_passed(report.passed);
+  out.set_detail(report.detail);
+  for (const PeerFault& fault : report.unreachable) {
+    v1::PeerFault* entry = out.add_unreachable();
+    entry->set_peer_rank(fault.peer_rank);
+    entry->set_how(ToProto(fault.how));
+    entry->set_detail(fault.detail);
+  }
+  return out;
+}
+
+SelfCheckReport FromProto(const v1::ReportSelfCheckRequest& request) {
+  SelfCheckReport report;
+  report.worker_id = request.worker_id();
+  report.incarnation = request.incarnation();
+  report.generation = request.generation();
+  report.passed = request.passed();
+  report.detail = request.detail();
+  for (const v1::PeerFault& fault : request.unreachable()) {
+    report.unreachable.push_back(PeerFault{fault.peer_rank(), FromProto(fault.how()),
+                                           fault.detail()});
+  }
+  return report;
+}
+
 v1::HeartbeatRequest ToProto(const HeartbeatParams& params) {
   v1::HeartbeatRequest out;
   out.set_worker_id(params.worker_id);
@@ -381,6 +450,7 @@ v1::HeartbeatRequest ToProto(const HeartbeatParams& params) {
     activity->set_since_step_ms(absl::ToInt64Milliseconds(params.activity.since_step));
     activity->set_waiting_ms(absl::ToInt64Milliseconds(params.activity.waiting));
   }
+  for (const PeerProbe& probe : params.probed) *out.add_probed() = ToProto(probe);
   return out;
 }
 
@@ -400,6 +470,7 @@ HeartbeatParams FromProto(const v1::HeartbeatRequest& request) {
     params.activity.waiting =
         absl::Milliseconds(std::max<int64_t>(0, request.activity().waiting_ms()));
   }
+  for (const v1::PeerProbe& probe : request.probed()) params.probed.push_back(FromProto(probe));
   return params;
 }
 
@@ -452,6 +523,7 @@ v1::WorkerStatus ToProto(const WorkerSnapshot& worker) {
   out.set_last_heartbeat_ms_ago(absl::ToInt64Milliseconds(worker.since_heartbeat));
   *out.mutable_self_check() = ToProto(worker.self_check);
   out.set_joined_generation(worker.joined_generation);
+  out.set_unreachable(worker.unreachable);
   return out;
 }
 
@@ -466,6 +538,7 @@ WorkerSnapshot FromProto(const v1::WorkerStatus& status) {
   worker.since_heartbeat = absl::Milliseconds(status.last_heartbeat_ms_ago());
   worker.self_check = FromProto(status.self_check());
   worker.joined_generation = status.joined_generation();
+  worker.unreachable = status.unreachable();
   return worker;
 }
 
@@ -492,6 +565,14 @@ v1::TrainingProgress ToProto(const TrainingProgress& progress) {
   if (progress.replica_lag.has_value()) {
     out.set_replica_lag_ms(absl::ToInt64Milliseconds(*progress.replica_lag));
   }
+  out.set_checkpoint_failures(progress.checkpoint_failures);
+  out.set_last_checkpoint_failure(progress.last_checkpoint_failure);
+  if (progress.last_checkpoint_failure_age.has_value()) {
+    out.set_last_checkpoint_failure_age_ms(
+        absl::ToInt64Milliseconds(*progress.last_checkpoint_failure_age));
+  }
+  out.set_checkpoints_skipped(progress.checkpoints_skipped);
+  out.set_last_checkpoint_skip(progress.last_checkpoint_skip);
   return out;
 }
 
@@ -516,6 +597,13 @@ TrainingProgress FromProto(const v1::TrainingProgress& progress) {
   out.last_snapshot_copies = progress.last_snapshot_copies();
   out.replica_lag_steps = progress.replica_lag_steps();
   if (progress.has_replica_lag_ms()) out.replica_lag = absl::Milliseconds(progress.replica_lag_ms());
+  out.checkpoint_failures = progress.checkpoint_failures();
+  out.last_checkpoint_failure = progress.last_checkpoint_failure();
+  if (progress.has_last_checkpoint_failure_age_ms()) {
+    out.last_checkpoint_failure_age = absl::Milliseconds(progress.last_checkpoint_failure_age_ms());
+  }
+  out.checkpoints_skipped = progress.checkpoints_skipped();
+  out.last_checkpoint_skip = progress.last_checkpoint_skip();
   return out;
 }
 

@@ -55,6 +55,12 @@ ShardReport FromProto(const v1::ReportCheckpointShardRequest& request);
 v1::JoinRequest ToProto(const JoinParams& params);
 absl::StatusOr<JoinParams> FromProto(const v1::JoinRequest& request);
 
+v1::PeerProbe ToProto(const PeerProbe& probe);
+PeerProbe FromProto(const v1::PeerProbe& probe);
+
+v1::ReportSelfCheckRequest ToProto(const SelfCheckReport& report);
+SelfCheckReport FromProto(const v1::ReportSelfCheckRequest& request);
+
 v1::HeartbeatRequest ToProto(const HeartbeatParams& params);
 HeartbeatParams FromProto(const v1::HeartbeatRequest& request);
 

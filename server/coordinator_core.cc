@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/progress_lease.h"
 #include "common/status_macros.h"
@@ -210,11 +211,11 @@ void CoordinatorCore::Heartbeat(const HeartbeatParams& params, absl::Time now,
       });
 }
 
-void CoordinatorCore::ReportSelfCheck(const std::string& worker_id, uint64_t incarnation,
-                                      int64_t generation, bool passed, const std::string& detail,
-                                      absl::Time now, Callback<absl::Status> done) {
+void CoordinatorCore::ReportSelfCheck(const SelfCheckReport& report, absl::Time now,
+                                      Callback<absl::Status> done) {
   absl::Status reported =
-      world_->ReportSelfCheck(worker_id, incarnation, generation, passed, detail, now);
+      world_->ReportSelfCheck(report.worker_id, report.incarnation, report.generation,
+                              report.passed, report.detail, now, report.unreachable);
   Acknowledge([done = std::move(done), reported] { done(reported); });
 }
 
@@ -280,7 +281,12 @@ absl::StatusOr<bool> CoordinatorCore::ReportCheckpointShard(ShardReport report, 
   }
   report.rank = member.rank;
   report.record.rank = member.rank;
-  return checkpoints->ReportShard(report, *plan, now);
+  absl::StatusOr<bool> committed = checkpoints->ReportShard(report, *plan, now);
+  // Failed, skipped and recovered saves go into the history.
+  for (CheckpointNotice& notice : checkpoints->TakeNotices()) {
+    world_->RecordEvent(notice.kind, "", -1, std::move(notice.detail), now);
+  }
+  return committed;
 }
 
 absl::Status CoordinatorCore::ReportSnapshot(const SnapshotReport& report, absl::Time now) {
@@ -352,7 +358,9 @@ absl::Status CoordinatorCore::ReportRestore(const RestoreReport& report, absl::T
                         absl::StrCat("rank ", member.rank, " could not restore ",
                                      report.in_memory ? "memory snapshot " : "checkpoint ",
                                      report.checkpoint_id, ": ", report.error,
-                                     report.in_memory ? "; it is not used again" : ""),
+                                     report.in_memory ? "; it is not used again" : "",
+                                     report.refused.empty() ? "" : "; ",
+                                     absl::StrJoin(report.refused, "; ")),
                         now);
     return absl::OkStatus();
   }
@@ -374,7 +382,8 @@ absl::Status CoordinatorCore::ReportRestore(const RestoreReport& report, absl::T
                        ? absl::StrCat("memory (", summary->bytes_from_peers, " of ",
                                       summary->bytes, " bytes from peers)")
                        : std::string("disk"),
-                   "; ", summary->steps_lost, " steps lost"),
+                   "; ", summary->steps_lost, " steps lost",
+                   summary->refused.empty() ? "" : "; ", absl::StrJoin(summary->refused, "; ")),
       now);
   // Workers that stayed only to serve this restore may leave now.
   world_->WakeWatches();
@@ -424,6 +433,16 @@ TrainingProgress CoordinatorCore::Progress(absl::Time now) const {
       progress.last_checkpoint_step = latest->step();
       progress.last_checkpoint_age = now - absl::FromUnixMillis(latest->committed_unix_ms());
     }
+    const SaveHealth health = checkpoints_->health();
+    progress.checkpoint_failures = health.failures;
+    if (health.failures > 0) {
+      progress.last_checkpoint_failure = health.last_failure;
+      if (health.last_failure_at.has_value()) {
+        progress.last_checkpoint_failure_age = now - *health.last_failure_at;
+      }
+    }
+    progress.checkpoints_skipped = health.skipped;
+    if (health.skipped > 0) progress.last_checkpoint_skip = health.last_skip;
   }
   const ProgressMeter meter = plan_->progress();
   if (meter.has_step()) {

@@ -82,8 +82,7 @@ class CoordinatorCore {
   void Join(const JoinParams& params, absl::Time now, Callback<absl::StatusOr<JoinReply>> done);
   void Heartbeat(const HeartbeatParams& params, absl::Time now,
                  Callback<absl::StatusOr<HeartbeatReply>> done);
-  void ReportSelfCheck(const std::string& worker_id, uint64_t incarnation, int64_t generation,
-                       bool passed, const std::string& detail, absl::Time now,
+  void ReportSelfCheck(const SelfCheckReport& report, absl::Time now,
                        Callback<absl::Status> done);
   void Leave(const std::string& worker_id, uint64_t incarnation, const std::string& reason,
              absl::Time now, Callback<absl::Status> done);

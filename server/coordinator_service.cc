@@ -78,6 +78,9 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Heartbeat(grpc::CallbackServer
                                                                ? v1::ORDER_KIND_STOP
                                                                : v1::ORDER_KIND_CONTINUE);
                        response->mutable_order()->set_reason(reply->outcome.stop_reason);
+                       for (const PeerProbe& probe : reply->outcome.probe) {
+                         *response->add_probe() = ToProto(probe);
+                       }
                        SetOrders(reply->orders, response);
                        *response->mutable_start() = ToProto(reply->start);
                      }
@@ -90,8 +93,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportSelfCheck(
     grpc::CallbackServerContext* context, const v1::ReportSelfCheckRequest* request,
     v1::ReportSelfCheckResponse* /*response*/) {
   const Pending pending = Later(context);
-  core_->ReportSelfCheck(request->worker_id(), request->incarnation(), request->generation(),
-                         request->passed(), request->detail(), clock_(),
+  core_->ReportSelfCheck(FromProto(*request), clock_(),
                          [pending](absl::Status status) { pending.Finish(status); });
   return pending.reactor;
 }

@@ -52,7 +52,7 @@ absl::Status ValidateJoinDescription(const JoinParams& params) {
 // Gives free ranks to standbys, oldest first; returns how many it placed.
 int PromoteStandbys(Membership& membership, absl::Time now, Change* change) {
   int placed = 0;
-  for (const Member* standby : membership.Standbys()) {
+  for (const Member* standby : membership.ReadyStandbys()) {
     const std::optional<int> rank = membership.LowestFreeRank();
     if (!rank.has_value()) break;
     Member& member = *membership.Mutable(standby->id);
@@ -144,6 +144,14 @@ std::vector<const Member*> Membership::Standbys() const {
   std::vector<const Member*> standbys;
   for (const auto& [since, id] : standby_order_) standbys.push_back(&members_.at(id));
   return standbys;
+}
+
+std::vector<const Member*> Membership::ReadyStandbys() const {
+  std::vector<const Member*> ready;
+  for (const Member* standby : Standbys()) {
+    if (standby->unreachable.empty()) ready.push_back(standby);
+  }
+  return ready;
 }
 
 int Membership::draining() const {
@@ -456,6 +464,8 @@ absl::StatusOr<int> Join(Membership& membership, const MembershipRules& rules,
     }
   } else if (live && existing->role == Role::kActive) {
     rank = existing->rank;
+  } else if (existing != nullptr && !existing->unreachable.empty()) {
+    rank = -1;  // isolated: it waits as a standby until its probe passes (reachability.h)
   } else if (existing != nullptr && existing->last_rank >= 0 && existing->last_rank < ranks &&
              membership.holder(existing->last_rank).empty()) {
     rank = existing->last_rank;
@@ -484,6 +494,7 @@ absl::StatusOr<int> Join(Membership& membership, const MembershipRules& rules,
   member.detail.clear();
   member.done_generation = 0;
   member.paused_generation = 0;
+  member.probe_address = params.snapshot_address;
   const std::string where = absl::StrCat("host ", params.host, ", device ", params.device);
   if (rank >= 0) {
     // A new process behind a rank: peers that connected at this generation must reconnect.

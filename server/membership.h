@@ -21,6 +21,9 @@
 // - A worker silent for longer than the lease is dead. A freed rank goes to a standby at once;
 //   else the job waits `reform_grace` for a replacement, then re-forms with the survivors
 //   (reshape.h) if at least `min_world_size` remain at an allowed size.
+// - A rank that cannot reach a peer says so; once a connect fails, the world re-forms with
+//   members that reach one another and the others wait as isolated standbys, which take no rank
+//   until a probe to every member passes (reachability.h).
 #pragma once
 
 #include <cstdint>
@@ -81,6 +84,19 @@ struct Member {
   TrainingActivity activity;
   absl::Time activity_at;
   bool evicted = false;  // departed because it made no progress: this process may not return
+  // Isolated: peers could not connect to it, so it takes no rank until a connectivity probe to
+  // every member passes; says which links failed ("": not isolated). Kept across a rejoin.
+  std::string unreachable;
+  std::string probe_address;  // host:port that peers' connect probes reach (its snapshot server)
+};
+
+// A link a rank reported broken: `from` could not reach `to`.
+struct BrokenLink {
+  std::string from;
+  std::string to;
+  LinkFailure how = LinkFailure::kConnect;
+  int64_t generation = 0;  // of the world in which it failed
+  std::string detail;
 };
 
 // What one rule did: the events to record and whether the generation ends.
@@ -117,6 +133,8 @@ class Membership {
   std::vector<int> FreeRanks() const;
   // Standbys in the order they arrived.
   std::vector<const Member*> Standbys() const;
+  // Those of them that may take a rank: all but the isolated (Member::unreachable).
+  std::vector<const Member*> ReadyStandbys() const;
   int draining() const;
   // Names of up to 8 holders, for messages.
   std::string HolderNames() const;
@@ -150,6 +168,9 @@ class Membership {
   // The world of the current generation has been RUNNING: workers may have connected at it,
   // so a change of hands must end the generation.
   bool ran = false;
+  // The links members reported broken since the world last connected in full, by (from, to)
+  // (reachability.h; not recorded: a restarted coordinator learns them again).
+  std::map<std::pair<std::string, std::string>, BrokenLink> broken_links;
 
  private:
   void SetRole(Member& member, Role role);

@@ -34,6 +34,8 @@ v1::MemberRecord MemberToProto(const Member& member) {
   record.set_draining(member.draining);
   if (member.role == Role::kLeaving) record.set_leave_reason(member.detail);
   record.set_done_generation(member.done_generation);
+  record.set_unreachable(member.unreachable);
+  record.set_probe_address(member.probe_address);
   return record;
 }
 
@@ -155,6 +157,8 @@ Membership RestoreMembership(const v1::CoordinatorState& record, int default_tar
     member.capabilities.assign(saved.capabilities().begin(), saved.capabilities().end());
     member.joined_generation = saved.joined_generation();
     member.done_generation = saved.done_generation();
+    member.unreachable = saved.unreachable();
+    member.probe_address = saved.probe_address();
     member.last_heartbeat = heartbeat;
     const int rank = saved.rank();
     if (saved.role() == v1::MEMBER_ROLE_ACTIVE && rank >= 0 && rank < membership.ranks() &&

@@ -42,7 +42,7 @@ std::optional<Reshape> PendingReshape(const Membership& membership, const Member
     remaining.pop_back();
     ++resized_out;
   }
-  const std::vector<const Member*> standbys = membership.Standbys();
+  const std::vector<const Member*> standbys = membership.ReadyStandbys();
   int promote = std::min<int>(membership.target - static_cast<int>(remaining.size()),
                               static_cast<int>(standbys.size()));
   while (promote > 0 && !rules.Allowed(static_cast<int>(remaining.size()) + promote)) --promote;

@@ -35,6 +35,8 @@ struct HeartbeatOutcome {
   int rank = -1;      // -1 for a standby
   bool stop = false;  // the job stops, or this worker was taken out: leave
   std::string stop_reason;
+  // An isolated standby: the members to connect to, reported in the next heartbeat.
+  std::vector<PeerProbe> probe;
 };
 using HeartbeatCallback = std::function<void(absl::StatusOr<HeartbeatOutcome>)>;
 

@@ -9,6 +9,7 @@
 #include "common/logging.h"
 #include "common/names.h"
 #include "common/status_macros.h"
+#include "server/reachability.h"
 #include "server/reshape.h"
 #include "spdlog/spdlog.h"
 
@@ -325,6 +326,9 @@ absl::StatusOr<HeartbeatOutcome> WorldManager::OutcomeLocked(const std::string& 
   HeartbeatOutcome outcome;
   outcome.world = world;
   outcome.rank = member->rank;
+  if (member->role == Role::kStandby && !member->unreachable.empty()) {
+    outcome.probe = ProbeTargets(membership_, worker_id);
+  }
   if (HeldLocked(*member)) {
     // Not yet: the new world still reads state this worker holds.
   } else if (member->role == Role::kLeaving) {
@@ -436,6 +440,13 @@ absl::StatusOr<HeartbeatOutcome> WorldManager::Heartbeat(const std::string& work
 
 void WorldManager::WatchHeartbeat(const HeartbeatParams& params, absl::Time now,
                                   HeartbeatCallback done) {
+  if (!params.probed.empty()) {
+    Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (!LiveLocked(params.worker_id, params.incarnation)) return false;
+      NoteProbe(membership_, params.worker_id, params.probed, now, change);
+      return true;
+    });
+  }
   absl::StatusOr<HeartbeatOutcome> outcome;
   Answers answers;
   {
@@ -532,7 +543,8 @@ absl::StatusOr<JoinOutcome> WorldManager::Join(const JoinParams& params, absl::T
 
 absl::Status WorldManager::ReportSelfCheck(const std::string& worker_id, uint64_t incarnation,
                                            int64_t generation, bool passed,
-                                           const std::string& detail, absl::Time now) {
+                                           const std::string& detail, absl::Time now,
+                                           const std::vector<PeerFault>& unreachable) {
   return Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     SHARD_ASSIGN_OR_RETURN(shard::Member * member, GenerationMemberLocked(worker_id, incarnation));
     if (generation != generation_) {
@@ -550,6 +562,8 @@ absl::Status WorldManager::ReportSelfCheck(const std::string& worker_id, uint64_
       // next one (after a death, only once the lease says who is gone).
       if (member->role == Role::kActive && WorldLocked().state == JobState::kRunning &&
           !membership_.stop_requested) {
+        RecordUnreachable(membership_, worker_id, generation, unreachable, now, change);
+        if (IsolateUnreachable(membership_, rules_, now, change)) return absl::OkStatus();
         change->bump = true;
         change->events.push_back(MakeEvent(
             v1::MEMBERSHIP_EVENT_KIND_REFORMED, worker_id, member->rank,
@@ -571,6 +585,7 @@ absl::Status WorldManager::ReportSelfCheck(const std::string& worker_id, uint64_
       }
     }
     membership_.connected_generation = generation;
+    ForgetBrokenLinks(membership_);
     return absl::OkStatus();
   });
 }
@@ -787,6 +802,7 @@ StatusSnapshot WorldManager::Status(absl::Time now) const {
                        ? member->self_check
                        : SelfCheckRecord{SelfCheckState::kPending, generation_, ""};
     w.joined_generation = member->joined_generation;
+    w.unreachable = member->unreachable;
     switch (member->role) {
       case Role::kDeparted: w.state = member->departed_state; break;
       case Role::kStandby: w.state = WorkerState::kStandby; break;

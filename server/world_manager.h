@@ -117,9 +117,11 @@ class WorldManager {
   void CloseWatches(const absl::Status& reason);
   // A check of the current generation; a failed one (a rank could not use the data path) ends
   // the generation of a running world, so that every rank reconnects at the next.
+  // `unreachable`: the peers it could not reach (server/reachability.h): a failed connect
+  // re-forms the world with members that reach one another.
   absl::Status ReportSelfCheck(const std::string& worker_id, uint64_t incarnation,
                                int64_t generation, bool passed, const std::string& detail,
-                               absl::Time now);
+                               absl::Time now, const std::vector<PeerFault>& unreachable = {});
   absl::Status Leave(const std::string& worker_id, uint64_t incarnation,
                      const std::string& reason, absl::Time now);
   // The member finished training; once every member of the generation has, the job is

@@ -1,6 +1,7 @@
 #include "worker/agent.h"
 
 #include <algorithm>
+#include <future>
 #include <random>
 #include <thread>
 
@@ -46,7 +47,8 @@ WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClien
     : options_(std::move(options)),
       client_(std::move(client)),
       data_path_(std::move(data_path)),
-      incarnation_(RandomIncarnation()) {}
+      incarnation_(RandomIncarnation()),
+      probe_timeout_(options_.connect_probe_timeout) {}
 
 void WorkerAgent::RequestStop(const std::string& reason) {
   absl::MutexLock lock(&mu_);
@@ -114,10 +116,13 @@ absl::Status WorkerAgent::JoinWithRetry() {
   const absl::Time give_up = absl::Now() + options_.coordinator_timeout;
   absl::Duration backoff = absl::Milliseconds(100);
   while (true) {
+    const absl::Time sent_at = absl::Now();
     absl::StatusOr<v1::JoinResponse> joined = client_->Join(request);
     absl::MutexLock lock(&mu_);
     if (joined.ok()) {
       heartbeat_interval_ = absl::Milliseconds(joined->heartbeat_interval_ms());
+      lease_ = absl::Milliseconds(joined->lease_ms());
+      NoteContact(sent_at);
       if (joined->has_job_spec() && !job_.has_value()) {
         absl::StatusOr<JobConfig> job = JobConfigFromProto(joined->job_spec(), "");
         if (!job.ok()) {
@@ -169,6 +174,9 @@ void WorkerAgent::HeartbeatLoop() {
   absl::Time last_contact = absl::Now();
   absl::Duration pause = absl::ZeroDuration();
   absl::Duration backoff = absl::ZeroDuration();  // grows while the coordinator is unreachable
+  // An isolated standby's probe runs beside the heartbeats (it may take longer than a lease);
+  // its results go with the first heartbeat after it finished.
+  std::future<std::vector<PeerProbe>> probing;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -182,13 +190,24 @@ void WorkerAgent::HeartbeatLoop() {
       pause = std::max(heartbeat_interval_, backoff);
     }
     params.activity = activity_.Read();
+    params.probed.clear();
+    if (probing.valid() &&
+        probing.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      params.probed = probing.get();
+    }
     ReportAllHeldIfNeeded();
+    const absl::Time sent_at = absl::Now();
     absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(ToProto(params));
     if (beat.ok()) {
       pause = absl::ZeroDuration();
       backoff = absl::ZeroDuration();
       last_contact = absl::Now();
+      if (beat->probe_size() > 0 && !probing.valid()) {
+        probing = std::async(std::launch::async,
+                             [this, reply = *beat] { return ProbeMembers(reply); });
+      }
       absl::MutexLock lock(&mu_);
+      NoteContact(sent_at);
       UpdateWorld(beat->world(), beat->rank());
       orders_ = OrdersOf(*beat);
       start_ = beat->start();
@@ -260,6 +279,7 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
     rendezvous_ = rendezvous;
     rendezvous_generation_ = world.generation;
     paused_generation_ = 0;  // a new generation: whatever paused before is over
+    link_faults_.clear();
     if (world_.generation != world.generation) rendezvous_->Cancel();  // ended already
   }
   spdlog::info("connecting the data path: rank {} of {} on {} over {} (peers reach {})",
@@ -276,6 +296,7 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
   const auto host_key = [](int rank) { return absl::StrCat("host/", rank); };
   const auto snapshot_key = [](int rank) { return absl::StrCat("snapshot/", rank); };
   SHARD_RETURN_IF_ERROR(rendezvous->Set(host_key(world.rank), options_.host));
+  SHARD_RETURN_IF_ERROR(ProbePeers(world, *rendezvous));
   if (snapshots) {
     SHARD_RETURN_IF_ERROR(
         rendezvous->Set(snapshot_key(world.rank), snapshot_server_->address()));
@@ -459,6 +480,8 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     report.duration = took;
     report.bytes = read_stats.bytes;
     report.bytes_from_peers = read_stats.bytes_from_peers;
+    report.refused = read_stats.refusals();
+    for (const std::string& refused : report.refused) spdlog::warn("{}", refused);
     const bool cut_short = absl::IsCancelled(restored) || absl::IsAborted(restored);
     if (!restored.ok() && !cut_short) report.error = std::string(restored.message());
     if (!cut_short) {
@@ -524,7 +547,11 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     report.write_ms = saved.write_ms;
     report.counters = saved.counters;
     report.state = saved.state;
-    if (saved.record.ok()) {
+    report.skipped = saved.skipped;
+    if (!saved.skipped.empty()) {
+      report.error = saved.skipped;
+      spdlog::warn("{}", saved.skipped);
+    } else if (saved.record.ok()) {
       report.record = *saved.record;
       if (rank == 0) {
         spdlog::info("checkpoint {} (step {}): shard written in {:.1f} ms, training paused "
@@ -700,10 +727,12 @@ bool WorkerAgent::GenerationStillMine(int64_t generation) {
       if (stop_ || !fatal_.ok()) return true;  // the process ends either way
       params.paused_generation = paused_generation_;
     }
+    const absl::Time sent_at = absl::Now();
     absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(ToProto(params));
     if (absl::IsNotFound(beat.status())) return false;  // declared dead: the heartbeat rejoins
     if (beat.ok()) {
       absl::MutexLock lock(&mu_);
+      NoteContact(sent_at);
       UpdateWorld(beat->world(), beat->rank());
       return world_.generation == generation;
     }
@@ -722,16 +751,132 @@ void WorkerAgent::ReportGenerationFailed(const WorldSnapshot& world, const absl:
   }
   spdlog::warn("the data path of generation {} failed: asking the coordinator for the next",
                world.generation);
-  v1::ReportSelfCheckRequest report;
-  report.set_worker_id(options_.worker_id);
-  report.set_incarnation(incarnation_);
-  report.set_generation(world.generation);
-  report.set_passed(false);
-  report.set_detail(std::string(why.message()));
-  if (absl::Status sent = client_->ReportSelfCheck(report); !sent.ok()) {
+  SelfCheckReport report;
+  report.worker_id = options_.worker_id;
+  report.incarnation = incarnation_;
+  report.generation = world.generation;
+  report.detail = std::string(why.message());
+  {
+    absl::MutexLock lock(&mu_);
+    report.unreachable = link_faults_;
+    if (communicator_ != nullptr && communicator_generation_ == world.generation) {
+      if (std::optional<PeerFault> fault = communicator_->peer_fault()) {
+        report.unreachable.push_back(*std::move(fault));
+      }
+    }
+  }
+  if (absl::Status sent = client_->ReportSelfCheck(ToProto(report)); !sent.ok()) {
     // The generation ended meanwhile, or the coordinator is away: its next answer tells.
     spdlog::info("could not report it: {}", sent.message());
   }
+}
+
+void WorkerAgent::NoteContact(absl::Time sent_at) {
+  last_contact_ = std::max(last_contact_, sent_at);
+  if (!cut_off_) return;
+  cut_off_ = false;
+  ++contact_epoch_;
+  spdlog::info("the coordinator answers again");
+}
+
+void WorkerAgent::CoordinatorLeaseWatch() {
+  absl::MutexLock lock(&mu_);
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !fatal_.ok(); };
+  while (!done()) {
+    if (cut_off_) {
+      auto back = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done() || !cut_off_; };
+      mu_.Await(absl::Condition(&back));
+      continue;
+    }
+    const absl::Time expires = last_contact_ + lease_;
+    if (absl::Now() < expires) {
+      mu_.AwaitWithDeadline(absl::Condition(&done), expires);
+      continue;  // contact may have been renewed meanwhile
+    }
+    cut_off_ = true;
+    const std::string why = absl::StrCat(
+        "the coordinator at ", client_->address(), " has not answered for its lease (",
+        absl::FormatDuration(lease_),
+        "): it counts this worker dead, so this rank stops training (nothing it trains now could "
+        "be committed) and rejoins once the coordinator answers");
+    spdlog::warn("{}", why);
+    generation_over_ = true;
+    if (communicator_ != nullptr) communicator_->Abort(why);
+    if (rendezvous_ != nullptr) rendezvous_->Cancel();
+  }
+}
+
+std::vector<ConnectProbe> WorkerAgent::Probe(const std::vector<std::string>& addresses) {
+  PeerCallOptions options;
+  {
+    absl::MutexLock lock(&mu_);
+    options.timeout = probe_timeout_;
+  }
+  options.cancel = &stop_requested_;
+  std::vector<ConnectProbe> probes = ProbeConnect(addresses, options);
+  absl::Duration slowest;
+  bool any = false;
+  for (const ConnectProbe& probe : probes) {
+    if (!probe.reachable) continue;
+    slowest = std::max(slowest, probe.took);
+    any = true;
+  }
+  if (any) {
+    absl::MutexLock lock(&mu_);
+    probe_timeout_ =
+        std::clamp(50 * slowest, absl::Seconds(1), options_.connect_probe_timeout);
+  }
+  return probes;
+}
+
+absl::Status WorkerAgent::ProbePeers(const WorldSnapshot& world, RendezvousClient& rendezvous) {
+  const auto probe_key = [](int rank) { return absl::StrCat("probe/", rank); };
+  SHARD_RETURN_IF_ERROR(rendezvous.Set(probe_key(world.rank), snapshot_server_->address()));
+  std::vector<std::string> keys;
+  for (int rank = 0; rank < world.world_size; ++rank) keys.push_back(probe_key(rank));
+  SHARD_RETURN_IF_ERROR(rendezvous.Wait(keys, options_.collective_timeout));
+  std::vector<std::string> addresses;
+  std::vector<int> ranks;
+  for (int rank = 0; rank < world.world_size; ++rank) {
+    if (rank == world.rank) continue;
+    SHARD_ASSIGN_OR_RETURN(std::string address, rendezvous.Get(probe_key(rank)));
+    addresses.push_back(std::move(address));
+    ranks.push_back(rank);
+  }
+  const std::vector<ConnectProbe> probes = Probe(addresses);
+  std::vector<PeerFault> faults;
+  std::vector<std::string> failed;
+  for (size_t i = 0; i < probes.size(); ++i) {
+    if (probes[i].reachable) continue;
+    faults.push_back(PeerFault{ranks[i], LinkFailure::kConnect, probes[i].detail});
+    failed.push_back(absl::StrCat("rank ", ranks[i], " (", probes[i].detail, ")"));
+  }
+  if (faults.empty()) return absl::OkStatus();
+  {
+    absl::MutexLock lock(&mu_);
+    if (world_.generation != world.generation) return absl::AbortedError("generation ended");
+    link_faults_ = std::move(faults);
+  }
+  return absl::UnavailableError(
+      absl::StrCat("cannot connect to ", absl::StrJoin(failed, ", "),
+                   " over the data path's network: the coordinator re-forms the world with "
+                   "workers that reach one another"));
+}
+
+std::vector<PeerProbe> WorkerAgent::ProbeMembers(const v1::HeartbeatResponse& reply) {
+  std::vector<std::string> addresses;
+  for (const v1::PeerProbe& target : reply.probe()) addresses.push_back(target.address());
+  const std::vector<ConnectProbe> probes = Probe(addresses);
+  std::vector<PeerProbe> probed;
+  int reached = 0;
+  for (int i = 0; i < reply.probe_size(); ++i) {
+    probed.push_back(PeerProbe{reply.probe(i).worker_id(), reply.probe(i).address(),
+                               probes[i].reachable, probes[i].detail});
+    reached += probes[i].reachable ? 1 : 0;
+  }
+  spdlog::info("isolated standby: reached {} of the {} members of the world", reached,
+               probed.size());
+  return probed;
 }
 
 absl::Status WorkerAgent::Run() {
@@ -763,6 +908,7 @@ absl::Status WorkerAgent::Run() {
     }
   }
   std::thread heartbeat([this] { HeartbeatLoop(); });
+  std::thread lease_watch([this] { CoordinatorLeaseWatch(); });
   int64_t attempted_generation = 0;
   while (true) {
     WorldSnapshot target;
@@ -786,12 +932,27 @@ absl::Status WorkerAgent::Run() {
       // thread gives up on a lost coordinator after --coordinator-timeout).
       spdlog::info("generation {} ended for this worker ({}); waiting for the next generation",
                    target.generation, connected.message());
+      int64_t epoch = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        epoch = contact_epoch_;
+      }
       ReportGenerationFailed(target, connected);
       absl::MutexLock lock(&mu_);
-      auto moved_on = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || !fatal_.ok() || world_.generation != target.generation;
-      };
-      mu_.Await(absl::Condition(&moved_on));
+      while (true) {
+        // Back in touch after the coordinator was silent for a lease (training stopped) while
+        // it still runs that generation (it restarted and kept it, say): tell it again.
+        auto moved_on = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stop_ || !fatal_.ok() || world_.generation != target.generation ||
+                 contact_epoch_ != epoch;
+        };
+        mu_.Await(absl::Condition(&moved_on));
+        if (stop_ || !fatal_.ok() || world_.generation != target.generation) break;
+        epoch = contact_epoch_;
+        mu_.Unlock();
+        ReportGenerationFailed(target, connected);
+        mu_.Lock();
+      }
       if (stop_ || !fatal_.ok()) break;
       continue;
     }
@@ -817,6 +978,7 @@ absl::Status WorkerAgent::Run() {
     if (communicator_ != nullptr) communicator_->Abort("worker exiting");
   }
   heartbeat.join();
+  lease_watch.join();
   Leave();
   return result;
 }

@@ -40,6 +40,11 @@ struct WorkerOptions {
   // from the measured step times (20 x p99), whose floor is collective_timeout_floor.
   absl::Duration collective_timeout = absl::Seconds(60);
   absl::Duration collective_timeout_floor = absl::Seconds(30);
+  // The most a connect probe to a peer may take (at rendezvous, every rank probes every peer
+  // before its data path connects; an isolated standby probes the world's members). The
+  // deadline is derived from the connect times measured: 50 x the slowest, at least 1s and at
+  // most this.
+  absl::Duration connect_probe_timeout = absl::Seconds(5);
   size_t self_check_elements = 1 << 16;
   // Without a training job from the coordinator: a parameter manifest to plan for. No model
   // runs, so the gradient order reported after the "first iteration" is that of a sequential
@@ -100,9 +105,23 @@ class WorkerAgent {
   // Reads the memory restore point of `generation` from its holders.
   absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenMemoryRestore(int64_t generation,
                                                                       SnapshotReadStats* stats);
-  // Tells the coordinator that the data path of `world`'s generation failed with `why`, so that
-  // it ends the generation (a failed self-check does); nothing if it is over already.
+  // Tells the coordinator that the data path of `world`'s generation failed with `why`, and the
+  // peers this rank could not reach, so that it ends the generation (a failed self-check does);
+  // nothing if it is over already.
   void ReportGenerationFailed(const WorldSnapshot& world, const absl::Status& why);
+  // Probes every peer of `world` (their addresses from the rendezvous store) before the data
+  // path connects: Unavailable, with the peers it could not reach in link_faults_, if any.
+  absl::Status ProbePeers(const WorldSnapshot& world, RendezvousClient& rendezvous);
+  // Connects to `addresses` within the derived probe deadline, which it updates.
+  std::vector<ConnectProbe> Probe(const std::vector<std::string>& addresses);
+  // An isolated standby's probe of the members its last heartbeat reply named.
+  std::vector<PeerProbe> ProbeMembers(const v1::HeartbeatResponse& reply);
+  // The coordinator answered a call sent at `sent_at`: the lease runs from there.
+  void NoteContact(absl::Time sent_at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stops training once the coordinator has not answered for a lease: by then it counts this
+  // worker dead (if it is there at all), so whatever this rank trains can never be committed,
+  // and a world that replaced it may be training already.
+  void CoordinatorLeaseWatch();
   // Whether `generation` is still this worker's, asked of the coordinator now (a heartbeat that
   // does not wait): right after a long SIGSTOP the heartbeat thread may not have heard yet that
   // the worker was declared dead and the world moved on. While the coordinator does not answer
@@ -120,6 +139,15 @@ class WorkerAgent {
   absl::Mutex mu_;
   WorldSnapshot world_ ABSL_GUARDED_BY(mu_);
   absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(1);
+  absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(10);  // the coordinator's
+  // When the last call the coordinator answered was sent; whether it has been silent for a
+  // lease since (training stopped), and how many times it came back after that.
+  absl::Time last_contact_ ABSL_GUARDED_BY(mu_);
+  bool cut_off_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t contact_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  // The peers this rank could not connect to at the generation it connects (its probe).
+  std::vector<PeerFault> link_faults_ ABSL_GUARDED_BY(mu_);
+  absl::Duration probe_timeout_ ABSL_GUARDED_BY(mu_);  // derived from measured connect times
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::string stop_reason_ ABSL_GUARDED_BY(mu_);
   absl::Status fatal_ ABSL_GUARDED_BY(mu_);

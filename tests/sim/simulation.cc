@@ -765,7 +765,7 @@ void Simulation::OnConnected(int index) {
       index,
       [this, id, incarnation, generation, index, failed](CoordinatorCore& core, Deliver deliver) {
         core.ReportSelfCheck(
-            id, incarnation, generation, true, "simulated", now_,
+            SelfCheckReport{id, incarnation, generation, true, "simulated", {}}, now_,
             [this, deliver, id, incarnation, generation, index, failed](absl::Status checked) {
               if (!checked.ok()) {
                 deliver([failed, checked](Worker& w) { failed(w, checked); });
@@ -1319,7 +1319,7 @@ void Simulation::FailSession(int index, const absl::Status& status) {
   Call(
       index,
       [this, id, incarnation, generation, detail](CoordinatorCore& core, Deliver deliver) {
-        core.ReportSelfCheck(id, incarnation, generation, false, detail, now_,
+        core.ReportSelfCheck(SelfCheckReport{id, incarnation, generation, false, detail, {}}, now_,
                              [deliver](absl::Status) { deliver([](Worker&) {}); });
       },
       [](Worker&) {});

@@ -8,11 +8,13 @@
 #pragma once
 
 #include <cstddef>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/control_types.h"
 #include "common/dtype.h"
 
 namespace shard {
@@ -57,6 +59,11 @@ class Communicator {
   // Thread-safe and idempotent; `reason` is carried in the errors that follow.
   virtual void Abort(absl::string_view reason) = 0;
   virtual bool aborted() const = 0;
+
+  // The peer whose link failed a collective, and how (a send or receive that timed out, or a
+  // connection the kernel gave up on), once one did; none where no link failed or the backend
+  // cannot tell. The worker reports it to the coordinator (server/reachability.h).
+  virtual std::optional<PeerFault> peer_fault() const { return std::nullopt; }
 };
 
 }  // namespace shard

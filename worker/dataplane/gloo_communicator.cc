@@ -1,12 +1,19 @@
 #include "worker/dataplane/gloo_communicator.h"
 
+#include <dirent.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -220,6 +227,11 @@ class GlooCommunicator::Impl {
     return !abort_reason_.empty();
   }
 
+  std::optional<PeerFault> peer_fault() const {
+    absl::MutexLock lock(&mu_);
+    return peer_fault_;
+  }
+
  private:
   // The unbound buffers of one collective, registered so that Abort() can wake their waits.
   class Buffers {
@@ -265,15 +277,20 @@ class GlooCommunicator::Impl {
     return segments;
   }
 
+  // Every ring and chain here receives from the left neighbour and sends to the right one:
+  // the link a wait depends on is known while it waits.
   absl::Status WaitRecv(UnboundBuffer* buffer) {
+    waiting_on_ = {Left(), LinkFailure::kReceive, ""};
     if (!buffer->waitRecv(nullptr, ToChrono(Timeout()))) return AbortedStatus();
     return absl::OkStatus();
   }
 
   absl::Status WaitSend(UnboundBuffer* buffer) {
+    waiting_on_ = {Right(), LinkFailure::kSend, ""};
     if (!buffer->waitSend(nullptr, ToChrono(Timeout()))) return AbortedStatus();
     return absl::OkStatus();
   }
+
 
   absl::Status AbortedStatus() const {
     absl::MutexLock lock(&mu_);
@@ -508,15 +525,22 @@ class GlooCommunicator::Impl {
       status = fn();
     } catch (const gloo::IoException& e) {
       const std::string message = e.what();
+      // The kernel gave up on the connection (TCP_USER_TIMEOUT, keepalive) or has no route:
+      // the link failed, whatever the peer's process does. A reset or a closed connection is a
+      // peer that went away (or aborted), not a link.
+      const bool link_gave_up = absl::StrContains(message, "timed out") ||
+                                absl::StrContains(message, "No route to host");
       if (aborted()) {
         status = AbortedStatus();
       } else if (absl::StrContains(message, "Timed out") ||
                  absl::StrContains(message, "timeout")) {
         status = absl::DeadlineExceededError(absl::StrCat(
-            "a peer did not respond within ", absl::FormatDuration(Timeout()), ": ",
-            message));
+            "rank ", waiting_on_.peer_rank, " did not respond within ",
+            absl::FormatDuration(Timeout()), ": ", message));
+        NoteLinkFault(message);
       } else {
         status = absl::UnavailableError(absl::StrCat("connection to a peer failed: ", message));
+        if (link_gave_up) NoteLinkFault(message);
       }
     } catch (const std::exception& e) {
       // An abort that closes the connections under a collective can also surface as Gloo's
@@ -530,13 +554,22 @@ class GlooCommunicator::Impl {
     return status;
   }
 
+  void NoteLinkFault(const std::string& message) {
+    absl::MutexLock lock(&mu_);
+    if (!peer_fault_.has_value()) {
+      peer_fault_ = PeerFault{waiting_on_.peer_rank, waiting_on_.how, message};
+    }
+  }
+
   std::shared_ptr<gloo::Context> context_;
   const GlooOptions options_;
+  PeerFault waiting_on_;  // the link the collective in flight waits on (its thread only)
   std::atomic<int64_t> timeout_ms_;  // each wait of a collective: options_.timeout, then derived
   std::vector<char> scratch_[4];
   mutable absl::Mutex mu_;
   std::string abort_reason_ ABSL_GUARDED_BY(mu_);
   std::vector<UnboundBuffer*> in_flight_ ABSL_GUARDED_BY(mu_);
+  std::optional<PeerFault> peer_fault_ ABSL_GUARDED_BY(mu_);
 };
 
 namespace {
@@ -552,6 +585,70 @@ void IgnoreSigpipeUnlessHandled() {
       ::signal(SIGPIPE, SIG_IGN);
     }
   });
+}
+
+// The inodes of this process's sockets now.
+std::set<ino_t> OpenSockets() {
+  std::set<ino_t> sockets;
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return sockets;
+  while (const dirent* entry = ::readdir(dir)) {
+    struct stat info {};
+    if (::fstatat(::dirfd(dir), entry->d_name, &info, 0) == 0 && S_ISSOCK(info.st_mode)) {
+      sockets.insert(info.st_ino);
+    }
+  }
+  ::closedir(dir);
+  return sockets;
+}
+
+// Gloo does not expose its sockets, so the connected TCP sockets that appeared while the mesh
+// connected (`before`: the ones there already) get the link timeout: TCP_USER_TIMEOUT for data
+// left unacknowledged, keepalive for a connection that falls silent.
+void SetLinkTimeouts(const std::set<ino_t>& before, absl::Duration timeout) {
+  if (timeout <= absl::ZeroDuration()) return;
+  const int seconds = std::max<int>(1, static_cast<int>(absl::ToInt64Seconds(timeout)));
+  const int idle = std::max(1, seconds / 2);
+  const int interval = 1;
+  const int probes = std::max(1, seconds - idle);
+  const unsigned user_timeout_ms = static_cast<unsigned>(absl::ToInt64Milliseconds(timeout));
+  const int one = 1;
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return;
+  while (const dirent* entry = ::readdir(dir)) {
+    char* end = nullptr;
+    const long fd = std::strtol(entry->d_name, &end, 10);
+    if (end == entry->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
+    struct stat info {};
+    if (::fstat(static_cast<int>(fd), &info) != 0 || !S_ISSOCK(info.st_mode) ||
+        before.contains(info.st_ino)) {
+      continue;
+    }
+    int type = 0;
+    int listening = 0;
+    socklen_t length = sizeof(type);
+    sockaddr_storage peer{};
+    socklen_t peer_length = sizeof(peer);
+    if (::getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_TYPE, &type, &length) != 0 ||
+        type != SOCK_STREAM) {
+      continue;
+    }
+    length = sizeof(listening);
+    if (::getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &length) != 0 ||
+        listening != 0 ||
+        ::getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &peer_length) !=
+            0 ||
+        (peer.ss_family != AF_INET && peer.ss_family != AF_INET6)) {
+      continue;
+    }
+    const int s = static_cast<int>(fd);
+    ::setsockopt(s, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+    ::setsockopt(s, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+    ::setsockopt(s, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+    ::setsockopt(s, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
+    ::setsockopt(s, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
+  }
+  ::closedir(dir);
 }
 
 }  // namespace
@@ -571,7 +668,9 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
     std::shared_ptr<gloo::transport::Device> device = gloo::transport::tcp::CreateDevice(attr);
     auto context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.size);
     context->setTimeout(ToChrono(std::min(options.timeout, options.connect_timeout)));
+    const std::set<ino_t> sockets_before = OpenSockets();
     context->connectFullMesh(adapter, device);
+    SetLinkTimeouts(sockets_before, options.link_timeout);
     context->setTimeout(ToChrono(options.timeout));  // for Gloo's own collectives
     communicator.reset(
         new GlooCommunicator(std::make_unique<GlooCommunicator::Impl>(std::move(context), options)));
@@ -627,6 +726,7 @@ void GlooCommunicator::SetCollectiveTimeout(absl::Duration timeout) {
 }
 void GlooCommunicator::Abort(absl::string_view reason) { impl_->Abort(reason); }
 bool GlooCommunicator::aborted() const { return impl_->aborted(); }
+std::optional<PeerFault> GlooCommunicator::peer_fault() const { return impl_->peer_fault(); }
 
 const std::shared_ptr<gloo::Context>& GlooCommunicator::gloo_context() const {
   return impl_->context();

@@ -32,6 +32,12 @@ struct GlooOptions {
   // Once a peer's address is in the store, how long its TCP connection may take: a peer that
   // published it and then left its generation never answers, and this bounds that wait.
   absl::Duration connect_timeout = absl::Seconds(10);
+  // A connection whose sent data stays unacknowledged this long, or that stays silent this long
+  // and then misses its keepalive probes, fails (TCP_USER_TIMEOUT and TCP keepalive on every
+  // socket of the mesh): a partitioned link is found in about this time even while collectives
+  // may wait longer. A live peer's kernel acknowledges and answers keepalives even when its
+  // process is stopped or hung, so only the network trips it. Zero leaves the kernel's defaults.
+  absl::Duration link_timeout = absl::Seconds(10);
   std::string key_prefix = "gloo/";            // namespace in the rendezvous store
   size_t segment_bytes = size_t{1} << 20;      // pipelining granularity of the rings
   // End creation with a barrier, so that a rank that returns (and perhaps exits at once) never
@@ -70,6 +76,7 @@ class GlooCommunicator : public Communicator {
   void SetCollectiveTimeout(absl::Duration timeout) override;
   void Abort(absl::string_view reason) override;
   bool aborted() const override;
+  std::optional<PeerFault> peer_fault() const override;
 
   // The underlying Gloo context, for benchmarks that compare with Gloo's own collectives.
   const std::shared_ptr<gloo::Context>& gloo_context() const;

@@ -394,6 +394,9 @@ void SnapshotServer::Serve(int fd) {
                                            " with other checksums than it was sent with")));
     return;
   }
+  CorruptReplicaIfAsked(buffer.data(), total,
+                        absl::StrCat("rank ", shard->rank, "'s shard of snapshot ", shard->id,
+                                     ", kept at ", address_, " for a buddy"));
   const std::vector<std::string> dropped =
       store_->Add(*shard, std::make_shared<std::vector<char>>(std::move(buffer)));
   if (on_replica_) on_replica_(*shard, dropped);
@@ -437,6 +440,25 @@ absl::Status FetchSnapshotRange(const std::string& address, const std::string& i
   SHARD_ASSIGN_OR_RETURN(const auto answer, RecvFrame(socket.get(), kResponseMagic, limit));
   SHARD_RETURN_IF_ERROR(StatusFromWire(answer.first, answer.second));
   return RecvAll(socket.get(), out, bytes, limit);
+}
+
+std::vector<ConnectProbe> ProbeConnect(const std::vector<std::string>& addresses,
+                                       const PeerCallOptions& options) {
+  std::vector<ConnectProbe> probes(addresses.size());
+  std::vector<std::thread> threads;
+  const absl::Time start = absl::Now();
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    threads.emplace_back([&, i] {
+      const std::string what = absl::StrCat("connecting to ", addresses[i]);
+      const Limit limit{start + options.timeout, options.cancel, what.c_str()};
+      absl::StatusOr<Socket> socket = Connect(addresses[i], limit);
+      probes[i].took = absl::Now() - start;
+      probes[i].reachable = socket.ok();
+      if (!socket.ok()) probes[i].detail = std::string(socket.status().message());
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  return probes;
 }
 
 }  // namespace shard

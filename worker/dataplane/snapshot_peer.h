@@ -96,4 +96,18 @@ absl::Status FetchSnapshotRange(const std::string& address, const std::string& i
                                 uint64_t offset, uint64_t bytes, char* out,
                                 const PeerCallOptions& options);
 
+// Whether this worker can open a TCP connection to a peer's server, and how long that took.
+struct ConnectProbe {
+  bool reachable = false;
+  absl::Duration took;
+  std::string detail;  // why not
+};
+
+// Connects to each of `addresses` (host:port of peers' snapshot servers, which listen on the
+// data path's network) and closes again, all at once, each within `options.timeout`: the connect
+// probe a generation runs before its data path connects, and an isolated standby before it may
+// be folded in (server/reachability.h). By address.
+std::vector<ConnectProbe> ProbeConnect(const std::vector<std::string>& addresses,
+                                       const PeerCallOptions& options);
+
 }  // namespace shard

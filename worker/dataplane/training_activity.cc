@@ -84,6 +84,7 @@ class TrackingCommunicator : public Communicator {
   }
   void Abort(absl::string_view reason) override { inner_->Abort(reason); }
   bool aborted() const override { return inner_->aborted(); }
+  std::optional<PeerFault> peer_fault() const override { return inner_->peer_fault(); }
 
  private:
   template <typename Call>
