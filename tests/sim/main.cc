@@ -49,6 +49,7 @@ int main(int argc, char** argv) {
   int64_t finished = 0;
   int64_t stopped = 0;
   int64_t kills = 0, stops = 0, stalls = 0, crashes = 0, admin = 0, checkpoints = 0;
+  int64_t partitions = 0;
   int64_t memory_restores = 0, disk_restores = 0, memory_failures = 0;
   absl::Duration simulated;
   for (uint64_t seed = first_seed; run < seeds && absl::Now() - started < limit; ++seed, ++run) {
@@ -60,6 +61,7 @@ int main(int argc, char** argv) {
     kills += result.worker_kills;
     stops += result.worker_stops;
     stalls += result.training_stalls;
+    partitions += result.partitions;
     crashes += result.coordinator_crashes;
     admin += result.admin_calls;
     checkpoints += result.checkpoints;
@@ -77,8 +79,8 @@ int main(int argc, char** argv) {
   const double seconds = absl::ToDoubleSeconds(absl::Now() - started);
   std::printf(
       "%lld seeds (%llu..%llu) in %.1f s: %.1f seeds/s, %lld events, %.0f s simulated\n"
-      "faults: %lld worker kills, %lld stops, %lld hung training threads, %lld coordinator "
-      "crashes, %lld operator calls; "
+      "faults: %lld worker kills, %lld stops, %lld hung training threads, %lld partitions, "
+      "%lld coordinator crashes, %lld operator calls; "
       "%lld checkpoints committed\n"
       "restores: %lld from memory, %lld from disk; %lld reads of a memory snapshot failed (the "
       "next generation restored from elsewhere)\n"
@@ -87,7 +89,7 @@ int main(int argc, char** argv) {
       static_cast<unsigned long long>(first_seed + run - 1), seconds, run / seconds,
       static_cast<long long>(events), absl::ToDoubleSeconds(simulated),
       static_cast<long long>(kills), static_cast<long long>(stops), static_cast<long long>(stalls),
-      static_cast<long long>(crashes), static_cast<long long>(admin),
+      static_cast<long long>(partitions), static_cast<long long>(crashes), static_cast<long long>(admin),
       static_cast<long long>(checkpoints), static_cast<long long>(memory_restores),
       static_cast<long long>(disk_restores), static_cast<long long>(memory_failures),
       static_cast<long long>(finished),

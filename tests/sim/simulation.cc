@@ -32,6 +32,10 @@ constexpr absl::Duration kHousekeeping = absl::Milliseconds(50);
 constexpr absl::Duration kCoordinatorTimeout = absl::Seconds(60);  // shard-worker's default
 constexpr absl::Duration kCollectiveTimeout = absl::Seconds(60);
 constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
+// A connect probe across a cut link gives up after this; a collective across one fails after
+// the link timeout (TCP_USER_TIMEOUT on the Gloo mesh, worker/dataplane/gloo_communicator.h).
+constexpr absl::Duration kProbeTimeout = absl::Seconds(2);
+constexpr absl::Duration kLinkTimeout = absl::Seconds(10);
 constexpr char kCheckpointRoot[] = "/sim/checkpoints";
 
 // The model's parameters after `step`, as a hash chain: equal chains mean equal training.
@@ -98,6 +102,10 @@ struct Worker {
   bool joined = false;
   int64_t known_generation = 0;
   JobState known_state = JobState::kForming;
+  std::vector<PeerProbe> probed;  // an isolated standby's probe, sent with its next heartbeat
+  // A failed generation the coordinator could not be told of (it was away): told again once it
+  // answers while still at that generation (worker/agent.cc Run(), contact_epoch_).
+  std::optional<SelfCheckReport> untold_failure;
   int rank = -1;
   int world_size = 0;
   absl::Duration interval = kLease / 4;
@@ -174,7 +182,15 @@ class Simulation {
   void UpdateWorld(int index, const World& world, int rank);
   void Leave(int index);
   void TryConnect(int index);
-  void FailSession(int index, const absl::Status& status);
+  // `unreachable`: the peers it reports it could not reach.
+  void FailSession(int index, const absl::Status& status,
+                   std::vector<PeerFault> unreachable = {});
+  // Whether the link between workers `a` and `b` (indexes) is cut.
+  bool Cut(int a, int b) const {
+    return cut_links_.contains({std::min(a, b), std::max(a, b)});
+  }
+  // Cuts the links of `links` for `how_long`; collectives across them time out.
+  void Partition(const std::vector<std::pair<int, int>>& links, absl::Duration how_long);
   // worker/agent.cc GenerationStillMine(): before an error of `generation` ends the process, the
   // worker asks the coordinator (a heartbeat that does not wait) whether that generation is still
   // its own, again while the coordinator does not answer; it exits only if so.
@@ -269,6 +285,8 @@ class Simulation {
 
   // What the invariants remember.
   int64_t max_generation_told_ = 0;
+  std::set<std::pair<int, int>> cut_links_;  // (lower index, higher index)
+  int64_t newest_trained_generation_ = 0;    // the newest generation that took a step
   std::map<std::string, std::string> catalog_;  // as last seen: id -> dir
   std::set<std::string> removed_;               // directories removed by retention or a delete
   int committed_ = 0;                           // checkpoints seen committed
@@ -530,6 +548,8 @@ void Simulation::Heartbeat(int index) {
   params.known_state = w.known_state;
   params.wait = w.interval;
   params.paused_generation = w.paused_generation;
+  params.probed = std::move(w.probed);
+  w.probed.clear();
   // worker/dataplane/training_activity.h: what its training does, for the progress lease.
   if (const Group* group = GroupOf(w); group != nullptr && group->started && !group->over &&
                                        w.session->phase == Session::Phase::kTraining) {
@@ -550,17 +570,47 @@ void Simulation::Heartbeat(int index) {
         std::min(std::max(2 * worker.backoff, absl::Milliseconds(50)), worker.interval);
     ForWorker(index, worker.backoff, [this, index](Worker&) { Heartbeat(index); });
   };
+  // The lease runs from when the coordinator heard the request: the worker counts from when it
+  // sent it.
+  const absl::Time sent = now_;
   Call(
       index,
-      [this, params, index](CoordinatorCore& core, Deliver deliver) {
-        core.Heartbeat(params, now_, [this, deliver, index](absl::StatusOr<HeartbeatReply> reply) {
-          deliver([this, reply, index](Worker& worker) {
+      [this, params, index, sent](CoordinatorCore& core, Deliver deliver) {
+        core.Heartbeat(params, now_, [this, deliver, index,
+                                      sent](absl::StatusOr<HeartbeatReply> reply) {
+          deliver([this, reply, index, sent](Worker& worker) {
             if (reply.ok()) {
-              worker.last_contact = now_;
+              worker.last_contact = std::max(worker.last_contact, sent);
               worker.backoff = absl::ZeroDuration();
               worker.orders = reply->orders;
               worker.start = reply->start;
               UpdateWorld(index, reply->outcome.world, reply->outcome.rank);
+              if (worker.untold_failure.has_value()) {
+                const SelfCheckReport untold = *std::move(worker.untold_failure);
+                worker.untold_failure.reset();
+                if (untold.generation == worker.known_generation &&
+                    untold.incarnation == worker.incarnation) {
+                  Call(
+                      index,
+                      [this, untold](CoordinatorCore& core, Deliver deliver) {
+                        core.ReportSelfCheck(untold, now_, [deliver](absl::Status) {
+                          deliver([](Worker&) {});
+                        });
+                      },
+                      [untold](Worker& w) { w.untold_failure = untold; });
+                }
+              }
+              // An isolated standby connects to every member it was given (worker/agent.cc
+              // ProbeMembers).
+              for (PeerProbe probe : reply->outcome.probe) {
+                for (int peer = 0; peer < static_cast<int>(workers_.size()); ++peer) {
+                  if (workers_[peer]->id != probe.worker_id) continue;
+                  probe.reachable = workers_[peer]->alive && !workers_[peer]->stopped &&
+                                    !Cut(index, peer);
+                  if (!probe.reachable) probe.detail = "timed out";
+                }
+                worker.probed.push_back(std::move(probe));
+              }
               if (reply->outcome.stop) {
                 if (!worker.leaving) Leave(index);
                 return;
@@ -731,6 +781,27 @@ void Simulation::Rendezvoused(int index) {
 void Simulation::CheckGroup(int64_t generation) {
   Group& group = groups_[generation];
   if (group.over || static_cast<int>(group.members.size()) < group.size) return;
+  // worker/agent.cc ProbePeers(): every rank connects to every peer first; one that cannot
+  // reports the peers after the probe's deadline, and the others' connects fail with it.
+  bool probe_failed = false;
+  for (const auto& [rank, index] : group.members) {
+    std::vector<PeerFault> unreachable;
+    for (const auto& [peer_rank, peer] : group.members) {
+      if (peer != index && Cut(index, peer)) {
+        unreachable.push_back(PeerFault{peer_rank, LinkFailure::kConnect, "probe timed out"});
+      }
+    }
+    if (unreachable.empty()) continue;
+    probe_failed = true;
+    ForWorker(index, kProbeTimeout,
+              [this, index, generation, unreachable = std::move(unreachable)](Worker& w) {
+                if (w.session.has_value() && w.session->generation == generation) {
+                  FailSession(index, absl::UnavailableError("cannot connect to a peer"),
+                              unreachable);
+                }
+              });
+  }
+  if (probe_failed) return;
   std::vector<int> ready;
   for (const auto& [rank, index] : group.members) {
     const Worker& worker = *workers_[index];
@@ -917,11 +988,49 @@ void Simulation::Step(int64_t generation) {
       return;
     }
   }
+  // worker/agent.cc CoordinatorLeaseWatch(): a rank the coordinator has not answered for a
+  // lease stops training (it counts as dead there, and may have been replaced).
+  for (const auto& [rank, index] : group.members) {
+    if (now_ - workers_[index]->last_contact > kLease) {
+      FailSession(index, absl::AbortedError("the coordinator has not answered for a lease"));
+      return;
+    }
+  }
+  // A cut link between two members: their collective fails after the link timeout, the rank
+  // that sends across it blaming its peer.
+  for (const auto& [rank, index] : group.members) {
+    for (const auto& [peer_rank, peer] : group.members) {
+      if (peer <= index || !Cut(index, peer)) continue;
+      const int peer_rank_of_link = peer_rank;
+      ForWorker(index, kLinkTimeout, [this, index, generation, peer_rank_of_link](Worker& w) {
+        if (w.session.has_value() && w.session->generation == generation) {
+          FailSession(index, absl::UnavailableError("connection to a peer timed out"),
+                      {PeerFault{peer_rank_of_link, LinkFailure::kSend, "timed out"}});
+        }
+      });
+      return;  // the collective waits
+    }
+  }
   // A restore of the last step's checkpoint leaves no step to take: the trainer ends at once.
   const bool stepped = group.step < job_.steps;
   StepBoundary boundary;
   group.halted_at.reset();
   if (stepped) {
+    // No two generations train at once: once a generation stepped, no older one does.
+    if (generation < newest_trained_generation_) {
+      failure_.Set(absl::StrCat("generation ", generation, " took a step after generation ",
+                                newest_trained_generation_, " had trained"));
+    }
+    newest_trained_generation_ = std::max(newest_trained_generation_, generation);
+    for (const auto& [rank, index] : group.members) {
+      for (const auto& [peer_rank, peer] : group.members) {
+        if (peer > index && Cut(index, peer)) {
+          failure_.Set(absl::StrCat("generation ", generation, " trains with ",
+                                    workers_[index]->id, " and ", workers_[peer]->id,
+                                    ", whose link is cut"));
+        }
+      }
+    }
     ++group.step;
     group.last_step_at = now_;
     group.hash = Mix(group.hash, group.step);
@@ -1282,7 +1391,8 @@ void Simulation::ExitUnlessMovedOn(int index, int64_t generation, const std::str
       });
 }
 
-void Simulation::FailSession(int index, const absl::Status& status) {
+void Simulation::FailSession(int index, const absl::Status& status,
+                             std::vector<PeerFault> unreachable) {
   Worker& worker = *workers_[index];
   if (!worker.session.has_value()) return;
   Session& session = *worker.session;
@@ -1318,11 +1428,14 @@ void Simulation::FailSession(int index, const absl::Status& status) {
   const std::string detail(status.message());
   Call(
       index,
-      [this, id, incarnation, generation, detail](CoordinatorCore& core, Deliver deliver) {
-        core.ReportSelfCheck(SelfCheckReport{id, incarnation, generation, false, detail, {}}, now_,
-                             [deliver](absl::Status) { deliver([](Worker&) {}); });
+      [this, report = SelfCheckReport{id, incarnation, generation, false, detail,
+                                      std::move(unreachable)}](CoordinatorCore& core,
+                                                               Deliver deliver) {
+        core.ReportSelfCheck(report, now_, [deliver](absl::Status) { deliver([](Worker&) {}); });
       },
-      [](Worker&) {});
+      [id, incarnation, generation, detail](Worker& w) {
+        w.untold_failure = SelfCheckReport{id, incarnation, generation, false, detail, {}};
+      });
 }
 
 // --- Faults and operators -----------------------------------------------------------------------
@@ -1369,6 +1482,21 @@ void Simulation::Fault() {
     StartProcess(gone[Pick(static_cast<int>(gone.size()))]);
   } else if (kind < 65) {
     StartProcess(AddWorker(absl::StrCat("w", next_worker_id_++)));
+  } else if (kind < 68 && running.size() >= 2) {
+    // A pair, or one worker from every peer; both still reach the coordinator.
+    ++result_.partitions;
+    const int a = running[Pick(static_cast<int>(running.size()))];
+    std::vector<std::pair<int, int>> links;
+    if (Chance(0.5)) {
+      int b = a;
+      while (b == a) b = running[Pick(static_cast<int>(running.size()))];
+      links.emplace_back(a, b);
+    } else {
+      for (int i = 0; i < static_cast<int>(workers_.size()); ++i) {
+        if (i != a) links.emplace_back(a, i);
+      }
+    }
+    Partition(links, Uniform(absl::Seconds(1), absl::Seconds(20)));
   } else if (kind < 70 && !running.empty()) {
     const int victim = running[Pick(static_cast<int>(running.size()))];
     if (workers_[victim]->session.has_value() &&
@@ -1418,6 +1546,26 @@ void Simulation::Operator() {
     core_->Stop("operator", now_, [](World) {});
   }
   ScheduleFlush();
+}
+
+void Simulation::Partition(const std::vector<std::pair<int, int>>& links,
+                           absl::Duration how_long) {
+  std::vector<std::pair<int, int>> cut;
+  for (auto [a, b] : links) {
+    const std::pair<int, int> link{std::min(a, b), std::max(a, b)};
+    if (!cut_links_.insert(link).second) continue;
+    cut.push_back(link);
+    Log(absl::StrCat("the link ", workers_[link.first]->id, " <-/-> ",
+                     workers_[link.second]->id, " is cut for ", absl::FormatDuration(how_long)));
+  }
+  After(how_long, [this, cut] {
+    for (const auto& link : cut) {
+      if (cut_links_.erase(link) > 0) {
+        Log(absl::StrCat("the link ", workers_[link.first]->id, " <-> ",
+                         workers_[link.second]->id, " heals"));
+      }
+    }
+  });
 }
 
 void Simulation::Heal() {

@@ -7,9 +7,14 @@
 // fsynced) and restarted on its state, and operators resizing, draining, saving, restoring and
 // stopping. One seed decides everything; a failing seed replays exactly.
 //
+// Links fail too: a partition cuts the link between two workers (or one worker and all its
+// peers) for a while; a connect across it fails at rendezvous and reports the peer (as
+// worker/agent.cc's connect probe does), a collective across it times out.
+//
 // After every event the invariants are checked (generations only grow, one live worker per
 // rank, no committed checkpoint lost or changed, the restore point is committed, what is on
-// disk equals what is in memory); once faults stop, the job must finish (or stop, if an
+// disk equals what is in memory, no two generations train at once, a world that trains has
+// no cut link between its members); once faults stop, the job must finish (or stop, if an
 // operator said so) within a bounded time, with the parameters an undisturbed run computes.
 #pragma once
 
@@ -34,6 +39,7 @@ struct SimulationResult {
   int worker_kills = 0;
   int worker_stops = 0;
   int training_stalls = 0;  // a worker's training thread hung while it went on heartbeating
+  int partitions = 0;       // links between workers cut (and healed later)
   int coordinator_crashes = 0;
   int admin_calls = 0;
   int generations = 0;
