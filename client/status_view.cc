@@ -61,6 +61,15 @@ nlohmann::json ProgressToJson(const v1::TrainingProgress& progress) {
       {"last_snapshot_copies", progress.last_snapshot_copies()},
       {"replica_lag_steps", progress.replica_lag_steps()},
       {"replica_lag_ms", OrNull(progress.has_replica_lag_ms(), progress.replica_lag_ms())},
+      {"checkpoint_failures", progress.checkpoint_failures()},
+      {"last_checkpoint_failure", OrNull(!progress.last_checkpoint_failure().empty(),
+                                         progress.last_checkpoint_failure())},
+      {"last_checkpoint_failure_age_ms",
+       OrNull(progress.has_last_checkpoint_failure_age_ms(),
+              progress.last_checkpoint_failure_age_ms())},
+      {"checkpoints_skipped", progress.checkpoints_skipped()},
+      {"last_checkpoint_skip",
+       OrNull(!progress.last_checkpoint_skip().empty(), progress.last_checkpoint_skip())},
   };
 }
 
@@ -105,6 +114,7 @@ nlohmann::json StatusToJson(const v1::GetStatusResponse& status) {
         {"self_check", SelfCheck(worker)},
         {"self_check_detail", worker.self_check().detail()},
         {"joined_generation", worker.joined_generation()},
+        {"unreachable", worker.unreachable()},
     });
   }
   return {
@@ -131,6 +141,9 @@ std::string WorkersTable(const v1::GetStatusResponse& status) {
     std::string check = SelfCheck(worker);
     if (!worker.self_check().detail().empty()) {
       absl::StrAppend(&check, ": ", worker.self_check().detail());
+    }
+    if (!worker.unreachable().empty()) {
+      check = absl::StrCat("isolated (", worker.unreachable(), ")");
     }
     rows.push_back({worker.rank() >= 0 ? absl::StrCat(worker.rank()) : "-", worker.id(),
                     worker.host(), worker.device(), WorkerState(worker),
@@ -175,6 +188,21 @@ std::string ProgressLines(const v1::GetStatusResponse& status) {
     if (progress.has_last_checkpoint_age_ms()) {
       absl::StrAppend(&saved, ", ", Span(progress.last_checkpoint_age_ms()), " ago");
     }
+  }
+  // Saves since then that did not commit: the disk is full or failing, or behind.
+  if (progress.checkpoint_failures() > 0) {
+    absl::StrAppend(&saved, "; ", progress.checkpoint_failures(),
+                    progress.checkpoint_failures() == 1 ? " save" : " saves",
+                    " failed since, the last ");
+    if (progress.has_last_checkpoint_failure_age_ms()) {
+      absl::StrAppend(&saved, Span(progress.last_checkpoint_failure_age_ms()), " ago");
+    }
+    absl::StrAppend(&saved, ": ", progress.last_checkpoint_failure());
+  }
+  if (progress.checkpoints_skipped() > 0) {
+    absl::StrAppend(&saved, "; ", progress.checkpoints_skipped(),
+                    progress.checkpoints_skipped() == 1 ? " periodic save" : " periodic saves",
+                    " skipped since: ", progress.last_checkpoint_skip());
   }
   std::string memory;
   if (!progress.last_snapshot().empty()) {

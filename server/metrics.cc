@@ -180,6 +180,7 @@ struct ManagerReadings {
     int64_t start_step = 0;                     // where this generation's training started
     bool training_started = false;
     bool save_pending = false;
+    SaveHealth health;  // failed and skipped saves
   };
   std::optional<StatusSnapshot> world;
   std::optional<PlanStats> plan;
@@ -196,7 +197,7 @@ ManagerReadings ReadManagers(const CoordinatorMetricsSources& sources, absl::Tim
     const CheckpointManager& checkpoints = *sources.checkpoints;
     readings.checkpoints = ManagerReadings::Checkpoints{
         checkpoints.List(), checkpoints.start().step, checkpoints.training_started(),
-        checkpoints.pending_request() != 0};
+        checkpoints.pending_request() != 0, checkpoints.health()};
     readings.restores = checkpoints.restores();
   }
   if (sources.snapshots != nullptr && sources.world != nullptr) {
@@ -267,11 +268,23 @@ void AddWorldMetrics(const StatusSnapshot& status, prometheus::Registry& registr
   GaugeFamily& heartbeat = AddGaugeFamily(
       "shard_worker_last_heartbeat_seconds", "Seconds since the worker's last heartbeat.",
       registry);
+  GaugeFamily& isolated = AddGaugeFamily(
+      "shard_worker_isolated",
+      "1 while the worker waits as a standby because peers could not connect to it (status and "
+      "the isolated event name the links), 0 otherwise.",
+      registry);
+  int isolated_count = 0;
   for (const WorkerSnapshot& worker : status.workers) {
     const std::string rank = worker.rank >= 0 ? absl::StrCat(worker.rank) : "";
     up.Add({{"worker", worker.id}, {"rank", rank}}).Set(IsLive(worker.state) ? 1 : 0);
     heartbeat.Add({{"worker", worker.id}}).Set(Seconds(worker.since_heartbeat));
+    const bool is_isolated = IsLive(worker.state) && !worker.unreachable.empty();
+    isolated.Add({{"worker", worker.id}}).Set(is_isolated ? 1 : 0);
+    isolated_count += is_isolated ? 1 : 0;
   }
+  SetGauge("shard_workers_isolated",
+           "Live workers kept out of the world because peers could not connect to them.",
+           isolated_count, registry);
 }
 
 void AddPlanMetrics(const PlanStats& stats, prometheus::Registry& registry) {
@@ -341,6 +354,21 @@ void AddCheckpointMetrics(const ManagerReadings::Checkpoints& checkpoints,
   SetGauge("shard_checkpoints_committed",
            "Committed checkpoints in the catalog (after keep-last-K retention).",
            static_cast<double>(checkpoints.records.size()), registry);
+  prometheus::BuildCounter()
+      .Name("shard_checkpoint_failures_total")
+      .Help("Saves that failed (a full disk, EIO) since the coordinator started.")
+      .Register(registry)
+      .Add({})
+      .Increment(static_cast<double>(checkpoints.health.failures_total));
+  prometheus::BuildCounter()
+      .Name("shard_checkpoints_skipped_total")
+      .Help("Periodic saves skipped while the previous one was still being written.")
+      .Register(registry)
+      .Add({})
+      .Increment(static_cast<double>(checkpoints.health.skipped_total));
+  SetGauge("shard_checkpoint_failures_since_commit",
+           "Saves that failed since the newest checkpoint committed (0: saves work).",
+           static_cast<double>(checkpoints.health.failures), registry);
   if (checkpoints.records.empty()) return;
 
   const v1::CheckpointRecord& last = checkpoints.records.back();

@@ -12,8 +12,8 @@ namespace {
 
 class HostDataPath final : public DataPath {
  public:
-  HostDataPath(std::string host, absl::Duration timeout)
-      : host_(std::move(host)), timeout_(timeout) {}
+  HostDataPath(std::string host, absl::Duration timeout, absl::Duration link_timeout)
+      : host_(std::move(host)), timeout_(timeout), link_timeout_(link_timeout) {}
 
   Device& device() override { return device_; }
   std::string backend() const override { return "gloo"; }
@@ -26,6 +26,7 @@ class HostDataPath final : public DataPath {
     gloo.size = size;
     gloo.hostname = host_;
     gloo.timeout = timeout_;
+    gloo.link_timeout = link_timeout_;
     // The agent's self-check follows at once: a collective it aborts when the generation ends
     // (soak seed 7301: a barrier here waited out its timeout for a peer SIGSTOPped just after
     // connecting, while the world had moved on).
@@ -39,12 +40,14 @@ class HostDataPath final : public DataPath {
   CpuDevice device_;
   const std::string host_;
   const absl::Duration timeout_;
+  const absl::Duration link_timeout_;
 };
 
 }  // namespace
 
-std::unique_ptr<DataPath> CpuDataPath(std::string host, absl::Duration timeout) {
-  return std::make_unique<HostDataPath>(std::move(host), timeout);
+std::unique_ptr<DataPath> CpuDataPath(std::string host, absl::Duration timeout,
+                                      absl::Duration link_timeout) {
+  return std::make_unique<HostDataPath>(std::move(host), timeout, link_timeout);
 }
 
 absl::StatusOr<std::string> ResolveBackend(const std::string& device, const std::string& backend,

@@ -35,8 +35,9 @@ class DataPath {
 };
 
 // Host memory and Gloo over TCP, listening on `host`; collectives and connecting time out after
-// `timeout`.
-std::unique_ptr<DataPath> CpuDataPath(std::string host, absl::Duration timeout);
+// `timeout`, a silent link after `link_timeout` (GlooOptions::link_timeout).
+std::unique_ptr<DataPath> CpuDataPath(std::string host, absl::Duration timeout,
+                                      absl::Duration link_timeout = absl::Seconds(10));
 
 // The backend a worker runs for `device` ("cpu", "cpu:N" or "cuda:N") when asked for `backend`
 // ("auto", "gloo" or "nccl"): auto is NCCL on a GPU and Gloo on the host. InvalidArgument for a

@@ -88,6 +88,21 @@ int main(int argc, char** argv) {
                  "the coordinator's --progress-lease-floor, so that a stuck peer is named first)")
       ->capture_default_str()
       ->check(shard::DurationValidator());
+  std::string link_timeout = "10s";
+  app.add_option("--link-timeout", link_timeout,
+                 "a data-path connection whose sent data stays unacknowledged this long, or that "
+                 "falls silent this long and misses its keepalives, fails: a partitioned link is "
+                 "found in about this time (a stopped or hung peer's kernel still answers, so "
+                 "only the network trips it); 0s leaves the kernel's defaults")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
+  std::string connect_probe_timeout = "5s";
+  app.add_option("--connect-probe-timeout", connect_probe_timeout,
+                 "the most a connect probe to a peer may take (every rank probes every peer "
+                 "before its data path connects; the deadline is 50 x the slowest connect "
+                 "measured, at least 1s and at most this)")
+      ->capture_default_str()
+      ->check(shard::DurationValidator());
   app.add_option("--self-check-elements", options.self_check_elements,
                  "f32 elements in the self-check all-reduce")
       ->capture_default_str()
@@ -159,8 +174,10 @@ int main(int argc, char** argv) {
   options.coordinator_timeout = shard::ParsedDuration(coordinator_timeout);
   options.collective_timeout = shard::ParsedDuration(collective_timeout);
   options.collective_timeout_floor = shard::ParsedDuration(collective_timeout_floor);
+  options.connect_probe_timeout = shard::ParsedDuration(connect_probe_timeout);
   absl::StatusOr<std::unique_ptr<shard::DataPath>> data_path =
-      shard::CpuDataPath(options.host, options.collective_timeout);
+      shard::CpuDataPath(options.host, options.collective_timeout,
+                         shard::ParsedDuration(link_timeout));
 #if SHARD_HAVE_CUDA
   if (gpu >= 0) {
     data_path = shard::GpuDataPath(gpu, *resolved, options.host, options.collective_timeout);
