@@ -2,7 +2,10 @@
 // in-process store; results checked against closed forms.
 #include "worker/dataplane/gloo_communicator.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -253,6 +256,8 @@ TEST(GlooCommunicatorTest, APeerThatAbortsReleasesTheOtherRankPromptly) {
   EXPECT_FALSE(status.ok());
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
   EXPECT_LT(waited, absl::Seconds(5)) << status;
+  // A peer that went away (or aborted) is not a broken link: nothing to report against it.
+  EXPECT_FALSE((*c0)->peer_fault().has_value());
 }
 
 // A store in a directory, so that ranks in different processes can rendezvous.
@@ -342,6 +347,41 @@ TEST(GlooCommunicatorTest, APeerKilledInTheMiddleOfASendFailsTheCollectiveNotThe
       << status;
 }
 
+// Every connection of the mesh gets the link timeout (TCP_USER_TIMEOUT and keepalive), so a
+// partitioned link fails within it: read back from the process's own sockets.
+TEST(GlooCommunicatorTest, TheMeshsConnectionsCarryTheLinkTimeout) {
+  InProcessKeyValueStore store;
+  std::vector<std::unique_ptr<GlooCommunicator>> communicators(3);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 3; ++rank) {
+    threads.emplace_back([&, rank] {
+      GlooOptions options = Options(rank, 3, 1 << 20);
+      options.link_timeout = absl::Milliseconds(7000);
+      auto c = CreateGlooCommunicator(&store, options);
+      ASSERT_TRUE(c.ok()) << c.status();
+      communicators[rank] = std::move(*c);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  int with_timeout = 0;
+  int with_keepalive = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    const int fd = std::stoi(entry.path().filename().string());
+    unsigned user_timeout = 0;
+    socklen_t length = sizeof(user_timeout);
+    if (::getsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, &length) != 0) continue;
+    with_timeout += user_timeout == 7000 ? 1 : 0;
+    int keepalive = 0;
+    length = sizeof(keepalive);
+    if (::getsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &keepalive, &length) == 0 && keepalive) {
+      ++with_keepalive;
+    }
+  }
+  // Three ranks in one process: both ends of each of the three pairs.
+  EXPECT_GE(with_timeout, 6);
+  EXPECT_GE(with_keepalive, 6);
+}
+
 TEST(GlooCommunicatorTest, ACollectiveWithAMissingPeerTimesOut) {
   InProcessKeyValueStore store;
   std::unique_ptr<GlooCommunicator> c1;
@@ -362,6 +402,12 @@ TEST(GlooCommunicatorTest, ACollectiveWithAMissingPeerTimesOut) {
                                          DataType::kFloat32, ReduceOp::kSum);
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
   EXPECT_NE(status.message().find("rank 0 of 2"), absl::string_view::npos) << status;
+  // The link it waited on is named, for the coordinator (server/reachability.h).
+  const std::optional<PeerFault> fault = (*c0)->peer_fault();
+  ASSERT_TRUE(fault.has_value());
+  EXPECT_EQ(fault->peer_rank, 1);
+  EXPECT_EQ(fault->how, LinkFailure::kReceive);
+  EXPECT_NE(status.message().find("rank 1 did not respond"), absl::string_view::npos) << status;
 }
 
 TEST(GlooCommunicatorTest, RendezvousWithoutThePeerTimesOutWithTheStoresError) {
