@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -103,18 +104,39 @@ void RecordUnreachable(Membership& membership, const std::string& reporter, int6
 bool IsolateUnreachable(Membership& membership, const MembershipRules& rules, absl::Time now,
                         Change* change) {
   if (membership.stop_requested) return false;
+  // The pool: the world's members in rank order, then the isolated standbys (a choice made on
+  // the first report may have left out the wrong worker: seen in a test where a worker cut off
+  // from both peers was blamed once, as was the peer that reported it first).
+  std::vector<std::string> pool;
   std::map<std::string, int> rank_of;
   for (int rank = 0; rank < membership.ranks(); ++rank) {
-    if (!membership.holder(rank).empty()) rank_of[membership.holder(rank)] = rank;
+    const std::string& id = membership.holder(rank);
+    if (id.empty()) continue;
+    pool.push_back(id);
+    rank_of[id] = rank;
   }
-  std::set<Pair> edges;  // failed connects between members, unordered
+  // Only those whose probe has told what they cannot reach: coming back with nothing known
+  // would skip the probe.
+  for (const Member* standby : membership.Standbys()) {
+    const bool probed = std::any_of(
+        membership.broken_links.begin(), membership.broken_links.end(),
+        [&](const auto& entry) { return entry.second.from == standby->id; });
+    if (!standby->unreachable.empty() && probed) pool.push_back(standby->id);
+  }
+  const auto in_pool = [&](const std::string& id) {
+    return std::find(pool.begin(), pool.end(), id) != pool.end();
+  };
+  std::set<Pair> edges;  // failed connects within the pool, unordered
+  bool world_broken = false;
   std::map<std::string, std::set<std::string>> blamed_by;
   for (const auto& [key, link] : membership.broken_links) {
-    if (!rank_of.contains(link.from) || !rank_of.contains(link.to)) continue;
+    if (!in_pool(link.from) || !in_pool(link.to)) continue;
     blamed_by[link.to].insert(link.from);
-    if (link.how == LinkFailure::kConnect) edges.insert(std::minmax(link.from, link.to));
+    if (link.how != LinkFailure::kConnect) continue;
+    edges.insert(std::minmax(link.from, link.to));
+    world_broken = world_broken || (rank_of.contains(link.from) && rank_of.contains(link.to));
   }
-  if (edges.empty()) return false;
+  if (!world_broken) return false;
   std::vector<std::string> candidates;
   for (const Pair& edge : edges) {
     candidates.push_back(edge.first);
@@ -122,40 +144,38 @@ bool IsolateUnreachable(Membership& membership, const MembershipRules& rules, ab
   }
   std::sort(candidates.begin(), candidates.end());
   candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
-  // Most blamed first, then the highest rank (the lowest ranks stay where they are).
-  std::sort(candidates.begin(), candidates.end(), [&](const std::string& a, const std::string& b) {
-    const size_t blame_a = blamed_by[a].size();
-    const size_t blame_b = blamed_by[b].size();
-    if (blame_a != blame_b) return blame_a > blame_b;
-    return rank_of[a] > rank_of[b];
-  });
-  const std::vector<std::string> isolated = SmallestCover(candidates, edges);
-  const int members = static_cast<int>(rank_of.size());
-  int size = members - static_cast<int>(isolated.size());
+  // Most blamed first; then those out already (no churn); then the highest rank (the lowest
+  // ranks stay where they are).
+  const auto order = [&](const std::string& id) {
+    return std::make_tuple(-static_cast<int>(blamed_by[id].size()), rank_of.contains(id) ? 1 : 0,
+                           rank_of.contains(id) ? -rank_of[id] : 0, id);
+  };
+  std::sort(candidates.begin(), candidates.end(),
+            [&](const std::string& a, const std::string& b) { return order(a) < order(b); });
+  const std::vector<std::string> left_out = SmallestCover(candidates, edges);
+  const auto is_left_out = [&](const std::string& id) {
+    return std::find(left_out.begin(), left_out.end(), id) != left_out.end();
+  };
+  std::vector<std::string> keep;  // the world's members in rank order, then standbys back in
+  for (const std::string& id : pool) {
+    if (!is_left_out(id)) keep.push_back(id);
+  }
+  int size = static_cast<int>(keep.size());
   while (size >= rules.min_world_size && size > 0 && !rules.Allowed(size)) --size;
   if (size < std::max(1, rules.min_world_size)) {
-    spdlog::warn("{} of the {} workers cannot be reached by their peers; leaving them out would "
-                 "go below the job's minWorldSize {}: the world re-forms with all of them",
-                 isolated.size(), members, rules.min_world_size);
+    spdlog::warn("the workers that reach one another are fewer than the job's minWorldSize {}: "
+                 "the world re-forms with the same members, whose probes report again",
+                 rules.min_world_size);
     return false;
   }
-  const auto is_isolated = [&](const std::string& id) {
-    return std::find(isolated.begin(), isolated.end(), id) != isolated.end();
-  };
-  std::vector<std::string> keep;
-  for (const std::string& id : membership.holders()) {
-    if (id.empty() || is_isolated(id)) continue;
-    if (static_cast<int>(keep.size()) < size) {
-      keep.push_back(id);
-    } else {
-      membership.MakeStandby(*membership.Mutable(id), now);  // no allowed size holds it
-    }
-  }
-  for (const std::string& id : isolated) {
+  const int members = static_cast<int>(rank_of.size());
+  std::vector<std::string> isolated;
+  std::vector<std::string> back;
+  for (const std::string& id : left_out) {
+    if (!rank_of.contains(id)) continue;  // out already, and stays out
     std::vector<std::string> links;
     for (const auto& [key, link] : membership.broken_links) {
-      if ((link.from == id || link.to == id) && rank_of.contains(link.from) &&
-          rank_of.contains(link.to)) {
+      if ((link.from == id || link.to == id) && in_pool(link.from) && in_pool(link.to)) {
         links.push_back(Describe(link));
       }
     }
@@ -169,13 +189,35 @@ bool IsolateUnreachable(Membership& membership, const MembershipRules& rules, ab
     spdlog::warn("isolated {}: {}", id, detail);
     change->events.push_back(
         MakeEvent(v1::MEMBERSHIP_EVENT_KIND_ISOLATED, id, rank, detail, now));
+    isolated.push_back(id);
   }
+  for (int i = 0; i < static_cast<int>(keep.size()); ++i) {
+    Member& member = *membership.Mutable(keep[i]);
+    if (i >= size) {
+      membership.MakeStandby(member, now);  // no allowed size holds it
+      continue;
+    }
+    if (member.role != Role::kStandby) continue;
+    // Isolated before, but no failed connect ties it to the members that stay.
+    member.unreachable.clear();
+    member.self_check = SelfCheckRecord{};
+    membership.Touch(member.id);
+    back.push_back(member.id);
+    change->events.push_back(MakeEvent(
+        v1::MEMBERSHIP_EVENT_KIND_REACHABLE, member.id, -1,
+        absl::StrCat("no failed connect ties it to the members that stay (",
+                     absl::StrJoin(left_out, ", "), " left out instead): back in the world"),
+        now));
+  }
+  keep.resize(size);
   membership.Renumber(keep, size);
   change->events.push_back(MakeEvent(
       v1::MEMBERSHIP_EVENT_KIND_RESIZED, "", -1,
       absl::StrCat("re-formed from ", members, " to ", size, " workers: ",
                    absl::StrJoin(isolated, ", "), isolated.size() == 1 ? " is" : " are",
-                   " isolated (peers cannot connect)"),
+                   " isolated (peers cannot connect)",
+                   back.empty() ? "" : absl::StrCat("; ", absl::StrJoin(back, ", "),
+                                                    " back in")),
       now));
   change->bump = true;
   return true;
@@ -192,18 +234,26 @@ std::vector<PeerProbe> ProbeTargets(const Membership& membership, const std::str
   return targets;
 }
 
-void NoteProbe(Membership& membership, const std::string& standby,
+void NoteProbe(Membership& membership, const std::string& standby, int64_t generation,
                const std::vector<PeerProbe>& probed, absl::Time now, Change* change) {
   Member* member = membership.Mutable(standby);
   if (member == nullptr || member->role != Role::kStandby || member->unreachable.empty()) return;
   // With no member to reach (the world lost them all), nothing keeps it out.
   const std::vector<PeerProbe> targets = ProbeTargets(membership, standby);
+  bool all_reached = true;
   for (const PeerProbe& target : targets) {
-    const bool reached = std::any_of(probed.begin(), probed.end(), [&](const PeerProbe& p) {
-      return p.worker_id == target.worker_id && p.address == target.address && p.reachable;
+    const auto answer = std::find_if(probed.begin(), probed.end(), [&](const PeerProbe& p) {
+      return p.worker_id == target.worker_id && p.address == target.address;
     });
-    if (!reached) return;
+    if (answer != probed.end() && answer->reachable) continue;
+    all_reached = false;
+    if (answer != probed.end()) {
+      // What it could not reach counts when the world is chosen again (IsolateUnreachable).
+      membership.broken_links[Pair{standby, target.worker_id}] = BrokenLink{
+          standby, target.worker_id, LinkFailure::kConnect, generation, answer->detail};
+    }
   }
+  if (!all_reached) return;
   member->unreachable.clear();
   membership.Touch(standby);
   std::erase_if(membership.broken_links, [&](const auto& entry) {
@@ -217,6 +267,12 @@ void NoteProbe(Membership& membership, const std::string& standby,
       MakeEvent(v1::MEMBERSHIP_EVENT_KIND_REACHABLE, standby, -1, detail, now));
 }
 
-void ForgetBrokenLinks(Membership& membership) { membership.broken_links.clear(); }
+void ForgetBrokenLinks(Membership& membership) {
+  // What an isolated standby's probe found stays until a probe of it passes.
+  std::erase_if(membership.broken_links, [&](const auto& entry) {
+    const Member* from = membership.Find(entry.second.from);
+    return from == nullptr || from->role != Role::kStandby || from->unreachable.empty();
+  });
+}
 
 }  // namespace shard

@@ -19,6 +19,10 @@
 //   out wait as isolated standbys (ISOLATED): they take no rank, neither a free one nor at a
 //   fold-in, until a connect probe they make to every member of the world passes (REACHABLE);
 //   from then on they are standbys like any other, folded in at the next checkpoint boundary.
+// - The world is chosen from its members and the isolated standbys together, with what the
+//   standbys' probes found: a choice made on the first report (a tie) that left out the wrong
+//   worker is undone when the members that stayed cannot connect either; the isolated standby
+//   that reaches them comes back (REACHABLE) and the worker blamed by most is left out instead.
 // - Reports are kept until every rank of a generation passes its self-check (the world then
 //   reaches itself in full) and only count between current members.
 #pragma once
@@ -48,10 +52,13 @@ std::vector<PeerProbe> ProbeTargets(const Membership& membership, const std::str
 
 // An isolated standby's probe results: once it reached every member of the world, it is no
 // longer isolated (REACHABLE) and may be folded in.
-void NoteProbe(Membership& membership, const std::string& standby,
+// What it could not reach is kept as failed connects (at `generation`, the current one): when the
+// world is chosen again, isolated standbys are candidates too.
+void NoteProbe(Membership& membership, const std::string& standby, int64_t generation,
                const std::vector<PeerProbe>& probed, absl::Time now, Change* change);
 
-// The world connected in full: what was reported broken is past.
+// The world connected in full: what its members reported broken is past (what isolated standbys'
+// probes found is kept).
 void ForgetBrokenLinks(Membership& membership);
 
 }  // namespace shard

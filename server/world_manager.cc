@@ -443,7 +443,7 @@ void WorldManager::WatchHeartbeat(const HeartbeatParams& params, absl::Time now,
   if (!params.probed.empty()) {
     Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (!LiveLocked(params.worker_id, params.incarnation)) return false;
-      NoteProbe(membership_, params.worker_id, params.probed, now, change);
+      NoteProbe(membership_, params.worker_id, generation_, params.probed, now, change);
       return true;
     });
   }
