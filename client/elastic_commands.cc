@@ -91,7 +91,8 @@ void PrintEvent(const v1::Event& event, bool json) {
                                 {"rank", event.rank()},
                                 {"detail", event.detail()}}
                      .dump()
-              << "\n";
+              << "\n"
+              << std::flush;  // a follower's reader (a pipe, a file) sees each event at once
     return;
   }
   const std::string when =

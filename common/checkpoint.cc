@@ -552,8 +552,8 @@ absl::StatusOr<CheckpointManifest> ReadCheckpointManifest(const std::string& dir
 
 // ---------------------------------------------------------------------------------------------
 
-absl::StatusOr<std::unique_ptr<ShardWriter>> ShardWriter::Create(const std::string& dir, int rank,
-                                                                 int world_size) {
+absl::StatusOr<std::unique_ptr<ShardWriter>> ShardWriter::Create(
+    const std::string& dir, int rank, int world_size, const std::atomic<bool>* cancel) {
   // A committed checkpoint is never written into again.
   if (std::filesystem::exists(std::filesystem::path(dir) / kManifestFile)) {
     return absl::AlreadyExistsError(absl::StrCat(
@@ -567,15 +567,39 @@ absl::StatusOr<std::unique_ptr<ShardWriter>> ShardWriter::Create(const std::stri
   writer->rank_ = rank;
   SHARD_ASSIGN_OR_RETURN(
       std::unique_ptr<AtomicFileWriter> out,
-      AtomicFileWriter::Create((std::filesystem::path(dir) / writer->file_).string()));
+      AtomicFileWriter::Create((std::filesystem::path(dir) / writer->file_).string(), cancel));
   writer->out_ = std::move(out);
   writer->hasher_ = std::make_unique<ShardHasher>();
+  writer->cancel_ = cancel;
+  writer->injected_error_ = InjectedWriteError();
   return writer;
 }
 
 ShardWriter::~ShardWriter() = default;
 
 absl::Status ShardWriter::Append(const void* data, size_t bytes) {
+  const char* const in = static_cast<const char*>(data);
+  if (injected_error_ != 0) {
+    // Half of it reaches the file, then the device fails the write (SHARD_WRITE_ERROR).
+    SHARD_RETURN_IF_ERROR(out_->Write(absl::string_view(in, bytes / 2)));
+    return FileError("cannot write", out_->temp_path(), injected_error_);
+  }
+  if (const int64_t slow = SlowWriteMillisPerMiB(); slow > 0) {
+    // A disk slowed to a crawl (SHARD_SLOW_WRITE_MS): a MiB at a time, each that much later
+    // (and cancellable between them).
+    constexpr size_t kMiB = size_t{1} << 20;
+    for (size_t done = 0; done < bytes;) {
+      const size_t take = std::min(kMiB, bytes - done);
+      for (const absl::Time until = absl::Now() + absl::Milliseconds(slow); absl::Now() < until;) {
+        if (cancel_ != nullptr && cancel_->load()) break;  // Write says so below
+        absl::SleepFor(std::min(absl::Milliseconds(20), until - absl::Now()));
+      }
+      SHARD_RETURN_IF_ERROR(out_->Write(absl::string_view(in + done, take)));
+      hasher_->Append(in + done, take);
+      done += take;
+    }
+    return absl::OkStatus();
+  }
   if (bytes < kParallelHashBytes) {
     SHARD_RETURN_IF_ERROR(out_->Write(absl::string_view(static_cast<const char*>(data), bytes)));
     hasher_->Append(data, bytes);
@@ -791,6 +815,15 @@ absl::StatusOr<const char*> CheckpointReader::Block(int shard, uint64_t block) {
   return slot->bytes.data();
 }
 
+absl::Status CheckpointReader::FromAnySource(int shard, const std::function<absl::Status()>& read) {
+  while (true) {
+    absl::Status status = read();
+    // Bytes that failed their checksum (DataLoss) are refused, and read again from the next
+    // source of the shard while the storage has one (a memory snapshot's next holder).
+    if (!absl::IsDataLoss(status) || !storage_->Refuse(shard, status)) return status;
+  }
+}
+
 absl::Status CheckpointReader::ReadBytes(int shard, uint64_t offset, uint64_t bytes, char* out) {
   const ShardRecord& record = manifest_.shards[shard];
   if (offset + bytes > record.bytes) {
@@ -808,13 +841,18 @@ absl::Status CheckpointReader::ReadBytes(int shard, uint64_t offset, uint64_t by
       if (offset + bytes == record.bytes) whole = bytes;  // the last block may be short
     }
     if (whole > 0) {
-      SHARD_RETURN_IF_ERROR(ReadWholeBlocks(shard, block, whole, out));
+      SHARD_RETURN_IF_ERROR(
+          FromAnySource(shard, [&] { return ReadWholeBlocks(shard, block, whole, out); }));
       out += whole;
       offset += whole;
       bytes -= whole;
       continue;
     }
-    SHARD_ASSIGN_OR_RETURN(const char* data, Block(shard, block));
+    const char* data = nullptr;
+    SHARD_RETURN_IF_ERROR(FromAnySource(shard, [&]() -> absl::Status {
+      SHARD_ASSIGN_OR_RETURN(data, Block(shard, block));
+      return absl::OkStatus();
+    }));
     const uint64_t take = std::min(bytes, kCheckpointBlockBytes - within);
     StreamCopy(out, data + within, take);
     out += take;
@@ -982,7 +1020,11 @@ absl::Status CheckpointReader::VerifyShard(int shard, const std::function<void(u
   XXH3_64bits_reset(whole);
   absl::Status result;
   for (uint64_t block = 0; block < record.block_xxh3.size() && result.ok(); ++block) {
-    absl::StatusOr<const char*> data = Block(shard, block);
+    absl::StatusOr<const char*> data = absl::UnknownError("not read");
+    (void)FromAnySource(shard, [&] {
+      data = Block(shard, block);
+      return data.status();
+    });
     if (!data.ok()) {
       result = data.status();
       break;

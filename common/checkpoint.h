@@ -14,6 +14,7 @@
 // manifest is an incomplete checkpoint and is removed.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -180,11 +181,13 @@ class ShardHasher;  // common/shard_hasher.h
 
 // Streams one shard file: written to a temporary name and hashed as it goes (a large Append
 // hashes on a second thread while it writes); Finish() fsyncs and renames it and returns its
-// record.
+// record. A writer destroyed before Finish() succeeded (a full disk, EIO, `cancel` set) leaves no
+// file behind. The test hooks SHARD_SLOW_WRITE_MS and SHARD_WRITE_ERROR (common/fault.h) act here.
 class ShardWriter {
  public:
-  static absl::StatusOr<std::unique_ptr<ShardWriter>> Create(const std::string& dir, int rank,
-                                                             int world_size);
+  static absl::StatusOr<std::unique_ptr<ShardWriter>> Create(
+      const std::string& dir, int rank, int world_size,
+      const std::atomic<bool>* cancel = nullptr);
   ~ShardWriter();
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
@@ -198,6 +201,8 @@ class ShardWriter {
   int rank_ = 0;
   std::unique_ptr<AtomicFileWriter> out_;
   std::unique_ptr<ShardHasher> hasher_;
+  const std::atomic<bool>* cancel_ = nullptr;
+  int injected_error_ = 0;  // SHARD_WRITE_ERROR's errno for this shard, 0: none
 };
 
 // Full tensors by element range, from wherever they are stored (a checkpoint, a consolidated
@@ -227,6 +232,11 @@ class ShardStorage {
   // covers them; `offset` is a multiple of kCheckpointBlockBytes. Only where CanView(shard).
   virtual absl::StatusOr<const char*> View(int shard, uint64_t offset, uint64_t bytes);
   virtual void Release(int /*shard*/, uint64_t /*offset*/, uint64_t /*bytes*/) {}
+
+  // What the last Read of shard `shard` gave failed its checksum (`why`): whether there is
+  // another source of that shard to read it from instead (the next holder of a memory snapshot's
+  // shard), which every later Read of it then uses. A directory's files have no other.
+  virtual bool Refuse(int /*shard*/, const absl::Status& /*why*/) { return false; }
 };
 
 // The shard files of checkpoint directory `dir`, opened on first use; a file whose size differs
@@ -265,6 +275,9 @@ class CheckpointReader : public StateSource {
   CheckpointReader() = default;
   // Verified block `block` of `shard`, through the cache.
   absl::StatusOr<const char*> Block(int shard, uint64_t block);
+  // Runs `read` (of shard `shard`), and again while it fails a checksum and the storage has
+  // another source of the shard (ShardStorage::Refuse).
+  absl::Status FromAnySource(int shard, const std::function<absl::Status()>& read);
   // Reads bytes [offset, offset + bytes) of a shard, verified: whole blocks straight into `out`,
   // the partial ones at the edges through the cache.
   absl::Status ReadBytes(int shard, uint64_t offset, uint64_t bytes, char* out);

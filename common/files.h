@@ -1,6 +1,7 @@
 // Whole-file reads and crash-safe writes.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -11,6 +12,12 @@
 
 namespace shard {
 
+// An error of a file system call on `path` (`what`: "cannot write"), with errno `err` in words.
+// The code says what a caller can do about it: NotFound (ENOENT), ResourceExhausted (ENOSPC,
+// EDQUOT: the disk or a quota is full, and writing again may work once space returns), DataLoss
+// (EIO: the device failed the request), Internal otherwise.
+absl::Status FileError(absl::string_view what, const std::string& path, int err);
+
 // Writes a file so that a crash at any moment leaves either the old file or the new one, never
 // a torn one: data goes to a temporary name in the same directory; Commit() fsyncs it, renames
 // it over the target and fsyncs the directory. Destroyed uncommitted, it removes the temporary.
@@ -19,25 +26,34 @@ namespace shard {
 // written, and a window 64 MiB behind is waited for and dropped from the page cache. So the
 // device works while the caller is still writing, Commit()'s fsync has only the last windows
 // left, and a multi-GiB checkpoint neither piles up dirty pages nor evicts the page cache.
+//
+// A failed write (a full disk, EIO) leaves nothing behind once the writer is destroyed. With
+// `cancel`, Write gives up with Cancelled between windows once it is set (a save nobody will
+// commit any more, written to a disk slowed to a crawl).
 class AtomicFileWriter {
  public:
-  static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Create(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Create(
+      const std::string& path, const std::atomic<bool>* cancel = nullptr);
   ~AtomicFileWriter();
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
 
   absl::Status Write(absl::string_view data);
   absl::Status Commit();
+  // Where the bytes go until Commit() renames them (for errors).
+  const std::string& temp_path() const { return temp_path_; }
 
  private:
-  AtomicFileWriter(std::string path, std::string temp_path, int fd)
-      : path_(std::move(path)), temp_path_(std::move(temp_path)), fd_(fd) {}
+  AtomicFileWriter(std::string path, std::string temp_path, int fd,
+                   const std::atomic<bool>* cancel)
+      : path_(std::move(path)), temp_path_(std::move(temp_path)), fd_(fd), cancel_(cancel) {}
   // Starts writeback of every complete window; waits for and drops the windows far behind.
   absl::Status WriteBehind();
 
   std::string path_;
   std::string temp_path_;
   int fd_;
+  const std::atomic<bool>* const cancel_;
   bool committed_ = false;
   uint64_t written_ = 0;   // bytes written so far
   uint64_t started_ = 0;   // bytes handed to writeback (whole windows)

@@ -253,6 +253,7 @@ absl::Status ValidateJobConfig(const JobConfig& job) {
   if (job.checkpoint_dir.empty()) return Invalid("checkpoint.dir", "is required");
   if (job.checkpoint_every < 0) return Invalid("checkpoint.every_steps", "must be >= 0");
   if (job.checkpoint_keep_last < 1) return Invalid("checkpoint.keep_last", "must be at least 1");
+  if (job.checkpoint_max_wait_ms < 0) return Invalid("checkpoint.max_wait_ms", "must be >= 0");
   if (job.snapshot_every < 0) return Invalid("snapshot.every_steps", "must be >= 0 (0: off)");
   if (job.snapshot_replicas < 0) return Invalid("snapshot.replicas", "must be >= 0");
   return absl::OkStatus();

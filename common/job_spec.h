@@ -76,6 +76,9 @@ std::vector<std::string> OptimizerStateNames(const OptimizerConfig& optimizer);
 
 // Snapshot defaults (docs/recovery.md has the measured overhead behind them).
 constexpr int64_t kDefaultSnapshotEvery = 10;
+// How long a step boundary at which a disk checkpoint is due waits for the previous one's write
+// before that save is skipped (docs/checkpoints.md, "When the disk fails").
+constexpr int64_t kDefaultCheckpointMaxWaitMs = 10000;
 constexpr int kDefaultSnapshotReplicas = 1;
 
 struct JobConfig {
@@ -103,6 +106,10 @@ struct JobConfig {
   std::string checkpoint_dir;  // checkpoints go to <checkpoint_dir>/<name>/<id>/
   int64_t checkpoint_every = 0;
   int checkpoint_keep_last = 3;
+  // A save due while a rank still writes the previous checkpoint waits at most this long for it
+  // (once per write), then a periodic one is skipped and a requested one waits for a later
+  // boundary: a slow disk never holds training longer (0: never wait).
+  int64_t checkpoint_max_wait_ms = kDefaultCheckpointMaxWaitMs;
   // In-memory snapshots (common/snapshot.h): every `snapshot_every` steps (0: off), each rank's
   // shard kept by `snapshot_replicas` buddies besides itself.
   int64_t snapshot_every = kDefaultSnapshotEvery;

@@ -4,15 +4,35 @@
 
 namespace shard {
 
+bool SaveDue(int64_t step, const StepBoundaryRules& rules, const StepOrders& agreed,
+             const StepBoundaryState& state) {
+  return (rules.checkpoint_every > 0 && step % rules.checkpoint_every == 0) ||
+         agreed.save_request > state.satisfied;
+}
+
 StepBoundary DecideStepBoundary(int64_t step, const StepBoundaryRules& rules,
                                 const StepOrders& agreed, bool snapshots_busy,
                                 StepBoundaryState* state) {
+  return DecideStepBoundary(step, rules, agreed, BoundaryWork{snapshots_busy, 0}, state);
+}
+
+StepBoundary DecideStepBoundary(int64_t step, const StepBoundaryRules& rules,
+                                const StepOrders& agreed, const BoundaryWork& work,
+                                StepBoundaryState* state) {
+  const bool snapshots_busy = work.snapshots_busy;
   StepBoundary boundary;
   const bool periodic = rules.checkpoint_every > 0 && step % rules.checkpoint_every == 0;
   if (periodic || agreed.save_request > state->satisfied) {
-    boundary.save = true;
-    boundary.request = std::max(agreed.save_request, state->satisfied);
-    state->satisfied = boundary.request;
+    if (work.saving_step > 0) {
+      // Queued behind a write that has not finished, saves would pile up without bound on a
+      // slow disk, and starting one would wait for it: a periodic one is skipped, a requested
+      // one (satisfied stays) is taken at the first boundary nobody is writing at.
+      boundary.save_skipped = periodic;
+    } else {
+      boundary.save = true;
+      boundary.request = std::max(agreed.save_request, state->satisfied);
+      state->satisfied = boundary.request;
+    }
   }
   if (agreed.pause_in_memory && agreed.pause_request > state->snapshotted_pause) {
     boundary.snapshot = true;

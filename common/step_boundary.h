@@ -24,12 +24,20 @@ struct StepBoundaryState {
   int64_t snapshotted_pause = 0;   // the newest pause request a snapshot was taken for
 };
 
+// What some rank still has in flight from earlier boundaries (agreed like the orders).
+struct BoundaryWork {
+  bool snapshots_busy = false;  // replicating its previous snapshot
+  int64_t saving_step = 0;      // writing its shard of the disk checkpoint of this step; 0: none
+};
+
 struct StepBoundary {
   bool save = false;             // write a disk checkpoint
   int64_t request = 0;           // the newest save request it satisfies (0: periodic only)
   bool snapshot = false;         // take a memory snapshot
   int64_t snapshot_request = 0;  // the pause request it answers (0: periodic)
   bool pause = false;            // stop training after it: the world is about to re-form
+  // A periodic disk checkpoint was due here but a rank still writes the previous one: skipped.
+  bool save_skipped = false;
 };
 
 // `step`: steps completed (1-based, the one just finished). `snapshots_busy`: some rank is still
@@ -38,6 +46,20 @@ struct StepBoundary {
 // pausing one is taken anyway (the trainer waits). A pause in memory (orders.pause_in_memory) is
 // answered by a snapshot, otherwise by a disk checkpoint. No pause after the last step: the job is
 // done then anyway.
+//
+// A disk checkpoint is never started while a rank still writes the previous one
+// (`work.saving_step`; the trainer first waits a bounded time for that write, then the ranks
+// agree again): a periodic save due then is skipped (save_skipped; the next is due
+// `checkpoint_every` steps later), and a requested one, or the pause after it, is taken at the
+// first boundary at which no rank is writing. So saves never queue up behind a slow disk
+// (docs/checkpoints.md, "When the disk fails").
+StepBoundary DecideStepBoundary(int64_t step, const StepBoundaryRules& rules,
+                                const StepOrders& agreed, const BoundaryWork& work,
+                                StepBoundaryState* state);
+// Whether a disk checkpoint is due at `step` (periodic, or a request not yet saved for).
+bool SaveDue(int64_t step, const StepBoundaryRules& rules, const StepOrders& agreed,
+             const StepBoundaryState& state);
+// The same with no disk checkpoint in flight.
 StepBoundary DecideStepBoundary(int64_t step, const StepBoundaryRules& rules,
                                 const StepOrders& agreed, bool snapshots_busy,
                                 StepBoundaryState* state);

@@ -180,6 +180,9 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
                            : Resolve(spec.checkpoint().dir(), base_dir);
   job.checkpoint_every = spec.checkpoint().every_steps();
   if (spec.checkpoint().has_keep_last()) job.checkpoint_keep_last = spec.checkpoint().keep_last();
+  if (spec.checkpoint().has_max_wait_ms()) {
+    job.checkpoint_max_wait_ms = spec.checkpoint().max_wait_ms();
+  }
   if (spec.snapshot().has_every_steps()) job.snapshot_every = spec.snapshot().every_steps();
   if (spec.snapshot().has_replicas()) job.snapshot_replicas = spec.snapshot().replicas();
   SHARD_RETURN_IF_ERROR(ValidateJobConfig(job));
@@ -214,6 +217,7 @@ v1::JobSpec ToProto(const JobConfig& job) {
   spec.mutable_checkpoint()->set_dir(job.checkpoint_dir);
   spec.mutable_checkpoint()->set_every_steps(job.checkpoint_every);
   spec.mutable_checkpoint()->set_keep_last(job.checkpoint_keep_last);
+  spec.mutable_checkpoint()->set_max_wait_ms(job.checkpoint_max_wait_ms);
   spec.mutable_snapshot()->set_every_steps(job.snapshot_every);
   spec.mutable_snapshot()->set_replicas(job.snapshot_replicas);
   return spec;

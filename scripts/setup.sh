@@ -12,6 +12,9 @@ PACKAGES=(
   docker-compose
   # The shard Python package's tests and examples: Debian's torch (CPU) for /usr/bin/python3.
   python3-torch python3-numpy python3-pytest
+  # The fault tests' hosts (scripts/fault-hosts.sh, docs/faults.md): network namespaces, iptables
+  # partitions, tc, ping, and libnetfilter-queue for shard-net-impair (netem's stand-in).
+  iproute2 iptables iputils-ping util-linux libnetfilter-queue-dev
 )
 
 missing=()

@@ -6,13 +6,21 @@ steps (and no in-memory snapshots: every recovery goes through disk) while fault
 the seed hit them: a worker SIGKILLed (replaced at once or
 late, by a process with the same id or a new one), a worker SIGSTOPped (then SIGCONTed, or
 SIGKILLed and replaced), the coordinator SIGKILLed and started again with the same command
-line on the same port and state directory, `shardctl resize` and `shardctl drain`. A fault
-fires during training steps, right after a checkpoint was requested (during a save) or while
-the world is still re-forming after the previous fault.
+line on the same port and state directory, `shardctl resize` and `shardctl drain`, and (with
+--partitions, as root) network partitions that heal after a while: two workers' hosts from each
+other, one worker's host from every peer, or the coordinator's host from some of the workers'.
+A fault fires during training steps, right after a checkpoint was requested (during a save) or
+while the world is still re-forming after the previous fault.
+
+With --partitions every process runs on test hosts made of network namespaces on a bridge
+(scripts/fault-hosts.sh, tests/faults/hosts.py, docs/faults.md): the coordinator on a host of
+its own, the workers spread over one host per worker slot; a partition is iptables DROP rules in
+the hosts' namespaces. The references still run on this machine's loopback.
 
 It passes (exit 0) only if:
   - there was no hang: training progress (the coordinator's step metric) never stood still
-    for longer than --hang-after while the script was not injecting faults;
+    for longer than --hang-after while the script was not injecting faults, and training
+    moved within --partition-hang-after (90 s) of each partition's start;
   - no worker exited on its own with an error;
   - the job finished on its own (the coordinator exited 0 after "training finished");
   - every checkpoint in the coordinator's catalog (`shardctl checkpoint list --json`)
@@ -34,8 +42,9 @@ PR_SET_PDEATHSIG, if this script itself is killed). Everything lives in one temp
 directory, kept on failure or with --keep. Only the Python standard library is used.
 
     scripts/soak.sh [--seed S] [--kills 20] [--coordinator-kills 3] [--stops N] [--resizes N]
-                    [--drains N] [--workers 4] [--steps N] [--duration SECONDS]
-                    [--lease 1s] [--grace 1s] [--every 5] [--keep] [--build-dir build]
+                    [--drains N] [--partitions N] [--workers 4] [--steps N]
+                    [--duration SECONDS] [--lease 1s] [--grace 1s] [--every 5] [--keep]
+                    [--build-dir build]
 
 See docs/elasticity.md ("Soak") for how to read the report.
 """
@@ -62,6 +71,9 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Test hosts made of network namespaces, for --partitions (docs/faults.md).
+sys.path.insert(0, os.path.join(ROOT, "tests", "faults"))
+import hosts as fault_hosts  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,7 +139,11 @@ class SoakFailure(Exception):
 
 
 class Fault:
-    KINDS = ("kill", "stop", "coordinator", "resize", "drain")
+    # A new kind (the disk faults of issue 30: a full or slow checkpoint disk) needs: its count
+    # flag and its place in make_schedule's list, its parameters drawn in draw_kind_details
+    # (and shown by describe), an inject_<kind> method of Soak called from Soak.inject (as
+    # inject_partition is), and a label in Soak.report's `labels`.
+    KINDS = ("kill", "stop", "coordinator", "resize", "drain", "partition")
 
     def __init__(self, **fields):
         self.index = 0
@@ -143,6 +159,11 @@ class Fault:
         self.stopped_for = 0.0
         self.down_for = 0.0  # coordinator: seconds before the restart
         self.size = 0  # resize: the new world size
+        self.variant = ""  # partition: "pair", "worker" (from every peer), "coordinator"
+        self.cut = 0  # partition, coordinator variant: how many worker hosts lose it
+        self.duration = 0.0  # partition: seconds until it heals
+        self.healed = False
+        self.longest_quiet = 0.0  # partition: the longest standstill of training after it
         self.__dict__.update(fields)
         # What happened (filled in while it runs).
         self.fired_at = None
@@ -162,12 +183,21 @@ class Fault:
             parts.append(f"down {self.down_for:.1f}s")
         if self.kind == "resize":
             parts.append(f"to {self.size}")
+        if self.kind == "partition":
+            parts.append({"pair": "two workers' hosts from each other",
+                          "worker": "a worker's host from every peer",
+                          "coordinator": f"the coordinator from {self.cut} worker host(s)"}
+                         [self.variant] + f" for {self.duration:.1f}s")
         when = {"steps": f"{self.gap} steps after the world settled",
                 "save": f"{self.gap} steps after the world settled, {self.delay * 1000:.0f} ms "
                         "after a save request",
                 "reform": f"{self.delay:.1f}s after the previous fault (re-forming)"}[self.timing]
         return ", ".join(parts) + "; " + when
 
+
+# Steps a partition lets training run for each second it lasts (about what 4 CPU workers do on
+# the project's 2-core VM; a slower machine only makes the tail longer).
+PARTITION_STEPS_PER_SECOND = 50
 
 # Steps a fault costs besides its gap: training runs on while the script polls, calls shardctl,
 # restarts the coordinator and waits for the world to settle (more on a fast machine, fewer on a
@@ -180,9 +210,23 @@ def tail_steps(args):
     return max(100, 20 * args.every)
 
 
+def draw_kind_details(fault, args, rng):
+    """The parameters of the kinds that draw their own (after the common ones, so that adding
+    a kind leaves the schedules of the others as they were)."""
+    if fault.kind == "partition":
+        # Planned like resizes and drains: into a settled world, never during a re-formation.
+        fault.timing = "save" if fault.timing == "save" else "steps"
+        fault.variant = rng.choice(["pair", "worker", "coordinator"])
+        fault.cut = rng.randint(1, max(1, args.workers - 1))
+        # From shorter than a lease (TCP rides it out, or a re-formation follows) to 20 s (a
+        # world re-forms without the hosts cut off, and folds them back in after the heal).
+        fault.duration = rng.uniform(0.5 * args.lease, 20.0)
+
+
 def make_schedule(args, rng):
     kinds = (["kill"] * args.kills + ["stop"] * args.stops + ["coordinator"] * args.coordinator_kills
-             + ["resize"] * args.resizes + ["drain"] * args.drains)
+             + ["resize"] * args.resizes + ["drain"] * args.drains
+             + ["partition"] * args.partitions)
     rng.shuffle(kinds)
     lease, grace = args.lease, args.grace
     faults = []
@@ -213,6 +257,7 @@ def make_schedule(args, rng):
             target = fault.size
         if kind == "drain":
             fault.same_id = False
+        draw_kind_details(fault, args, rng)
         faults.append(fault)
     # The faults that wait for training fire this many steps after the world settled again.
     for fault in faults:
@@ -226,7 +271,7 @@ def make_schedule(args, rng):
 
 
 class Proc:
-    def __init__(self, name, kind, argv, log_path, env, cwd):
+    def __init__(self, name, kind, argv, log_path, env, cwd, netns=None):
         self.name, self.kind, self.log_path = name, kind, log_path
         self.argv = argv
         self.log_file = open(log_path, "w")
@@ -235,6 +280,9 @@ class Proc:
         # started it ends: every process is started from the main thread).
         if shutil.which("setpriv"):
             prefix = ["setpriv", "--pdeathsig", "KILL", "--"]
+        if netns is not None:
+            # On a test host; `ip netns exec` execs the program in place (same pid).
+            prefix += ["ip", "netns", "exec", netns]
         self.popen = subprocess.Popen(prefix + argv, stdout=self.log_file, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, env=env, cwd=cwd,
                                       start_new_session=True)
@@ -273,10 +321,12 @@ class Proc:
 
 
 class Worker(Proc):
-    def __init__(self, worker_id, incarnation, *rest):
-        super().__init__(f"{worker_id}#{incarnation}", "worker", *rest)
+    def __init__(self, worker_id, incarnation, *rest, host=None, netns=None):
+        super().__init__(f"{worker_id}#{incarnation}", "worker", *rest, netns=netns)
         self.id = worker_id
         self.incarnation = incarnation
+        self.host = host  # the test host it runs on (--partitions), else None
+        self.leaving = False  # drained: on its way out
         self.resolved = False  # its exit (or kill) has been accounted for
 
 
@@ -303,9 +353,10 @@ class Monitor(threading.Thread):
     WORKER_UP = re.compile(r'shard_worker_up\{([^}]*)\}')
     LABEL = re.compile(r'(\w+)="([^"]*)"')
 
-    def __init__(self, url, interval=0.2):
+    def __init__(self, url, interval=0.2, netns=None):
         super().__init__(daemon=True)
         self.url, self.interval = url, interval
+        self.netns = netns  # polls from inside this network namespace (the coordinator's host)
         self.lock = threading.Lock()
         self.last = None  # the latest sample: a dict, or None while the coordinator is down
         self.last_step = None
@@ -318,6 +369,8 @@ class Monitor(threading.Thread):
             self.progress_since_mark = 0
 
     def run(self):
+        if self.netns is not None:
+            fault_hosts.enter_netns(self.netns)  # this thread only
         while not self.stop_event.wait(self.interval):
             sample = None
             try:
@@ -404,6 +457,13 @@ class Soak:
         self.history_checks = 0  # coordinator restarts after which the history was compared
         self.events_before_kill = None  # read just before a coordinator fault's moment
         self.coordinator_restarts = 0
+        # --partitions: the test hosts (the coordinator on "coord", workers on h1..hN), the
+        # partitions in force, and those watched for standstills (until --partition-hang-after
+        # after they heal).
+        self.hosts = None
+        self.address = "127.0.0.1"  # the coordinator's host's address
+        self.partitions_in_force = 0
+        self.watched_partitions = []
 
     # -- output --------------------------------------------------------------------------------
 
@@ -415,17 +475,20 @@ class Soak:
     def path(self, *parts):
         return os.path.join(self.dir, *parts)
 
-    def start(self, cls, *args):
-        proc = cls(*args)
+    def start(self, cls, *args, **kwargs):
+        proc = cls(*args, **kwargs)
         self.procs.append(proc)
         return proc
 
     def shardctl(self, *argv, timeout=15, port=None):
-        """shardctl against the coordinator (or the one on `port`); (exit status, stdout,
-        stderr), never raises."""
-        command = [os.path.join(self.bin, "shardctl"), "--coordinator",
-                   f"127.0.0.1:{port or self.port}",
+        """shardctl against the coordinator (or the one on `port` on this machine's loopback);
+        (exit status, stdout, stderr), never raises. With --partitions it runs on the
+        coordinator's host."""
+        address = f"127.0.0.1:{port}" if port else f"{self.address}:{self.port}"
+        command = [os.path.join(self.bin, "shardctl"), "--coordinator", address,
                    "--timeout", "5s", *argv]
+        if not port and self.hosts is not None:
+            command = self.hosts.argv("coord", command)
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                                     env=self.env, stdin=subprocess.DEVNULL)
@@ -585,11 +648,12 @@ class Soak:
         if os.path.exists(port_file):
             os.remove(port_file)
         argv = [os.path.join(self.bin, "shard-coordinator"),
-                "--listen", f"127.0.0.1:{self.port}", "--port-file", port_file,
-                "--metrics-listen", f"127.0.0.1:{self.metrics_port}"] + self.coordinator_args
+                "--listen", f"{self.address}:{self.port}", "--port-file", port_file,
+                "--metrics-listen", f"{self.address}:{self.metrics_port}"] + self.coordinator_args
         log = self.path(f"coordinator-{self.coordinator_starts}.log")
         self.coordinator = self.start(Proc, "coordinator", "coordinator", argv, log, self.env,
-                                      self.dir)
+                                      self.dir, netns=self.hosts.ns("coord") if self.hosts
+                                      else None)
         give_up = time.time() + 20
         while time.time() < give_up:
             if self.coordinator.poll() is not None:
@@ -611,13 +675,27 @@ class Soak:
                           + tail(log, 10))
         return False
 
+    def worker_host(self):
+        """The worker host with the fewest live workers (the first such): a replacement takes
+        the host its predecessor left."""
+        if self.hosts is None:
+            return None
+        names = [n for n in self.hosts.names if n != "coord"]
+        live = [w.host for w in self.live_workers() if not w.leaving]
+        return min(names, key=lambda n: (live.count(n), names.index(n)))
+
     def start_worker(self, worker_id):
         n = self.incarnations.get(worker_id, 0) + 1
         self.incarnations[worker_id] = n
-        argv = [os.path.join(self.bin, "shard-worker"), "--coordinator", f"127.0.0.1:{self.port}",
-                "--id", worker_id, "--compute-threads", "1"] + self.args.worker_arg
+        host = self.worker_host()
+        argv = [os.path.join(self.bin, "shard-worker"), "--coordinator",
+                f"{self.address}:{self.port}", "--id", worker_id, "--compute-threads", "1"]
+        if host is not None:
+            argv += ["--host", self.hosts.addr(host)]
+        argv += self.args.worker_arg
         log = self.path("workers", f"{worker_id}-{n}.log")
-        worker = self.start(Worker, worker_id, n, argv, log, self.env, self.dir)
+        worker = self.start(Worker, worker_id, n, argv, log, self.env, self.dir, host=host,
+                            netns=self.hosts.ns(host) if host else None)
         self.workers.append(worker)
         self.last_action = time.time()
         return worker
@@ -688,11 +766,28 @@ class Soak:
 
     def check_hang(self, context):
         _, step, changed, _ = self.monitor.snapshot()
+        now = time.time()
+        # From a partition's start until --partition-hang-after after it healed, training may
+        # stand still (the link is down, a world re-forms without the hosts cut off, folds them
+        # back in) but never for longer than --partition-hang-after.
+        for fault in list(self.watched_partitions):
+            quiet = now - max(changed, fault.fired_at)
+            fault.longest_quiet = max(fault.longest_quiet, quiet)
+            if quiet > self.args.partition_hang_after:
+                self.hangs += 1
+                raise Hang(f"no training progress for {quiet:.1f}s after partition fault "
+                           f"{fault.index} ({fault.what}); last step {step}")
+            healed = fault.fired_at + fault.duration
+            if fault.healed and now > healed + self.args.partition_hang_after:
+                self.watched_partitions.remove(fault)
+        bound = self.args.hang_after
+        if self.watched_partitions:
+            bound = max(bound, self.args.partition_hang_after)
         quiet_since = max(changed, self.last_action)
-        if time.time() - quiet_since > self.args.hang_after:
+        if now - quiet_since > bound:
             self.hangs += 1
-            raise Hang(f"no training progress for {time.time() - quiet_since:.1f}s (bound "
-                       f"{self.args.hang_after:.0f}s) while {context}; last step {step}")
+            raise Hang(f"no training progress for {now - quiet_since:.1f}s (bound "
+                       f"{bound:.0f}s) while {context}; last step {step}")
 
     def pump(self, until, timeout, context, hang_check=True):
         """Runs the loop until `until()` holds; False after `timeout` seconds."""
@@ -750,6 +845,17 @@ class Soak:
         self.coordinator_args = ["--job", self.job, "--state-dir", self.path("state"),
                                  "--lease", duration_flag(self.args.lease),
                                  "--reform-grace", duration_flag(self.args.grace)]
+        if self.args.partitions:
+            # A host for the coordinator and one per worker slot (a host may hold two workers
+            # for a moment: a drained one leaving and its replacement).
+            self.hosts = fault_hosts.Hosts(["coord"] + [f"h{i + 1}" for i in
+                                                        range(self.args.workers)],
+                                           log=self.say)
+            try:
+                self.hosts.up()
+            except RuntimeError as error:
+                raise SoakFailure(f"the test hosts did not come up: {error}")
+            self.address = self.hosts.addr("coord")
         for attempt in range(3):
             self.metrics_port = free_port()
             self.port = 0
@@ -757,10 +863,12 @@ class Soak:
                 break
         else:
             raise SoakFailure("the coordinator did not start:\n" + "\n".join(self.notes))
-        self.monitor = Monitor(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        self.monitor = Monitor(f"http://{self.address}:{self.metrics_port}/metrics",
+                               netns=self.hosts.ns("coord") if self.hosts else None)
         self.monitor.start()
-        self.say(f"coordinator on 127.0.0.1:{self.port} (metrics :{self.metrics_port}), "
-                 f"starting {self.args.workers} workers")
+        self.say(f"coordinator on {self.address}:{self.port} (metrics :{self.metrics_port}), "
+                 f"starting {self.args.workers} workers"
+                 + (" on hosts h1..h{}".format(self.args.workers) if self.hosts else ""))
         for i in range(self.args.workers):
             self.start_worker(f"w{i}")
 
@@ -811,12 +919,60 @@ class Soak:
         worker.signal(signal.SIGKILL)
         worker.wait(5)
 
+    def inject_partition(self, fault):
+        """Drops every packet between hosts (iptables in their namespaces) and heals after
+        fault.duration: two workers' hosts from each other, one worker's host from every peer
+        (it still reaches the coordinator), or the coordinator's host from fault.cut of the
+        workers' hosts. Returns what it did, or "" with fault.skipped set."""
+        hosts = sorted({w.host for w in self.live_workers() if not w.stopped},
+                       key=lambda h: int(h[1:]))
+        at = min(len(hosts) - 1, int(fault.pick * len(hosts))) if hosts else 0
+        if fault.variant == "pair":
+            if len(hosts) < 2:
+                fault.skipped = "fewer than two hosts with running workers"
+                return ""
+            a, b = hosts[at], hosts[(at + 1) % len(hosts)]
+            self.hosts.partition(a, b)
+            cut, what = [(a, b)], f"partition {a} <-/-> {b}"
+        elif fault.variant == "worker":
+            if not hosts:
+                fault.skipped = "no host with a running worker"
+                return ""
+            others = [h for h in self.hosts.names if h not in ("coord", hosts[at])]
+            self.hosts.isolate(hosts[at], except_=["coord"])
+            cut, what = [(hosts[at], o) for o in others], f"partition {hosts[at]} from its peers"
+        else:
+            if not hosts:
+                fault.skipped = "no host with a running worker"
+                return ""
+            chosen = [hosts[(at + i) % len(hosts)] for i in range(min(fault.cut, len(hosts)))]
+            for host in chosen:
+                self.hosts.partition("coord", host)
+            cut, what = [("coord", h) for h in chosen], f"partition coord from {', '.join(chosen)}"
+        on = {h: sorted(w.id for w in self.live_workers() if w.host == h) for h in hosts}
+        what += " (" + "; ".join(f"{h}: {', '.join(ids)}" for h, ids in on.items() if ids) + ")"
+        self.partitions_in_force += 1
+        self.watched_partitions.append(fault)
+
+        def heal():
+            for a, b in cut:
+                self.hosts.heal(a, b)
+            self.partitions_in_force -= 1
+            fault.healed = True
+            self.say(f"healed fault {fault.index} after {fault.duration:.1f}s")
+        self.later(fault.duration, f"heal fault {fault.index}", heal)
+        return what + f" for {fault.duration:.1f}s"
+
     def inject(self, fault):
         step = self.monitor.snapshot()[1]
         fault.fired_at = time.time()
         self.last_action = time.time()
         runnable = [w for w in self.live_workers() if not w.stopped]
-        if fault.kind in ("kill", "stop"):
+        if fault.kind == "partition":
+            fault.what = self.inject_partition(fault)
+            if fault.skipped:
+                return
+        elif fault.kind in ("kill", "stop"):
             if not runnable:
                 fault.skipped = "no running worker"
                 return
@@ -863,7 +1019,7 @@ class Soak:
                 raise SoakFailure("the coordinator did not come back on port "
                                   f"{self.port}:\n" + "\n".join(self.notes[-2:]))
             recovered = "(kept)" in self.coordinator.log() and "generation" in self.coordinator.log()
-            self.say(f"coordinator restarted on 127.0.0.1:{self.port}"
+            self.say(f"coordinator restarted on {self.address}:{self.port}"
                      + (" (world kept)" if recovered else ""))
             self.coordinator_restarts += 1
             self.check_history_kept(self.events_before_kill,
@@ -909,6 +1065,7 @@ class Soak:
             if code != 0:
                 fault.skipped = f"refused: {err.strip()}"
                 return
+            victim.leaving = True  # its host is free for the replacement
             fault.what = f"shardctl drain {victim.name} ({self.rank_of(victim.id)})"
             if replace_after:
                 replacement = self.replace(fault, victim.id)
@@ -923,7 +1080,7 @@ class Soak:
         return (sample is not None and self.coordinator.alive()
                 and sample.get("running") == 1 and sample.get("world_size") == sample.get("ranks")
                 and sample.get("leaving", 0) == 0 and self.pending_resolutions == 0
-                and progress > self.args.every)
+                and self.partitions_in_force == 0 and progress > self.args.every)
 
     def fitted_gap(self, fault, step):
         """The fault's gap, shortened if the steps left would not hold the faults still to
@@ -1022,6 +1179,9 @@ class Soak:
                 lines = text.splitlines()
                 print(f"---- shardctl {' '.join(argv)}" + (" (last 40)" if len(lines) > 40 else ""))
                 print("\n".join(lines[-40:]))
+        if self.hosts is not None:
+            print("---- test hosts (scripts/fault-hosts.sh faults)")
+            print(self.hosts.faults().rstrip())
         if self.coordinator is not None:
             print(f"---- {os.path.relpath(self.coordinator.log_path, self.dir)} (last 30 lines)")
             print(tail(self.coordinator.log_path, 30))
@@ -1237,10 +1397,13 @@ class Soak:
         rows = [("fault", "planned", "injected", "survived", "re-formed", "lost median s",
                  "lost max s")]
         labels = {"kill": "worker SIGKILL", "stop": "worker SIGSTOP", "coordinator":
-                  "coordinator SIGKILL", "resize": "shardctl resize", "drain": "shardctl drain"}
+                  "coordinator SIGKILL", "resize": "shardctl resize", "drain": "shardctl drain",
+                  "partition": "network partition"}
         _, last_step, last_change, _ = self.monitor.snapshot() if self.monitor else (None,) * 4
         for kind in Fault.KINDS:
             planned = [f for f in self.faults if f.kind == kind]
+            if kind == "partition" and not planned:
+                continue
             done = [f for f in fired if f.kind == kind]
             # Survived: training made progress after it (and, in a pass, the job finished).
             survived = [f for f in done
@@ -1290,6 +1453,22 @@ class Soak:
             ("steps", f"{self.trained_steps(last_step)} of {self.args.steps}; job finished: "
                       f"{'yes' if self.finished else 'no'}"),
         ]
+        partitions = [f for f in fired if f.kind == "partition"]
+        if partitions:
+            variants = {v: sum(1 for f in partitions if f.variant == v)
+                        for v in ("pair", "worker", "coordinator")}
+            med, mx = median_max([f.longest_quiet for f in partitions])
+            facts[1:1] = [
+                ("partitions", f"a pair {variants['pair']}, a worker from its peers "
+                               f"{variants['worker']}, the coordinator from some "
+                               f"{variants['coordinator']}; "
+                               f"{sum(f.duration for f in partitions):.0f}s in all"),
+                ("longest standstill after a partition", f"median {med}s, max {mx}s (bound "
+                                                         f"{self.args.partition_hang_after:.0f}s)"),
+                ("reachability events", f"{kinds.count('unreachable')} unreachable, "
+                                        f"{kinds.count('isolated')} isolated, "
+                                        f"{kinds.count('reachable')} reachable"),
+            ]
         if self.finished:
             took = self.end_time - self.start_time
             line = f"{took:.1f}s with faults"
@@ -1361,6 +1540,13 @@ def main():
     parser.add_argument("--coordinator-kills", type=int, default=3, help="coordinator SIGKILLs, each restarted (default 3)")
     parser.add_argument("--resizes", type=int, default=2, help="shardctl resize calls (default 2)")
     parser.add_argument("--drains", type=int, default=2, help="shardctl drain calls (default 2)")
+    parser.add_argument("--partitions", type=int, default=0,
+                        help="network partitions, each healed after up to 20 s (default 0); they "
+                             "need root: every process then runs on test hosts made of network "
+                             "namespaces (docs/faults.md); without root the soak exits 77")
+    parser.add_argument("--partition-hang-after", type=float, default=90.0,
+                        help="training must move within this many seconds of each partition's "
+                             "start (default 90)")
     parser.add_argument("--steps", type=int, default=None,
                         help="the job's steps (default: enough for the faults)")
     parser.add_argument("--duration", type=float, default=None,
@@ -1398,7 +1584,7 @@ def main():
         parser.error("--min-workers must be in 1..workers")
     if args.stops is None:
         args.stops = max(1, args.kills // 5) if args.kills > 0 else 0
-    for name in ("kills", "stops", "coordinator_kills", "resizes", "drains"):
+    for name in ("kills", "stops", "coordinator_kills", "resizes", "drains", "partitions"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
     if args.resizes and args.min_workers == args.workers:
@@ -1412,11 +1598,22 @@ def main():
         # after it decides to fire; gaps shrink if that takes more (Soak.fitted_gap).
         needed = 2 * args.every + 1 + sum(f.gap + LATENCY_STEPS for f in schedule
                                           if f.timing != "reform")
+        # A partition lets training run on (a world without the hosts cut off) for its
+        # duration and the fold-in after the heal.
+        needed += sum(int(PARTITION_STEPS_PER_SECOND * (f.duration + 10)) for f in schedule
+                      if f.kind == "partition")
         args.steps = int(1.2 * needed) + tail_steps(args)
     if args.hang_after is None:
         args.hang_after = 20 + 10 * max(args.lease, args.grace)
     if args.duration is None:
         args.duration = 180 + faults * (15 + 3 * (args.lease + args.grace)) + args.steps * 0.1
+        args.duration += sum(f.duration + args.partition_hang_after for f in schedule
+                             if f.kind == "partition")
+    if args.partitions:
+        why = fault_hosts.unavailable()
+        if why is not None:
+            print(f"soak: skipped: --partitions {why}", flush=True)
+            return 77
 
     print(f"soak: seed {args.seed} (rerun the same schedule with --seed {args.seed})", flush=True)
     soak = None
@@ -1460,6 +1657,8 @@ def main():
                     and soak.coordinator.alive():
                 soak.read_events(tries=1)  # for the report, while the coordinator still answers
             soak.kill_everything()
+            if soak.hosts is not None:
+                soak.hosts.down()  # the namespaces, and anything still running in them
     if soak is None:
         print(f"soak: {outcome} (seed {args.seed})", flush=True)
         return code

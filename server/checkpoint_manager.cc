@@ -34,10 +34,23 @@ std::optional<MemoryRestorePoint> MemoryStartOf(const v1::CheckpointCatalog& cat
   return point;
 }
 
+// Events about failed and skipped saves: every one of the first few after a commit, then one at
+// every power of two, so that a disk full for hours does not flood the history.
+bool WorthAnEvent(int64_t count) { return count <= 3 || (count & (count - 1)) == 0; }
+constexpr absl::Duration kSkipEventInterval = absl::Minutes(1);
+
 // Only directories named like our checkpoints are ever removed.
 bool LooksLikeCheckpoint(const std::string& name) {
   static const std::regex pattern("step-[0-9]{8}(-[A-Za-z0-9]+)?");
   return std::regex_match(name, pattern);
+}
+
+// The generation a coordinator's worker saved checkpoint `name` at ("step-00000040-g7": 7).
+std::optional<int64_t> GenerationOf(const std::string& name) {
+  static const std::regex pattern("step-[0-9]{8}-g([0-9]{1,18})");
+  std::smatch match;
+  if (!std::regex_match(name, match, pattern)) return std::nullopt;
+  return std::stoll(match[1].str());
 }
 
 }  // namespace
@@ -198,13 +211,65 @@ void CheckpointManager::CancelPause(int64_t request) {
   if (absl::Status saved = PersistLocked(); !saved.ok()) spdlog::error("{}", saved.message());
 }
 
-void CheckpointManager::FailLocked(const std::string& id, const std::string& error) {
+std::string CheckpointManager::LatestLocked() const {
+  if (catalog_.checkpoints().empty()) return "none";
+  const v1::CheckpointRecord& latest = *catalog_.checkpoints().rbegin();
+  return absl::StrCat(latest.id(), " (step ", latest.step(), ")");
+}
+
+void CheckpointManager::FailLocked(const std::string& id, const std::string& error,
+                                   absl::Time now) {
   auto it = pending_.find(id);
   const int64_t request = it == pending_.end() ? 0 : it->second.request;
+  const int64_t step = it == pending_.end() ? 0 : it->second.step;
   errors_[request] = error;
+  failed_.insert(id);
   spdlog::error("checkpoint {} failed: {}", id, error);
+  // Every shard of it goes, also those still being written (their reports remove them again).
   DiscardLocked(id, "a failed checkpoint");
   if (it != pending_.end()) pending_.erase(it);
+  ++health_.failures;
+  ++health_.failures_total;
+  health_.last_failure = absl::StrCat(id, ": ", error);
+  health_.last_failure_at = now;
+  if (WorthAnEvent(health_.failures)) {
+    notices_.push_back(CheckpointNotice{
+        v1::MEMBERSHIP_EVENT_KIND_CHECKPOINT_FAILED,
+        absl::StrCat("checkpoint ", id, step > 0 ? absl::StrCat(" (step ", step, ")") : "",
+                     request > 0 ? absl::StrCat(", request ", request) : "", " failed: ", error,
+                     "; nothing of it is left, the latest committed checkpoint is ",
+                     LatestLocked(), ", training goes on and saves are tried again (",
+                     health_.failures, health_.failures == 1 ? " save" : " saves",
+                     " failed since the last commit)")});
+  }
+}
+
+void CheckpointManager::NoteSkippedLocked(const ShardReport& report, absl::Time now) {
+  ++health_.skipped;
+  ++health_.skipped_total;
+  health_.last_skip = report.skipped;
+  spdlog::warn("{}", report.skipped);
+  // A slow disk skips saves between its commits for as long as it stays slow: at most one event
+  // a minute, so that the history keeps its other events.
+  if (last_skip_event_.has_value() && now - *last_skip_event_ < kSkipEventInterval) return;
+  last_skip_event_ = now;
+  notices_.push_back(CheckpointNotice{
+      v1::MEMBERSHIP_EVENT_KIND_CHECKPOINT_SKIPPED,
+      absl::StrCat(report.skipped, "; the latest committed checkpoint is ", LatestLocked(), ", ",
+                   health_.skipped, health_.skipped == 1 ? " periodic save" : " periodic saves",
+                   " skipped since (this is said at most once a minute)")});
+}
+
+SaveHealth CheckpointManager::health() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return health_;
+}
+
+std::vector<CheckpointNotice> CheckpointManager::TakeNotices() {
+  absl::MutexLock lock(&mu_);
+  std::vector<CheckpointNotice> notices;
+  notices.swap(notices_);
+  return notices;
 }
 
 void CheckpointManager::DiscardLocked(const std::string& id, absl::string_view why) {
@@ -231,6 +296,11 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
   }
   absl::MutexLock lock(&mu_);
   if (report.generation != generation_) {
+    // Its generation ended while it was written: what it wrote can never commit (the id names
+    // that generation, so no later save uses the directory).
+    if (!FindLocked(report.id).ok() && !pending_.contains(report.id)) {
+      DiscardLocked(report.id, "a checkpoint of an ended generation");
+    }
     return absl::AbortedError(absl::StrCat(
         "rank ", report.rank, "'s shard of ", report.id, " was saved at generation ",
         report.generation, ", which has ended (now ", generation_, "); it is not committed"));
@@ -241,6 +311,15 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
         report.plan_hash, " but the current plan is ", plan.plan->hash));
   }
   if (FindLocked(report.id).ok()) return false;  // already committed (a retried report)
+  if (!report.skipped.empty()) {
+    NoteSkippedLocked(report, now);
+    return false;
+  }
+  if (failed_.contains(report.id)) {
+    // Another rank's shard of a checkpoint that failed, written after its directory was removed.
+    DiscardLocked(report.id, "a shard of a failed checkpoint");
+    return false;
+  }
   Pending& pending = pending_[report.id];
   if (pending.shards.empty()) {
     pending.shards.resize(world);
@@ -289,7 +368,7 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
     report_error = absl::StrCat("rank ", report.rank, ": ", saved_optimizer.status().message());
   }
   if (!report_error.empty()) {
-    FailLocked(report.id, report_error);
+    FailLocked(report.id, report_error, now);
     return false;
   }
   pending.shards[report.rank] = report.record;
@@ -307,7 +386,8 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
   const std::string dir = Directory(report.id);
   absl::Status committed = manifest.ok() ? storage_->Commit(dir, *manifest) : manifest.status();
   if (!committed.ok()) {
-    FailLocked(report.id, std::string(committed.message()));
+    FailLocked(report.id,
+               absl::StrCat("the coordinator could not commit it: ", committed.message()), now);
     return committed;
   }
   v1::CheckpointRecord* record = catalog_.add_checkpoints();
@@ -324,7 +404,16 @@ absl::StatusOr<bool> CheckpointManager::ReportShard(const ShardReport& report,
                "{:.2f} ms, slowest shard write {:.1f} ms",
                report.id, pending.step, world, manifest->total_bytes(), pending.max_pause_ms,
                pending.max_write_ms);
+  if (health_.failures > 0) {
+    notices_.push_back(CheckpointNotice{
+        v1::MEMBERSHIP_EVENT_KIND_CHECKPOINT_RECOVERED,
+        absl::StrCat("checkpoint ", report.id, " (step ", pending.step, ") committed after ",
+                     health_.failures, health_.failures == 1 ? " failed save" : " failed saves",
+                     " (the last: ", health_.last_failure, ")")});
+  }
   pending_.erase(report.id);
+  health_.failures = 0;
+  health_.skipped = 0;
   ApplyRetentionLocked();
   SHARD_RETURN_IF_ERROR(PersistLocked());
   return true;
@@ -521,6 +610,8 @@ std::optional<CheckpointManager::RestoreSummary> CheckpointManager::NoteRestored
   restore_summary_.slowest = std::max(restore_summary_.slowest, report.duration);
   restore_summary_.bytes += report.bytes;
   restore_summary_.bytes_from_peers += report.bytes_from_peers;
+  restore_summary_.refused.insert(restore_summary_.refused.end(), report.refused.begin(),
+                                  report.refused.end());
   if (static_cast<int>(restored_ranks_.size()) < world_size) return std::nullopt;
   all_restored_ = true;
   restore_summary_.steps_lost = std::max<int64_t>(0, reached - restore_summary_.start.step);
@@ -592,6 +683,17 @@ void CheckpointManager::OnGeneration(int64_t generation) {
     DiscardLocked(id, "a checkpoint of an ended generation");
   }
   pending_.clear();
+  failed_.clear();
+  // And the saves of ended generations no rank reported (given up, or cut short by a death):
+  // their ids name their generation, so no later save writes there.
+  const std::string job_dir = absl::StrCat(options_.root, "/", options_.job);
+  for (const std::string& name : storage_->ListDirectories(job_dir)) {
+    const std::optional<int64_t> saved_at = GenerationOf(name);
+    if (saved_at.has_value() && *saved_at < generation_ &&
+        !storage_->IsCommitted(Directory(name))) {
+      storage_->Remove(Directory(name), "a checkpoint of an ended generation");
+    }
+  }
   BeginGenerationLocked(ended);
   if (absl::Status saved = PersistLocked(); !saved.ok()) spdlog::error("{}", saved.message());
 }

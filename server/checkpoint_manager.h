@@ -8,6 +8,12 @@
 // ends before the checkpoint commits, the request is cancelled (its progress says so) and the
 // shards written for it are removed: no worker of a later generation acts on it.
 //
+// A save that fails (a rank could not write its shard: a full disk, EIO; or the manifest could
+// not be written) is removed from disk, every shard of it, including those its other ranks
+// report later; the committed checkpoints stay as they are (retention runs only after a
+// commit), the request it answered fails with the error, and later saves go on as usual. Failed
+// and skipped saves (SaveHealth) are shown in status and recorded as events (TakeNotices).
+//
 // No gRPC. Thread-safe.
 #pragma once
 
@@ -43,6 +49,23 @@ struct CheckpointOptions {
   bool recover = false;
 };
 
+// Saves since the newest commit that did not commit, for status and metrics.
+struct SaveHealth {
+  int64_t failures = 0;        // failed since the newest commit
+  int64_t failures_total = 0;  // since this coordinator started
+  std::string last_failure;    // "step-00000070-g1: rank 1 could not write its shard: ..."
+  std::optional<absl::Time> last_failure_at;
+  int64_t skipped = 0;  // periodic saves skipped since the newest commit (a slow disk)
+  int64_t skipped_total = 0;
+  std::string last_skip;
+};
+
+// Something about saves for the job's event history (the caller records it).
+struct CheckpointNotice {
+  v1::MembershipEventKind kind = v1::MEMBERSHIP_EVENT_KIND_UNSPECIFIED;
+  std::string detail;
+};
+
 class CheckpointManager {
  public:
   // Loads the catalog, drops entries whose manifest is gone, and removes checkpoint
@@ -74,9 +97,17 @@ class CheckpointManager {
   // Records a rank's shard (`report.rank` from the membership); once every rank of `plan`'s
   // world has reported, writes the manifest and records the checkpoint (true). Reports must be
   // of the current generation (Aborted otherwise) and plan.
+  // A report of a save that failed, of a checkpoint that already failed, or of an ended
+  // generation removes what that save left on disk (never a committed checkpoint). A report with
+  // `skipped` set notes a periodic save that was not written.
   absl::StatusOr<bool> ReportShard(const ShardReport& report, const PlanView& plan,
                                    absl::Time now);
   SaveProgress Progress(int64_t request) const;
+  SaveHealth health() const;
+  // What happened to saves since the last call, for the event history: a save that failed (the
+  // first few after a commit, then every power of two), a periodic save skipped (at most one a
+  // minute), and the first commit after failures.
+  std::vector<CheckpointNotice> TakeNotices();
 
   std::vector<v1::CheckpointRecord> List() const;
   // `id` or "latest".
@@ -108,6 +139,7 @@ class CheckpointManager {
     uint64_t bytes = 0;
     uint64_t bytes_from_peers = 0;
     int64_t steps_lost = 0;  // between the furthest step reached before and the start's
+    std::vector<std::string> refused;  // copies that failed their checksums, read elsewhere
   };
   // `reached`: the furthest step training had reached before this generation.
   std::optional<RestoreSummary> NoteRestored(int64_t generation, int rank, int world_size,
@@ -167,8 +199,13 @@ class CheckpointManager {
   void DiscardLocked(const std::string& id, absl::string_view why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the pending checkpoint `id` (and the requests it would answer) with `error`.
-  void FailLocked(const std::string& id, const std::string& error)
+  void FailLocked(const std::string& id, const std::string& error, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A periodic save was skipped (report.skipped says why).
+  void NoteSkippedLocked(const ShardReport& report, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The newest committed checkpoint, in words ("step-00000060-g1 (step 60)"), or "none".
+  std::string LatestLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const CheckpointOptions options_;
   StateStore* const store_;
@@ -178,6 +215,11 @@ class CheckpointManager {
   v1::CheckpointCatalog catalog_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, std::string> errors_ ABSL_GUARDED_BY(mu_);  // by request
+  // Checkpoints of the current generation that failed: later shards of them are removed.
+  std::set<std::string> failed_ ABSL_GUARDED_BY(mu_);
+  SaveHealth health_ ABSL_GUARDED_BY(mu_);
+  std::optional<absl::Time> last_skip_event_ ABSL_GUARDED_BY(mu_);
+  std::vector<CheckpointNotice> notices_ ABSL_GUARDED_BY(mu_);
   TrainingStartPoint start_ ABSL_GUARDED_BY(mu_);
   bool training_started_ ABSL_GUARDED_BY(mu_) = false;
   bool restore_requested_ ABSL_GUARDED_BY(mu_) = false;  // SetRestorePoint awaiting a generation

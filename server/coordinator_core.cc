@@ -358,9 +358,7 @@ absl::Status CoordinatorCore::ReportRestore(const RestoreReport& report, absl::T
                         absl::StrCat("rank ", member.rank, " could not restore ",
                                      report.in_memory ? "memory snapshot " : "checkpoint ",
                                      report.checkpoint_id, ": ", report.error,
-                                     report.in_memory ? "; it is not used again" : "",
-                                     report.refused.empty() ? "" : "; ",
-                                     absl::StrJoin(report.refused, "; ")),
+                                     report.in_memory ? "; it is not used again" : ""),
                         now);
     return absl::OkStatus();
   }

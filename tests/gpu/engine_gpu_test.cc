@@ -176,6 +176,7 @@ Training Train(const JobConfig& job, Backend backend, const std::string& restore
       options.restore_dir = restore_dir;
       options.on_step = [&mine](const StepRecord& record) { mine.steps.push_back(record); };
       options.on_checkpoint = [&](const SavedShard& shard) {
+        if (!shard.skipped.empty()) return;  // a periodic save skipped: nothing to commit
         absl::MutexLock lock(&mu);
         run.saved[shard.id].push_back(shard);
       };

@@ -76,6 +76,7 @@ inline void TrainMlpOnThreads(const JobConfig& job, const RankThreadsOptions& ru
         options.consolidate_path = run.consolidate_path;
       }
       options.on_checkpoint = [&](const SavedShard& shard) {
+        if (!shard.skipped.empty()) return;  // a periodic save skipped: nothing to commit
         absl::MutexLock lock(&mu);
         saved[shard.id].push_back(shard);
       };

@@ -4,7 +4,10 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +18,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/files.h"
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "tests/support/status_assertions.h"
 
@@ -757,6 +762,145 @@ TEST(CheckpointTest, ASavedOptimizerIsTheJobsWithTheStateItsRanksReport) {
       SavedOptimizer(torch, OptimizerStateKind{"torch.optim.rmsprop.RMSprop", {"square_avg"}}));
   EXPECT_EQ(reported.torch_class, "torch.optim.rmsprop.RMSprop");
   EXPECT_EQ(OptimizerStateNames(reported), std::vector<std::string>{"square_avg"});
+}
+
+// --- When the disk or the memory fails (docs/checkpoints.md, "When the disk fails") -----------
+
+TEST(CheckpointTest, FileErrorsSayWhatACallerCanDoAboutThem) {
+  EXPECT_EQ(FileError("cannot write", "/x", ENOSPC).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(FileError("cannot write", "/x", EDQUOT).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(FileError("cannot write", "/x", EIO).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(FileError("cannot open", "/x", ENOENT).code(), absl::StatusCode::kNotFound);
+  const absl::Status full = FileError("cannot write", "/ck/shard.bin", ENOSPC);
+  EXPECT_NE(full.message().find("'/ck/shard.bin': No space left on device"),
+            absl::string_view::npos)
+      << full;
+}
+
+// The names of the files in `dir` (none when it does not exist).
+std::vector<std::string> FilesIn(const std::string& dir) {
+  std::vector<std::string> names;
+  if (!std::filesystem::exists(dir)) return names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    names.push_back(entry.path().filename().string());
+  }
+  return names;
+}
+
+// A write the device fails half-way (SHARD_WRITE_ERROR, as real EIO would come from a failing
+// disk) is an error naming the file and the cause, and leaves no file behind.
+TEST(CheckpointTest, AShardWriteThatFailsHalfWayLeavesNoFile) {
+  const std::string dir = ::testing::TempDir() + "/shard-checkpoint-test-eio-" +
+                          std::to_string(getpid()) + "/step-00000009";
+  std::filesystem::remove_all(dir);
+  std::vector<char> bytes(3 << 20, 'x');
+  {
+    ::setenv("SHARD_WRITE_ERROR", "EIO", 1);
+    absl::StatusOr<std::unique_ptr<ShardWriter>> writer = ShardWriter::Create(dir, 1, 2);
+    ::unsetenv("SHARD_WRITE_ERROR");
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    const absl::Status written = (*writer)->Append(bytes.data(), bytes.size());
+    EXPECT_EQ(written.code(), absl::StatusCode::kDataLoss) << written;
+    EXPECT_NE(written.message().find("Input/output error"), absl::string_view::npos) << written;
+    EXPECT_NE(written.message().find(ShardFileName(1, 2) + ".tmp."), absl::string_view::npos)
+        << written;
+    EXPECT_EQ(FilesIn(dir).size(), 1u) << "half of it is in its temporary file until then";
+  }
+  EXPECT_TRUE(FilesIn(dir).empty()) << FilesIn(dir)[0];
+  // Without the fault the same write goes through.
+  SHARD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShardWriter> writer, ShardWriter::Create(dir, 1, 2));
+  SHARD_ASSERT_OK(writer->Append(bytes.data(), bytes.size()));
+  SHARD_ASSERT_OK(writer->Finish().status());
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{ShardFileName(1, 2)});
+}
+
+// A cancelled write (a save of a generation that ended, on a disk slowed to a crawl) stops and
+// leaves no file behind.
+TEST(CheckpointTest, ACancelledShardWriteStopsAndLeavesNoFile) {
+  const std::string dir = ::testing::TempDir() + "/shard-checkpoint-test-cancel-" +
+                          std::to_string(getpid()) + "/step-00000009";
+  std::filesystem::remove_all(dir);
+  std::vector<char> bytes(40 << 20, 'x');
+  std::atomic<bool> cancel{true};
+  {
+    SHARD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShardWriter> writer,
+                               ShardWriter::Create(dir, 0, 1, &cancel));
+    const absl::Status written = writer->Append(bytes.data(), bytes.size());
+    EXPECT_EQ(written.code(), absl::StatusCode::kCancelled) << written;
+  }
+  EXPECT_TRUE(FilesIn(dir).empty());
+}
+
+// Storage with two sources of every shard, as a memory snapshot with two holders: the first
+// source's copy of shard 0 has one bit flipped (a memory error in a holder); Refuse moves to the
+// next.
+class TwoSourceShards : public ShardStorage {
+ public:
+  explicit TwoSourceShards(std::unique_ptr<ShardStorage> files, bool second_corrupt = false)
+      : files_(std::move(files)), second_corrupt_(second_corrupt) {}
+  absl::Status Read(int shard, uint64_t offset, uint64_t bytes, char* out) override {
+    SHARD_RETURN_IF_ERROR(files_->Read(shard, offset, bytes, out));
+    ++reads_[source_];
+    const bool corrupt = shard == 0 && (source_ == 0 || second_corrupt_);
+    // The flipped bit sits 100 bytes into block 1 of the shard.
+    const uint64_t flipped = kCheckpointBlockBytes + 100;
+    if (corrupt && offset <= flipped && flipped < offset + bytes) out[flipped - offset] ^= 1;
+    return absl::OkStatus();
+  }
+  std::string Describe(int shard) const override {
+    return absl::StrCat(files_->Describe(shard), " from source ", source_);
+  }
+  bool Refuse(int /*shard*/, const absl::Status& why) override {
+    refusals_.push_back(std::string(why.message()));
+    if (source_ == 1) return false;
+    source_ = 1;
+    return true;
+  }
+  int source() const { return source_; }
+  int reads(int source) const { return reads_[source]; }
+  const std::vector<std::string>& refusals() const { return refusals_; }
+
+ private:
+  std::unique_ptr<ShardStorage> files_;
+  const bool second_corrupt_;
+  int source_ = 0;
+  int reads_[2] = {0, 0};
+  std::vector<std::string> refusals_;
+};
+
+TEST(CheckpointTest, BytesThatFailTheirChecksumAreReadAgainFromTheNextSourceOrRefused) {
+  const std::string dir = WriteCheckpoint("step-00000023", 2, std::nullopt, LargeModel());
+  for (const bool second_corrupt : {false, true}) {
+    SCOPED_TRACE(second_corrupt ? "every source corrupt" : "the first source corrupt");
+    SHARD_ASSERT_OK_AND_ASSIGN(CheckpointManifest manifest, ReadCheckpointManifest(dir));
+    auto storage = std::make_unique<TwoSourceShards>(
+        std::make_unique<ShardsReadWithPread>(DirectoryShards(dir, manifest)), second_corrupt);
+    TwoSourceShards* sources = storage.get();
+    std::unique_ptr<CheckpointReader> reader =
+        CheckpointReader::Open(std::move(manifest), std::move(storage), dir);
+    const int64_t numel = LargeModel().params[0].numel();
+    std::vector<float> values(numel);
+    // w's values, then its exp_avg: whole blocks and partial ones, block 1 among them.
+    const absl::Status read = reader->ReadElements(0, -1, 0, numel, values.data());
+    if (second_corrupt) {
+      EXPECT_EQ(read.code(), absl::StatusCode::kDataLoss) << read;
+      EXPECT_NE(read.message().find("from source 1"), absl::string_view::npos) << read;
+      EXPECT_EQ(sources->refusals().size(), 2u);
+      continue;
+    }
+    SHARD_ASSERT_OK(read);
+    for (int64_t i = 0; i < numel; i += 4099) ASSERT_EQ(values[i], Expected(0, -1, i)) << i;
+    EXPECT_EQ(values[numel - 1], Expected(0, -1, numel - 1));
+    ASSERT_EQ(sources->refusals().size(), 1u);
+    EXPECT_NE(sources->refusals()[0].find("from source 0 is corrupt"), std::string::npos)
+        << sources->refusals()[0];
+    EXPECT_EQ(sources->source(), 1);
+    EXPECT_GT(sources->reads(1), 0);
+    // Later reads, and a full verification, use the good source only.
+    SHARD_EXPECT_OK(reader->ReadElements(0, 0, 0, numel, values.data()));
+    SHARD_EXPECT_OK(reader->VerifyShard(0, nullptr));
+    EXPECT_EQ(sources->refusals().size(), 1u);
+  }
 }
 
 }  // namespace

@@ -178,6 +178,7 @@ void Train(const JobConfig& job, Device* device, const std::string& restore_dir)
         options.consolidate_to_rank = 0;
         options.consolidate_path = job.output_dir + "/consolidated.safetensors";
         options.on_checkpoint = [&](const SavedShard& shard) {
+          if (!shard.skipped.empty()) return;  // a periodic save skipped: nothing to commit
           absl::MutexLock lock(&mu);
           saved[shard.id].push_back(shard);
         };

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <set>
@@ -264,7 +265,8 @@ TEST(SnapshotFetchTest, ARangeIsReadFromTheOwnStoreOrTheFirstHolderThatServesItA
   EXPECT_EQ(std::memcmp(values.data(), bytes0.data(), values.size() * 4), 0);
   EXPECT_EQ(stats.bytes_from_peers.load(), values.size() * 4);
 
-  // Rank 1's shard is this worker's own: no network. Garbled in memory, it is caught.
+  // Rank 1's shard is this worker's own: no network. Garbled in memory, it is caught, and with
+  // no other holder of it the read fails naming the copy.
   std::vector<char> read(bytes1.size());
   std::unique_ptr<ShardStorage> storage =
       SnapshotShards(shard0.id, holders, &own, absl::Seconds(10), nullptr, nullptr);
@@ -273,12 +275,15 @@ TEST(SnapshotFetchTest, ARangeIsReadFromTheOwnStoreOrTheFirstHolderThatServesItA
   const_cast<std::vector<char>&>(*own.Find(shard1.id, 1)->bytes)[12] ^= 1;
   CheckpointManifest manifest = ManifestOf({shard0, shard1});
   manifest.tensors[0].pieces[0].shard = 1;
+  std::vector<std::vector<SnapshotHolderAddress>> only_mine = {holders[0], {}};
   std::unique_ptr<CheckpointReader> garbled = CheckpointReader::Open(
-      manifest, SnapshotShards(shard0.id, holders, &own, absl::Seconds(10), nullptr, nullptr),
+      manifest, SnapshotShards(shard0.id, only_mine, &own, absl::Seconds(10), nullptr, nullptr),
       "memory");
   absl::Status corrupt = garbled->ReadElements(0, -1, 0, 4, values.data());
   EXPECT_TRUE(absl::IsDataLoss(corrupt)) << corrupt;
-  EXPECT_THAT(corrupt.message(), HasSubstr("rank 1's shard of memory snapshot step-00000008-g2"));
+  EXPECT_THAT(corrupt.message(),
+              HasSubstr("rank 1's shard of memory snapshot step-00000008-g2 as this worker held "
+                        "it"));
 
   // Nobody holds it: the error names every holder tried.
   std::vector<std::vector<SnapshotHolderAddress>> gone = {{{"w9", "127.0.0.1:1"}}, {}};
@@ -287,6 +292,57 @@ TEST(SnapshotFetchTest, ARangeIsReadFromTheOwnStoreOrTheFirstHolderThatServesItA
           ->Read(0, 0, 8, read.data());
   EXPECT_TRUE(absl::IsUnavailable(unavailable)) << unavailable;
   EXPECT_THAT(unavailable.message(), HasSubstr("w9 at 127.0.0.1:1"));
+}
+
+// A holder's replica garbled in its memory after it was verified (SHARD_CORRUPT_REPLICAS, as a
+// flipped bit would leave it) is refused by its checksums: the read goes on from the next holder
+// and returns the right bytes, and what was refused is said. Only when every copy is bad does
+// the read fail, naming them.
+TEST(SnapshotFetchTest, ACopyThatFailsItsChecksumsIsRefusedAndTheNextHolderRead) {
+  Peer flipped;
+  Peer good;
+  const std::vector<char> bytes = Bytes(2 * kCheckpointBlockBytes + 1000, 8);
+  const SnapshotShard shard = Shard(3, 20, 0, 1, bytes);
+  ::setenv("SHARD_CORRUPT_REPLICAS", "1", 1);
+  // The replica arrives whole; the bit flips once it is kept.
+  SHARD_ASSERT_OK(PushSnapshotShard(flipped.server->address(), shard, bytes, PeerCallOptions{}));
+  ::unsetenv("SHARD_CORRUPT_REPLICAS");
+  SHARD_ASSERT_OK(PushSnapshotShard(good.server->address(), shard, bytes, PeerCallOptions{}));
+  ASSERT_NE(*flipped.store.Find(shard.id, 0)->bytes, bytes);
+  ASSERT_EQ(*good.store.Find(shard.id, 0)->bytes, bytes);
+
+  const std::vector<std::vector<SnapshotHolderAddress>> holders = {
+      {{"w1", flipped.server->address()}, {"w2", good.server->address()}}};
+  SnapshotReadStats stats;
+  std::unique_ptr<CheckpointReader> reader = CheckpointReader::Open(
+      ManifestOf({shard}),
+      SnapshotShards(shard.id, holders, nullptr, absl::Seconds(10), nullptr, &stats), "memory");
+  std::vector<float> values(bytes.size() / 4);
+  SHARD_ASSERT_OK(reader->ReadElements(0, -1, 0, static_cast<int64_t>(values.size()),
+                                       values.data()));
+  EXPECT_EQ(std::memcmp(values.data(), bytes.data(), values.size() * 4), 0);
+  ASSERT_EQ(stats.refusals().size(), 1u);
+  EXPECT_THAT(stats.refusals()[0],
+              AllOf(HasSubstr("rank 0's shard of memory snapshot step-00000020-g3 as w1 at " +
+                              flipped.server->address() + " held it failed its checksums"),
+                    HasSubstr("do not match their checksum"),
+                    HasSubstr("refused, read from the next holder")));
+  // Later reads go to the good holder only.
+  SHARD_ASSERT_OK(reader->VerifyShard(0, nullptr));
+  EXPECT_EQ(stats.refusals().size(), 1u);
+
+  // Held only by the garbled copy: the read fails, naming it.
+  SnapshotReadStats alone;
+  std::unique_ptr<CheckpointReader> bad = CheckpointReader::Open(
+      ManifestOf({shard}),
+      SnapshotShards(shard.id, {{holders[0][0]}}, nullptr, absl::Seconds(10), nullptr, &alone),
+      "memory");
+  const absl::Status refused = bad->ReadElements(0, -1, 0, static_cast<int64_t>(values.size()),
+                                                 values.data());
+  EXPECT_TRUE(absl::IsDataLoss(refused)) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("as w1 at " + flipped.server->address() + " held it"));
+  ASSERT_EQ(alone.refusals().size(), 1u);
+  EXPECT_THAT(alone.refusals()[0], HasSubstr("no other holder has it"));
 }
 
 }  // namespace

@@ -255,5 +255,42 @@ TEST(StepBoundaryTest, APauseInMemoryIsAnsweredByASnapshotTakenEvenWhileReplicat
   EXPECT_TRUE(DecideStepBoundary(20, rules, orders, false, &state).save);
 }
 
+// A save due while a rank still writes the previous checkpoint (a slow disk): a periodic one is
+// skipped (the next comes at its own step), a requested one and the pause after it wait for the
+// first boundary nobody writes at; saves never queue up.
+TEST(StepBoundaryTest, ASaveDueWhileARankStillWritesTheLastIsSkippedOrWaits) {
+  StepBoundaryState state;
+  const StepBoundaryRules rules{100, 10, 0};
+  const StepOrders none{1, 0, 0};
+  StepBoundary boundary = DecideStepBoundary(10, rules, none, BoundaryWork{false, 0}, &state);
+  EXPECT_TRUE(boundary.save);
+  EXPECT_FALSE(boundary.save_skipped);
+  // Step 10's shard is still being written at step 20.
+  EXPECT_TRUE(SaveDue(20, rules, none, state));
+  boundary = DecideStepBoundary(20, rules, none, BoundaryWork{false, 10}, &state);
+  EXPECT_FALSE(boundary.save);
+  EXPECT_TRUE(boundary.save_skipped);
+  EXPECT_FALSE(SaveDue(21, rules, none, state)) << "a skipped periodic save is not owed later";
+  // An operator's request with a pause after it, while the write goes on: nothing yet.
+  const StepOrders requested{1, 5, 5};
+  EXPECT_TRUE(SaveDue(21, rules, requested, state));
+  boundary = DecideStepBoundary(21, rules, requested, BoundaryWork{false, 10}, &state);
+  EXPECT_FALSE(boundary.save);
+  EXPECT_FALSE(boundary.save_skipped) << "a request is not skipped, it waits";
+  EXPECT_FALSE(boundary.pause) << "the pause waits for its save";
+  // The write is done: the request is saved, and training pauses after it.
+  boundary = DecideStepBoundary(22, rules, requested, BoundaryWork{false, 0}, &state);
+  EXPECT_TRUE(boundary.save);
+  EXPECT_EQ(boundary.request, 5);
+  EXPECT_TRUE(boundary.pause);
+  // And the next periodic save comes at its step.
+  EXPECT_TRUE(DecideStepBoundary(30, rules, none, BoundaryWork{false, 0}, &state).save);
+  // A snapshot is not held back by a disk write.
+  const StepBoundaryRules with_snapshots{100, 10, 5};
+  boundary = DecideStepBoundary(40, with_snapshots, none, BoundaryWork{false, 30}, &state);
+  EXPECT_TRUE(boundary.save_skipped);
+  EXPECT_TRUE(boundary.snapshot);
+}
+
 }  // namespace
 }  // namespace shard

@@ -1,7 +1,9 @@
 // A memory snapshot's shards as a CheckpointReader reads them (common/checkpoint.h
 // ShardStorage): a shard this worker holds is read from its own SnapshotStore, any other from the
 // first of its holders' snapshot servers that serves it. The reader checks every block against the
-// snapshot's checksums, so a holder that lost or garbled a shard can only make the read fail.
+// snapshot's checksums: bytes that fail them (a copy garbled in a holder's memory) are refused,
+// that source is not read again, and the shard is read from the next holder (ShardStorage::
+// Refuse); only when no holder is left does the read fail.
 #pragma once
 
 #include <atomic>
@@ -10,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "common/checkpoint.h"
 #include "worker/dataplane/snapshot_peer.h"
 #include "worker/dataplane/snapshot_store.h"
@@ -21,10 +25,18 @@ struct SnapshotHolderAddress {
   std::string address;  // host:port of its snapshot server
 };
 
-// Bytes read, and how many of them came over the network.
+// Bytes read, how many of them came over the network, and the copies refused.
 struct SnapshotReadStats {
   std::atomic<uint64_t> bytes{0};
   std::atomic<uint64_t> bytes_from_peers{0};
+
+  // A source's copy of a shard failed its checksums and was refused (what, in words).
+  void AddRefusal(std::string what);
+  std::vector<std::string> refusals() const;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::vector<std::string> refusals_ ABSL_GUARDED_BY(mu_);
 };
 
 // `holders[r]`: where rank r's shard of snapshot `id` is, in the order to try. `local` (may be

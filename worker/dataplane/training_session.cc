@@ -242,24 +242,43 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
   if (step == result_.start_step) boundary_state_.last_snapshot_step = step;
   StepOrders known = options_.orders ? options_.orders() : StepOrders{};
   if (known.generation != options_.generation) known = StepOrders{};
-  int64_t agreed[4] = {known.save_request, known.pause_request, known.pause_in_memory ? 1 : 0,
-                       snapshotter_ != nullptr && snapshotter_->busy() ? 1 : 0};
-  if (options_.orders || snapshotter_ != nullptr) {
-    SHARD_RETURN_IF_ERROR(device_.AllReduceHostValues(communicator_, agreed, 4, DataType::kInt64,
+  int64_t agreed[5] = {known.save_request, known.pause_request, known.pause_in_memory ? 1 : 0,
+                       snapshotter_ != nullptr && snapshotter_->busy() ? 1 : 0,
+                       saver_.writing_step()};
+  if (options_.orders || snapshotter_ != nullptr || job_.checkpoint_every > 0) {
+    SHARD_RETURN_IF_ERROR(device_.AllReduceHostValues(communicator_, agreed, 5, DataType::kInt64,
                                                       ReduceOp::kMax));
   }
-  const StepBoundary boundary = DecideStepBoundary(
-      step + 1,
-      StepBoundaryRules{job_.steps, job_.checkpoint_every,
-                        snapshotter_ != nullptr ? job_.snapshot_every : 0},
-      StepOrders{options_.generation, agreed[0], agreed[1], agreed[2] > 0}, agreed[3] > 0,
-      &boundary_state_);
+  const StepBoundaryRules rules{job_.steps, job_.checkpoint_every,
+                                snapshotter_ != nullptr ? job_.snapshot_every : 0};
+  const StepOrders orders{options_.generation, agreed[0], agreed[1], agreed[2] > 0};
+  BoundaryWork work{agreed[3] > 0, agreed[4]};
+  absl::Duration waited;
+  if (work.saving_step > 0 && work.saving_step != waited_for_save_ &&
+      SaveDue(step + 1, rules, orders, boundary_state_)) {
+    // A save is due while a rank still writes the previous one: each rank waits for its own
+    // write a bounded time, once per write, and the ranks agree again on whether one still
+    // writes. A slow disk holds training up at most checkpoint.max_wait_ms per write.
+    waited_for_save_ = work.saving_step;
+    const absl::Time wait_start = absl::Now();
+    saver_.WaitIdleFor(absl::Milliseconds(job_.checkpoint_max_wait_ms));
+    waited = absl::Now() - wait_start;
+    work.saving_step = saver_.writing_step();
+    SHARD_RETURN_IF_ERROR(device_.AllReduceHostValues(communicator_, &work.saving_step, 1,
+                                                      DataType::kInt64, ReduceOp::kMax));
+  }
+  const StepBoundary boundary =
+      DecideStepBoundary(step + 1, rules, orders, work, &boundary_state_);
   if (boundary.snapshot && snapshotter_ == nullptr) {
     return absl::FailedPreconditionError(
         "the coordinator asked for a memory snapshot, but this worker keeps no snapshot store");
   }
+  if (boundary.save_skipped) {
+    ++result_.checkpoints_skipped;
+    if (communicator_.rank() == 0) ReportSkippedSave(step + 1, work.saving_step, waited);
+  }
   if (boundary.snapshot || boundary.save) {
-    SHARD_RETURN_IF_ERROR(SaveState(step + 1, boundary, &record));
+    SHARD_RETURN_IF_ERROR(SaveState(step + 1, boundary, waited, &record));
   }
   if (options_.on_step) options_.on_step(record);
   if (boundary.pause) {
@@ -268,6 +287,12 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
     if (boundary.snapshot) {
       SHARD_RETURN_IF_ERROR(snapshotter_->WaitIdle([this] { return Interrupted(); }));
     }
+    // The world re-forms from a snapshot: a disk save still in flight is waited for a bounded
+    // time, then given up (its generation ends with the pause, so it could not commit later).
+    if (orders.pause_in_memory &&
+        !saver_.WaitIdleFor(absl::Milliseconds(job_.checkpoint_max_wait_ms))) {
+      saver_.Cancel();
+    }
     saver_.WaitIdle();
     result_.paused_at = step + 1;
     return Boundary::kPaused;
@@ -275,9 +300,39 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
   return finished() ? Boundary::kFinished : Boundary::kContinue;
 }
 
+void TrainingSession::ReportSkippedSave(int64_t step, int64_t writing, absl::Duration waited) {
+  SavedShard skipped;
+  skipped.id = CheckpointIdForStep(step, options_.checkpoint_tag);
+  skipped.dir = CheckpointDirectory(job_.checkpoint_dir, job_.name, skipped.id);
+  skipped.step = step;
+  skipped.rank = communicator_.rank();
+  skipped.plan = engine_->plan_pointer();
+  skipped.plan_version = engine_->plan_version();
+  skipped.counters = engine_->counters();
+  skipped.state = StateKindOf(engine_->optimizer_config());
+  skipped.skipped = absl::StrCat(
+      "the periodic checkpoint of step ", step, " was skipped: the checkpoint of step ", writing,
+      " was still being written",
+      waited >= absl::Milliseconds(1)
+          ? absl::StrCat(" after training waited ",
+                         absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))),
+                         " for it")
+          : "",
+      " (saves fall behind the disk)");
+  skipped.record = absl::UnavailableError(skipped.skipped);
+  saver_.ReportSkipped(std::move(skipped));
+}
+
+TrainingSession::~TrainingSession() {
+  // Training ended early (its generation is over, or it failed): nobody will commit the save in
+  // flight, and a slow disk must not hold this worker back from the next generation. An
+  // operator's stop lets it finish; after Finish() or a pause nothing is in flight any more.
+  if (!stop_requested()) saver_.Cancel();
+}
+
 absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& boundary,
-                                        StepRecord* record) {
-  const absl::Time pause_start = absl::Now();
+                                        absl::Duration waited, StepRecord* record) {
+  const absl::Time pause_start = absl::Now() - waited;
   const int rank = communicator_.rank();
   const uint64_t pieces =
       MakeShardLayout(engine_->manifest(), engine_->plan(), rank,

@@ -61,6 +61,7 @@ struct TrainResult {
   int64_t optimizer_state_bytes = 0;  // on this rank
   std::string output_path;            // rank 0 only
   int checkpoints_saved = 0;
+  int checkpoints_skipped = 0;  // periodic saves skipped while the one before was being written
   int64_t paused_at = 0;  // the step after which training paused for a re-formation; 0: it did not
   double max_checkpoint_pause_ms = 0;  // the longest training stall of a save or snapshot
   int snapshots_taken = 0;
@@ -107,7 +108,8 @@ struct TrainerOptions {
   int64_t generation = 0;
   // Appended to checkpoint ids (e.g. "g7"), so that a restored run never reuses an id.
   std::string checkpoint_tag;
-  // Called from the writer thread when this rank's shard is on disk (or failed).
+  // Called from the writer thread when this rank's shard is on disk (or failed), and on rank 0
+  // from another thread when a periodic save was skipped (SavedShard::skipped).
   std::function<void(const SavedShard&)> on_checkpoint;
   // After the last step: consolidate parameters and optimizer state onto this rank, which
   // writes them to `consolidate_path` (Engine::ConsolidateStateDict). -1: no.
@@ -126,6 +128,9 @@ class TrainingSession {
                                                                  Communicator& communicator,
                                                                  PlanProvider& plans,
                                                                  const TrainerOptions& options);
+  // Gives up the checkpoint write in flight (CheckpointSaver::Cancel: training ended early, so it
+  // can never commit), unless a stop was requested: then it waits for it.
+  ~TrainingSession();
 
   Engine& engine() { return *engine_; }
   Communicator& communicator() { return communicator_; }
@@ -174,8 +179,13 @@ class TrainingSession {
   // Whether a wait of the step boundary must give up: the generation ended (the communicator
   // was aborted) or training was asked to stop.
   bool Interrupted() const;
-  // The copy of what this rank owns for a snapshot and/or a disk checkpoint of step `step`.
-  absl::Status SaveState(int64_t step, const StepBoundary& boundary, StepRecord* record);
+  // The copy of what this rank owns for a snapshot and/or a disk checkpoint of step `step`
+  // (after training `waited` for the previous save's write).
+  absl::Status SaveState(int64_t step, const StepBoundary& boundary, absl::Duration waited,
+                         StepRecord* record);
+  // Tells the coordinator (through options.on_checkpoint) that the periodic checkpoint of
+  // `step` was skipped while the one of step `writing` was still being written.
+  void ReportSkippedSave(int64_t step, int64_t writing, absl::Duration waited);
   // A training script's own optimizer: FailedPrecondition unless every rank declared the same
   // class and per-element state (one small all-reduce).
   absl::Status CheckSameOptimizer();
@@ -194,6 +204,7 @@ class TrainingSession {
   StepBoundaryState boundary_state_;
   ExtrasProvider extras_provider_;
   std::map<int, std::string> restored_extras_;
+  int64_t waited_for_save_ = 0;  // the step of the last in-flight save a boundary waited for
   TrainResult result_;
   absl::Time steady_start_;  // end of this run's first step
   double hidden_ms_ = 0;
