@@ -8,7 +8,9 @@ late, by a process with the same id or a new one), a worker SIGSTOPped (then SIG
 SIGKILLed and replaced), the coordinator SIGKILLed and started again with the same command
 line on the same port and state directory, `shardctl resize` and `shardctl drain`, and (with
 --partitions, as root) network partitions that heal after a while: two workers' hosts from each
-other, one worker's host from every peer, or the coordinator's host from some of the workers'.
+other, one worker's host from every peer, or the coordinator's host from some of the workers'
+(and with --disk-faults, as root, the checkpoint disk, a tmpfs of its own, filled to ENOSPC and
+freed a few seconds later).
 A fault fires during training steps, right after a checkpoint was requested (during a save) or
 while the world is still re-forming after the previous fault.
 
@@ -139,11 +141,11 @@ class SoakFailure(Exception):
 
 
 class Fault:
-    # A new kind (the disk faults of issue 30: a full or slow checkpoint disk) needs: its count
-    # flag and its place in make_schedule's list, its parameters drawn in draw_kind_details
-    # (and shown by describe), an inject_<kind> method of Soak called from Soak.inject (as
-    # inject_partition is), and a label in Soak.report's `labels`.
-    KINDS = ("kill", "stop", "coordinator", "resize", "drain", "partition")
+    # A new kind needs: its count flag and its place in make_schedule's list, its parameters
+    # drawn in draw_kind_details (and shown by describe), an inject_<kind> method of Soak called
+    # from Soak.inject (as inject_partition and inject_disk are), and a label in Soak.report's
+    # `labels`.
+    KINDS = ("kill", "stop", "coordinator", "resize", "drain", "partition", "disk")
 
     def __init__(self, **fields):
         self.index = 0
@@ -161,7 +163,7 @@ class Fault:
         self.size = 0  # resize: the new world size
         self.variant = ""  # partition: "pair", "worker" (from every peer), "coordinator"
         self.cut = 0  # partition, coordinator variant: how many worker hosts lose it
-        self.duration = 0.0  # partition: seconds until it heals
+        self.duration = 0.0  # partition, disk: seconds until it heals (space is freed)
         self.healed = False
         self.longest_quiet = 0.0  # partition: the longest standstill of training after it
         self.__dict__.update(fields)
@@ -188,6 +190,8 @@ class Fault:
                           "worker": "a worker's host from every peer",
                           "coordinator": f"the coordinator from {self.cut} worker host(s)"}
                          [self.variant] + f" for {self.duration:.1f}s")
+        if self.kind == "disk":
+            parts.append(f"the checkpoint disk full for {self.duration:.1f}s")
         when = {"steps": f"{self.gap} steps after the world settled",
                 "save": f"{self.gap} steps after the world settled, {self.delay * 1000:.0f} ms "
                         "after a save request",
@@ -221,12 +225,16 @@ def draw_kind_details(fault, args, rng):
         # From shorter than a lease (TCP rides it out, or a re-formation follows) to 20 s (a
         # world re-forms without the hosts cut off, and folds them back in after the heal).
         fault.duration = rng.uniform(0.5 * args.lease, 20.0)
+    if fault.kind == "disk":
+        # Full for a few saves: they fail, the committed ones stay, and saves resume after.
+        fault.timing = "save" if fault.timing == "save" else "steps"
+        fault.duration = rng.uniform(1.0, 10.0)
 
 
 def make_schedule(args, rng):
     kinds = (["kill"] * args.kills + ["stop"] * args.stops + ["coordinator"] * args.coordinator_kills
              + ["resize"] * args.resizes + ["drain"] * args.drains
-             + ["partition"] * args.partitions)
+             + ["partition"] * args.partitions + ["disk"] * args.disk_faults)
     rng.shuffle(kinds)
     lease, grace = args.lease, args.grace
     faults = []
@@ -461,6 +469,7 @@ class Soak:
         # partitions in force, and those watched for standstills (until --partition-hang-after
         # after they heal).
         self.hosts = None
+        self.disk_mounted = False  # --disk-faults: the checkpoint directory is a tmpfs of ours
         self.address = "127.0.0.1"  # the coordinator's host's address
         self.partitions_in_force = 0
         self.watched_partitions = []
@@ -836,6 +845,14 @@ class Soak:
 
     def set_up(self):
         os.makedirs(self.path("workers"))
+        if self.args.disk_faults:
+            # A disk of its own, so that filling it touches nothing else (and saves hit ENOSPC).
+            os.makedirs(self.path("checkpoints"))
+            mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs",
+                                      self.path("checkpoints")], capture_output=True, text=True)
+            if mounted.returncode != 0:
+                raise SoakFailure(f"cannot mount the checkpoint disk: {mounted.stderr.strip()}")
+            self.disk_mounted = True
         code, out, err = self.tool("data", "generate", "--widths", "32,64,10", "--samples", "4096",
                                    "--seed", "9", "--out", self.path("data.safetensors"))
         if code != 0:
@@ -963,6 +980,35 @@ class Soak:
         self.later(fault.duration, f"heal fault {fault.index}", heal)
         return what + f" for {fault.duration:.1f}s"
 
+    def inject_disk(self, fault):
+        """Fills the checkpoint disk (a tmpfs of its own) to the last byte and frees it after
+        fault.duration: the saves meanwhile fail with ENOSPC, and training must go on."""
+        filler = os.path.join(self.path("checkpoints"), f".filler-{fault.index}")
+        written = 0
+        with open(filler, "wb") as handle:
+            chunk = b"\0" * (1 << 16)
+            while True:
+                try:
+                    handle.write(chunk)
+                    handle.flush()
+                    written += len(chunk)
+                except OSError:
+                    break
+        for size in (4096, 512, 1):  # the last bytes too
+            try:
+                with open(filler, "ab") as handle:
+                    while True:
+                        handle.write(b"\0" * size)
+                        handle.flush()
+            except OSError:
+                pass
+
+        def free():
+            os.remove(filler)
+            self.say(f"freed the checkpoint disk after {fault.duration:.1f}s (fault {fault.index})")
+        self.later(fault.duration, f"free the disk of fault {fault.index}", free)
+        return f"checkpoint disk full ({written >> 20} MiB written) for {fault.duration:.1f}s"
+
     def inject(self, fault):
         step = self.monitor.snapshot()[1]
         fault.fired_at = time.time()
@@ -972,6 +1018,8 @@ class Soak:
             fault.what = self.inject_partition(fault)
             if fault.skipped:
                 return
+        elif fault.kind == "disk":
+            fault.what = self.inject_disk(fault)
         elif fault.kind in ("kill", "stop"):
             if not runnable:
                 fault.skipped = "no running worker"
@@ -1398,11 +1446,11 @@ class Soak:
                  "lost max s")]
         labels = {"kill": "worker SIGKILL", "stop": "worker SIGSTOP", "coordinator":
                   "coordinator SIGKILL", "resize": "shardctl resize", "drain": "shardctl drain",
-                  "partition": "network partition"}
+                  "partition": "network partition", "disk": "checkpoint disk full"}
         _, last_step, last_change, _ = self.monitor.snapshot() if self.monitor else (None,) * 4
         for kind in Fault.KINDS:
             planned = [f for f in self.faults if f.kind == kind]
-            if kind == "partition" and not planned:
+            if kind in ("partition", "disk") and not planned:
                 continue
             done = [f for f in fired if f.kind == kind]
             # Survived: training made progress after it (and, in a pass, the job finished).
@@ -1469,6 +1517,10 @@ class Soak:
                                         f"{kinds.count('isolated')} isolated, "
                                         f"{kinds.count('reachable')} reachable"),
             ]
+        if any(f.kind == "disk" for f in fired):
+            facts.append(("checkpoint disk", f"{kinds.count('checkpoint_failed')} checkpoint_failed "
+                                             f"and {kinds.count('checkpoint_recovered')} "
+                                             f"checkpoint_recovered events"))
         if self.finished:
             took = self.end_time - self.start_time
             line = f"{took:.1f}s with faults"
@@ -1544,6 +1596,10 @@ def main():
                         help="network partitions, each healed after up to 20 s (default 0); they "
                              "need root: every process then runs on test hosts made of network "
                              "namespaces (docs/faults.md); without root the soak exits 77")
+    parser.add_argument("--disk-faults", type=int, default=0,
+                        help="the checkpoint disk (a tmpfs of the soak's own) filled to ENOSPC, "
+                             "then freed after 1-10 s (default 0); needs root to mount it, "
+                             "without root the soak exits 77")
     parser.add_argument("--partition-hang-after", type=float, default=90.0,
                         help="training must move within this many seconds of each partition's "
                              "start (default 90)")
@@ -1614,6 +1670,9 @@ def main():
         if why is not None:
             print(f"soak: skipped: --partitions {why}", flush=True)
             return 77
+    if args.disk_faults and os.geteuid() != 0:
+        print("soak: skipped: --disk-faults needs root (to mount the checkpoint disk)", flush=True)
+        return 77
 
     print(f"soak: seed {args.seed} (rerun the same schedule with --seed {args.seed})", flush=True)
     soak = None
@@ -1659,6 +1718,8 @@ def main():
             soak.kill_everything()
             if soak.hosts is not None:
                 soak.hosts.down()  # the namespaces, and anything still running in them
+            if soak.disk_mounted:
+                subprocess.run(["umount", "-l", soak.path("checkpoints")], check=False)
     if soak is None:
         print(f"soak: {outcome} (seed {args.seed})", flush=True)
         return code

@@ -3,13 +3,14 @@
 # then runs scripts/soak.py, which trains a small job on 4 CPU workers while it SIGKILLs and
 # SIGSTOPs workers (replaced at once or late, same id or new), SIGKILLs and restarts the
 # coordinator, resizes and drains, and (--partitions N, as root, on test hosts made of network
-# namespaces: docs/faults.md) partitions the network, at random moments chosen from --seed. It
+# namespaces: docs/faults.md) partitions the network, (--disk-faults N, as root) fills the
+# checkpoint disk, at random moments chosen from --seed. It
 # passes only with no hang, the job finished, every kept checkpoint verified and the final
 # parameters bitwise equal to a reference run; it prints a table of faults survived and time
 # lost per fault.
 #
 #   scripts/soak.sh [--seed S] [--kills 20] [--coordinator-kills 3] [--stops N] [--resizes 2]
-#                   [--drains 2] [--partitions N] [--workers 4] [--steps N]
+#                   [--drains 2] [--partitions N] [--disk-faults N] [--workers 4] [--steps N]
 #                   [--duration SECONDS] [--lease 1s] [--grace 1s] [--every 5] [--keep]
 #                   [--build-dir DIR] [--no-build]
 #
