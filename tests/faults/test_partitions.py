@@ -152,17 +152,19 @@ def test_a_worker_cut_off_from_the_coordinator_stops_and_rejoins(tmp_path, refer
         # collectives it was in failed, or it gave up on its lease) soon after the cut.
         text = job.workers["w3"].log()
         assert f"generation {generation} ended" in text, job.workers["w3"].tail(30)
+        assert "has not answered for its lease" in text, job.workers["w3"].tail(30)
 
 
-def test_the_coordinator_cut_off_from_two_workers_comes_back_to_a_world(tmp_path, reference):
-    """(d) coord <-/-> w1 and coord <-/-> w2 for 20 s; the workers still reach one another and
-    w3 still reaches the coordinator."""
+@pytest.mark.parametrize("cut", [["w1", "w2"], ["w1", "w2", "w3"]], ids=["two", "all"])
+def test_the_coordinator_cut_off_from_workers_comes_back_to_a_world(tmp_path, reference, cut):
+    """(d) coord <-/-> w1 and coord <-/-> w2 for 20 s (the workers still reach one another and
+    w3 still reaches the coordinator), and the coordinator cut off from all three."""
     with Hosts(HOSTS, rate=LINK_RATE) as hosts, job_on(hosts, tmp_path) as job:
         start(job)
         generation = job.status()["generation"]
         began = time.monotonic()
-        hosts.partition("coord", "w1")
-        hosts.partition("coord", "w2")
+        for worker in cut:
+            hosts.partition("coord", worker)
         seen = []
 
         def observe(status):
