@@ -180,9 +180,14 @@ def test_processes_and_namespaces_go_whatever_ends_the_test(tmp_path):
                 job.procs.append(proc)
                 started.append(proc)
             assert all(p.alive() for p in started)
-            in_a = subprocess.run(["ip", "netns", "pids", hosts.ns("a")], capture_output=True,
-                                  text=True).stdout.split()
-            assert str(started[0].pid) in in_a, "the process is not in host a's namespace"
+            # `ip netns exec` enters the namespace and then execs, so the pid shows up there a
+            # moment after the start.
+            deadline = time.monotonic() + 10
+            while str(started[0].pid) not in subprocess.run(
+                    ["ip", "netns", "pids", hosts.ns("a")], capture_output=True,
+                    text=True).stdout.split():
+                assert time.monotonic() < deadline, "the process is not in host a's namespace"
+                time.sleep(0.05)
             raise RuntimeError("the test failed here")
     for proc in started:
         assert proc.poll() is not None, f"{proc.name} (pid {proc.pid}) still runs"
