@@ -31,6 +31,9 @@ from hosts import Hosts, Job, can_impair  # noqa: E402
 STEPS = 80
 LINK_RATE = "8mbit"
 IMPAIRED_STEPS = 30  # at least this many steps must run on the impaired links
+# The coordinator's default lease (10 s): a lease is a bound on a dead process, and one of 2 s
+# leaves heartbeats too little room for the retransmissions of a 5%-loss link (a fresh-clone CI
+# run once saw the generation move on a loaded machine with it).
 # Events that mean the world changed or a link was given up on.
 DISRUPTIONS = ("dead", "reformed", "resized", "unreachable", "isolated", "stuck", "restored")
 
@@ -40,7 +43,7 @@ DISRUPTIONS = ("dead", "reformed", "resized", "unreachable", "isolated", "stuck"
 def test_loss_and_delay_on_every_link_slow_training_but_change_nothing(tmp_path, reference):
     with Hosts(["coord", "w1", "w2", "w3"], rate=LINK_RATE) as hosts, \
             Job(hosts, str(tmp_path), steps=STEPS, world=3, min_world=2, every=20,
-                bucket_cap_mb=1, lease="2s", grace="2s") as job:
+                bucket_cap_mb=1, lease="10s", grace="2s") as job:
         job.start_coordinator("coord")
         for worker in ("w1", "w2", "w3"):
             job.start_worker(worker, host=worker)
@@ -69,9 +72,10 @@ def test_loss_and_delay_on_every_link_slow_training_but_change_nothing(tmp_path,
         job.say(f"{STEPS - first} steps on impaired links in {took:.1f}s "
                 f"({(STEPS - first) / took:.1f} steps/s)")
 
-        assert generations == {generation}, f"the generation changed: {sorted(generations)}"
         disrupted = [e for e in events if e["sequence"] > after and e["kind"] in DISRUPTIONS]
         assert not disrupted, f"spurious events under loss and delay: {disrupted}"
+        assert generations == {generation}, (f"the generation changed: {sorted(generations)}:\n"
+                                             f"{job.diagnose()}")
         log = job.coordinator.log()
         for sign in ("declared dead", "re-forming", "cannot reach"):
             assert sign not in log, f"the coordinator's log says '{sign}':\n{job.diagnose()}"
