@@ -11,6 +11,7 @@
 #include "server/checkpoint_storage.h"
 #include "server/store/state_store.h"
 #include "tests/support/status_assertions.h"
+#include "tests/support/zero_shard.h"
 #include "tests/support/test_directory.h"
 
 namespace shard {
@@ -54,17 +55,8 @@ class CheckpointCountersTest : public ::testing::Test {
   // Writes rank `rank`'s shard of checkpoint `id` (zeros of the plan's size) and returns its
   // report, with `counters`.
   ShardReport Shard(const std::string& id, int rank, const TrainingCounters& counters) {
-    const ShardLayout layout = MakeShardLayout(Model(), *view_.plan, rank, 2);
     ShardReport report = Report(id, rank, counters);
-    absl::StatusOr<std::unique_ptr<ShardWriter>> writer =
-        ShardWriter::Create(Directory(id), rank, kWorld);
-    EXPECT_TRUE(writer.ok()) << writer.status();
-    if (!writer.ok()) return report;
-    const std::vector<char> zeros(layout.bytes, 0);
-    EXPECT_TRUE((*writer)->Append(zeros.data(), zeros.size()).ok());
-    absl::StatusOr<ShardRecord> record = (*writer)->Finish();
-    EXPECT_TRUE(record.ok()) << record.status();
-    if (record.ok()) report.record = *record;
+    report.record = WriteZeroShard(Model(), *view_.plan, Directory(id), rank, kWorld);
     return report;
   }
 

@@ -16,6 +16,7 @@
 #include "server/checkpoint_storage.h"
 #include "server/store/state_store.h"
 #include "tests/support/status_assertions.h"
+#include "tests/support/zero_shard.h"
 #include "tests/support/test_directory.h"
 
 namespace shard {
@@ -81,16 +82,7 @@ class CheckpointFailureTest : public ::testing::Test {
   // The same after writing its shard (zeros of the plan's size) into the checkpoint's directory.
   ShardReport Written(int64_t step, int rank, int64_t request = 0) {
     ShardReport report = Report(step, rank, request);
-    const ShardLayout layout = MakeShardLayout(Model(), *view_.plan, rank, 2);
-    absl::StatusOr<std::unique_ptr<ShardWriter>> writer =
-        ShardWriter::Create(Directory(report.id), rank, kWorld);
-    EXPECT_TRUE(writer.ok()) << writer.status();
-    if (!writer.ok()) return report;
-    const std::vector<char> zeros(layout.bytes, 0);
-    EXPECT_TRUE((*writer)->Append(zeros.data(), zeros.size()).ok());
-    absl::StatusOr<ShardRecord> record = (*writer)->Finish();
-    EXPECT_TRUE(record.ok()) << record.status();
-    if (record.ok()) report.record = *record;
+    report.record = WriteZeroShard(Model(), *view_.plan, Directory(report.id), rank, kWorld);
     return report;
   }
 
