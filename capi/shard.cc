@@ -330,6 +330,13 @@ absl::Status BeginGeneration(shard_job* job, int* began, int* needs_init) {
     const shard::GenerationHandoff::Generation& generation = *job->generation;
     shard::JobConfig config = *generation.job;
     SHARD_RETURN_IF_ERROR(WithScriptOptimizer(job, &config.optimizer));
+    if (config.zero_stage == 3) {
+      // The engine gathers stage 3's parameters per bucket as a model acquires them; the torch
+      // loop's module hooks that would acquire them are not built yet.
+      return absl::UnimplementedError(
+          "zeroStage 3 trains the built-in MLP; through shard.torch it is not built yet: use "
+          "zeroStage 2 (sharded gradients and optimizer state)");
+    }
     // A failure here ends this generation; the agent says whether there is a next one (the
     // world moved on) or the job fails (then Next answers with the error).
     absl::StatusOr<std::unique_ptr<shard::TrainingSession>> session =

@@ -240,8 +240,11 @@ absl::Status ValidateJobConfig(const JobConfig& job) {
       return absl::InvalidArgumentError(absl::StrCat("job spec: ", groups.message()));
     }
   }
-  if (job.zero_stage < 0 || job.zero_stage > 2) {
-    return Invalid("zero_stage", absl::StrCat("must be 0, 1 or 2, got ", job.zero_stage));
+  if (job.zero_stage < 0 || job.zero_stage > 3) {
+    return Invalid("zero_stage", absl::StrCat("must be 0, 1, 2 or 3, got ", job.zero_stage));
+  }
+  if (job.prefetch < 0 || job.prefetch > 16) {
+    return Invalid("prefetch", absl::StrCat("must be 0 to 16 buckets, got ", job.prefetch));
   }
   if (job.bucket_cap_bytes < 1 || job.first_bucket_cap_bytes < 1) {
     return Invalid("bucket_cap_mb", "must be positive");

@@ -103,6 +103,9 @@ struct JobConfig {
   std::string output_dir;
   bool overlap = true;
   int micro_batches = 1;  // gradient accumulation over this many micro-batches per step
+  // Stages 1 and 2: the parameter all-gather overlaps the next forward (the built-in MLP on CPU).
+  bool overlap_param_gather = true;
+  int prefetch = 1;  // stage 3: buckets gathered ahead of the one in use
   std::string checkpoint_dir;  // checkpoints go to <checkpoint_dir>/<name>/<id>/
   int64_t checkpoint_every = 0;
   int checkpoint_keep_last = 3;

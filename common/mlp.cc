@@ -6,13 +6,15 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace shard {
 
 Mlp::Mlp(std::vector<int64_t> widths) : widths_(std::move(widths)) {}
 
 absl::StatusOr<double> Mlp::Forward(const std::vector<const float*>& params, const float* x,
-                                    const int64_t* y, int64_t batch) {
+                                    const int64_t* y, int64_t batch,
+                                    const LayerHook& before_layer) {
   batch_ = batch;
   input_ = x;
   labels_ = y;
@@ -23,6 +25,9 @@ absl::StatusOr<double> Mlp::Forward(const std::vector<const float*>& params, con
   for (int l = 0; l < n; ++l) {
     const int64_t in = widths_[l];
     const int64_t out = widths_[l + 1];
+    if (before_layer) {
+      if (absl::Status ready = before_layer(l, /*backward=*/false); !ready.ok()) return ready;
+    }
     std::vector<float>& z = outputs_[l];
     z.resize(batch * out);
     const float* bias = params[BiasIndex(l)];
@@ -62,8 +67,9 @@ absl::StatusOr<double> Mlp::Forward(const std::vector<const float*>& params, con
   return loss;
 }
 
-void Mlp::Backward(const std::vector<const float*>& params, const std::vector<float*>& grads,
-                   float scale, const std::function<void(int)>& ready) {
+absl::Status Mlp::Backward(const std::vector<const float*>& params,
+                           const std::vector<float*>& grads, float scale,
+                           const std::function<void(int)>& ready, const LayerHook& before_layer) {
   const int n = layers();
   const int64_t batch = batch_;
   const int64_t classes = widths_.back();
@@ -78,6 +84,7 @@ void Mlp::Backward(const std::vector<const float*>& params, const std::vector<fl
   for (int l = n - 1; l >= 0; --l) {
     const int64_t in = widths_[l];
     const int64_t out = widths_[l + 1];
+    if (before_layer) SHARD_RETURN_IF_ERROR(before_layer(l, /*backward=*/true));
     const float* a = l == 0 ? input_ : hidden_[l - 1].data();
     float* bias_grad = grads[BiasIndex(l)];
     std::fill(bias_grad, bias_grad + out, 0.0f);
@@ -101,6 +108,7 @@ void Mlp::Backward(const std::vector<const float*>& params, const std::vector<fl
     }
     delta_.swap(delta_input_);
   }
+  return absl::OkStatus();
 }
 
 std::vector<int64_t> Mlp::Predictions() const {

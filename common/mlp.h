@@ -14,6 +14,11 @@
 
 namespace shard {
 
+// Called before each layer's forward (backward = false) and backward (true; last layer first).
+// It may repoint that layer's entries of the params and grads vectors passed in, which are read
+// only then (ZeRO-3 gathers a layer's parameters just for it: worker/dataplane/engine.h).
+using LayerHook = std::function<absl::Status(int layer, bool backward)>;
+
 class Mlp {
  public:
   explicit Mlp(std::vector<int64_t> widths);
@@ -28,12 +33,15 @@ class Mlp {
   // params[i] (manifest order) and returns the sum over rows of the cross-entropy with labels
   // y. Keeps what Backward needs. InvalidArgument for a label outside the classes.
   absl::StatusOr<double> Forward(const std::vector<const float*>& params, const float* x,
-                                 const int64_t* y, int64_t batch);
+                                 const int64_t* y, int64_t batch,
+                                 const LayerHook& before_layer = nullptr);
 
   // Gradients of `scale` x (the summed loss of the last Forward) into grads[i], overwriting
   // them; `ready(i)` is called as soon as parameter i's gradient is complete, last layer first.
-  void Backward(const std::vector<const float*>& params, const std::vector<float*>& grads,
-                float scale, const std::function<void(int)>& ready);
+  // A hook's error ends it early.
+  absl::Status Backward(const std::vector<const float*>& params, const std::vector<float*>& grads,
+                        float scale, const std::function<void(int)>& ready,
+                        const LayerHook& before_layer = nullptr);
 
   // Predicted class of each row of the last Forward.
   std::vector<int64_t> Predictions() const;

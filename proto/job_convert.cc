@@ -175,6 +175,8 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
   job.output_dir = Resolve(spec.output_dir(), base_dir);
   if (spec.has_overlap()) job.overlap = spec.overlap();
   if (spec.has_micro_batches()) job.micro_batches = spec.micro_batches();
+  if (spec.has_overlap_param_gather()) job.overlap_param_gather = spec.overlap_param_gather();
+  if (spec.has_prefetch()) job.prefetch = spec.prefetch();
   job.checkpoint_dir = spec.checkpoint().dir().empty()
                            ? (std::filesystem::path(job.output_dir) / "checkpoints").string()
                            : Resolve(spec.checkpoint().dir(), base_dir);
@@ -214,6 +216,8 @@ v1::JobSpec ToProto(const JobConfig& job) {
   spec.set_output_dir(job.output_dir);
   spec.set_overlap(job.overlap);
   spec.set_micro_batches(job.micro_batches);
+  spec.set_overlap_param_gather(job.overlap_param_gather);
+  spec.set_prefetch(job.prefetch);
   spec.mutable_checkpoint()->set_dir(job.checkpoint_dir);
   spec.mutable_checkpoint()->set_every_steps(job.checkpoint_every);
   spec.mutable_checkpoint()->set_keep_last(job.checkpoint_keep_last);

@@ -171,7 +171,9 @@ TEST_P(GpuMlpTest, MatchesTheCpuMlpAndTheEmulatedReference) {
   const absl::StatusOr<double> cpu_loss = cpu.Forward(cpu_params, x.data(), y.data(), batch);
   ASSERT_TRUE(cpu_loss.ok()) << cpu_loss.status();
   std::vector<int> cpu_order;
-  cpu.Backward(cpu_params, cpu_grad_views, scale, [&](int i) { cpu_order.push_back(i); });
+  ASSERT_TRUE(
+      cpu.Backward(cpu_params, cpu_grad_views, scale, [&](int i) { cpu_order.push_back(i); })
+          .ok());
   const Reference emulated =
       EmulatedReference(c.widths, params, x, y, batch, scale, c.precision);
 

@@ -207,7 +207,7 @@ TEST(StagedCommunicatorTest, DataParallelTrainingOnOneGpuMatchesOneCpuProcess) {
       grad_views.push_back(grads[i].data());
     }
     ASSERT_TRUE(cpu.Forward(views, xs[s].data(), ys[s].data(), kBatch).ok());
-    cpu.Backward(views, grad_views, 1.0f / kBatch, [](int) {});
+    ASSERT_TRUE(cpu.Backward(views, grad_views, 1.0f / kBatch, [](int) {}).ok());
     for (size_t i = 0; i < init.size(); ++i) {
       float* state[2] = {exp_avg[i].data(), exp_avg_sq[i].data()};
       cpu_adam.Update(s + 1, cpu_params[i].data(), grads[i].data(), state, init[i].size());

@@ -369,13 +369,15 @@ void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
               model.Forward(params, x.data(), y.data(), kGlobalBatch / kWorld).status());
           engine->StartBackward();
           const bool poison = inject.has_value() && inject->rank == rank && inject->step == step;
-          model.Backward(params, grads, 1.0f / kGlobalBatch * engine->loss_scale(),
-                         [&](int i) {
-                           if (poison && i == inject->param) {
-                             grads[i][inject->element] = std::numeric_limits<float>::infinity();
-                           }
-                           engine->MarkGradReady(i);
-                         });
+          SHARD_RETURN_IF_ERROR(
+              model.Backward(params, grads, 1.0f / kGlobalBatch * engine->loss_scale(),
+                             [&](int i) {
+                               if (poison && i == inject->param) {
+                                 grads[i][inject->element] =
+                                     std::numeric_limits<float>::infinity();
+                               }
+                               engine->MarkGradReady(i);
+                             }));
           AfterStep after;
           SHARD_RETURN_IF_ERROR(engine->Step(&after.timings));
           SHARD_ASSIGN_OR_RETURN(after.params, AllParamValues(*engine));

@@ -67,7 +67,7 @@ TEST(JobSpecTest, BadSpecsAreClearErrors) {
       {"\"outputDir\": \"out\"", "\"outputDir\": \"\"", "output_dir is required"},
       {"\"adamw\"", "\"lamb\"", "'lamb' is unknown"},
       {"\"lr\": 0.001", "\"lr\": -1", "optimizer.lr"},
-      {"\"steps\": 10", "\"steps\": 10, \"zeroStage\": 3", "zero_stage"},
+      {"\"steps\": 10", "\"steps\": 10, \"zeroStage\": 4", "zero_stage"},
       {"\"steps\": 10", "\"steps\": 10, \"precision\": \"fp8\"", "use fp32, bf16 or fp16"},
       {"[8, 16, 4]", "[8]", "model.mlp.widths"},
       // Found by fuzzing (docs/fuzzing.md): each width in range, the layer 2^48 elements.

@@ -370,7 +370,9 @@ std::vector<std::vector<float>> ReferenceTraining(const JobConfig& job) {
         grad_views.push_back(part[i].data());
       }
       EXPECT_TRUE(model.Forward(views, x.data(), y.data(), rows).ok());
-      model.Backward(views, grad_views, 1.0f / static_cast<float>(job.global_batch), [](int) {});
+      EXPECT_TRUE(
+          model.Backward(views, grad_views, 1.0f / static_cast<float>(job.global_batch), [](int) {})
+              .ok());
       for (size_t i = 0; i < params.size(); ++i) {
         for (size_t k = 0; k < params[i].size(); ++k) {
           grads[i][k] = rank == 0 ? part[i][k] : grads[i][k] + part[i][k];

@@ -44,7 +44,7 @@ JobConfig Job(OptimizerKind kind, int world, int stage, ShardMode mode, int64_t 
   job.optimizer.lr = kind == OptimizerKind::kSgd ? 0.05 : 0.01;
   job.optimizer.momentum = kind == OptimizerKind::kSgd ? 0.9 : 0;
   job.optimizer.weight_decay = 0.01;
-  job.global_batch = 64;
+  job.global_batch = world == 3 ? 96 : 64;  // divisible by the world size
   job.steps = steps;
   job.zero_stage = stage;
   job.shard_mode = mode;
@@ -81,7 +81,7 @@ std::vector<std::vector<float>> ReferenceTraining(const JobConfig& job) {
       grad_views.push_back(grads[i].data());
     }
     EXPECT_TRUE(model.Forward(views, x.data(), y.data(), job.global_batch).ok());
-    model.Backward(views, grad_views, 1.0f / job.global_batch, [](int) {});
+    EXPECT_TRUE(model.Backward(views, grad_views, 1.0f / job.global_batch, [](int) {}).ok());
     if (job.grad_clip_norm > 0) {  // torch.nn.utils.clip_grad_norm_
       double sum = 0;
       for (const auto& g : grads) {
@@ -196,8 +196,14 @@ std::vector<Case> AllCases() {
       }
     }
   }
+  // Stage 3 (parameters sharded, gathered per bucket) at 3 ranks with every update rule.
+  for (OptimizerKind optimizer : {OptimizerKind::kAdam, OptimizerKind::kAdamW, OptimizerKind::kSgd}) {
+    for (ShardMode mode : {ShardMode::kRange, ShardMode::kParam}) {
+      cases.push_back(Case{optimizer, 3, 3, mode});
+    }
+  }
   // Global-norm clipping across shards (0.05 is below the gradient norm, so it scales).
-  for (int stage : {0, 1, 2}) {
+  for (int stage : {0, 1, 2, 3}) {
     for (ShardMode mode : {ShardMode::kRange, ShardMode::kParam}) {
       cases.push_back(Case{OptimizerKind::kAdamW, 2, stage, mode, 0.05});
     }
@@ -233,6 +239,57 @@ TEST(TrainingTest, OptimizerStateIsOneWthOfTheTotalPlusPadding) {
         EXPECT_LT(bytes, adam_total / 4 * 1.1) << "stage " << stage;
       }
     }
+  }
+}
+
+// Gathering on demand changes when the parameters move, not what is computed: stage 3 equals
+// stage 2 bit for bit on the same world (the same reductions of the same gradients, the same
+// update), and so do stages 1 and 2 with and without overlapParamGather.
+TEST(TrainingTest, GatheringOnDemandChangesNoBit) {
+  for (ShardMode mode : {ShardMode::kRange, ShardMode::kParam}) {
+    struct Run {
+      int stage;
+      bool overlap_param_gather;
+    };
+    std::vector<std::vector<std::vector<float>>> outputs;
+    const std::vector<Run> runs = {{2, false}, {3, false}, {2, true}, {1, false}, {1, true}};
+    for (const Run& run : runs) {
+      JobConfig job = Job(OptimizerKind::kAdam, 3, run.stage, mode);
+      job.overlap_param_gather = run.overlap_param_gather;
+      job.output_dir += run.overlap_param_gather ? "-gather-on-demand" : "-gather-at-end";
+      std::vector<TrainResult> outcomes;
+      ASSERT_NO_FATAL_FAILURE(outcomes = TrainWithThreads(job));
+      outputs.push_back(ReadOutput(outcomes[0].output_path));
+    }
+    for (size_t r = 1; r < runs.size(); ++r) {
+      SCOPED_TRACE(absl::StrCat(ShardModeName(mode), " stage ", runs[r].stage,
+                                " overlapParamGather ", runs[r].overlap_param_gather));
+      const auto& against = runs[r].stage == 1 ? outputs[3] : outputs[0];
+      EXPECT_EQ(MaxDifference(outputs[r], against), 0.0);
+    }
+  }
+}
+
+// At stage 3 a rank holds its owned spans of the parameters and gradients and its optimizer
+// state (16 P / W bytes for Adam, plus padding) and at most prefetch + 1 gathered buckets.
+TEST(TrainingTest, StageThreeHoldsOneWthOfTheModelStatePlusTheGatheredBuckets) {
+  int64_t total_params = 0;
+  for (const ParamSpec& p : MlpManifest(kWidths).params) total_params += p.numel();
+  JobConfig job = Job(OptimizerKind::kAdam, 4, 3, ShardMode::kRange, 3);
+  std::vector<TrainResult> outcomes;
+  ASSERT_NO_FATAL_FAILURE(outcomes = TrainWithThreads(job));
+  // The largest bucket: the plan caps buckets at 2048 bytes (one parameter may exceed it).
+  int64_t largest = 0;
+  for (const ParamSpec& p : MlpManifest(kWidths).params) largest = std::max(largest, p.numel());
+  for (const TrainResult& outcome : outcomes) {
+    const HeldBytes& held = outcome.held_bytes;
+    const int64_t sharded = held.params + held.grads + held.optimizer_state;
+    EXPECT_GE(sharded, 16 * total_params / 4);
+    EXPECT_LT(sharded, 16 * total_params / 4 * 1.1);
+    // prefetch + 1 = 2 slots for parameters and 2 for gradients, each the largest bucket.
+    EXPECT_GT(held.gathered, 0);
+    EXPECT_LE(held.gathered, 4 * (largest + 64) * 4);
+    EXPECT_EQ(held.frozen, 0);
   }
 }
 
@@ -290,7 +347,7 @@ TEST(MlpTest, GradientsMatchFiniteDifferences) {
   for (auto& g : grads) grad_views.push_back(g.data());
   ASSERT_TRUE(model.Forward(views(), x.data(), y.data(), 6).ok());
   std::vector<int> ready;
-  model.Backward(views(), grad_views, 1.0f, [&](int i) { ready.push_back(i); });
+  ASSERT_TRUE(model.Backward(views(), grad_views, 1.0f, [&](int i) { ready.push_back(i); }).ok());
   EXPECT_EQ(ready, (std::vector<int>{3, 2, 1, 0})) << "last layer first, bias before weight";
   // Central differences in fp32 with h = 1e-2: truncation error O(h^2) on a smooth loss, and
   // rounding ~1e-7 / h; a gradient component agrees to 2e-3 (none sits on a ReLU kink here).

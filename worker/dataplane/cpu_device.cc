@@ -73,16 +73,16 @@ class CpuMlpRunner final : public MlpRunner {
   explicit CpuMlpRunner(const std::vector<int64_t>& widths) : model_(widths) {}
 
   absl::Status Forward(const std::vector<const float*>& params, const float* x, const int64_t* y,
-                       int64_t rows) override {
-    loss_ = model_.Forward(params, x, y, rows);
+                       int64_t rows, const LayerHook& before_layer) override {
+    loss_ = model_.Forward(params, x, y, rows, before_layer);
     return loss_.status();
   }
 
   absl::Status Backward(const std::vector<const float*>& params, const std::vector<float*>& grads,
-                        float scale, const std::function<void(int)>& ready) override {
+                        float scale, const std::function<void(int)>& ready,
+                        const LayerHook& before_layer) override {
     if (!loss_.ok()) return loss_.status();
-    model_.Backward(params, grads, scale, ready);
-    return absl::OkStatus();
+    return model_.Backward(params, grads, scale, ready, before_layer);
   }
 
   absl::StatusOr<double> LossSum() override { return loss_; }

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "common/job_spec.h"
+#include "common/mlp.h"
 #include "worker/dataplane/communicator.h"
 
 namespace shard {
@@ -75,13 +76,16 @@ class MlpRunner {
  public:
   virtual ~MlpRunner() = default;
   // Runs `rows` rows of x (host, [rows, widths[0]]) with labels y (host) through the network.
+  // `before_layer` (may be null; common/mlp.h LayerHook) runs before each layer and may repoint
+  // its parameters; a runner that cannot follow it returns Unimplemented.
   virtual absl::Status Forward(const std::vector<const float*>& params, const float* x,
-                               const int64_t* y, int64_t rows) = 0;
+                               const int64_t* y, int64_t rows, const LayerHook& before_layer) = 0;
   // Gradients of `scale` x the last Forward's summed loss into grads (device, overwritten);
   // ready(i) once the work completing parameter i's gradient is issued, last layer first.
   virtual absl::Status Backward(const std::vector<const float*>& params,
                                 const std::vector<float*>& grads, float scale,
-                                const std::function<void(int)>& ready) = 0;
+                                const std::function<void(int)>& ready,
+                                const LayerHook& before_layer) = 0;
   // The last Forward's loss summed over its rows. InvalidArgument for a label outside the
   // classes. May wait for the device.
   virtual absl::StatusOr<double> LossSum() = 0;

@@ -21,7 +21,27 @@
 // rank updates only what the plan makes it own and the parameters are all-gathered; 2
 // reduce-scatters (range mode) or reduces to the owner (param mode), so each rank keeps only
 // its reduced gradient shard. Optimizer state exists only for owned elements: 1/W of the total
-// plus padding at stages 1 and 2.
+// plus padding at stages 1 to 3.
+//
+// Stage 3 (FSDP's FULL_SHARD, DeepSpeed's ZeRO-3) shards the parameters too: a rank keeps only
+// its owned span of each bucket (parameters, reduced gradients, optimizer state). A bucket is
+// the unit that is gathered: Acquire(i) makes param(i) whole (its bucket all-gathered into one
+// of `prefetch + 1` slots, or broadcast from its owner in param mode) until Release(i);
+// AcquireGrad(i) gives backward a zeroed gradient buffer for i's bucket, which the bucket's
+// reduction (reduce-scatter to the owned span) frees. The buckets the previous step acquired
+// next are gathered ahead on the communication thread (prefetch), at most `prefetch + 1` at
+// once: a released bucket stays gathered until its slot is needed. Frozen parameters (no
+// gradient) stay whole on every rank.
+//
+// Gathering on demand at stages 1 and 2 (EngineOptions::overlap_param_gather, Megatron's
+// overlap_param_gather): the step ends after the update; the first Acquire of the next step
+// starts every bucket's all-gather (in the order the step before acquired them) and each
+// Acquire waits only for its own bucket's, so the gathers overlap the forward pass.
+// Checkpoints, exports and every collective the engine makes on the caller's thread wait for
+// them first.
+//
+// Every rank must acquire the same parameters in the same order (the same model does): the
+// gathers and reductions are collectives issued in that order (communication_queue.h).
 //
 // The first step reduces with all-reduce at every stage and reports the gradient-ready order;
 // the rebuilt plan (the same on every rank) takes over before the first update, so no
@@ -41,7 +61,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -52,6 +71,7 @@
 #include "common/job_spec.h"
 #include "common/manifest.h"
 #include "common/plan.h"
+#include "worker/dataplane/communication_queue.h"
 #include "worker/dataplane/communicator.h"
 #include "worker/dataplane/device.h"
 #include "worker/dataplane/loss_scaler.h"
@@ -61,8 +81,13 @@
 namespace shard {
 
 struct EngineOptions {
-  int zero_stage = 1;
+  int zero_stage = 1;   // 0 to 3
   bool overlap = true;  // reduce buckets during backward on the communication thread
+  // Stages 1 and 2: the parameters' all-gather after the update overlaps the next forward
+  // pass instead of ending the step. The caller must Acquire parameters before it reads them.
+  bool overlap_param_gather = false;
+  // Stage 3: buckets gathered ahead of the one in use.
+  int prefetch = 1;
   // The update rule with its param groups, matched against the manifest's names by Create
   // (InvalidArgument for a group that takes no parameter), and its learning-rate schedule over
   // optimizer.total_steps updates, at the optimizer's step count (which checkpoints keep, so a
@@ -92,7 +117,10 @@ struct StepTimings {
   double communication_ms = 0;  // gradient reductions, summed over buckets
   double hidden_ms = 0;         // the part of those reductions that overlapped backward
   double optimizer_ms = 0;
-  double gather_ms = 0;         // parameter all-gather (stages 1 and 2)
+  double gather_ms = 0;         // parameter all-gather at the end of the step (stages 1, 2)
+  // Forward and backward waiting for parameter gathers (stage 3, overlap_param_gather).
+  double gather_wait_ms = 0;
+  int gathered_units = 0;       // the most buckets gathered at once during the step (stage 3)
   double grad_norm = 0;         // before clipping (0 when clipping is off)
   bool skipped = false;         // loss scaling found an inf/NaN gradient: no update this step
   float loss_scale = 1;         // the scale this step's backward used
@@ -106,6 +134,16 @@ struct RestoreTimings {
   // The parameters' all-gather from their owners (stages 1 and 2) left once the reads are done
   // (on host memory most of it runs during the reads).
   double gather_ms = 0;
+};
+
+// The bytes of model state a rank holds (the engine's own accounting).
+struct HeldBytes {
+  int64_t params = 0;           // whole buckets (stages 0-2) or the owned spans (stage 3)
+  int64_t grads = 0;            // the same for gradients
+  int64_t optimizer_state = 0;
+  int64_t gathered = 0;         // stage 3: the slots gathered parameters and gradients use
+  int64_t frozen = 0;           // parameters without gradient, whole on every rank
+  int64_t total() const { return params + grads + optimizer_state + gathered + frozen; }
 };
 
 class Engine {
@@ -124,11 +162,30 @@ class Engine {
   int64_t plan_version() const { return plan_version_; }
   int64_t steps_done() const { return steps_done_; }
 
+  // At stage 3 param(i) is null unless i's bucket is gathered (Acquire), grad(i) unless backward
+  // has its buffer (AcquireGrad).
   float* param(int index);
   float* grad(int index);  // null for a parameter without gradient
-  // Parameter `index`'s values on the host, and from the host (numel floats).
+  // Parameter `index`'s values on the host, and from the host (numel floats). At stage 3
+  // ParamValues needs the parameter acquired; SetParamValues (before BroadcastParameters, or
+  // on every rank alike) keeps what this rank owns.
   absl::StatusOr<std::vector<float>> ParamValues(int index) const;
   absl::Status SetParamValues(int index, const float* values);
+
+  // Parameters on demand (stage 3; stages 1 and 2 with overlap_param_gather; otherwise
+  // Acquire and Release do nothing and AcquireGrad is grad()). param(i) is whole from
+  // Acquire(i) to Release(i); acquire again for backward.
+  bool gathers_on_demand() const;
+  absl::Status Acquire(int index);
+  void Release(int index);
+  // Backward's gradient buffer for parameter `index` (zeroed at stage 3 when its bucket's
+  // buffer is handed out), valid until MarkGradReady of the bucket's last parameter.
+  absl::StatusOr<float*> AcquireGrad(int index);
+  // Waits for every gather and reduction in flight; at stages 1 and 2 afterwards every
+  // parameter is whole.
+  absl::Status FinishGathers();
+  HeldBytes held_bytes() const;
+  int gathered_units() const;
   // The factor backward scales the loss by (1 without loss scaling).
   float loss_scale() const { return scaler_.has_value() ? scaler_->scale() : 1.0f; }
   // Updates applied so far (steps_done() less the steps loss scaling skipped).
@@ -175,7 +232,7 @@ class Engine {
   // Checkpoints. The bytes this rank saves (its plan ranges: parameters and optimizer state,
   // laid out as common/checkpoint.h MakeShardLayout says), copied out of the live buffers into
   // `out` (a buffer of the right size from an earlier save is reused without reallocation).
-  absl::Status CopyOwnedState(std::vector<char>* out) const;
+  absl::Status CopyOwnedState(std::vector<char>* out);
   // Loads the elements this rank owns from a checkpoint of the same model and optimizer, of any
   // world size, gathers the parameters, and continues the step count from the checkpoint's.
   // Needs the rebuilt plan (the checkpoint's gradient order). `timings`, if given, says how long
@@ -191,7 +248,9 @@ class Engine {
   // one parameter at a time (GatherToRank), and `to_rank` writes `path`, a safetensors file with
   // every parameter and its optimizer state (<name>.<state>) in full, and the step count in its
   // metadata. Collective.
-  absl::Status ConsolidateStateDict(int to_rank, const std::string& path);
+  // With `with_state` false, the parameters alone (the job's export). Collective.
+  absl::Status ConsolidateStateDict(int to_rank, const std::string& path,
+                                    bool with_state = true);
   // Parameter `param`'s values (array -1) or optimizer state tensor `array` in full on rank
   // `to_rank`, into `out` (numel floats of host memory; other ranks pass null): each range comes
   // from the rank that updates it. Collective, one parameter at a time, so that no rank but
@@ -210,12 +269,26 @@ class Engine {
 
  private:
   struct BucketState {
-    DeviceArray params;
+    DeviceArray params;  // the whole bucket (stages 0-2; stage 3 gathers into a slot)
     DeviceArray grads;
+    DeviceArray owned_params;  // stage 3: the owned span's parameters and reduced gradients
+    DeviceArray owned_grads;
     std::vector<DeviceArray> state;  // per optimizer state tensor, over the owned span
-    int64_t own_begin = 0;                  // owned span within the bucket
+    int64_t own_begin = 0;           // owned span within the bucket
     int64_t own_end = 0;
-    int pending = 0;                        // gradients not yet marked ready this step
+    int pending = 0;                 // gradients not yet marked ready this step
+    // Parameters on demand.
+    int slot = -1;       // stage 3: the parameter slot holding the gathered bucket
+    int grad_slot = -1;  // stage 3: the gradient slot backward writes
+    int holders = 0;     // Acquire without Release
+    CommunicationQueue::Ticket gather = 0;  // the gather that makes the bucket whole
+  };
+  // A stage-3 buffer the size of the largest bucket, lent to one bucket at a time.
+  struct Slot {
+    DeviceArray array;
+    int bucket = -1;
+    int64_t last_used = 0;
+    CommunicationQueue::Ticket ticket = 0;  // the collective that last used it
   };
 
   Engine(Manifest manifest, Communicator* communicator, PlanProvider* plans,
@@ -223,10 +296,16 @@ class Engine {
 
   // Allocates the frozen parameters' arrays.
   absl::Status Allocate();
-  // Lays out buckets for `plan`, copying parameters (and, if asked, gradients) from the
-  // current layout when there is one.
+  // Lays out buckets for `plan`, carrying parameters (and, if asked, gradients) over from the
+  // current layout when there is one (at stage 3 one old bucket at a time: Relayout).
   absl::Status Apply(AppliedPlan applied, bool carry_gradients);
+  absl::Status Relayout(const Plan& plan, std::vector<BucketState>& buckets,
+                        bool carry_gradients);
   const float* ParamData(int index) const;
+  // The owned span's first element of bucket b's parameters and gradients.
+  float* OwnedParams(const BucketState& bucket) const;
+  float* OwnedGrads(const BucketState& bucket) const;
+  bool sharded_params() const { return options_.zero_stage == 3; }
   // The owned span of `state` (not empty) cut where the parameter group changes, with views of
   // its parameters, gradients and optimizer state.
   std::vector<OwnedSpan> SplitOwnedSpan(const Bucket& bucket, const BucketState& state) const;
@@ -237,10 +316,10 @@ class Engine {
                         float* out);
   // Continues the optimizer's step count and, when this engine scales the loss, the scale.
   absl::Status ContinueCounters(const TrainingCounters& counters);
-  absl::Status ReduceBucket(int bucket);
-  void CommunicationLoop();
+  // Queues the reductions of the ready buckets, in plan order.
+  void SubmitReadyReductions();
+  absl::Status ReduceBucket(int bucket, bool all_reduce, float* grads);
   absl::Status ClipGradients(StepTimings* timings);
-  // Reads what this rank owns (parameters and/or optimizer state) from `source`.
   // Reads what this rank owns (see ReadOwned) and at stages 1 and 2 all-gathers the parameters,
   // after the reads or during them (EngineOptions::gather_during_reads). `timings` (may be
   // null): the reads, and the gather left after them.
@@ -250,7 +329,19 @@ class Engine {
   absl::Status ReadOwned(StateSource& source, bool params, bool states,
                          const std::function<void(size_t)>& params_read = nullptr);
   absl::Status GatherParameters();
-  absl::Status GatherBucket(size_t b);
+  // Bucket b's whole parameters into `whole` from the owned spans (all-gather, or the owner's
+  // broadcast in param mode).
+  absl::Status GatherBucket(size_t b, float* whole);
+  // Parameters on demand (engine_units.cc).
+  absl::Status StartGather(int bucket, bool prefetch);
+  void Prefetch();
+  int FindSlot(std::vector<Slot>& slots, bool for_prefetch);
+  absl::Status SubmitPendingGathers();
+  absl::Status WaitGathered(int bucket);
+  absl::Status AllocateSlots();
+  void ResetUnits();
+  // Stage 3: rank 0's initial values until BroadcastParameters spreads them.
+  absl::Status BroadcastStagedValues();
 
   const Manifest manifest_;
   Communicator* const communicator_;
@@ -266,26 +357,37 @@ class Engine {
   std::shared_ptr<const Plan> plan_;
   int64_t plan_version_ = 0;
   bool rebuilt_ = false;
+  bool first_step_all_reduce_ = true;
   std::vector<BucketState> buckets_;
-  std::vector<DeviceArray> frozen_;  // parameters without gradients, by index
+  std::vector<DeviceArray> frozen_;  // parameters without gradient, by index
   int64_t steps_done_ = 0;
   int64_t optimizer_steps_ = 0;
   std::vector<int> ready_order_;      // this step's MarkGradReady order
   std::vector<bool> marked_;          // by parameter, this step
+  std::vector<bool> bucket_ready_;    // by bucket, this step
+  int next_reduce_ = 0;               // the next bucket to queue for reduction
   std::unique_ptr<StateSource> pending_state_;  // optimizer state to load after the rebuild
   absl::Time backward_start_;
   absl::Time backward_end_;
 
-  // Communication thread: reduces buckets in order as they become ready.
-  absl::Mutex mu_;
-  std::vector<bool> bucket_ready_ ABSL_GUARDED_BY(mu_);
-  int next_bucket_ ABSL_GUARDED_BY(mu_) = 0;  // next to reduce
-  int reduced_ ABSL_GUARDED_BY(mu_) = 0;      // reduced this step
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool first_step_all_reduce_ ABSL_GUARDED_BY(mu_) = true;
-  absl::Status communication_error_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::pair<absl::Time, absl::Time>> reduce_spans_ ABSL_GUARDED_BY(mu_);
-  std::thread communication_thread_;
+  // Parameters on demand.
+  std::vector<Slot> param_slots_;
+  std::vector<Slot> grad_slots_;
+  int64_t slot_numel_ = 0;
+  int64_t use_clock_ = 0;
+  std::vector<int> access_order_;  // the buckets the previous step acquired, in order
+  std::vector<int> access_now_;    // this step's, so far
+  size_t cursor_ = 0;              // where this step is in access_order_
+  bool prefetching_ = false;       // this step follows access_order_ so far
+  bool gathers_pending_ = false;   // stages 1-2: updated, the gathers not started yet
+  double gather_wait_ms_ = 0;
+  int gathered_peak_ = 0;
+  std::vector<std::vector<float>> staged_values_;  // stage 3, rank 0: by parameter
+
+  absl::Mutex spans_mu_;
+  std::vector<std::pair<absl::Time, absl::Time>> reduce_spans_ ABSL_GUARDED_BY(spans_mu_);
+  // Declared last: its thread stops (destroyed first) before anything it touches goes.
+  std::unique_ptr<CommunicationQueue> queue_;
 };
 
 }  // namespace shard

@@ -71,6 +71,32 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
   }
   const int64_t inputs = job.widths.front();
   const float scale = 1.0f / static_cast<float>(job.global_batch);
+  // Parameters on demand (ZeRO-3, overlapParamGather): each layer's weight and bias are
+  // acquired just before the layer runs, with the buffers backward writes into (but for the
+  // micro-batches that accumulate on the host), and released when the next layer takes over.
+  int held_layer = -1;
+  bool into_engine_grads = false;
+  const auto release_held = [&] {
+    if (held_layer < 0) return;
+    engine.Release(Mlp::WeightIndex(held_layer));
+    engine.Release(Mlp::BiasIndex(held_layer));
+    held_layer = -1;
+  };
+  LayerHook before_layer;
+  if (engine.gathers_on_demand()) {
+    before_layer = [&](int layer, bool backward) -> absl::Status {
+      release_held();
+      for (int index : {Mlp::WeightIndex(layer), Mlp::BiasIndex(layer)}) {
+        SHARD_RETURN_IF_ERROR(engine.Acquire(index));
+        params[index] = engine.param(index);
+        if (backward && into_engine_grads) {
+          SHARD_ASSIGN_OR_RETURN(grads[index], engine.AcquireGrad(index));
+        }
+      }
+      held_layer = layer;
+      return absl::OkStatus();
+    };
+  }
   while (!session->finished()) {
     const int64_t step = session->next_step();
     StallTrainingAt(step + 1);
@@ -95,13 +121,14 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
     for (int m = 0; m < micro; ++m) {
       const float* micro_x = x.data() + m * micro_rows * inputs;
       const int64_t* micro_y = y.data() + m * micro_rows;
-      if (absl::Status forward = model->Forward(params, micro_x, micro_y, micro_rows);
-          !forward.ok()) {
-        return in_data(forward);
-      }
+      absl::Status forward = model->Forward(params, micro_x, micro_y, micro_rows, before_layer);
+      release_held();
+      if (!forward.ok()) return in_data(forward);
+      into_engine_grads = m + 1 == micro;
       if (m + 1 < micro) {
-        SHARD_RETURN_IF_ERROR(
-            model->Backward(params, micro_grad_pointers, loss_factor, [](int /*index*/) {}));
+        SHARD_RETURN_IF_ERROR(model->Backward(params, micro_grad_pointers, loss_factor,
+                                              [](int /*index*/) {}, before_layer));
+        release_held();
         for (int i = 0; i < parameters; ++i) {
           for (size_t k = 0; k < summed[i].size(); ++k) summed[i][k] += micro_grads[i][k];
         }
@@ -114,7 +141,8 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
             for (size_t k = 0; k < summed[index].size(); ++k) grads[index][k] += summed[index][k];
           }
           engine.MarkGradReady(index);
-        }));
+        }, before_layer));
+        release_held();
       }
     }
     StepTimings timings;

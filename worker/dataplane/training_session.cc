@@ -56,20 +56,6 @@ bool HoldsOptimizerState(const SafetensorsReader& file, const Manifest& manifest
 
 }  // namespace
 
-absl::Status WriteParameters(Engine& engine, const std::string& path) {
-  const Manifest& manifest = engine.manifest();
-  std::vector<TensorDecl> tensors;
-  std::vector<const void*> data;
-  std::vector<std::vector<float>> values(manifest.params.size());
-  for (size_t i = 0; i < manifest.params.size(); ++i) {
-    const ParamSpec& param = manifest.params[i];
-    tensors.push_back(TensorDecl{param.name, param.dtype, param.shape});
-    SHARD_ASSIGN_OR_RETURN(values[i], engine.ParamValues(static_cast<int>(i)));
-    data.push_back(values[i].data());
-  }
-  return WriteSafetensors(path, tensors, data, {{"format", "pt"}, {"producer", "shard"}});
-}
-
 TrainingSession::TrainingSession(const JobConfig& job, Communicator& communicator, Device& device,
                                  const TrainerOptions& options)
     : job_(job),
@@ -96,6 +82,11 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
   EngineOptions engine_options;
   engine_options.zero_stage = job.zero_stage;
   engine_options.overlap = job.overlap;
+  // Gathering on demand needs a model that acquires its parameters layer by layer: the
+  // built-in MLP on the host (an external model's loop does not yet).
+  engine_options.overlap_param_gather =
+      job.overlap_param_gather && !job.external_model && device.host_memory();
+  engine_options.prefetch = job.prefetch;
   engine_options.optimizer = job.optimizer;
   engine_options.grad_clip_norm = job.grad_clip_norm;
   engine_options.device = &device;
@@ -408,16 +399,19 @@ absl::StatusOr<TrainResult> TrainingSession::Finish() {
     result_.hidden_fraction = reduction_ms_ > 0 ? hidden_ms_ / reduction_ms_ : 0;
   }
   result_.optimizer_state_bytes = engine_->optimizer_state_bytes();
+  result_.held_bytes = engine_->held_bytes();
   if (options_.consolidate_to_rank >= 0) {
     SHARD_RETURN_IF_ERROR(
         engine_->ConsolidateStateDict(options_.consolidate_to_rank, options_.consolidate_path));
   }
+  // Collective: at stage 3 the parameters come from their owners.
+  const std::string output_path =
+      (std::filesystem::path(job_.output_dir) / "final.safetensors").string();
   if (communicator_.rank() == 0) {
     SHARD_RETURN_IF_ERROR(MakeDirectories(job_.output_dir));
-    result_.output_path =
-        (std::filesystem::path(job_.output_dir) / "final.safetensors").string();
-    SHARD_RETURN_IF_ERROR(WriteParameters(*engine_, result_.output_path));
+    result_.output_path = output_path;
   }
+  SHARD_RETURN_IF_ERROR(engine_->ConsolidateStateDict(0, output_path, /*with_state=*/false));
   return result_;
 }
 

@@ -59,6 +59,7 @@ struct TrainResult {
   double steps_per_second = 0;
   double hidden_fraction = 0;  // of gradient-reduction time that overlapped backward
   int64_t optimizer_state_bytes = 0;  // on this rank
+  HeldBytes held_bytes;               // the model state this rank holds at the end
   std::string output_path;            // rank 0 only
   int checkpoints_saved = 0;
   int checkpoints_skipped = 0;  // periodic saves skipped while the one before was being written
@@ -210,8 +211,5 @@ class TrainingSession {
   double hidden_ms_ = 0;
   double reduction_ms_ = 0;
 };
-
-// Writes the model's parameters (full tensors, manifest names) as safetensors.
-absl::Status WriteParameters(Engine& engine, const std::string& path);
 
 }  // namespace shard

@@ -105,7 +105,8 @@ class GpuMlpRunner final : public MlpRunner {
   }
 
   absl::Status Forward(const std::vector<const float*>& params, const float* x, const int64_t* y,
-                       int64_t rows) override {
+                       int64_t rows, const LayerHook& before_layer) override {
+    if (before_layer) return LayerByLayerUnimplemented();
     const int64_t inputs = rows * model_->widths().front();
     SHARD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_.data(), x, inputs * sizeof(float),
                                                cudaMemcpyHostToDevice, stream_));
@@ -116,13 +117,22 @@ class GpuMlpRunner final : public MlpRunner {
   }
 
   absl::Status Backward(const std::vector<const float*>& params, const std::vector<float*>& grads,
-                        float scale, const std::function<void(int)>& ready) override {
+                        float scale, const std::function<void(int)>& ready,
+                        const LayerHook& before_layer) override {
+    if (before_layer) return LayerByLayerUnimplemented();
     return model_->Backward(Views(params), grads, scale, ready);
   }
 
   absl::StatusOr<double> LossSum() override { return model_->Loss(); }
 
  private:
+  // The GPU MLP runs its layers in one call (gpu_mlp.h) and casts every parameter up front.
+  static absl::Status LayerByLayerUnimplemented() {
+    return absl::UnimplementedError(
+        "the built-in MLP on a GPU does not run layer by layer yet, which ZeRO stage 3 and "
+        "overlapParamGather need: use zeroStage 2 with overlapParamGather off on a GPU");
+  }
+
   GpuMlpRunner(std::unique_ptr<GpuMlp> model, cudaStream_t stream)
       : model_(std::move(model)), stream_(stream) {}
 
