@@ -71,6 +71,7 @@ std::map<std::string, std::vector<float>> Contents(const std::string& dir) {
 struct Case {
   int stage;
   ShardMode mode;
+  int restore_stage;  // the stage the resumed run trains at
 };
 
 class ResumeTest : public ::testing::TestWithParam<Case> {};
@@ -81,7 +82,8 @@ TEST_P(ResumeTest, RestoringOnAnyWorldSizeContinuesExactlyAsIfNeverStopped) {
   if (!std::filesystem::exists(data)) {
     ASSERT_TRUE(GenerateMlpData(kWidths, 300, 4, data).ok());
   }
-  const std::string tag = absl::StrCat("stage", c.stage, ShardModeName(c.mode));
+  const std::string tag =
+      absl::StrCat("stage", c.stage, "to", c.restore_stage, ShardModeName(c.mode));
 
   const JobConfig full = Job(Root(tag + "-full"), 4, c.stage, c.mode);
   TrainMlpOnThreads(full, "");
@@ -92,7 +94,8 @@ TEST_P(ResumeTest, RestoringOnAnyWorldSizeContinuesExactlyAsIfNeverStopped) {
 
   for (int world : {2, 3, 1}) {
     SCOPED_TRACE(absl::StrCat("restored on ", world, " ranks"));
-    const JobConfig resumed = Job(Root(absl::StrCat(tag, "-", world)), world, c.stage, c.mode);
+    const JobConfig resumed =
+        Job(Root(absl::StrCat(tag, "-", world)), world, c.restore_stage, c.mode);
     TrainMlpOnThreads(resumed, at15);
     const auto actual = Contents(CheckpointDirectory(resumed.checkpoint_dir, resumed.name,
                                                      "step-00000030"));
@@ -175,11 +178,20 @@ TEST(ConsolidationTest, ConsolidatedStateEqualsTheExportAndImportingItContinuesT
 }
 
 INSTANTIATE_TEST_SUITE_P(Stages, ResumeTest,
-                         ::testing::Values(Case{1, ShardMode::kRange}, Case{1, ShardMode::kParam},
-                                           Case{2, ShardMode::kRange}, Case{2, ShardMode::kParam}),
+                         ::testing::Values(Case{1, ShardMode::kRange, 1},
+                                           Case{1, ShardMode::kParam, 1},
+                                           Case{2, ShardMode::kRange, 2},
+                                           Case{2, ShardMode::kParam, 2},
+                                           // Across stages: a checkpoint holds plan ranges,
+                                           // whatever the stage that saved them.
+                                           Case{3, ShardMode::kRange, 2},
+                                           Case{3, ShardMode::kParam, 1},
+                                           Case{2, ShardMode::kRange, 3},
+                                           Case{3, ShardMode::kParam, 3}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return absl::StrCat("stage", info.param.stage, "_",
-                                               ShardModeName(info.param.mode));
+                                               ShardModeName(info.param.mode), "_restored_at_",
+                                               info.param.restore_stage);
                          });
 
 }  // namespace
