@@ -105,7 +105,10 @@ nlohmann::json StatsToJson(const v1::GetStatsResponse& stats) {
                            {"backward_ms", r.last().backward_ms()},
                            {"communication_ms", r.last().communication_ms()},
                            {"hidden_ms", r.last().hidden_ms()},
-                           {"loss", r.last().loss()}};
+                           {"loss", r.last().loss()},
+                           {"held_bytes", r.last().held_bytes()},
+                           {"gathered_units", r.last().gathered_units()},
+                           {"gather_wait_ms", r.last().gather_wait_ms()}};
     }
     ranks.push_back(rank);
   }
@@ -147,11 +150,12 @@ std::string StatsTable(const v1::GetStatsResponse& stats) {
                             stats.mean_communication_ms(), stats.mean_hidden_ms(),
                             100 * stats.overlap_fraction()));
   std::vector<std::vector<std::string>> rows = {
-      {"RANK", "WORKER", "PLAN", "STEP", "STEP MS", "BACKWARD MS", "COMM MS", "HIDDEN MS", "LOSS"}};
+      {"RANK", "WORKER", "PLAN", "STEP", "STEP MS", "BACKWARD MS", "COMM MS", "HIDDEN MS", "LOSS",
+       "HELD", "GATHERED", "GATHER WAIT MS"}};
   for (const v1::RankStats& r : stats.ranks()) {
     if (!r.has_last()) {
       rows.push_back({absl::StrCat(r.rank()), r.worker_id(), absl::StrCat("v", r.acked_plan_version()),
-                      "-", "-", "-", "-", "-", "-"});
+                      "-", "-", "-", "-", "-", "-", "-", "-", "-"});
       continue;
     }
     const v1::StepStats& s = r.last();
@@ -159,7 +163,9 @@ std::string StatsTable(const v1::GetStatsResponse& stats) {
                     absl::StrCat(s.step()), absl::StrFormat("%.2f", s.step_ms()),
                     absl::StrFormat("%.2f", s.backward_ms()),
                     absl::StrFormat("%.2f", s.communication_ms()),
-                    absl::StrFormat("%.2f", s.hidden_ms()), absl::StrFormat("%.4f", s.loss())});
+                    absl::StrFormat("%.2f", s.hidden_ms()), absl::StrFormat("%.4f", s.loss()),
+                    HumanBytes(s.held_bytes()), absl::StrCat(s.gathered_units()),
+                    absl::StrFormat("%.2f", s.gather_wait_ms())});
   }
   return absl::StrCat(out, RenderTable(rows));
 }

@@ -194,6 +194,9 @@ struct StepReport {
   double hidden_ms = 0;
   std::vector<int64_t> bucket_bytes;
   double loss = 0;
+  int64_t held_bytes = 0;  // model state the rank holds
+  int gathered_units = 0;  // ZeRO-3: buckets gathered at once, at most
+  double gather_wait_ms = 0;
 
   bool operator==(const StepReport&) const = default;
 };

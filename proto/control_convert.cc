@@ -136,6 +136,9 @@ v1::StepStats ToProto(const StepReport& report) {
   out.set_hidden_ms(report.hidden_ms);
   for (int64_t bytes : report.bucket_bytes) out.add_bucket_bytes(bytes);
   out.set_loss(report.loss);
+  out.set_held_bytes(report.held_bytes);
+  out.set_gathered_units(report.gathered_units);
+  out.set_gather_wait_ms(report.gather_wait_ms);
   return out;
 }
 
@@ -148,6 +151,9 @@ StepReport FromProto(const v1::StepStats& stats) {
   report.hidden_ms = stats.hidden_ms();
   report.bucket_bytes.assign(stats.bucket_bytes().begin(), stats.bucket_bytes().end());
   report.loss = stats.loss();
+  report.held_bytes = stats.held_bytes();
+  report.gathered_units = stats.gathered_units();
+  report.gather_wait_ms = stats.gather_wait_ms();
   return report;
 }
 

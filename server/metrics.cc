@@ -340,6 +340,28 @@ void AddPlanMetrics(const PlanStats& stats, prometheus::Registry& registry) {
   SetGauge("shard_overlap_hidden_ratio",
            "Fraction of communication time hidden behind backward compute (0..1).",
            stats.overlap_fraction, registry);
+  GaugeFamily& held = AddGaugeFamily(
+      "shard_rank_model_state_bytes",
+      "Model state a rank holds by the engine's accounting: parameters, gradients, optimizer "
+      "state and (ZeRO-3) its gathered buckets.",
+      registry);
+  GaugeFamily& gathered = AddGaugeFamily(
+      "shard_rank_gathered_units",
+      "ZeRO-3: the most buckets a rank held gathered at once in its latest step (at most "
+      "prefetch + 1 unless the model holds more).",
+      registry);
+  GaugeFamily& gather_wait = AddGaugeFamily(
+      "shard_rank_gather_wait_seconds",
+      "Time a rank's latest forward and backward waited for parameter gathers (ZeRO-3, "
+      "overlapParamGather).",
+      registry);
+  for (const PlanStats::Rank& rank : stats.ranks) {
+    if (!rank.last.has_value()) continue;
+    const std::map<std::string, std::string> labels = {{"rank", std::to_string(rank.rank)}};
+    held.Add(labels).Set(static_cast<double>(rank.last->held_bytes));
+    gathered.Add(labels).Set(rank.last->gathered_units);
+    gather_wait.Add(labels).Set(rank.last->gather_wait_ms / 1000);
+  }
 }
 
 void AddCheckpointMetrics(const ManagerReadings::Checkpoints& checkpoints,

@@ -585,12 +585,16 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     }
     if (rank == 0 && (record.step % log_every == 0 || record.step == 1 || record.step == job.steps)) {
       spdlog::info("step {}/{} loss {:.6f} ({:.1f} ms: backward {:.1f} ms, reduction {:.1f} ms of "
-                   "which {:.0f}% hidden, update {:.2f} ms, gather {:.1f} ms; plan v{}{})",
+                   "which {:.0f}% hidden, update {:.2f} ms, gather {:.1f} ms, waited for "
+                   "gathers {:.1f} ms{}; plan v{}{})",
                    record.step, job.steps, record.loss, record.step_ms, t.backward_ms,
                    t.communication_ms,
                    t.communication_ms > 0 ? 100 * t.hidden_ms / t.communication_ms : 0.0,
-                   t.optimizer_ms, t.gather_ms, record.plan_version,
-                   t.rebuilt ? ", buckets rebuilt" : "");
+                   t.optimizer_ms, t.gather_ms, t.gather_wait_ms,
+                   t.gathered_units > 0
+                       ? absl::StrCat(", at most ", t.gathered_units, " buckets gathered")
+                       : "",
+                   record.plan_version, t.rebuilt ? ", buckets rebuilt" : "");
     }
     if (rank == 0 && t.skipped) {
       spdlog::warn("step {}: inf/NaN gradients at loss scale {}; update skipped, scale lowered",
@@ -602,12 +606,13 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
     report.set_generation(generation);
     *report.mutable_stats() =
         ToProto(StepReport{record.step, record.step_ms, t.backward_ms, t.communication_ms,
-                           t.hidden_ms, t.bucket_bytes, record.loss});
+                           t.hidden_ms, t.bucket_bytes, record.loss, record.held_bytes,
+                           t.gathered_units, t.gather_wait_ms});
     reporter.Submit(std::move(report));
   };
   trainer.device = &data_path_->device();
   spdlog::info("training job '{}': {} in {} on {}, {} steps, global batch {}, {}, "
-               "ZeRO stage {}, {} shards, overlap {}",
+               "ZeRO stage {}, {} shards, overlap {}{}",
                job.name,
                job.external_model ? "the training script's model"
                                   : absl::StrCat("MLP ", absl::StrJoin(job.widths, "x")),
@@ -616,7 +621,13 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
                    ? std::string("the script's own optimizer")
                    : absl::StrCat(OptimizerKindName(job.optimizer.kind), " with lr ",
                                   job.optimizer.lr),
-               job.zero_stage, ShardModeName(job.shard_mode), job.overlap ? "on" : "off");
+               job.zero_stage, ShardModeName(job.shard_mode), job.overlap ? "on" : "off",
+               job.zero_stage == 3
+                   ? absl::StrCat(", prefetch ", job.prefetch)
+                   : (job.zero_stage > 0 && job.overlap_param_gather && !job.external_model &&
+                              trainer.device->host_memory()
+                          ? ", parameter gather overlapped with forward"
+                          : ""));
   absl::StatusOr<TrainResult> result = options_.trainer
                                            ? options_.trainer(job, *communicator, plans, trainer)
                                            : TrainMlp(job, *communicator, plans, trainer);
@@ -641,7 +652,8 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
   }
   spdlog::info("training finished: {} steps{}, loss {:.6f} -> {:.6f}, {:.2f} steps/s over steps "
                "{}-{}, {:.0f}% of gradient reduction hidden behind backward, optimizer state {} "
-               "bytes on this rank{}",
+               "bytes on this rank, model state held {} bytes (parameters {}, gradients {}, "
+               "optimizer state {}, gathered buckets {}, frozen {}){}",
                result->steps,
                result->start_step > 0
                    ? absl::StrCat(" (this run: steps ", result->start_step + 1, "-", result->steps,
@@ -649,7 +661,10 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
                    : "",
                result->first_loss, result->last_loss, result->steps_per_second,
                result->start_step + 2, result->steps, 100 * result->hidden_fraction,
-               result->optimizer_state_bytes,
+               result->optimizer_state_bytes, result->held_bytes.total(),
+               result->held_bytes.params, result->held_bytes.grads,
+               result->held_bytes.optimizer_state, result->held_bytes.gathered,
+               result->held_bytes.frozen,
                result->output_path.empty() ? "" : ", parameters written to " + result->output_path);
   v1::ReportTrainingDoneRequest done;
   done.set_worker_id(options_.worker_id);

@@ -285,6 +285,9 @@ TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
       report.hidden_ms = 3;
       report.bucket_bytes = {1000, 24};
       report.loss = 0.5;
+      report.held_bytes = rank == 0 ? 4096 : 4160;
+      report.gathered_units = 2;
+      report.gather_wait_ms = 1.5;
       auto reported = plans.ReportStepStats(MemberRef{absl::StrCat("w", rank), rank, generation, 2},
                                             report, absl::Now());
       ASSERT_TRUE(reported.ok()) << reported;
@@ -378,6 +381,10 @@ TEST(CoordinatorMetricsTest, GaugesComeFromTheManagersSnapshots) {
            {"shard_training_loss", 0.5},
            {"shard_step_reduced_bytes", 1024},
            {"shard_overlap_hidden_ratio", 0.75},
+           {"shard_rank_model_state_bytes{rank=\"0\"}", 4096},
+           {"shard_rank_model_state_bytes{rank=\"1\"}", 4160},
+           {"shard_rank_gathered_units{rank=\"1\"}", 2},
+           {"shard_rank_gather_wait_seconds{rank=\"0\"}", 0.0015},
            {"shard_checkpoints_committed", 2},
            {"shard_checkpoint_last_step", 200},
            {"shard_checkpoint_last_commit_timestamp_seconds", 1700000003},

@@ -216,6 +216,7 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
   record.timings = timings;
   record.step_ms = absl::ToDoubleMilliseconds(absl::Now() - started);
   record.plan_version = engine_->plan_version();
+  record.held_bytes = engine_->held_bytes().total();
   if (step == result_.start_step) {
     result_.first_loss = loss;
     steady_start_ = absl::Now();

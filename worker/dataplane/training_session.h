@@ -46,6 +46,7 @@ struct StepRecord {
   double step_ms = 0;     // wall time of the whole step on this rank
   StepTimings timings;
   int64_t plan_version = 0;
+  int64_t held_bytes = 0;  // the model state this rank holds (Engine::held_bytes)
   double checkpoint_pause_ms = 0;  // when this step ended with a checkpoint or a snapshot
   bool snapshot = false;           // this step ended with a memory snapshot
 };
