@@ -60,6 +60,7 @@ class ChaosTest : public ::testing::Test {
     int snapshot_every = 0;  // memory snapshots (0: none)
     int replicas = 1;
     std::string checkpoints = "checkpoints";
+    int zero_stage = 2;      // 3 shards the parameters too
   };
 
   // A job of the MLP 32,64,10 on DIR/data.safetensors (the global batch 96 divides over 1, 2, 3
@@ -70,7 +71,7 @@ class ChaosTest : public ::testing::Test {
         R"({"name": "chaos", "worldSize": )", o.world, R"(, "minWorldSize": )", o.min, R"(,
         "model": {"mlp": {"widths": [32, 64, 10]}}, "data": {"path": "data.safetensors"},
         "seed": 11, "optimizer": {"name": "adam", "lr": 0.002}, "globalBatch": 96,
-        "steps": )", o.steps, R"(, "zeroStage": 2, "bucketCapMb": 0.004,
+        "steps": )", o.steps, R"(, "zeroStage": )", o.zero_stage, R"(, "bucketCapMb": 0.004,
         "checkpoint": {"dir": ")", o.checkpoints, R"(", "everySteps": )", o.every,
         R"(, "keepLast": )", o.keep, R"(}, "snapshot": {"everySteps": )", o.snapshot_every,
         R"(, "replicas": )", o.replicas, R"(}, "outputDir": ")", o.out, R"("})");
@@ -175,8 +176,8 @@ class ChaosTest : public ::testing::Test {
   // `phases[i].first` workers from where phase i-1 ended (from scratch for the first) up to step
   // `phases[i].second`, through a disk checkpoint at that step; the last phase to the end. Each
   // phase is a run of its own on a state directory of the reference's. Returns the final
-  // parameters.
-  std::string ChainReference(const std::vector<std::pair<int, int>>& phases) {
+  // parameters. Every phase trains at ZeRO stage `zero_stage`.
+  std::string ChainReference(const std::vector<std::pair<int, int>>& phases, int zero_stage = 2) {
     const std::string reference_state = dir_ + "/reference-state";
     std::string restore;
     for (size_t i = 0; i < phases.size(); ++i) {
@@ -186,7 +187,7 @@ class ChaosTest : public ::testing::Test {
       const std::string job = WriteJob(
           name, JobOptions{.world = world, .min = world, .steps = until,
                            .every = last ? 0 : until, .out = "reference",
-                           .checkpoints = name + "-checkpoints"});
+                           .checkpoints = name + "-checkpoints", .zero_stage = zero_stage});
       std::vector<std::string> extra;
       if (!restore.empty()) extra = {"--restore", restore};
       StartCoordinatorOn(reference_state, job, extra, 0, name + "-coordinator.log");
@@ -286,6 +287,49 @@ class ChaosTest : public ::testing::Test {
           << "the re-formed run must equal a 4->3 restore of the same checkpoint";
     }
     return aborted;
+  }
+
+  // 1 of 4 workers training at ZeRO stage `zero_stage` is killed mid-training, with no disk
+  // checkpoints at all: the world re-forms at 3 from the snapshot the survivors (and the victim's
+  // buddy) hold in memory, reads nothing from disk, and ends with the parameters of a run at the
+  // same stage that went 4 -> 3 at that step through a checkpoint.
+  void KillAWorkerAndRecoverFromMemory(int zero_stage) {
+    constexpr int kSteps = 600;
+    StartCoordinator(WriteJob("job", JobOptions{.world = 4, .min = 3, .steps = kSteps,
+                                                .snapshot_every = 10, .replicas = 1,
+                                                .zero_stage = zero_stage}));
+    const std::vector<std::string> ids = {"w0", "w1", "w2", "w3"};
+    std::vector<Process> workers = StartWorkers(ids);
+    WaitForSnapshot(40);
+    const int victim = HolderOf(2, ids);
+    ASSERT_GE(victim, 0);
+    workers[victim].Signal(SIGKILL);
+    ASSERT_EQ(workers[victim].Wait(absl::Seconds(5)), 128 + SIGKILL);
+    std::vector<Process*> survivors;
+    for (int i = 0; i < 4; ++i) {
+      if (i != victim) survivors.push_back(&workers[i]);
+    }
+    ExpectJobFinishes(survivors);
+    EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
+    // Every restore was from memory (the first from 4 ranks' snapshot), and nothing is on disk.
+    const std::vector<std::string> restored = EventsOf("restored");
+    ASSERT_FALSE(restored.empty());
+    for (const std::string& detail : restored) {
+      EXPECT_TRUE(absl::StrContains(detail, "from memory")) << detail;
+    }
+    EXPECT_FALSE(std::filesystem::exists(dir_ + "/checkpoints/chaos"))
+        << "no checkpoint was ever written, so none was read";
+    int bytes_from_peers = 0;
+    for (Process* survivor : survivors) {
+      bytes_from_peers += absl::StrContains(survivor->Log(), " from peers") ? 1 : 0;
+    }
+    EXPECT_EQ(bytes_from_peers, 3) << "each survivor says what it read from its peers";
+    const int step = RestoredStep(restored.back());
+    ASSERT_GE(step, 40) << restored.back();
+    EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"),
+              ChainReference({{4, step}, {3, kSteps}}, zero_stage))
+        << "the re-formed run must equal a 4->3 restore at step " << step << " at ZeRO stage "
+        << zero_stage;
   }
 
   std::string dir_;
@@ -496,43 +540,14 @@ TEST_F(ChaosTest, AKilledAndRestartedCoordinatorKeepsItsCatalogAndTheJobContinue
 
 // --- Recovery and resizes from memory (docs/recovery.md) -----------------------------------------
 
-// 1 of 4 workers killed mid-training, with no disk checkpoints at all: the world re-forms at 3
-// from the snapshot the survivors (and the victim's buddy) hold in memory, reads nothing from
-// disk, and ends with the parameters of a run that went 4 -> 3 at that step through a checkpoint.
+// KillAWorkerAndRecoverFromMemory at ZeRO stage 2, and at stage 3, where a rank's snapshot holds
+// only its span of the parameters too.
 TEST_F(ChaosTest, AKilledWorkerIsRecoveredFromMemoryWithNoCheckpointOnDisk) {
-  constexpr int kSteps = 600;
-  StartCoordinator(WriteJob("job", JobOptions{.world = 4, .min = 3, .steps = kSteps,
-                                              .snapshot_every = 10, .replicas = 1}));
-  const std::vector<std::string> ids = {"w0", "w1", "w2", "w3"};
-  std::vector<Process> workers = StartWorkers(ids);
-  WaitForSnapshot(40);
-  const int victim = HolderOf(2, ids);
-  ASSERT_GE(victim, 0);
-  workers[victim].Signal(SIGKILL);
-  ASSERT_EQ(workers[victim].Wait(absl::Seconds(5)), 128 + SIGKILL);
-  std::vector<Process*> survivors;
-  for (int i = 0; i < 4; ++i) {
-    if (i != victim) survivors.push_back(&workers[i]);
-  }
-  ExpectJobFinishes(survivors);
-  EXPECT_TRUE(HasEvent("re-formed from 4 to 3 workers"));
-  // Every restore was from memory (the first from 4 ranks' snapshot), and nothing is on disk.
-  const std::vector<std::string> restored = EventsOf("restored");
-  ASSERT_FALSE(restored.empty());
-  for (const std::string& detail : restored) {
-    EXPECT_TRUE(absl::StrContains(detail, "from memory")) << detail;
-  }
-  EXPECT_FALSE(std::filesystem::exists(dir_ + "/checkpoints/chaos"))
-      << "no checkpoint was ever written, so none was read";
-  int bytes_from_peers = 0;
-  for (Process* survivor : survivors) {
-    bytes_from_peers += absl::StrContains(survivor->Log(), " from peers") ? 1 : 0;
-  }
-  EXPECT_EQ(bytes_from_peers, 3) << "each survivor says what it read from its peers";
-  const int step = RestoredStep(restored.back());
-  ASSERT_GE(step, 40) << restored.back();
-  EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ChainReference({{4, step}, {3, kSteps}}))
-      << "the re-formed run must equal a 4->3 restore at step " << step;
+  KillAWorkerAndRecoverFromMemory(2);
+}
+
+TEST_F(ChaosTest, AKilledStage3WorkerIsRecoveredFromMemoryWithNoCheckpointOnDisk) {
+  KillAWorkerAndRecoverFromMemory(3);
 }
 
 // A worker and the buddy that keeps its replica lost together: no snapshot holds every range
