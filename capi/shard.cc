@@ -50,6 +50,7 @@ struct shard_job {
   std::optional<shard::OptimizerStateKind> torch_optimizer;
   std::vector<shard::OwnedRange> ranges;  // shard_updated_ranges's, at layout_version
   std::string ranges_json;
+  std::string layout_json;  // shard_param_layout's answer
   shard_extras_fn extras_callback = nullptr;
   void* extras_context = nullptr;
   // shard_put_extra's, while the callback runs (null otherwise).
@@ -330,13 +331,6 @@ absl::Status BeginGeneration(shard_job* job, int* began, int* needs_init) {
     const shard::GenerationHandoff::Generation& generation = *job->generation;
     shard::JobConfig config = *generation.job;
     SHARD_RETURN_IF_ERROR(WithScriptOptimizer(job, &config.optimizer));
-    if (config.zero_stage == 3) {
-      // The engine gathers stage 3's parameters per bucket as a model acquires them; the torch
-      // loop's module hooks that would acquire them are not built yet.
-      return absl::UnimplementedError(
-          "zeroStage 3 trains the built-in MLP; through shard.torch it is not built yet: use "
-          "zeroStage 2 (sharded gradients and optimizer state)");
-    }
     // A failure here ends this generation; the agent says whether there is a next one (the
     // world moved on) or the job fails (then Next answers with the error).
     absl::StatusOr<std::unique_ptr<shard::TrainingSession>> session =
@@ -465,6 +459,11 @@ absl::Status TensorDlpack(shard_job* job, int index, int grad, DLManagedTensor**
                                               manifest.params.size(), ")"));
   }
   float* data = grad ? engine.grad(index) : engine.param(index);
+  if (data == nullptr && (grad == 0 || engine.gathers_on_demand())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        manifest.params[index].name, " is sharded (ZeRO stage 3): acquire its bucket "
+        "(shard_param_layout, shard_acquire)"));
+  }
   if (data == nullptr) {
     return absl::NotFoundError(
         absl::StrCat(manifest.params[index].name, " is frozen: it has no gradient"));
@@ -491,6 +490,51 @@ absl::Status RangeDlpack(shard_job* job, int range, int array, DLManagedTensor**
   float* data = array == -2 ? engine.RangeGrad(owned) : engine.RangeData(owned, array);
   *out = MakeDlpack(job, data, {owned.numel});
   return absl::OkStatus();
+}
+
+absl::Status ParamLayout(shard_job* job, const char** json) {
+  SHARD_RETURN_IF_ERROR(NeedsSession(job));
+  if (json == nullptr) return absl::InvalidArgumentError("shard_param_layout: null output");
+  const shard::Plan& plan = job->session->engine().plan();
+  nlohmann::json buckets = nlohmann::json::array();
+  for (const shard::Bucket& bucket : plan.buckets) buckets.push_back(bucket.padded_numel);
+  nlohmann::json params = nlohmann::json::array();
+  for (const shard::ParamLocation& location : plan.locations) {
+    params.push_back({location.bucket, location.offset});
+  }
+  job->layout_json = nlohmann::json{{"buckets", buckets}, {"params", params}}.dump();
+  *json = job->layout_json.c_str();
+  return absl::OkStatus();
+}
+
+absl::Status Acquire(shard_job* job, int bucket, int grad, DLManagedTensor** out) {
+  SHARD_RETURN_IF_ERROR(NeedsSession(job));
+  if (out == nullptr) return absl::InvalidArgumentError("shard_acquire: null output");
+  shard::Engine& engine = job->session->engine();
+  if (bucket < 0 || bucket >= static_cast<int>(engine.plan().buckets.size())) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "bucket ", bucket, " is not in [0, ", engine.plan().buckets.size(),
+        "): ask shard_param_layout again after the layout version changed"));
+  }
+  SHARD_RETURN_IF_ERROR(AfterCaller(job));  // a zeroed or refilled buffer the caller used
+  SHARD_ASSIGN_OR_RETURN(float* data,
+                         grad ? engine.AcquireGradBucket(bucket) : engine.AcquireBucket(bucket));
+  SHARD_RETURN_IF_ERROR(BeforeCaller(job));
+  *out = MakeDlpack(job, data, {engine.plan().buckets[bucket].padded_numel});
+  return absl::OkStatus();
+}
+
+absl::Status SetInitial(shard_job* job, int index, const float* values) {
+  SHARD_RETURN_IF_ERROR(NeedsSession(job));
+  shard::Engine& engine = job->session->engine();
+  if (index < 0 || index >= static_cast<int>(engine.manifest().params.size()) ||
+      values == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("shard_set_initial: tensor ", index, " of ",
+                                                   engine.manifest().params.size(),
+                                                   ", or no values"));
+  }
+  SHARD_RETURN_IF_ERROR(AfterCaller(job));
+  return engine.SetParamValues(index, values);
 }
 
 absl::Status UpdatedRanges(shard_job* job, const char** json) {
@@ -629,6 +673,26 @@ int shard_tensor(shard_job* job, int index, float** param, float** grad) {
 
 int shard_tensor_dlpack(shard_job* job, int index, int grad, DLManagedTensor** tensor) {
   return Guarded([&] { return TensorDlpack(job, index, grad, tensor); });
+}
+
+int shard_param_layout(shard_job* job, const char** json) {
+  return Guarded([&] { return ParamLayout(job, json); });
+}
+
+int shard_acquire(shard_job* job, int bucket, int grad, DLManagedTensor** tensor) {
+  return Guarded([&] { return Acquire(job, bucket, grad, tensor); });
+}
+
+int shard_release(shard_job* job, int bucket) {
+  return Guarded([&]() -> absl::Status {
+    SHARD_RETURN_IF_ERROR(NeedsSession(job));
+    job->session->engine().ReleaseBucket(bucket);
+    return absl::OkStatus();
+  });
+}
+
+int shard_set_initial(shard_job* job, int index, const float* values) {
+  return Guarded([&] { return SetInitial(job, index, values); });
 }
 
 int shard_set_stream(shard_job* job, uintptr_t stream) {

@@ -94,6 +94,24 @@ int shard_layout_version(shard_job* job, int64_t* version);
 struct DLManagedTensor;
 int shard_tensor_dlpack(shard_job* job, int index, int grad, struct DLManagedTensor** tensor);
 
+/* ZeRO stage 3 (the job spec's "zeroStage": 3): each rank keeps only its shard of the trainable
+ * parameters, so shard_tensor and shard_tensor_dlpack give them only for frozen tensors. The
+ * caller gathers a bucket while it computes with the bucket's parameters (module hooks):
+ * shard_param_layout says where each parameter lives, {"buckets": [padded numel of each],
+ * "params": [[bucket, offset] by index; bucket -1 for a frozen tensor]} (valid until the layout
+ * version changes); shard_acquire with grad = 0 gathers bucket `bucket` (prefetching the
+ * buckets the previous step acquired next) and gives a 1-D view of its whole parameters, valid
+ * until shard_release and the next shard_acquire that needs its slot; with grad = 1 it gives
+ * the bucket's zeroed gradient buffer for this step's backward, valid until the bucket's last
+ * shard_mark_ready. At other stages shard_acquire gives the bucket's buffers and shard_release
+ * does nothing. Every rank must acquire the same buckets in the same order. */
+int shard_param_layout(shard_job* job, const char** json);
+int shard_acquire(shard_job* job, int bucket, int grad, struct DLManagedTensor** tensor);
+int shard_release(shard_job* job, int bucket);
+/* Before shard_generation_init: trainable parameter `index`'s initial values (numel floats of
+ * host memory) at stage 3, where no rank holds the whole parameter to write them into. */
+int shard_set_initial(shard_job* job, int index, const float* values);
+
 /* GPU jobs: the CUDA stream (a cudaStream_t; 0 is the legacy default stream) on which the caller
  * computes with Shard's tensors, e.g. torch.cuda.current_stream().cuda_stream. Every call that
  * reads what the caller wrote (shard_mark_ready, shard_step_end, ...) first makes Shard's work

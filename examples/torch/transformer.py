@@ -1,5 +1,6 @@
 """A small GPT-style transformer on Shard: token and position embeddings, pre-LayerNorm blocks of
-causal self-attention and a GELU MLP, a tied-free output head, next-token cross-entropy. The job
+causal self-attention and a GELU MLP, an output head (its weight tied to the token embedding's
+with --tie, as GPT-2's is), next-token cross-entropy. The job
 spec trains it with AdamW, no weight decay for biases, LayerNorms and embeddings (a parameter
 group), linear warm-up then cosine decay, and gradient clipping, e.g.:
 
@@ -50,13 +51,15 @@ class Block(torch.nn.Module):
 
 
 class Gpt(torch.nn.Module):
-    def __init__(self, vocab, dim, heads, layers, context):
+    def __init__(self, vocab, dim, heads, layers, context, tie=False):
         super().__init__()
         self.token_emb = torch.nn.Embedding(vocab, dim)
         self.position_emb = torch.nn.Embedding(context, dim)
         self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.ln_final = torch.nn.LayerNorm(dim)
         self.head = torch.nn.Linear(dim, vocab)
+        if tie:
+            self.head.weight = self.token_emb.weight  # one parameter under two names
 
     def forward(self, tokens):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -89,6 +92,8 @@ def main():
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--sequences", type=int, default=4096, help="size of the data set")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tie", action="store_true",
+                        help="the output head's weight is the token embedding's")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--bf16", action="store_true",
                         help="forward and backward under torch.autocast in bf16 (on a GPU: "
@@ -99,7 +104,7 @@ def main():
 
     data = markov_sequences(args.sequences, args.context, args.vocab, args.seed)
     torch.manual_seed(args.seed)
-    model = Gpt(args.vocab, args.dim, args.heads, args.layers, args.context)
+    model = Gpt(args.vocab, args.dim, args.heads, args.layers, args.context, tie=args.tie)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     job = shard.join()

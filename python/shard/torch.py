@@ -57,6 +57,7 @@ import sys
 from . import _lib, data
 from ._lib import ShardError, check, lib
 from .optim import ShardOptimizer, dumps, loads
+from .units import Units, from_dlpack
 
 # shard.torch is a module: `import shard.torch.data` and `from shard.torch.data import ...`
 # find the data module under this name too.
@@ -212,13 +213,21 @@ class Job:
         .proto: global_batch, steps, optimizer, ...)."""
         return self._info["job"]
 
-    def wrap(self, model):
+    def wrap(self, model, units=None):
         """Puts `model`'s parameters and gradients in Shard's buffers and returns the Engine whose
         step() trains it. Once per job; the model must be on job.device with fp32 parameters and
-        must not be moved afterwards (model.to(...) would detach it from Shard)."""
+        must not be moved afterwards (model.to(...) would detach it from Shard).
+
+        At ZeRO stage 3 ("zeroStage": 3) each rank keeps 1/W of the parameters and gathers a
+        unit's while the unit computes (shard.units). `units` chooses the unit modules: None
+        (FSDP's size-based policy: a module becomes a unit once the parameters of its subtree
+        not yet in a unit number at least one bucket's worth, bucketCapMb / 4 bytes), a number
+        of parameters for that policy, a module class or tuple of classes (every instance, e.g.
+        the transformer's block), or a list of submodules; the model itself is always the
+        outermost unit. Other stages ignore it."""
         if self._engine is not None:
             raise ShardError(_lib.FAILED_PRECONDITION, "wrap() was called already: one model a job")
-        self._engine = Engine(self, model)
+        self._engine = Engine(self, model, units)
         return self._engine
 
     def batch_indices(self, step, n):
@@ -307,11 +316,12 @@ class Job:
                 self._end_generation(code, lib.shard_last_error().decode())
                 return
             if step.value < 0:  # the last step was done already (restored at the end)
-                self._end_generation(0, "")
+                self._end_generation(0, "", finished=True)
                 return
             self._loss = None
             self._failure = None
             self._step = step.value
+            engine._step_begun()
             code = engine._buffers_in()
             if code:
                 self._end_generation(code, lib.shard_last_error().decode())
@@ -331,14 +341,14 @@ class Job:
                     raise error
                 return
             if boundary.value != _lib.CONTINUE:
-                self._end_generation(0, "")
+                self._end_generation(0, "", finished=boundary.value == _lib.FINISHED)
                 return
 
-    def _end_generation(self, code, message):
+    def _end_generation(self, code, message, finished=False):
         """Hands the generation back with how it ended. The worker decides what an error means:
         the end of the generation (a peer died, the world moved on: the next begin waits for
         the next one) or of the job (the next begin raises it)."""
-        self._engine._detach()
+        self._engine._detach(gather=finished)
         path = ctypes.c_char_p()
         if lib.shard_generation_end(self._handle, code, message.encode(), ctypes.byref(path)) == 0:
             if path.value:
@@ -364,7 +374,7 @@ class Job:
 class Engine:
     """The model's parameters as views of Shard's buffers, and the sharded step (Job.wrap)."""
 
-    def __init__(self, job, model):
+    def __init__(self, job, model, units=None):
         self._job = job
         self._model = model
         self._device = job.device
@@ -418,6 +428,10 @@ class Engine:
         self._misuse = None  # what a gradient hook found wrong, raised by step()
         self._optimizer = None  # the script's own (optimizer()), else the job spec's runs
         self._grad_versions = {}  # by index: the gradient's version when backward last made it
+        self._units = None  # stage 3's unit hooks (shard.units)
+        if int(job.spec.get("zero_stage", 0)) == 3:
+            bucket_params = int(float(job.spec.get("bucket_cap_mb", 25)) * 2**20 / 4)
+            self._units = Units(self, model, self._params, units, max(1, bucket_params))
         self._install_hooks()
 
     def _install_hooks(self):
@@ -430,6 +444,11 @@ class Engine:
 
             def ready(*_, index=index, param=param):
                 if not self._views:  # between generations or after the job: plain torch
+                    return
+                if self._units is not None:
+                    misuse = self._units.gradient_ready(index, self._syncing)
+                    if misuse is not None and self._misuse is None:
+                        self._misuse = misuse
                     return
                 view = self._views[index][1]
                 if param.grad is None or param.grad.data_ptr() != view.data_ptr():
@@ -504,26 +523,42 @@ class Engine:
         """Points the parameters at this generation's buffers, and fills them when it starts from
         scratch. Returns (code, message) of a failure that ended the generation, else (0, "")."""
         self._repoint()
+        if self._units is not None:
+            self._units.active = True
         if not needs_init:
             return 0, ""
         with torch.no_grad():
             views = [param_view for param_view, _ in self._views] + self._buffer_views
-            for view, initial in zip(views, self._initial):
-                view.copy_(initial.reshape(view.shape))
+            for index, (view, initial) in enumerate(zip(views, self._initial)):
+                if view is None:  # sharded (stage 3)
+                    self._units.set_initial(index, initial)
+                else:
+                    view.copy_(initial.reshape(view.shape))
         code = lib.shard_generation_init(self._job._handle)
         return code, (lib.shard_last_error().decode() if code else "")
 
-    def _detach(self):
+    def _detach(self, gather=False):
         """Gives the parameters memory of their own, holding their current values: the
         generation's buffers go away with it, and the model must stay usable (evaluated, saved)
-        after training and between generations."""
+        after training and between generations. At stage 3 no rank holds the trainable ones
+        whole: with `gather` (the job's last step is done, every rank is here) they are gathered
+        onto every rank, one bucket at a time; otherwise they stay empty until the next
+        generation restores them."""
         if self._layout is None:
             return
         if self._optimizer is not None:
             self._optimizer._detach()
+        if self._units is not None:
+            self._units.end_step()
+            if gather:
+                self._units.gather_all()
+            self._units.active = False
         with torch.no_grad():
-            for param in self._params:
-                param.data = param.data.clone()
+            for index, param in enumerate(self._params):
+                if self._views[index][0] is not None:
+                    param.data = param.data.clone()
+                elif not gather:
+                    param.data = torch.empty(0, device=self._device)
                 param.grad = None
         self._views = []
         self._buffer_views = []
@@ -537,6 +572,9 @@ class Engine:
         views = []
         handle = self._job._handle
         for index, param in enumerate(self._params):
+            if self._units is not None and param.requires_grad:
+                views.append((None, None))  # gathered by its units' hooks
+                continue
             param_view = _view(handle, index, False, param.shape)
             grad_view = _view(handle, index, True, param.shape) if param.requires_grad else None
             with torch.no_grad():
@@ -545,6 +583,8 @@ class Engine:
                     param.grad = grad_view
             views.append((param_view, grad_view))
         self._views = views
+        if self._units is not None:
+            self._units.load_layout(version.value)
         self._buffer_views = []
         for offset, name in enumerate(self._buffer_names):
             self._buffer_views.append(_view(handle, len(self._params) + offset, False,
@@ -609,7 +649,8 @@ class Engine:
         if not self._views:
             raise ShardError(_lib.FAILED_PRECONDITION, "step() belongs inside job.steps()")
         for index, param in enumerate(self._params):
-            if param.data_ptr() != self._views[index][0].data_ptr():
+            view = self._views[index][0]
+            if view is not None and param.data_ptr() != view.data_ptr():
                 raise ShardError(
                     _lib.FAILED_PRECONDITION,
                     f"parameter {self._names()[index]} is no longer Shard's buffer: do not move "
@@ -630,6 +671,12 @@ class Engine:
                     "(clip_grad_norm_, or another in-place change of .grad before the step): "
                     "Shard reduces gradients during backward, so the change would hit values "
                     "being reduced. Clip with the job spec's gradClipNorm instead")
+        if self._units is not None:
+            self._units.end_step()
+
+    def _step_begun(self):
+        if self._units is not None:
+            self._units.begin_step()
 
     def _torch_step(self, optimizer):
         """The step with the script's optimizer: Shard reduces (and clips), the optimizer updates
@@ -668,17 +715,33 @@ class Engine:
         mine = self._job.rank == to
         result = {}
         if model:
-            result["model"] = self._host_state_dict() if mine else None
+            result["model"] = self._host_state_dict(to)
         if self._optimizer is not None:
             result["optimizer"] = self._optimizer._consolidate(to)
         else:
             result["optimizer"] = self._consolidate_builtin(to)
         return result if mine else None
 
-    def _host_state_dict(self):
-        """The model's state_dict copied to host memory, tied names sharing one copy."""
+    def _host_state_dict(self, to):
+        """The model's state_dict copied to host memory on rank `to` (None elsewhere), tied names
+        sharing one copy. Collective: at stage 3 the sharded parameters are gathered to `to`,
+        one at a time."""
+        mine = self._job.rank == to
+        gathered = {}
+        for index, (view, _) in enumerate(self._views):
+            if view is None:
+                param = self._params[index]
+                out = torch.empty(param.numel()) if mine else None
+                check(lib.shard_gather_to_rank(self._job._handle, index, -1, to,
+                                               out.data_ptr() if mine else None))
+                gathered[id(param)] = out.view(param.shape) if mine else None
+        if not mine:
+            return None
         copies, state = {}, {}
-        for name, value in self._model.state_dict().items():
+        for name, value in self._model.state_dict(keep_vars=True).items():
+            if id(value) in gathered:
+                state[name] = gathered[id(value)]
+                continue
             key = (value.data_ptr(), value.dtype, tuple(value.shape))
             if key not in copies:
                 copies[key] = value.detach().to("cpu", copy=True)
@@ -754,7 +817,7 @@ class Engine:
         or optimizer state `array`."""
         managed = ctypes.c_void_p()
         check(lib.shard_range_dlpack(self._job._handle, index, array, ctypes.byref(managed)))
-        return torch.utils.dlpack.from_dlpack(_PyCapsule_New(managed, _DLTENSOR, None))
+        return from_dlpack(managed)
 
     def _restored_extra(self, param):
         """What the generation's restore read of parameter `param`'s extras (-1: the job's), or
@@ -769,16 +832,9 @@ _EXACT_IN_FP32 = (torch.float32, torch.float16, torch.bfloat16, torch.int64, tor
                   torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
-_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
-_PyCapsule_New.restype = ctypes.py_object
-_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_DLTENSOR = b"dltensor"  # a capsule keeps a pointer to its name: this object outlives them all
-
-
 def _view(handle, index, grad, shape):
     """Tensor `index`'s values (or gradient) in Shard's memory, host or GPU, without a copy: a
     DLPack descriptor from libshard, whose deleter torch calls when the view goes."""
     managed = ctypes.c_void_p()
     check(lib.shard_tensor_dlpack(handle, index, int(grad), ctypes.byref(managed)))
-    capsule = _PyCapsule_New(managed, _DLTENSOR, None)
-    return torch.utils.dlpack.from_dlpack(capsule).view(shape)
+    return from_dlpack(managed).view(shape)

@@ -63,14 +63,14 @@ class Cluster:
             json.dump(job, f)
         return path
 
-    def start_coordinator(self, job, *extra, log_name="coordinator.log"):
+    def start_coordinator(self, job, *extra, log_name="coordinator.log", state="state"):
         port_file = os.path.join(self.tmp, "port")
         if os.path.exists(port_file):
             os.remove(port_file)
         log = open(os.path.join(self.tmp, log_name), "w")
         self.coordinator = subprocess.Popen(
             [os.path.join(BIN, "shard-coordinator"), "--job", job, "--listen", "127.0.0.1:0",
-             "--port-file", port_file, "--state-dir", os.path.join(self.tmp, "state"),
+             "--port-file", port_file, "--state-dir", os.path.join(self.tmp, state),
              "--lease", "1s", "--reform-grace", "1s", *extra],
             stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(self.coordinator)
@@ -159,14 +159,15 @@ class BatchNormMlp(torch.nn.Module):
 
 
 def make_model_and_data(config):
-    """The model of `config` ("mlp", "transformer" or "batchnorm") as the workers build it, its
+    """The model of `config` ("mlp", "transformer", "tied": the transformer with its output
+    weight tied to the token embedding, or "batchnorm") as the workers build it, its
     inputs and targets, and its loss."""
-    if config["model"] == "transformer":
+    if config["model"] in ("transformer", "tied"):
         sys.path.insert(0, os.path.dirname(EXAMPLE))
         from transformer import Gpt, markov_sequences
         data = markov_sequences(64, 8, 16, 0)
         torch.manual_seed(0)
-        model = Gpt(16, 16, 2, 1, 8)
+        model = Gpt(16, 16, 2, 1, 8, tie=config["model"] == "tied")
         return (model, data[:, :-1], data[:, 1:],
                 lambda logits, t: torch.nn.functional.cross_entropy(logits.reshape(-1, 16),
                                                                     t.reshape(-1)))
@@ -185,13 +186,13 @@ def torch_optimizer(config, params, zero=None):
     return optimizer_class(params, **settings)
 
 
-def run_script(cluster, source, world, steps):
+def run_script(cluster, source, world, steps, **job):
     """Runs `source` (a torch training script) as the `world` workers of a job of `steps`
-    steps; returns the workers, each of which exited 0."""
+    steps (and the job spec's fields `job`); returns the workers, each of which exited 0."""
     script = os.path.join(cluster.tmp, "script.py")
     with open(script, "w") as f:
         f.write(source)
-    cluster.start_coordinator(cluster.write_job(world=world, steps=steps))
+    cluster.start_coordinator(cluster.write_job(world=world, steps=steps, **job))
     workers = [cluster.start_worker(f"w{i}", script=script, args=[]) for i in range(world)]
     for worker in workers:
         assert cluster.wait(worker) == 0, cluster.log(worker)
@@ -701,3 +702,175 @@ def test_the_export_loads_into_the_model_and_a_state_dict_starts_a_job(cluster):
     moved = max(float((a - b).abs().max())
                 for a, b in zip(model.state_dict().values(), start.state_dict().values()))
     assert 0 < moved < 0.1, moved
+
+
+# ZeRO stage 3 through shard.torch (shard.units): the default unit policy at the test's tiny
+# buckets makes each block, its linear layers and the embeddings units of their own.
+STAGE3 = [
+    dict(model="mlp", world=3, mode="range", optimizer="adam"),
+    dict(model="transformer", world=2, mode="range", optimizer="adamw"),
+    dict(model="transformer", world=3, mode="param", optimizer="adam"),
+    dict(model="tied", world=2, mode="range", optimizer="adam"),
+    dict(model="tied", world=3, mode="param", optimizer="sgd"),
+]
+
+
+def start_workers(cluster, model, world, extra=()):
+    if model == "mlp":
+        return [cluster.start_worker(f"w{i}") for i in range(world)]
+    script = os.path.join(os.path.dirname(EXAMPLE), "transformer.py")
+    args = TRANSFORMER_ARGS + (["--tie"] if model == "tied" else []) + list(extra)
+    return [cluster.start_worker(f"w{i}", script=script, args=args) for i in range(world)]
+
+
+@pytest.mark.parametrize("case", STAGE3, ids=lambda c: f"{c['model']}-w{c['world']}-{c['mode']}-"
+                         f"{c['optimizer']}")
+def test_stage_3_matches_single_process_torch(cluster, case):
+    steps = 20
+    config = dict(model=case["model"], data=cluster.data, optimizer=case["optimizer"],
+                  steps=steps, batch=24)
+    cluster.start_coordinator(cluster.write_job(
+        world=case["world"], steps=steps, optimizer=OPTIMIZERS[case["optimizer"]][0],
+        zeroStage=3, shardMode=case["mode"]))
+    workers = start_workers(cluster, case["model"], case["world"])
+    for worker in workers:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    got = exported(cluster)
+    want = reference(config)
+    if case["model"] == "tied":  # the export has both names of the tied weight
+        want["head.weight"] = want["token_emb.weight"]
+        assert torch.equal(got["head.weight"], got["token_emb.weight"])
+    difference = max_relative_difference(got, want)
+    print(f"stage 3 {case}: against one torch process {difference:.3g}")
+    assert difference <= 1e-5
+
+
+def test_stage_3_equals_stage_2_bit_for_bit(cluster):
+    # The same world, model and data: gathering the parameters on demand changes no bit.
+    results = {}
+    for stage in (2, 3):
+        cluster.start_coordinator(
+            cluster.write_job(world=2, steps=20, zeroStage=stage, out=f"out{stage}",
+                              file=f"job{stage}.json"),
+            log_name=f"coordinator{stage}.log", state=f"state{stage}")
+        for worker in start_workers(cluster, "tied", 2):
+            assert cluster.wait(worker) == 0, cluster.log(worker)
+        assert cluster.wait(cluster.coordinator) == 0, cluster.log(f"coordinator{stage}.log")
+        results[stage] = exported(cluster, f"out{stage}")
+    for name in results[2]:
+        assert torch.equal(results[3][name], results[2][name]), (
+            name, max_difference(results[3], results[2]))
+
+
+def test_saved_at_stage_3_on_three_restores_at_stage_2_on_two(cluster):
+    cluster.start_coordinator(cluster.write_job(world=3, steps=10, every=10, zeroStage=3))
+    for worker in start_workers(cluster, "tied", 3):
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    assert cluster.wait(cluster.coordinator) == 0, cluster.log("coordinator.log")
+    cluster.start_coordinator(cluster.write_job(world=2, steps=20, every=10, zeroStage=2,
+                                                file="two.json"),
+                              "--restore", "latest", log_name="restored-coordinator.log")
+    second = start_workers(cluster, "tied", 2)
+    for worker in second:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+    assert "restoring from checkpoint step-00000010" in cluster.log(second[0])
+    got = exported(cluster)
+    want = reference(dict(model="tied", optimizer="adam", steps=20, batch=24))
+    want["head.weight"] = want["token_emb.weight"]
+    difference = max_relative_difference(got, want)
+    print(f"stage 3 on 3 workers, restored at stage 2 on 2: against one torch process "
+          f"{difference:.3g}")
+    assert difference <= 1e-5
+
+
+STAGE3_SCRIPT = """
+import contextlib
+import sys
+import torch
+import shard.torch as shard
+from shard.safetensors import load_file, save_file
+
+torch.set_num_threads(1)
+
+
+class Reuse(torch.nn.Module):
+    # One unit called twice in a forward, a frozen parameter, and a unit per layer.
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        self.shared = torch.nn.Linear(32, 32)
+        self.out = torch.nn.Linear(32, 8)
+        self.offset = torch.nn.Parameter(torch.linspace(-1, 1, 8), requires_grad=False)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        h = torch.relu(self.shared(h))
+        h = torch.relu(self.shared(h))
+        return self.out(h) + self.offset
+
+
+data = load_file(sys.argv[1])
+torch.manual_seed(5)
+model = Reuse()
+job = shard.join()
+engine = job.wrap(model, units=[model.inp, model.shared, model.out])
+trainable = [p for p in model.parameters() if p.requires_grad]
+for step in job.steps():
+    idx = job.batch_indices(step, len(data["x"]))
+    for micro in range(2):  # two micro-batches: the first accumulates without reducing
+        part = idx[micro * len(idx) // 2:(micro + 1) * len(idx) // 2]
+        context = engine.no_sync() if micro == 0 else contextlib.nullcontext()
+        with context:
+            loss = torch.nn.functional.cross_entropy(model(data["x"][part]), data["y"][part]) / 2
+            loss.backward()
+    # Outside forward no rank holds a trainable parameter: each is an expanded placeholder.
+    assert all(all(s == 0 for s in p.stride()) for p in trainable), [p.stride() for p in trainable]
+    engine.step()
+    if step == 9:
+        state = engine.consolidated_state_dict()
+        if job.rank == 0:
+            save_file(state["model"], sys.argv[2] + "/consolidated.safetensors")
+path = job.finish()
+if job.rank == 0:
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              sys.argv[2] + "/after.safetensors")
+print("stage 3 script done")
+"""
+
+
+def test_stage_3_reuses_a_unit_accumulates_micro_batches_and_keeps_frozen_parameters(cluster):
+    script = os.path.join(cluster.tmp, "script.py")
+    with open(script, "w") as f:
+        f.write(STAGE3_SCRIPT)
+    cluster.start_coordinator(cluster.write_job(world=2, steps=10, zeroStage=3))
+    workers = [cluster.start_worker(f"w{i}", script=script, args=[cluster.data, cluster.tmp])
+               for i in range(2)]
+    for worker in workers:
+        assert cluster.wait(worker) == 0, cluster.log(worker)
+        assert "stage 3 script done" in cluster.log(worker)
+
+    # Plain torch on the whole global batch of every step.
+    data = load_file(cluster.data)
+    namespace = {}
+    exec(STAGE3_SCRIPT.split("data = load_file")[0].split("torch.set_num_threads(1)")[1],
+         {"torch": torch}, namespace)
+    torch.manual_seed(5)
+    model = namespace["Reuse"]()
+    adam = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01,
+                            foreach=False)
+    for step in range(10):
+        idx = torch.arange(step * 24, (step + 1) * 24) % len(data["x"])
+        adam.zero_grad()
+        torch.nn.functional.cross_entropy(model(data["x"][idx]), data["y"][idx]).backward()
+        adam.step()
+    want = {name: value.detach() for name, value in model.state_dict().items()}
+    got = exported(cluster)
+    difference = max_relative_difference(got, want)
+    print(f"stage 3, a unit used twice, 2 micro-batches: against one torch process "
+          f"{difference:.3g}")
+    assert difference <= 1e-5
+    # The consolidated state dict of the last step and the model after finish() are the export.
+    for other in ("consolidated", "after"):
+        values = load_file(os.path.join(cluster.tmp, f"{other}.safetensors"))
+        for name in want:
+            assert torch.equal(values[name], got[name]), (other, name)

@@ -181,6 +181,12 @@ class Engine {
   // Backward's gradient buffer for parameter `index` (zeroed at stage 3 when its bucket's
   // buffer is handed out), valid until MarkGradReady of the bucket's last parameter.
   absl::StatusOr<float*> AcquireGrad(int index);
+  // The same by bucket (plan().buckets' index), for callers that hold whole buckets (module
+  // hooks): the bucket's whole parameters (padded_numel floats) until ReleaseBucket, and its
+  // gradient buffer.
+  absl::StatusOr<float*> AcquireBucket(int bucket);
+  void ReleaseBucket(int bucket);
+  absl::StatusOr<float*> AcquireGradBucket(int bucket);
   // Waits for every gather and reduction in flight; at stages 1 and 2 afterwards every
   // parameter is whole.
   absl::Status FinishGathers();

@@ -132,9 +132,29 @@ absl::Status Engine::WaitGathered(int b) {
 }
 
 absl::Status Engine::Acquire(int index) {
-  if (!gathers_on_demand()) return absl::OkStatus();
   const int b = plan_->locations[index].bucket;
   if (b < 0) return absl::OkStatus();  // frozen: whole everywhere
+  return AcquireBucket(b).status();
+}
+
+void Engine::Release(int index) {
+  const int b = plan_->locations[index].bucket;
+  if (b >= 0) ReleaseBucket(b);
+}
+
+absl::StatusOr<float*> Engine::AcquireGrad(int index) {
+  const ParamLocation location = plan_->locations[index];
+  if (location.bucket < 0) return nullptr;
+  SHARD_ASSIGN_OR_RETURN(float* grads, AcquireGradBucket(location.bucket));
+  return grads + location.offset;
+}
+
+absl::StatusOr<float*> Engine::AcquireBucket(int b) {
+  if (b < 0 || b >= static_cast<int>(buckets_.size())) {
+    return absl::OutOfRangeError(
+        absl::StrCat("bucket ", b, " is not in [0, ", buckets_.size(), ")"));
+  }
+  if (!gathers_on_demand()) return buckets_[b].params.data();
   if (access_now_.empty() || access_now_.back() != b) {
     access_now_.push_back(b);
     if (prefetching_) {
@@ -147,27 +167,30 @@ absl::Status Engine::Acquire(int index) {
   }
   if (!sharded_params()) {
     SHARD_RETURN_IF_ERROR(SubmitPendingGathers());
-    return WaitGathered(b);
+    SHARD_RETURN_IF_ERROR(WaitGathered(b));
+    return buckets_[b].params.data();
   }
   BucketState& bucket = buckets_[b];
   if (bucket.slot < 0) SHARD_RETURN_IF_ERROR(StartGather(b, /*prefetch=*/false));
   ++bucket.holders;
   param_slots_[bucket.slot].last_used = ++use_clock_;
   Prefetch();
-  return WaitGathered(b);
+  SHARD_RETURN_IF_ERROR(WaitGathered(b));
+  return param_slots_[bucket.slot].array.data();
 }
 
-void Engine::Release(int index) {
-  if (!sharded_params()) return;
-  const int b = plan_->locations[index].bucket;
-  if (b >= 0 && buckets_[b].holders > 0) --buckets_[b].holders;
+void Engine::ReleaseBucket(int b) {
+  if (!sharded_params() || b < 0 || b >= static_cast<int>(buckets_.size())) return;
+  if (buckets_[b].holders > 0) --buckets_[b].holders;
 }
 
-absl::StatusOr<float*> Engine::AcquireGrad(int index) {
-  const ParamLocation location = plan_->locations[index];
-  if (location.bucket < 0) return nullptr;
-  if (!sharded_params()) return grad(index);
-  BucketState& bucket = buckets_[location.bucket];
+absl::StatusOr<float*> Engine::AcquireGradBucket(int b) {
+  if (b < 0 || b >= static_cast<int>(buckets_.size())) {
+    return absl::OutOfRangeError(
+        absl::StrCat("bucket ", b, " is not in [0, ", buckets_.size(), ")"));
+  }
+  BucketState& bucket = buckets_[b];
+  if (!sharded_params()) return bucket.grads.data();
   if (bucket.grad_slot < 0) {
     // A free slot (its last reduction done reading it), else one more.
     int s = -1;
@@ -187,12 +210,12 @@ absl::StatusOr<float*> Engine::AcquireGrad(int index) {
       SHARD_RETURN_IF_ERROR(queue_->Wait(slot.ticket));
       SHARD_RETURN_IF_ERROR(communicator_->OrderComputeAfterCollectives());
     }
-    slot.bucket = location.bucket;
+    slot.bucket = b;
     slot.ticket = 0;
     bucket.grad_slot = s;
     SHARD_RETURN_IF_ERROR(device_->Zero(slot.array.data(), slot_numel_));
   }
-  return grad_slots_[bucket.grad_slot].array.data() + location.offset;
+  return grad_slots_[bucket.grad_slot].array.data();
 }
 
 absl::Status Engine::FinishGathers() {
