@@ -2,7 +2,7 @@
 
 For each model (the medium MLP 512,1024,1024,1024,64 with Adam at global batch 256; the example
 transformer at its default size with AdamW, a no-decay group and gradient clipping at global
-batch 32) it runs seven configurations, each as real processes with one compute thread each
+batch 32) it runs eight configurations, each as real processes with one compute thread each
 (OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1, torch.set_num_threads(1)):
 
   plain       plain torch, one process, torch.optim.Adam/AdamW(foreach=False), the whole batch
@@ -13,6 +13,8 @@ batch 32) it runs seven configurations, each as real processes with one compute 
               parameter broadcast per rank instead of one per parameter
   shard2      shard.torch at W=2, ZeRO-2 (bucket cap 25 MiB, the job spec's default), half
               batch each
+  shard2z3    the same at ZeRO-3: each rank keeps half the parameters and gathers a unit's
+              (wrap's default policy) around its forward and again for its backward
   plainopt    plain torch, one process, with the optimizer as a script that brings its own
               writes it: the torch.optim class (Adam/AdamW), its settings and foreach=False, and
               for the transformer the no-decay group by name pattern (Shard's rule: a pattern
@@ -31,7 +33,7 @@ repeat so slow drift of the machine's load hits all of them) and prints the medi
 the ratios shard2/ddp2 (target >= 1.2), shard1/plain (target >= 0.95) and shard1opt/plainopt
 (target >= 0.91: the script's class through shard.torch within 10% of the same class in plain
 torch), PASS or MISS, and shard2/ddp2bv beside them (the same 1.2, against the better-tuned
-torch). Rank 0's losses of the first steps of each pair are compared too: both sides train the
+torch), and shard2z3 against shard2 (target >= 0.85) and ddp2 (>= 1.2). Rank 0's losses of the first steps of each pair are compared too: both sides train the
 same samples with the same updates, so they agree to float32 rounding (a warning says when they
 do not).
 
@@ -102,6 +104,7 @@ CPU_CONFIGS = [  # (key, label, world size)
     ("ddp2", "DDP+ZeroRedundancyOpt W=2", 2),
     ("ddp2bv", "DDP+ZeRO bucket view W=2", 2),
     ("shard2", "shard.torch W=2 ZeRO-2", 2),
+    ("shard2z3", "shard.torch W=2 ZeRO-3", 2),
     ("plainopt", "plain torch W=1 optim class", 1),
     ("shard1opt", "shard.torch W=1 optim class", 1),
 ]
@@ -109,6 +112,8 @@ CPU_TARGETS = [  # (numerator, denominator, target, primary: the issue's target,
     ("shard1", "plain", 0.95, True),
     ("shard2", "ddp2", 1.2, True),
     ("shard2", "ddp2bv", 1.2, False),
+    ("shard2z3", "shard2", 0.85, False),  # ZeRO-3 against ZeRO-2: the cost of gathering
+    ("shard2z3", "ddp2", 1.2, False),
     ("shard1opt", "plainopt", 0.91, True),  # within 10%: 1/1.1
 ]
 GPU_CONFIGS = [
@@ -547,7 +552,7 @@ def run_config(runner, model, config, steps, warmup, data, tag, device="cpu", bf
         job = {"name": f"bench-{model}", "worldSize": world, "model": {"external": {}},
                "optimizer": {"name": "torch"} if own else spec["optimizer"],
                "globalBatch": spec["global_batch"],
-               "steps": warmup + steps + 1, "zeroStage": 2,
+               "steps": warmup + steps + 1, "zeroStage": 3 if config == "shard2z3" else 2,
                "checkpoint": {"everySteps": 0}, "outputDir": os.path.join(run_dir, "out")}
         if spec.get("clip"):
             job["gradClipNorm"] = spec["clip"]

@@ -303,20 +303,25 @@ class ShardOptimizer(torch.optim.Optimizer):
         params = self._engine._params
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         local_groups = [dict(_hyper(group), params=[]) for group in self.param_groups]
-        self._tensors, self._views = [], []
+        self._tensors, self._views, self._whole = [], [], []
         for index, piece in enumerate(self._ranges):
             param = params[piece["param"]]
             group = group_of.get(id(param))
             self._views.append({name: self._engine._range_view(index, k)
                                 for k, name in enumerate(self.state_names)})
+            whole = piece["offset"] == 0 and piece["numel"] == param.numel()
+            self._whole.append(whole)
             if group is None:
                 self._tensors.append(None)
                 continue
-            if piece["offset"] == 0 and piece["numel"] == param.numel():
-                tensor = param  # whole: the model's own parameter, its shape and gradient
+            if whole and self._engine._units is None:
+                tensor = param  # the model's own parameter, its shape and gradient
             else:
-                tensor = self._engine._range_view(index, -1)
-                tensor.grad = self._engine._range_view(index, -2)
+                # A piece, or at ZeRO stage 3 (where the parameter is not whole between steps)
+                # the owned copy in the parameter's shape.
+                shape = param.shape if whole else (piece["numel"],)
+                tensor = self._engine._range_view(index, -1).view(shape)
+                tensor.grad = self._engine._range_view(index, -2).view(shape)
             self._tensors.append(tensor)
             local_groups[group]["params"].append(tensor)
         self._local = self._class(local_groups, **self._defaults)
@@ -326,8 +331,7 @@ class ShardOptimizer(torch.optim.Optimizer):
             self._load_restored()
 
     def _whole_param(self, index):
-        param = self._engine._params[self._ranges[index]["param"]]
-        return self._tensors[index] is param
+        return self._whole[index]
 
     def _load_restored(self):
         """The state a restore read: each range's per-element state from Shard's arrays, the rest

@@ -10,7 +10,8 @@ buckets of its plan, so a unit acquires every bucket that holds one of its param
   placeholder of the right shape that holds no memory (one float, expanded). A unit called
   twice in one forward acquires twice.
 - backward: what autograd saves of a gathered bucket (a weight, its transpose) is saved as
-  (bucket, offset, size, stride) by a saved-tensors pack hook, not as memory, so the bucket's
+  (bucket, offset, size, stride) by a saved-tensors pack hook (on from the step's start to its
+  update), not as memory, so the bucket's
   slot can serve another bucket meanwhile; the unpack hook gathers the bucket again when
   backward needs it (the engine prefetches in the order the previous step acquired), and it is
   released once every trainable parameter of the bucket has its gradient. torch 1.13 has no
@@ -98,7 +99,8 @@ class Units:
                 stack.extend(c for c in reversed(list(module.children()))
                              if id(c) not in unit_ids)
             self._members.append(found)
-        self._placeholder = torch.empty(1, device=engine._device)
+        # NaN: a parameter read outside its unit shows in the results, not as stale values.
+        self._placeholder = torch.full((1,), float("nan"), device=engine._device)
         self.active = False  # while a generation trains
         self._layout = None
         self._gathered = {}  # bucket -> 1-D view of its whole parameters
@@ -107,7 +109,6 @@ class Units:
         self._grads = {}  # bucket -> 1-D view of its gradient buffer, this step
         self._left = {}  # bucket -> gradients still to come in this backward
         self._saved_hooks = None
-        self._root = model
         self._hooks = []
         for u, unit in enumerate(self._modules):
             self._hooks.append(unit.register_forward_pre_hook(
@@ -146,12 +147,23 @@ class Units:
                 self._point_at_placeholder(index)
 
     def begin_step(self):
+        """The saved-tensors hooks stay on from here to the update, so that a parameter used
+        outside its units' forward (in the loss) is found too."""
         self._grads.clear()
         self._left = {b: len(indices) for b, indices in self._bucket_params.items()}
+        self._stop_saving()
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
+
+    def _stop_saving(self):
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
 
     def end_step(self):
         """Before the step's update: nothing may stay acquired (a parameter that got no
         gradient leaves its bucket held by backward)."""
+        self._stop_saving()
         for bucket in list(self._backward):
             self._drop_hold(bucket)
         self._backward.clear()
@@ -190,11 +202,6 @@ class Units:
     def _enter(self, unit):
         if not self.active:
             return
-        if self._modules[unit] is self._root:
-            if self._saved_hooks is not None:  # a forward that raised never left
-                self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._saved_hooks.__enter__()
         for bucket in self._unit_buckets[unit]:
             self._acquire(bucket)
 
@@ -203,9 +210,6 @@ class Units:
             return
         for bucket in self._unit_buckets[unit]:
             self._drop_hold(bucket)
-        if self._modules[unit] is self._root and self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
 
     def _pack(self, tensor):
         if tensor.device != self._placeholder.device or tensor.numel() == 0:

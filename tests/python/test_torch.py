@@ -874,3 +874,31 @@ def test_stage_3_reuses_a_unit_accumulates_micro_batches_and_keeps_frozen_parame
         values = load_file(os.path.join(cluster.tmp, f"{other}.safetensors"))
         for name in want:
             assert torch.equal(values[name], got[name]), (other, name)
+
+
+OUTSIDE_UNIT = """
+import torch
+import shard.torch as shard
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+job = shard.join()
+engine = job.wrap(model, units=[model[0], model[1]])
+for step in job.steps():
+    loss = model(torch.ones(2, 4)).sum() + (model[1].weight ** 2).sum()  # L2 outside forward
+    loss.backward()
+    engine.step()
+job.finish()
+"""
+
+
+def test_stage_3_refuses_a_parameter_used_outside_its_units_forward(cluster):
+    script = os.path.join(cluster.tmp, "outside.py")
+    with open(script, "w") as f:
+        f.write(OUTSIDE_UNIT)
+    cluster.start_coordinator(cluster.write_job(world=1, steps=2, zeroStage=3))
+    worker = cluster.start_worker("w0", script=script, args=[])
+    assert cluster.wait(worker) != 0
+    log = cluster.log(worker)
+    assert "used outside the forward of the unit that holds it" in log and "units=" in log, log

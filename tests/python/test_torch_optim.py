@@ -87,6 +87,20 @@ def test_any_optimizer_class_equals_single_process_torch(cluster, name, mode, wo
     assert difference <= 1e-5
 
 
+@pytest.mark.parametrize("name,mode,world", [("AdamW", "range", 2), ("Factored", "param", 3)],
+                         ids=["AdamW-range-w2", "Factored-param-w3"])
+def test_the_scripts_class_at_zero_stage_3_equals_single_process_torch(cluster, name, mode,
+                                                                       world):
+    steps = 20
+    config = config_of(cluster, name)
+    train(cluster, config, world, steps, mode, zeroStage=3)
+    model, _ = reference(config, steps)
+    difference = max_relative_difference(exported(cluster), parameters(model))
+    print(f"{name} in {mode} mode on {world} workers at stage 3 against one torch process: "
+          f"{difference:.3g}")
+    assert difference <= 1e-5
+
+
 def test_a_shape_aware_class_is_refused_in_range_mode_naming_param_mode(cluster):
     cluster.start_coordinator(cluster.write_job(world=1, steps=3, optimizer={"name": "torch"}))
     worker = cluster.start_worker("w0", script=WORKER,

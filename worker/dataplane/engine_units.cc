@@ -241,7 +241,8 @@ HeldBytes Engine::held_bytes() const {
 
 absl::Status Engine::BroadcastStagedValues() {
   // Rank 0's values, one bucket at a time: it lays the bucket out whole and broadcasts it, and
-  // every rank keeps what it owns.
+  // every rank keeps what it owns. Alone, SetParamValues wrote them where they stay.
+  if (communicator_->size() == 1) return absl::OkStatus();
   const bool root = communicator_->rank() == 0;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Bucket& bucket = plan_->buckets[b];
