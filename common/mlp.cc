@@ -127,18 +127,30 @@ float UniformFloat(std::mt19937_64& rng) {
   return static_cast<float>(rng() >> 40) * (1.0f / 16777216.0f);
 }
 
-std::vector<std::vector<float>> InitMlpParameters(const std::vector<int64_t>& widths,
-                                                  uint64_t seed) {
+absl::Status ForEachInitialMlpParameter(
+    const std::vector<int64_t>& widths, uint64_t seed,
+    const std::function<absl::Status(int index, const std::vector<float>& values)>& take) {
   std::mt19937_64 rng(seed);
-  std::vector<std::vector<float>> params;
+  int index = 0;
+  std::vector<float> values;
   for (size_t l = 0; l + 1 < widths.size(); ++l) {
     const float bound = 1.0f / std::sqrt(static_cast<float>(widths[l]));
     for (int64_t count : {widths[l + 1] * widths[l], widths[l + 1]}) {
-      std::vector<float> values(count);
+      values.resize(count);
       for (float& v : values) v = (2.0f * UniformFloat(rng) - 1.0f) * bound;
-      params.push_back(std::move(values));
+      SHARD_RETURN_IF_ERROR(take(index++, values));
     }
   }
+  return absl::OkStatus();
+}
+
+std::vector<std::vector<float>> InitMlpParameters(const std::vector<int64_t>& widths,
+                                                  uint64_t seed) {
+  std::vector<std::vector<float>> params;
+  ForEachInitialMlpParameter(widths, seed, [&](int, const std::vector<float>& values) {
+    params.push_back(values);
+    return absl::OkStatus();
+  }).IgnoreError();  // the callback never fails
   return params;
 }
 

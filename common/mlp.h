@@ -62,6 +62,11 @@ class Mlp {
 // seeded generator, identical on every machine; one vector per parameter, manifest order.
 std::vector<std::vector<float>> InitMlpParameters(const std::vector<int64_t>& widths,
                                                   uint64_t seed);
+// The same values one parameter at a time (`take(index, values)`, manifest order), so that no
+// more than one is in memory; the first error `take` returns stops it.
+absl::Status ForEachInitialMlpParameter(
+    const std::vector<int64_t>& widths, uint64_t seed,
+    const std::function<absl::Status(int index, const std::vector<float>& values)>& take);
 
 // Threads OpenBLAS may use for this process's matrix products.
 void SetComputeThreads(int threads);

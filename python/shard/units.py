@@ -14,7 +14,8 @@ buckets of its plan, so a unit acquires every bucket that holds one of its param
   update), not as memory, so the bucket's
   slot can serve another bucket meanwhile; the unpack hook gathers the bucket again when
   backward needs it (the engine prefetches in the order the previous step acquired), and it is
-  released once every trainable parameter of the bucket has its gradient. torch 1.13 has no
+  released once every trainable parameter of the bucket has its gradient. The outermost unit
+  (the model) stays gathered from its forward to its backward, as FSDP keeps its root. torch 1.13 has no
   module backward pre-hook; this needs none.
 - gradients: autograd makes each parameter's gradient as usual; once it is complete (the
   gradient-ready hook) it is copied into the bucket's gradient buffer, `.grad` is set back to
@@ -208,8 +209,14 @@ class Units:
     def _leave(self, unit):
         if not self.active:
             return
+        # The outermost unit stays gathered for backward, which begins with it (FSDP does not
+        # reshard the root after forward either); backward releases it bucket by bucket.
+        keep = unit == len(self._modules) - 1 and torch.is_grad_enabled()
         for bucket in self._unit_buckets[unit]:
-            self._drop_hold(bucket)
+            if keep and bucket not in self._backward:
+                self._backward.add(bucket)
+            else:
+                self._drop_hold(bucket)
 
     def _pack(self, tensor):
         if tensor.device != self._placeholder.device or tensor.numel() == 0:

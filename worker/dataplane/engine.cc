@@ -225,7 +225,7 @@ absl::StatusOr<std::vector<float>> Engine::ParamValues(int index) const {
   return values;
 }
 
-absl::Status Engine::SetParamValues(int index, const float* values) {
+absl::Status Engine::SetParamValues(int index, const float* values, bool same_on_every_rank) {
   const int64_t numel = manifest_.params[index].numel();
   const ParamLocation location = plan_->locations[index];
   if (!sharded_params() || location.bucket < 0) {
@@ -240,7 +240,7 @@ absl::Status Engine::SetParamValues(int index, const float* values) {
                                           OwnedParams(bucket) + (begin - bucket.own_begin),
                                           end - begin));
   }
-  if (communicator_->rank() == 0 && communicator_->size() > 1) {
+  if (communicator_->rank() == 0 && communicator_->size() > 1 && !same_on_every_rank) {
     staged_values_.resize(manifest_.params.size());
     staged_values_[index].assign(values, values + numel);
   }

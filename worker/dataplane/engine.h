@@ -167,10 +167,12 @@ class Engine {
   float* param(int index);
   float* grad(int index);  // null for a parameter without gradient
   // Parameter `index`'s values on the host, and from the host (numel floats). At stage 3
-  // ParamValues needs the parameter acquired; SetParamValues (before BroadcastParameters, or
-  // on every rank alike) keeps what this rank owns.
+  // ParamValues needs the parameter acquired; SetParamValues keeps what this rank owns, and
+  // rank 0 also keeps the whole tensor for BroadcastParameters unless the caller gives every
+  // rank the same values (`same_on_every_rank`: a seeded initialization), which then need no
+  // broadcast.
   absl::StatusOr<std::vector<float>> ParamValues(int index) const;
-  absl::Status SetParamValues(int index, const float* values);
+  absl::Status SetParamValues(int index, const float* values, bool same_on_every_rank = false);
 
   // Parameters on demand (stage 3; stages 1 and 2 with overlap_param_gather; otherwise
   // Acquire and Release do nothing and AcquireGrad is grad()). param(i) is whole from

@@ -2,6 +2,7 @@
 // tensors, and consolidation to one rank.
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -238,31 +239,39 @@ absl::Status Engine::ConsolidateStateDict(int to_rank, const std::string& path,
                                           bool with_state) {
   const bool mine = communicator_->rank() == to_rank;
   const int states = with_state ? static_cast<int>(optimizer_.state_names().size()) : 0;
-  // Every tensor in full on `to_rank`, one parameter at a time (GatherToRank).
+  // Every tensor in full on `to_rank`, one at a time (GatherToRank), written as it arrives:
+  // no rank holds more than one tensor beyond its own state.
   std::vector<TensorDecl> tensors;
-  std::vector<std::vector<float>> values;
+  for (const ParamSpec& param : manifest_.params) {
+    const int last = param.requires_grad ? states : 0;
+    for (int array = -1; array < last; ++array) {
+      tensors.push_back(TensorDecl{
+          array < 0 ? param.name : param.name + "." + optimizer_.state_names()[array],
+          DataType::kFloat32, param.shape});
+    }
+  }
+  std::unique_ptr<SafetensorsWriter> writer;
+  if (mine) {
+    SHARD_ASSIGN_OR_RETURN(
+        writer, SafetensorsWriter::Create(
+                    path, tensors,
+                    with_state ? TrainedFileMetadata(steps_done_, optimizer_.config().kind,
+                                                     counters())
+                               : std::map<std::string, std::string>{{"format", "pt"},
+                                                                    {"producer", "shard"}}));
+  }
+  std::vector<float> full;
   for (size_t p = 0; p < manifest_.params.size(); ++p) {
     const ParamSpec& param = manifest_.params[p];
     const int last = param.requires_grad ? states : 0;
     for (int array = -1; array < last; ++array) {
-      std::vector<float> full(mine ? param.numel() : 0);
+      full.assign(mine ? param.numel() : 0, 0.0f);
       SHARD_RETURN_IF_ERROR(GatherToRank(static_cast<int>(p), array, to_rank,
                                          mine ? full.data() : nullptr));
-      if (!mine) continue;
-      tensors.push_back(TensorDecl{
-          array < 0 ? param.name : param.name + "." + optimizer_.state_names()[array],
-          DataType::kFloat32, param.shape});
-      values.push_back(std::move(full));
+      if (mine) SHARD_RETURN_IF_ERROR(writer->Append(full.data(), full.size() * sizeof(float)));
     }
   }
-  if (!mine) return absl::OkStatus();
-  std::vector<const void*> data;
-  for (const std::vector<float>& full : values) data.push_back(full.data());
-  if (!with_state) {
-    return WriteSafetensors(path, tensors, data, {{"format", "pt"}, {"producer", "shard"}});
-  }
-  return WriteSafetensors(path, tensors, data,
-                          TrainedFileMetadata(steps_done_, optimizer_.config().kind, counters()));
+  return mine ? writer->Finish() : absl::OkStatus();
 }
 
 absl::Status Engine::GatherToRank(int param, int array, int to_rank, float* out) {

@@ -43,12 +43,12 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
   if (!session->restored()) {
     SHARD_ASSIGN_OR_RETURN(const bool loaded, session->LoadInitFile());
     if (!loaded) {
-      // torch.nn.Linear's default from the job's seed.
-      const std::vector<std::vector<float>> values = InitMlpParameters(job.widths, job.seed);
-      for (size_t i = 0; i < values.size(); ++i) {
-        SHARD_RETURN_IF_ERROR(engine.SetParamValues(static_cast<int>(i), values[i].data()));
-      }
-      SHARD_RETURN_IF_ERROR(session->BroadcastInitialValues());
+      // torch.nn.Linear's default from the job's seed: the same on every rank, so nothing is
+      // broadcast, and one parameter at a time (at stage 3 no rank holds the whole model).
+      SHARD_RETURN_IF_ERROR(ForEachInitialMlpParameter(
+          job.widths, job.seed, [&](int index, const std::vector<float>& values) {
+            return engine.SetParamValues(index, values.data(), /*same_on_every_rank=*/true);
+          }));
     }
   }
 
