@@ -493,10 +493,11 @@ def test_a_killed_worker_is_survived_and_the_result_equals_uninterrupted_trainin
         assert torch.equal(got[name], want[name]), (name, max_difference(got, want))
 
 
-def test_a_killed_worker_is_recovered_from_memory_with_no_checkpoint_on_disk(cluster):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_killed_worker_is_recovered_from_memory_with_no_checkpoint_on_disk(cluster, stage):
     steps = 400
     cluster.start_coordinator(cluster.write_job(world=3, min_world=2, steps=steps,
-                                                snapshot_every=10))
+                                                snapshot_every=10, zeroStage=stage))
     workers = [cluster.start_worker(f"w{i}") for i in range(3)]
 
     def snapshot_taken():
@@ -520,13 +521,14 @@ def test_a_killed_worker_is_recovered_from_memory_with_no_checkpoint_on_disk(clu
     # The reference: three workers to that step through a checkpoint, then two to the end.
     cluster.start_coordinator(
         cluster.write_job(world=3, steps=step, every=step, out="reference-3",
-                          file="reference-3.json"),
+                          file="reference-3.json", zeroStage=stage),
         log_name="reference-3-coordinator.log")
     for worker in [cluster.start_worker(f"three{i}") for i in range(3)]:
         assert cluster.wait(worker) == 0, cluster.log(worker)
     (checkpoint,) = os.listdir(os.path.join(cluster.tmp, "checkpoints", "torchjob"))
     cluster.start_coordinator(
-        cluster.write_job(world=2, steps=steps, out="reference", file="reference.json"),
+        cluster.write_job(world=2, steps=steps, out="reference", file="reference.json",
+                          zeroStage=stage),
         "--restore", checkpoint, log_name="reference-coordinator.log")
     for worker in [cluster.start_worker(f"two{i}") for i in range(2)]:
         assert cluster.wait(worker) == 0, cluster.log(worker)

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <sys/mman.h>
+
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
 #include "common/mlp.h"
@@ -17,6 +19,26 @@ namespace shard {
 namespace {
 
 void FreeHost(float* data) { std::free(data); }
+
+// Large arrays are anonymous mappings: page-aligned and zero already, so that memory nobody has
+// written yet is not resident (as calloc's). A stage-3 rebuild allocates the new layout's
+// optimizer state while the old layout is still held; the first update, after the old layout
+// is gone, is what makes it resident. The mapping's length sits in the page before the array.
+constexpr size_t kPage = 4096;
+constexpr size_t kMappedFrom = size_t{1} << 20;
+
+float* MapZeroed(size_t bytes) {
+  const size_t length = kPage + (bytes + kPage - 1) / kPage * kPage;
+  void* base = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return nullptr;
+  *static_cast<size_t*>(base) = length;
+  return reinterpret_cast<float*>(static_cast<char*>(base) + kPage);
+}
+
+void UnmapZeroed(float* data) {
+  char* base = reinterpret_cast<char*>(data) - kPage;
+  ::munmap(base, *reinterpret_cast<size_t*>(base));
+}
 
 class CpuSpanKernels final : public SpanKernels {
  public:
@@ -100,11 +122,13 @@ absl::StatusOr<DeviceArray> CpuDevice::Allocate(int64_t count) {
   // kernel's copy is slow into memory 1-31 bytes past a page, where malloc puts large blocks
   // (see AlignedBuffer).
   const size_t bytes = static_cast<size_t>(count) * sizeof(float);
-  float* data = static_cast<float*>(AllocatePageAligned(bytes));
+  const bool mapped = bytes >= kMappedFrom;
+  float* data = mapped ? MapZeroed(bytes) : static_cast<float*>(AllocatePageAligned(bytes));
   if (data == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
   }
+  if (mapped) return DeviceArray(data, count, &UnmapZeroed);
   std::memset(data, 0, bytes);
   return DeviceArray(data, count, &FreeHost);
 }

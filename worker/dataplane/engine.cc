@@ -134,6 +134,15 @@ absl::Status Engine::Apply(AppliedPlan applied, bool carry_gradients) {
   if (plan_ != nullptr) {
     if (queue_ != nullptr) SHARD_RETURN_IF_ERROR(queue_->Drain());
     if (sharded_params()) {
+      // The relayout gathers into arrays of its own: the old layout's slots go first, so that
+      // the two layouts' spans are the only thing held twice. An engine a failure leaves on
+      // its old layout allocates slots again as it acquires.
+      for (BucketState& old : buckets_) {
+        old.slot = -1;
+        old.grad_slot = -1;
+      }
+      param_slots_.clear();
+      grad_slots_.clear();
       SHARD_RETURN_IF_ERROR(Relayout(plan, buckets, carry_gradients));
     } else {
       for (size_t p = 0; p < manifest_.params.size(); ++p) {
