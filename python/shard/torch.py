@@ -542,8 +542,8 @@ class Engine:
         generation's buffers go away with it, and the model must stay usable (evaluated, saved)
         after training and between generations. At stage 3 no rank holds the trainable ones
         whole: with `gather` (the job's last step is done, every rank is here) they are gathered
-        onto every rank, one bucket at a time; otherwise they stay empty until the next
-        generation restores them."""
+        onto every rank, one bucket at a time; otherwise they keep their shapes over a NaN
+        placeholder until the next generation restores them."""
         if self._layout is None:
             return
         if self._optimizer is not None:
@@ -552,13 +552,13 @@ class Engine:
             self._units.end_step()
             if gather:
                 self._units.gather_all()
+            else:
+                self._units.point_at_placeholders()
             self._units.active = False
         with torch.no_grad():
             for index, param in enumerate(self._params):
                 if self._views[index][0] is not None:
                     param.data = param.data.clone()
-                elif not gather:
-                    param.data = torch.empty(0, device=self._device)
                 param.grad = None
         self._views = []
         self._buffer_views = []

@@ -86,6 +86,7 @@ class Units:
     def __init__(self, engine, model, params, units, min_params):
         self._engine = engine
         self._params = params
+        self._shapes = [p.shape for p in params]  # .data changes; the shapes stay
         self._modules = choose_units(model, units, min_params)
         index_of = {id(p): i for i, p in enumerate(params) if p.requires_grad}
         unit_ids = {id(m) for m in self._modules}
@@ -143,9 +144,7 @@ class Units:
         self._gathered.clear()
         self._holds.clear()
         self._backward.clear()
-        with torch.no_grad():
-            for index in self._place:
-                self._point_at_placeholder(index)
+        self.point_at_placeholders()
 
     def begin_step(self):
         """The saved-tensors hooks stay on from here to the update, so that a parameter used
@@ -171,8 +170,13 @@ class Units:
         self._grads.clear()
 
     def _point_at_placeholder(self, index):
-        param = self._params[index]
-        param.data = self._placeholder.expand(param.shape)
+        self._params[index].data = self._placeholder.expand(self._shapes[index])
+
+    def point_at_placeholders(self):
+        """Between generations: no rank holds a trainable parameter whole."""
+        with torch.no_grad():
+            for index in self._place:
+                self._point_at_placeholder(index)
 
     # Gathering.
 
@@ -186,9 +190,8 @@ class Units:
         if previous is None or previous.data_ptr() != view.data_ptr():
             with torch.no_grad():
                 for index in self._bucket_params[bucket]:
-                    offset = self._place[index][1]
-                    param = self._params[index]
-                    param.data = view[offset:offset + param.numel()].view(param.shape)
+                    offset, shape = self._place[index][1], self._shapes[index]
+                    self._params[index].data = view[offset:offset + shape.numel()].view(shape)
 
     def _drop_hold(self, bucket):
         check(lib.shard_release(self.handle, bucket))
@@ -283,8 +286,8 @@ class Units:
                 view = self._gathered[bucket]
                 values = {}
                 for index in self._bucket_params[bucket]:
-                    offset, param = self._place[index][1], self._params[index]
-                    values[index] = view[offset:offset + param.numel()].view(param.shape).clone()
+                    offset, shape = self._place[index][1], self._shapes[index]
+                    values[index] = view[offset:offset + shape.numel()].view(shape).clone()
                 self._drop_hold(bucket)
                 for index, value in values.items():
                     self._params[index].data = value
