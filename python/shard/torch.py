@@ -550,9 +550,7 @@ class Engine:
             self._optimizer._detach()
         if self._units is not None:
             self._units.end_step()
-            if gather:
-                self._units.gather_all()
-            else:
+            if not (gather and self._units.gather_all()):
                 self._units.point_at_placeholders()
             self._units.active = False
         with torch.no_grad():
@@ -634,6 +632,8 @@ class Engine:
             self._optimizer.step()
             return
         self._check_buffers()
+        if self._job._failure is not None:  # a stage-3 gather of this step failed
+            return
         code = lib.shard_step(self._job._handle)
         if code:
             # steps() hands the failure to the worker, which ends this generation or the job.
@@ -687,6 +687,8 @@ class Engine:
                              f"step {self._job._step} was stepped already: call opt.step() or "
                              "engine.step(), once a step")
         optimizer._stepped_at = (self._job.generation, self._job._step)
+        if self._job._failure is not None:  # a stage-3 gather of this step failed
+            return
         handle = self._job._handle
         update = ctypes.c_int()
         code = lib.shard_step_reduce(handle, ctypes.byref(update))

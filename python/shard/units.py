@@ -107,7 +107,7 @@ class Units:
         self._layout = None
         self._gathered = {}  # bucket -> 1-D view of its whole parameters
         self._holds = collections.Counter()
-        self._backward = set()  # buckets the unpack hook acquired
+        self._backward = set()  # buckets held for backward (the root's, the unpack hook's)
         self._grads = {}  # bucket -> 1-D view of its gradient buffer, this step
         self._left = {}  # bucket -> gradients still to come in this backward
         self._saved_hooks = None
@@ -121,9 +121,6 @@ class Units:
     @property
     def handle(self):
         return self._engine._job._handle
-
-    def unit_count(self):
-        return len(self._modules)
 
     # Layout: where each trainable parameter lives (it changes at the first step's rebuild).
 
@@ -180,9 +177,22 @@ class Units:
 
     # Gathering.
 
+    def _ok(self, code):
+        """A libshard call from a hook: its failure (a peer died, the world moved on) is kept for
+        engine.step(), which then ends the step quietly, as with shard_step's own failures; the
+        hook goes on over placeholders (NaN) meanwhile. Returns whether the call succeeded."""
+        if code == 0:
+            return True
+        job = self._engine._job
+        if job._failure is None:
+            job._failure = (code, lib.shard_last_error().decode())
+        return False
+
     def _acquire(self, bucket):
+        """Gathers `bucket` and points its parameters at it; None if that failed."""
         managed = ctypes.c_void_p()
-        check(lib.shard_acquire(self.handle, bucket, 0, ctypes.byref(managed)))
+        if not self._ok(lib.shard_acquire(self.handle, bucket, 0, ctypes.byref(managed))):
+            return None
         view = from_dlpack(managed)
         previous = self._gathered.get(bucket)
         self._gathered[bucket] = view
@@ -192,9 +202,10 @@ class Units:
                 for index in self._bucket_params[bucket]:
                     offset, shape = self._place[index][1], self._shapes[index]
                     self._params[index].data = view[offset:offset + shape.numel()].view(shape)
+        return view
 
     def _drop_hold(self, bucket):
-        check(lib.shard_release(self.handle, bucket))
+        self._ok(lib.shard_release(self.handle, bucket))
         self._holds[bucket] -= 1
         if self._holds[bucket] <= 0:
             del self._holds[bucket]
@@ -226,6 +237,8 @@ class Units:
             return tensor
         pointer = tensor.data_ptr()
         if pointer == self._placeholder.data_ptr():
+            if self._engine._job._failure is not None:  # a failed gather: the step is lost
+                return tensor
             raise ShardError(_lib.FAILED_PRECONDITION,
                              "a parameter was used outside the forward of the unit that holds it: "
                              "at ZeRO stage 3 a parameter is whole only inside its unit's "
@@ -241,8 +254,9 @@ class Units:
         if not isinstance(saved, _Saved):
             return saved
         if saved.bucket not in self._backward:
+            if self._acquire(saved.bucket) is None:
+                return self._placeholder.expand(saved.size)
             self._backward.add(saved.bucket)
-            self._acquire(saved.bucket)
         return torch.as_strided(self._gathered[saved.bucket], saved.size, saved.stride,
                                 saved.offset)
 
@@ -260,13 +274,13 @@ class Units:
             grads = self._grads.get(bucket)
             if grads is None:
                 managed = ctypes.c_void_p()
-                if lib.shard_acquire(self.handle, bucket, 1, ctypes.byref(managed)):
-                    return lib.shard_last_error().decode()
-                grads = self._grads[bucket] = from_dlpack(managed)
-            with torch.no_grad():
-                grads[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+                if self._ok(lib.shard_acquire(self.handle, bucket, 1, ctypes.byref(managed))):
+                    grads = self._grads[bucket] = from_dlpack(managed)
+            if grads is not None:
+                with torch.no_grad():
+                    grads[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+                lib.shard_mark_ready(self.handle, index)
             param.grad = None
-            lib.shard_mark_ready(self.handle, index)
         self._left[bucket] -= 1
         if self._left[bucket] == 0:
             self._left[bucket] = len(self._bucket_params[bucket])
@@ -279,11 +293,13 @@ class Units:
     # Whole values, collectively (every rank in the same order).
 
     def gather_all(self):
-        """Gives every trainable parameter memory of its own holding its whole value."""
+        """Gives every trainable parameter memory of its own holding its whole value. Returns
+        False if a gather failed (a peer died as the job ended): the rest stay placeholders."""
         with torch.no_grad():
             for bucket in sorted(self._bucket_params):
-                self._acquire(bucket)
-                view = self._gathered[bucket]
+                view = self._acquire(bucket)
+                if view is None:
+                    return False
                 values = {}
                 for index in self._bucket_params[bucket]:
                     offset, shape = self._place[index][1], self._shapes[index]
@@ -291,6 +307,7 @@ class Units:
                 self._drop_hold(bucket)
                 for index, value in values.items():
                     self._params[index].data = value
+        return True
 
     def set_initial(self, index, values):
         host = values.detach().to("cpu", torch.float32).contiguous()
