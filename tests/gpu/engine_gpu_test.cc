@@ -254,15 +254,17 @@ void ExpectLossesMatch(const Training& gpu, const Training& cpu, int64_t first =
 }
 
 // Two ranks sharing GPU 0 (a GpuDevice each, gradients reduced by the staged communicator)
-// train like two host ranks: ZeRO stage 2 in range mode (reduce-scatter, all-gather) and stage
-// 1 in param mode (all-reduce, broadcast from each bucket's owner).
+// train like two host ranks: ZeRO stage 2 in range mode (reduce-scatter, all-gather), stage 1
+// in param mode (all-reduce, broadcast from each bucket's owner), and stage 3 in both (each
+// layer's bucket gathered as the MLP reaches it, on the GPU's communication stream).
 TEST(GpuEngineTest, TwoStagedRanksOnOneGpuTrainLikeTheCpu) {
   SHARD_REQUIRE_GPU();
   struct Case {
     int stage;
     ShardMode mode;
   };
-  for (const Case c : {Case{2, ShardMode::kRange}, Case{1, ShardMode::kParam}}) {
+  for (const Case c : {Case{2, ShardMode::kRange}, Case{1, ShardMode::kParam},
+                       Case{3, ShardMode::kRange}, Case{3, ShardMode::kParam}}) {
     const std::string name = absl::StrCat("stage", c.stage, "-", ShardModeName(c.mode));
     SCOPED_TRACE(name);
     const std::string root = Root("two-staged-" + name);

@@ -37,12 +37,12 @@ def gpu_reference(data_path, steps, bf16=False):
     return {name: p.detach().cpu() for name, p in model.named_parameters()}
 
 
-def train(cluster, monkeypatch, world, backend="auto", extra=(), script=None):
-    """A job of `world` torch workers on cuda:0 (examples/torch/mlp.py unless `script`); returns
-    the workers' logs once every process exited 0."""
+def train(cluster, monkeypatch, world, backend="auto", extra=(), script=None, **job):
+    """A job of `world` torch workers on cuda:0 (examples/torch/mlp.py unless `script`; the job
+    spec's fields `job`); returns the workers' logs once every process exited 0."""
     monkeypatch.setenv("SHARD_DEVICE", "cuda:0")
     monkeypatch.setenv("SHARD_BACKEND", backend)
-    cluster.start_coordinator(cluster.write_job(world=world, steps=STEPS))
+    cluster.start_coordinator(cluster.write_job(world=world, steps=STEPS, **job))
     args = ["--data", cluster.data, "--widths", ",".join(map(str, WIDTHS)), "--seed", "5", *extra]
     if script is not None:
         path = os.path.join(cluster.tmp, "script.py")
@@ -72,6 +72,15 @@ def test_two_staged_ranks_sharing_the_gpu_equal_one_process_there(cluster, monke
     assert all("over gloo+staged" in log for log in logs), logs
     difference = max_difference(exported(cluster), gpu_reference(cluster.data, STEPS))
     print(f"two staged ranks against one process on the GPU: max |difference| {difference:.3g}")
+    assert difference < 1e-5
+
+
+@pytest.mark.parametrize("world,backend", [(1, "auto"), (2, "gloo")])
+def test_zero_stage_3_on_the_gpu_equals_plain_torch_there(cluster, monkeypatch, world, backend):
+    train(cluster, monkeypatch, world=world, backend=backend, zeroStage=3)
+    difference = max_difference(exported(cluster), gpu_reference(cluster.data, STEPS))
+    print(f"stage 3, {world} rank(s) on the GPU, against plain torch there: max |difference| "
+          f"{difference:.3g}")
     assert difference < 1e-5
 
 

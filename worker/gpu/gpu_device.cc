@@ -106,12 +106,17 @@ class GpuMlpRunner final : public MlpRunner {
 
   absl::Status Forward(const std::vector<const float*>& params, const float* x, const int64_t* y,
                        int64_t rows, const LayerHook& before_layer) override {
-    if (before_layer) return LayerByLayerUnimplemented();
+    if (before_layer && !copies_.empty()) return LayerByLayerUnimplemented();
     const int64_t inputs = rows * model_->widths().front();
     SHARD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_.data(), x, inputs * sizeof(float),
                                                cudaMemcpyHostToDevice, stream_));
     SHARD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(y_.data(), y, rows * sizeof(int64_t),
                                                cudaMemcpyHostToDevice, stream_));
+    if (before_layer) {
+      current_.assign(params.begin(), params.end());
+      return model_->Forward(current_, x_.as<float>(), y_.as<int64_t>(), rows,
+                             Refreshing(params, before_layer));
+    }
     SHARD_ASSIGN_OR_RETURN(std::vector<const void*> weights, ModelWeights(params));
     return model_->Forward(weights, x_.as<float>(), y_.as<int64_t>(), rows);
   }
@@ -119,18 +124,35 @@ class GpuMlpRunner final : public MlpRunner {
   absl::Status Backward(const std::vector<const float*>& params, const std::vector<float*>& grads,
                         float scale, const std::function<void(int)>& ready,
                         const LayerHook& before_layer) override {
-    if (before_layer) return LayerByLayerUnimplemented();
+    if (before_layer && !copies_.empty()) return LayerByLayerUnimplemented();
+    if (before_layer) {
+      current_.assign(params.begin(), params.end());
+      return model_->Backward(current_, grads, scale, ready, Refreshing(params, before_layer));
+    }
     return model_->Backward(Views(params), grads, scale, ready);
   }
 
   absl::StatusOr<double> LossSum() override { return model_->Loss(); }
 
  private:
-  // The GPU MLP runs its layers in one call (gpu_mlp.h) and casts every parameter up front.
+  // In 16-bit precisions the model casts every parameter up front (ModelWeights).
   static absl::Status LayerByLayerUnimplemented() {
     return absl::UnimplementedError(
-        "the built-in MLP on a GPU does not run layer by layer yet, which ZeRO stage 3 and "
-        "overlapParamGather need: use zeroStage 2 with overlapParamGather off on a GPU");
+        "the built-in MLP on a GPU gathers parameters layer by layer (ZeRO stage 3) in fp32 "
+        "only: its 16-bit copies are cast for the whole model before the forward pass; use "
+        "precision fp32 at zeroStage 3, or zeroStage 2");
+  }
+
+  // `before_layer`, then the model's view of that layer's parameters follows where the hook
+  // put them (current_ is what the model reads).
+  LayerHook Refreshing(const std::vector<const float*>& params, const LayerHook& before_layer) {
+    return [this, &params, &before_layer](int layer, bool backward) -> absl::Status {
+      SHARD_RETURN_IF_ERROR(before_layer(layer, backward));
+      for (int index : {Mlp::WeightIndex(layer), Mlp::BiasIndex(layer)}) {
+        current_[index] = params[index];
+      }
+      return absl::OkStatus();
+    };
   }
 
   GpuMlpRunner(std::unique_ptr<GpuMlp> model, cudaStream_t stream)
@@ -162,6 +184,7 @@ class GpuMlpRunner final : public MlpRunner {
   DeviceBuffer x_;
   DeviceBuffer y_;
   std::vector<DeviceBuffer> copies_;  // 16-bit weights, manifest order (16-bit precisions)
+  std::vector<const void*> current_;  // the parameters the model reads, layer by layer
   std::vector<int64_t> numels_;
 };
 

@@ -230,7 +230,7 @@ absl::Status GpuMlp::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int64_
 }
 
 absl::Status GpuMlp::Forward(const std::vector<const void*>& params, const float* x,
-                             const int64_t* y, int64_t batch) {
+                             const int64_t* y, int64_t batch, const LayerHook& before_layer) {
   SHARD_RETURN_IF_ERROR(CheckParams(params.size(), params.size()));
   if (batch < 1 || batch > max_batch_) {
     return absl::InvalidArgumentError(absl::StrCat("GPU MLP: batch of ", batch,
@@ -240,15 +240,15 @@ absl::Status GpuMlp::Forward(const std::vector<const void*>& params, const float
   batch_ = batch;
   labels_ = y;
   switch (options_.precision) {
-    case DataType::kBFloat16: return ForwardAs<__nv_bfloat16>(params, x, y);
-    case DataType::kFloat16: return ForwardAs<__half>(params, x, y);
-    default: return ForwardAs<float>(params, x, y);
+    case DataType::kBFloat16: return ForwardAs<__nv_bfloat16>(params, x, y, before_layer);
+    case DataType::kFloat16: return ForwardAs<__half>(params, x, y, before_layer);
+    default: return ForwardAs<float>(params, x, y, before_layer);
   }
 }
 
 template <typename T>
 absl::Status GpuMlp::ForwardAs(const std::vector<const void*>& params, const float* x,
-                               const int64_t* y) {
+                               const int64_t* y, const LayerHook& before_layer) {
   const int n = layers();
   const int64_t batch = batch_;
   if constexpr (std::is_same_v<T, float>) {
@@ -260,6 +260,7 @@ absl::Status GpuMlp::ForwardAs(const std::vector<const void*>& params, const flo
   }
   const void* a = input_;
   for (int l = 0; l < n; ++l) {
+    if (before_layer) SHARD_RETURN_IF_ERROR(before_layer(l, /*backward=*/false));
     const int64_t in = widths_[l];
     const int64_t out = widths_[l + 1];
     float* z = outputs_[l].as<float>();
@@ -314,20 +315,23 @@ absl::StatusOr<double> GpuMlp::Loss() {
 
 absl::Status GpuMlp::Backward(const std::vector<const void*>& params,
                               const std::vector<float*>& grads, float scale,
-                              const std::function<void(int)>& ready) {
+                              const std::function<void(int)>& ready,
+                              const LayerHook& before_layer) {
   SHARD_RETURN_IF_ERROR(CheckParams(params.size(), grads.size()));
   if (batch_ == 0) return absl::FailedPreconditionError("GPU MLP: Backward() before Forward()");
   switch (options_.precision) {
-    case DataType::kBFloat16: return BackwardAs<__nv_bfloat16>(params, grads, scale, ready);
-    case DataType::kFloat16: return BackwardAs<__half>(params, grads, scale, ready);
-    default: return BackwardAs<float>(params, grads, scale, ready);
+    case DataType::kBFloat16:
+      return BackwardAs<__nv_bfloat16>(params, grads, scale, ready, before_layer);
+    case DataType::kFloat16: return BackwardAs<__half>(params, grads, scale, ready, before_layer);
+    default: return BackwardAs<float>(params, grads, scale, ready, before_layer);
   }
 }
 
 template <typename T>
 absl::Status GpuMlp::BackwardAs(const std::vector<const void*>& params,
                                 const std::vector<float*>& grads, float scale,
-                                const std::function<void(int)>& ready) {
+                                const std::function<void(int)>& ready,
+                                const LayerHook& before_layer) {
   const int n = layers();
   const int64_t batch = batch_;
   const int64_t classes = widths_.back();
@@ -340,6 +344,7 @@ absl::Status GpuMlp::BackwardAs(const std::vector<const void*>& params,
       probabilities_.as<float>(), labels_, batch, classes, scale, delta_.as<float>(), delta_cast);
   SHARD_RETURN_IF_ERROR(LaunchStatus("OutputDeltaKernel"));
   for (int l = n - 1; l >= 0; --l) {
+    if (before_layer) SHARD_RETURN_IF_ERROR(before_layer(l, /*backward=*/true));
     const int64_t in = widths_[l];
     const int64_t out = widths_[l + 1];
     const void* a = l == 0 ? input_ : hidden_[l - 1].data();

@@ -29,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "common/mlp.h"
 #include "worker/gpu/cuda_resources.h"
 
 namespace shard {
@@ -55,8 +56,11 @@ class GpuMlp {
 
   // Enqueues the forward pass of `batch` rows: x is fp32 [batch, widths[0]] and y int64 [batch]
   // (device); params[i] point at the precision's type. x and y must stay valid until Backward.
+  // `before_layer` (may be empty) runs before each layer's work is enqueued, in forward and
+  // backward alike; it may repoint that layer's entries of `params` (and, in backward, `grads`),
+  // which are read after it (parameters gathered on demand, ZeRO stage 3).
   absl::Status Forward(const std::vector<const void*>& params, const float* x, const int64_t* y,
-                       int64_t batch);
+                       int64_t batch, const LayerHook& before_layer = nullptr);
 
   // The last Forward's loss summed over rows (waits for the stream). InvalidArgument naming
   // the row when a label is outside the classes.
@@ -66,7 +70,8 @@ class GpuMlp {
   // device, overwritten). ready(i) is called as soon as the work that completes parameter i's
   // gradient is enqueued, last layer first: work enqueued on the stream after it sees it.
   absl::Status Backward(const std::vector<const void*>& params, const std::vector<float*>& grads,
-                        float scale, const std::function<void(int)>& ready);
+                        float scale, const std::function<void(int)>& ready,
+                        const LayerHook& before_layer = nullptr);
 
  private:
   GpuMlp(std::vector<int64_t> widths, int64_t max_batch, cudaStream_t stream,
@@ -78,11 +83,12 @@ class GpuMlp {
                     int64_t k, const void* a, int64_t lda, const void* b, int64_t ldb, float beta,
                     float* c, int64_t ldc, const char* what);
   template <typename T>
-  absl::Status ForwardAs(const std::vector<const void*>& params, const float* x, const int64_t* y);
+  absl::Status ForwardAs(const std::vector<const void*>& params, const float* x, const int64_t* y,
+                         const LayerHook& before_layer);
   template <typename T>
   absl::Status BackwardAs(const std::vector<const void*>& params,
                           const std::vector<float*>& grads, float scale,
-                          const std::function<void(int)>& ready);
+                          const std::function<void(int)>& ready, const LayerHook& before_layer);
 
   const std::vector<int64_t> widths_;
   const int64_t max_batch_;
