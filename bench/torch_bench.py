@@ -51,9 +51,13 @@ With --device cuda:N (one GPU) the configurations are those one GPU can compare:
   shard1      shard.torch W=1 on the GPU (NCCL), ZeRO-2
   worker1     (mlp only) shard-worker's built-in MLP of the same widths on the GPU, its own
               "steps/s over steps 2-N" (it has no per-step split)
+  fsdp1       (torch 2.x) torch FSDP2, fully_shard on each transformer block and on the model,
+              W=1 over NCCL, the fused optimizer as plain's
+  shard1z3    shard.torch W=1 on the GPU, ZeRO-3 (wrap's default units)
 
 and --bf16 runs the forward and backward passes under torch.autocast in bf16 (shard-worker:
-the job's precision bf16); the targets are shard1/plain and worker1/plain >= 0.95.
+the job's precision bf16); the targets are shard1/plain and worker1/plain >= 0.95, and
+shard1z3/fsdp1 is reported beside them (no target: the same sharding, world of one).
 
 Everything it starts listens on 127.0.0.1 (the coordinator on a free port it reports in a port
 file; DDP rendezvous through a file store), is bounded by --timeout seconds per run and is
@@ -120,10 +124,13 @@ GPU_CONFIGS = [
     ("plain", "plain torch (fused Adam)", 1),
     ("shard1", "shard.torch W=1 (NCCL)", 1),
     ("worker1", "shard-worker built-in MLP", 1),
+    ("fsdp1", "torch FSDP2 fully_shard W=1", 1),
+    ("shard1z3", "shard.torch W=1 ZeRO-3", 1),
 ]
 GPU_TARGETS = [
     ("shard1", "plain", 0.95, True),
     ("worker1", "plain", 0.95, True),
+    ("shard1z3", "fsdp1", 1.0, False),
 ]
 
 
@@ -190,7 +197,18 @@ def worker_main(args):
 
     total = args.warmup + args.steps + 1  # the top of step warmup+steps ends the timing
     clock = Clock(args.warmup, args.steps)
-    if args.mode == "plain":
+    if args.mode == "fsdp":  # FSDP2 on a world of one: torch's own sharding machinery, timed
+        import torch.distributed as dist
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch 2.4-2.5
+            from torch.distributed._composable.fsdp import fully_shard
+        dist.init_process_group("nccl", init_method=f"file://{args.store}", rank=0, world_size=1)
+        for module in model.modules():
+            if type(module).__name__ == "Block":
+                fully_shard(module)
+        fully_shard(model)
+    if args.mode in ("plain", "fsdp"):  # the same loop; FSDP's hooks gather and shard
         if args.own_optimizer:  # as a script that brings its class writes it
             cls, groups, settings = script_optimizer(torch, spec)
             optimizer = cls(by_pattern(groups, model.named_parameters()), **settings)
@@ -273,6 +291,8 @@ def worker_main(args):
                   gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     with open(f"{args.result}.rank{rank}.json", "w") as f:
         json.dump(result, f)
+    if args.mode == "fsdp":
+        dist.destroy_process_group()
     if args.mode == "ddp":
         # torch 1.13 can deadlock at interpreter exit: ProcessGroupGloo's destructor (run when
         # DDP's Reducer is collected) joins a gloo thread that is freeing a tensor and waits for
@@ -536,6 +556,11 @@ def run_config(runner, model, config, steps, warmup, data, tag, device="cpu", bf
         proc = runner.start(worker_argv(model, "plain", steps, warmup, data, result,
                                         target + own), f"{rel}/plain.log", env)
         runner.wait([proc], deadline, what)
+    elif config == "fsdp1":
+        proc = runner.start(worker_argv(model, "fsdp", steps, warmup, data, result,
+                                        target + ["--store", os.path.join(run_dir, "store")]),
+                            f"{rel}/fsdp.log", env)
+        runner.wait([proc], deadline, what)
     elif config in ("ddp2", "ddp2bv"):
         ddp_extra = ["--zero-bucket-view"] if config == "ddp2bv" else []
         store = os.path.join(run_dir, "store")
@@ -547,12 +572,12 @@ def run_config(runner, model, config, steps, warmup, data, tag, device="cpu", bf
                  for r in range(2)]
         runner.wait(procs, deadline, what)
     else:
-        world = 1 if config in ("shard1", "shard1opt") else 2
+        world = 1 if config in ("shard1", "shard1opt", "shard1z3") else 2
         spec = MODELS[model]
         job = {"name": f"bench-{model}", "worldSize": world, "model": {"external": {}},
                "optimizer": {"name": "torch"} if own else spec["optimizer"],
                "globalBatch": spec["global_batch"],
-               "steps": warmup + steps + 1, "zeroStage": 3 if config == "shard2z3" else 2,
+               "steps": warmup + steps + 1, "zeroStage": 3 if config in ("shard1z3", "shard2z3") else 2,
                "checkpoint": {"everySteps": 0}, "outputDir": os.path.join(run_dir, "out")}
         if spec.get("clip"):
             job["gradClipNorm"] = spec["clip"]
@@ -761,7 +786,7 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     worker = sub.add_parser("worker", help="one process of one configuration (run by the driver)")
-    worker.add_argument("--mode", choices=["plain", "ddp", "shard"], required=True)
+    worker.add_argument("--mode", choices=["plain", "ddp", "fsdp", "shard"], required=True)
     worker.add_argument("--model", choices=sorted(MODELS), required=True)
     worker.add_argument("--steps", type=int, required=True)
     worker.add_argument("--warmup", type=int, required=True)
