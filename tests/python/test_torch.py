@@ -720,6 +720,10 @@ STAGE3 = [
 def start_workers(cluster, model, world, extra=()):
     if model == "mlp":
         return [cluster.start_worker(f"w{i}") for i in range(world)]
+    if model == "batchnorm":
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_worker.py")
+        args = ["--config", json.dumps(dict(model=model, data=cluster.data))]
+        return [cluster.start_worker(f"w{i}", script=script, args=args) for i in range(world)]
     script = os.path.join(os.path.dirname(EXAMPLE), "transformer.py")
     args = TRANSFORMER_ARGS + (["--tie"] if model == "tied" else []) + list(extra)
     return [cluster.start_worker(f"w{i}", script=script, args=args) for i in range(world)]
@@ -747,15 +751,18 @@ def test_stage_3_matches_single_process_torch(cluster, case):
     assert difference <= 1e-5
 
 
-def test_stage_3_equals_stage_2_bit_for_bit(cluster):
-    # The same world, model and data: gathering the parameters on demand changes no bit.
+@pytest.mark.parametrize("model,extra", [("tied", []), ("tied", ["--bf16"]), ("batchnorm", [])],
+                         ids=["tied", "tied-bf16-autocast", "batchnorm-buffers"])
+def test_stage_3_equals_stage_2_bit_for_bit(cluster, model, extra):
+    # The same world, model and data: gathering the parameters on demand changes no bit, with
+    # bf16 autocast (on the CPU) and with module buffers (BatchNorm's, broadcast every step) too.
     results = {}
     for stage in (2, 3):
         cluster.start_coordinator(
             cluster.write_job(world=2, steps=20, zeroStage=stage, out=f"out{stage}",
                               file=f"job{stage}.json"),
             log_name=f"coordinator{stage}.log", state=f"state{stage}")
-        for worker in start_workers(cluster, "tied", 2):
+        for worker in start_workers(cluster, model, 2, extra):
             assert cluster.wait(worker) == 0, cluster.log(worker)
         assert cluster.wait(cluster.coordinator) == 0, cluster.log(f"coordinator{stage}.log")
         results[stage] = exported(cluster, f"out{stage}")
