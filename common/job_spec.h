@@ -106,6 +106,9 @@ struct JobConfig {
   // Stages 1 and 2: the parameter all-gather overlaps the next forward (the built-in MLP on CPU).
   bool overlap_param_gather = true;
   int prefetch = 1;  // stage 3: buckets gathered ahead of the one in use
+  // Each bucket's update as soon as its reduction completes (no clipping, no loss scaling, the
+  // built-in optimizer, CPU workers).
+  bool overlap_update = true;
   std::string checkpoint_dir;  // checkpoints go to <checkpoint_dir>/<name>/<id>/
   int64_t checkpoint_every = 0;
   int checkpoint_keep_last = 3;

@@ -96,16 +96,19 @@ absl::Status Mlp::Backward(const std::vector<const float*>& params,
     // dW[out, in] = deltaᵀ[out, batch] · a[batch, in]
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, batch, 1.0f, delta_.data(), out,
                 a, in, 0.0f, grads[WeightIndex(l)], in);
+    if (l > 0) {
+      // d(a)[batch, in] = delta[batch, out] · W[out, in], then through the ReLU: before W is
+      // marked ready, since the engine may update W as soon as its bucket is reduced.
+      delta_input_.resize(batch * in);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, batch, in, out, 1.0f,
+                  delta_.data(), out, params[WeightIndex(l)], in, 0.0f, delta_input_.data(), in);
+      const std::vector<float>& z = outputs_[l - 1];
+      for (size_t i = 0; i < delta_input_.size(); ++i) {
+        if (z[i] <= 0) delta_input_[i] = 0.0f;
+      }
+    }
     ready(WeightIndex(l));
     if (l == 0) break;
-    // d(a)[batch, in] = delta[batch, out] · W[out, in], then through the ReLU.
-    delta_input_.resize(batch * in);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, batch, in, out, 1.0f, delta_.data(),
-                out, params[WeightIndex(l)], in, 0.0f, delta_input_.data(), in);
-    const std::vector<float>& z = outputs_[l - 1];
-    for (size_t i = 0; i < delta_input_.size(); ++i) {
-      if (z[i] <= 0) delta_input_[i] = 0.0f;
-    }
     delta_.swap(delta_input_);
   }
   return absl::OkStatus();

@@ -37,8 +37,9 @@ class Mlp {
                                  const LayerHook& before_layer = nullptr);
 
   // Gradients of `scale` x (the summed loss of the last Forward) into grads[i], overwriting
-  // them; `ready(i)` is called as soon as parameter i's gradient is complete, last layer first.
-  // A hook's error ends it early.
+  // them; `ready(i)` is called as soon as parameter i's gradient is complete and backward no
+  // longer reads parameter i (the engine may update it then), last layer first. A hook's error
+  // ends it early.
   absl::Status Backward(const std::vector<const float*>& params, const std::vector<float*>& grads,
                         float scale, const std::function<void(int)>& ready,
                         const LayerHook& before_layer = nullptr);

@@ -176,6 +176,7 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
   if (spec.has_overlap()) job.overlap = spec.overlap();
   if (spec.has_micro_batches()) job.micro_batches = spec.micro_batches();
   if (spec.has_overlap_param_gather()) job.overlap_param_gather = spec.overlap_param_gather();
+  if (spec.has_overlap_update()) job.overlap_update = spec.overlap_update();
   if (spec.has_prefetch()) job.prefetch = spec.prefetch();
   job.checkpoint_dir = spec.checkpoint().dir().empty()
                            ? (std::filesystem::path(job.output_dir) / "checkpoints").string()
@@ -217,6 +218,7 @@ v1::JobSpec ToProto(const JobConfig& job) {
   spec.set_overlap(job.overlap);
   spec.set_micro_batches(job.micro_batches);
   spec.set_overlap_param_gather(job.overlap_param_gather);
+  spec.set_overlap_update(job.overlap_update);
   spec.set_prefetch(job.prefetch);
   spec.mutable_checkpoint()->set_dir(job.checkpoint_dir);
   spec.mutable_checkpoint()->set_every_steps(job.checkpoint_every);

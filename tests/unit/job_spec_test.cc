@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/str_replace.h"
 #include "common/mlp_data.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -44,6 +45,8 @@ TEST(JobSpecTest, DefaultsAreAppliedAndPathsResolvedAgainstTheJobFile) {
   EXPECT_DOUBLE_EQ(job->optimizer.eps, 1e-8);
   EXPECT_EQ(job->optimizer.kind, OptimizerKind::kAdamW);
   EXPECT_TRUE(job->overlap);
+  EXPECT_TRUE(job->overlap_param_gather);
+  EXPECT_TRUE(job->overlap_update);
   EXPECT_EQ(job->data_path, "/jobs/data.safetensors");
   EXPECT_EQ(job->output_dir, "/jobs/out");
   // What workers receive is explicit and converts back to the same job.
@@ -52,6 +55,16 @@ TEST(JobSpecTest, DefaultsAreAppliedAndPathsResolvedAgainstTheJobFile) {
   EXPECT_EQ(again->data_path, job->data_path);
   EXPECT_EQ(again->zero_stage, job->zero_stage);
   EXPECT_EQ(again->bucket_cap_bytes, job->bucket_cap_bytes);
+  // Turned off, it stays off on the way to the workers.
+  auto spec_off = ParseJobSpecJson(absl::StrReplaceAll(
+      kJob, {{"\"steps\":", "\"overlapUpdate\": false, \"steps\":"}}));
+  ASSERT_TRUE(spec_off.ok()) << spec_off.status();
+  auto off = JobConfigFromProto(*spec_off, "/jobs");
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_FALSE(off->overlap_update);
+  auto off_again = JobConfigFromProto(ToProto(*off), "/elsewhere");
+  ASSERT_TRUE(off_again.ok()) << off_again.status();
+  EXPECT_FALSE(off_again->overlap_update);
 }
 
 TEST(JobSpecTest, BadSpecsAreClearErrors) {

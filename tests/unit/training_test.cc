@@ -270,6 +270,41 @@ TEST(TrainingTest, GatheringOnDemandChangesNoBit) {
   }
 }
 
+// Updating each bucket as soon as its reduction completes (overlapUpdate, during backward)
+// changes when the update runs, not what it computes: every stage and shard mode ends with the
+// same bits as the update after backward. The overlapped runs did overlap every step after the
+// first (the rebuild), and clipping turns it off.
+TEST(TrainingTest, UpdatingDuringBackwardChangesNoBit) {
+  for (ShardMode mode : {ShardMode::kRange, ShardMode::kParam}) {
+    for (int stage : {0, 1, 2, 3}) {
+      for (double clip : {0.0, 0.5}) {
+        SCOPED_TRACE(absl::StrCat(ShardModeName(mode), " stage ", stage, " clip ", clip));
+        std::vector<std::vector<std::vector<float>>> outputs;
+        for (bool overlap_update : {false, true}) {
+          JobConfig job = Job(OptimizerKind::kAdamW, 3, stage, mode);
+          job.grad_clip_norm = clip;
+          job.overlap_update = overlap_update;
+          job.output_dir += overlap_update ? "-update-overlapped" : "-update-after";
+          absl::Mutex mu;
+          int overlapped_steps = 0;
+          RankThreadsOptions run;
+          run.configure = [&](int, TrainerOptions* options) {
+            options->on_step = [&](const StepRecord& record) {
+              absl::MutexLock lock(&mu);
+              if (record.timings.update_overlapped) ++overlapped_steps;
+            };
+          };
+          ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(job, run));
+          const int expected = overlap_update && clip == 0 ? 3 * (job.steps - 1) : 0;
+          EXPECT_EQ(overlapped_steps, expected) << "steps updated during backward, 3 ranks";
+          outputs.push_back(ReadOutput(job.output_dir + "/final.safetensors"));
+        }
+        EXPECT_EQ(MaxDifference(outputs[1], outputs[0]), 0.0);
+      }
+    }
+  }
+}
+
 // At stage 3 a rank holds its owned spans of the parameters and gradients and its optimizer
 // state (16 P / W bytes for Adam, plus padding) and at most prefetch + 1 gathered buckets.
 TEST(TrainingTest, StageThreeHoldsOneWthOfTheModelStatePlusTheGatheredBuckets) {

@@ -131,6 +131,18 @@ absl::Status Engine::Apply(AppliedPlan applied, bool carry_gradients) {
   }
   SHARD_ASSIGN_OR_RETURN(std::unique_ptr<SpanKernels> kernels,
                          device_->PrepareSpans(optimizer_.config(), std::move(spans)));
+  std::vector<std::unique_ptr<SpanKernels>> bucket_kernels;
+  if (options_.overlap_update) {
+    for (size_t b = 0; b < plan.buckets.size(); ++b) {
+      std::vector<OwnedSpan> owned;
+      if (buckets[b].own_end > buckets[b].own_begin) {
+        owned = SplitOwnedSpan(plan.buckets[b], buckets[b]);
+      }
+      SHARD_ASSIGN_OR_RETURN(std::unique_ptr<SpanKernels> bucket_kernel,
+                             device_->PrepareSpans(optimizer_.config(), std::move(owned)));
+      bucket_kernels.push_back(std::move(bucket_kernel));
+    }
+  }
   if (plan_ != nullptr) {
     if (queue_ != nullptr) SHARD_RETURN_IF_ERROR(queue_->Drain());
     if (sharded_params()) {
@@ -162,6 +174,7 @@ absl::Status Engine::Apply(AppliedPlan applied, bool carry_gradients) {
   // Only now: until here a failure leaves the engine on its old layout, kernels included.
   buckets_ = std::move(buckets);
   kernels_ = std::move(kernels);
+  bucket_kernels_ = std::move(bucket_kernels);
   plan_ = std::move(applied.plan);
   plan_version_ = applied.version;
   rebuilt_ = applied.rebuilt;
@@ -309,8 +322,17 @@ void Engine::MarkGradReady(int index) {
   }
 }
 
+bool Engine::UpdatesDuringBackward() const {
+  return options_.overlap_update && options_.overlap && rebuilt_ && !first_step_all_reduce_ &&
+         options_.grad_clip_norm == 0 && !scaler_.has_value() &&
+         optimizer_.config().kind != OptimizerKind::kTorch && device_->host_memory() &&
+         bucket_kernels_.size() == buckets_.size();
+}
+
 void Engine::SubmitReadyReductions() {
   // In plan order on every rank, as DDP does, whatever order backward finished them in.
+  const bool update = UpdatesDuringBackward();
+  const int64_t update_step = optimizer_steps_ + 1;
   while (next_reduce_ < static_cast<int>(buckets_.size()) && bucket_ready_[next_reduce_]) {
     const int b = next_reduce_++;
     BucketState& bucket = buckets_[b];
@@ -327,13 +349,18 @@ void Engine::SubmitReadyReductions() {
     float* grads = sharded_params() ? grad_slots_[bucket.grad_slot].array.data()
                                     : bucket.grads.data();
     const bool all_reduce = first_step_all_reduce_;
-    const CommunicationQueue::Ticket ticket = queue_->Submit([this, b, all_reduce, grads] {
-      const absl::Time start = absl::Now();
-      absl::Status reduced = ReduceBucket(b, all_reduce, grads);
-      absl::MutexLock lock(&spans_mu_);
-      reduce_spans_.push_back({start, absl::Now()});
-      return reduced;
-    });
+    const CommunicationQueue::Ticket ticket =
+        queue_->Submit([this, b, all_reduce, grads, update, update_step] {
+          const absl::Time start = absl::Now();
+          absl::Status reduced = ReduceBucket(b, all_reduce, grads);
+          const absl::Time end = absl::Now();
+          // The bucket's owned range is final: update it while backward goes on.
+          if (reduced.ok() && update) reduced = bucket_kernels_[b]->OptimizerStep(update_step);
+          absl::MutexLock lock(&spans_mu_);
+          reduce_spans_.push_back({start, end});
+          update_ms_ += Milliseconds(absl::Now() - end);
+          return reduced;
+        });
     if (sharded_params()) {
       // The slot is free again once the reduction has read it.
       Slot& slot = grad_slots_[bucket.grad_slot];
@@ -440,10 +467,14 @@ absl::StatusOr<bool> Engine::ReduceGradients(StepTimings* timings) {
   // The reductions: on the communication thread (already under way) or done as they were
   // submitted. An error ends the wait at once.
   SHARD_RETURN_IF_ERROR(queue_->Drain());
+  updated_during_backward_ = UpdatesDuringBackward();
   std::vector<std::pair<absl::Time, absl::Time>> spans;
   {
     absl::MutexLock lock(&spans_mu_);
     spans.swap(reduce_spans_);
+    if (updated_during_backward_) timings->optimizer_ms = update_ms_;
+    timings->update_overlapped = updated_during_backward_;
+    update_ms_ = 0;
   }
   for (const auto& [start, end] : spans) {
     timings->communication_ms += Milliseconds(end - start);
@@ -489,6 +520,7 @@ absl::StatusOr<bool> Engine::ReduceGradients(StepTimings* timings) {
 }
 
 absl::Status Engine::UpdateOwned(StepTimings* timings) {
+  if (updated_during_backward_) return absl::OkStatus();  // ReduceGradients timed it
   const absl::Time update_start = absl::Now();
   SHARD_RETURN_IF_ERROR(kernels_->OptimizerStep(optimizer_steps_ + 1));
   timings->optimizer_ms = Milliseconds(absl::Now() - update_start);

@@ -88,6 +88,13 @@ struct EngineOptions {
   bool overlap_param_gather = false;
   // Stage 3: buckets gathered ahead of the one in use.
   int prefetch = 1;
+  // Each bucket's owned range updated on the communication thread as soon as its reduction
+  // completes, while backward goes on (ZeroRedundancyOptimizer's overlap_with_ddp). Only where
+  // the update needs nothing global or from the caller: after the first step's rebuild, with
+  // `overlap`, without clipping or loss scaling, with the built-in optimizer, on host memory;
+  // otherwise the update runs after backward as before. The same arithmetic on the same
+  // values: the same bits. Backward must not read a parameter after marking it ready.
+  bool overlap_update = false;
   // The update rule with its param groups, matched against the manifest's names by Create
   // (InvalidArgument for a group that takes no parameter), and its learning-rate schedule over
   // optimizer.total_steps updates, at the optimizer's step count (which checkpoints keep, so a
@@ -116,7 +123,9 @@ struct StepTimings {
   double backward_ms = 0;       // StartBackward to the last MarkGradReady
   double communication_ms = 0;  // gradient reductions, summed over buckets
   double hidden_ms = 0;         // the part of those reductions that overlapped backward
-  double optimizer_ms = 0;
+  double optimizer_ms = 0;       // the update (during backward, on the communication thread,
+                                // when update_overlapped)
+  bool update_overlapped = false;  // each bucket updated as its reduction completed
   double gather_ms = 0;         // parameter all-gather at the end of the step (stages 1, 2)
   // Forward and backward waiting for parameter gathers (stage 3, overlap_param_gather).
   double gather_wait_ms = 0;
@@ -327,6 +336,8 @@ class Engine {
   // Queues the reductions of the ready buckets, in plan order.
   void SubmitReadyReductions();
   absl::Status ReduceBucket(int bucket, bool all_reduce, float* grads);
+  // Whether this step's buckets are updated as their reductions complete (overlap_update).
+  bool UpdatesDuringBackward() const;
   absl::Status ClipGradients(StepTimings* timings);
   // Reads what this rank owns (see ReadOwned) and at stages 1 and 2 all-gathers the parameters,
   // after the reads or during them (EngineOptions::gather_during_reads). `timings` (may be
@@ -360,6 +371,9 @@ class Engine {
   const std::vector<int> param_groups_;  // by parameter: its optimizer param group, -1 for none
   std::optional<LossScaler> scaler_;
   std::unique_ptr<SpanKernels> kernels_;  // over the owned spans of the current layout
+  // The same by bucket, for the update during backward (overlap_update); empty otherwise.
+  std::vector<std::unique_ptr<SpanKernels>> bucket_kernels_;
+  bool updated_during_backward_ = false;  // this step's update is done (ReduceGradients)
   std::vector<float> host_scratch_;       // restores on a device without host memory
 
   std::shared_ptr<const Plan> plan_;
@@ -394,6 +408,7 @@ class Engine {
 
   absl::Mutex spans_mu_;
   std::vector<std::pair<absl::Time, absl::Time>> reduce_spans_ ABSL_GUARDED_BY(spans_mu_);
+  double update_ms_ ABSL_GUARDED_BY(spans_mu_) = 0;  // updates during backward, this step
   // Declared last: its thread stops (destroyed first) before anything it touches goes.
   std::unique_ptr<CommunicationQueue> queue_;
 };

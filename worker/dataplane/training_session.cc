@@ -87,6 +87,9 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
   engine_options.overlap_param_gather =
       job.overlap_param_gather && !job.external_model && device.host_memory();
   engine_options.prefetch = job.prefetch;
+  // The update on the communication thread: host memory (a GPU's update runs on its compute
+  // stream, ordered by events the communication thread does not have).
+  engine_options.overlap_update = job.overlap_update && device.host_memory();
   engine_options.optimizer = job.optimizer;
   engine_options.grad_clip_norm = job.grad_clip_norm;
   engine_options.device = &device;
