@@ -5,9 +5,12 @@
 # behind backward, and each run's ratio to the 1-worker run measured in the same invocation.
 # --snapshot-every runs each configuration with each in-memory snapshot setting (EVERY or
 # EVERY:REPLICAS; 0 is off; the job's default is 10:1) and gives its steps/s against the first.
+# --overlap-update "true false" runs each overlapped configuration with each bucket's update
+# during backward (the job's default) and after it, and gives its steps/s against the first.
 #
 #   scripts/bench-train.sh [--steps N] [--bucket-cap-mb X] [--workers "1 2 4"] [--stages "0 1 2"]
 #                          [--overlap "true false"] [--snapshot-every "0 10:1 1:1"]
+#                          [--overlap-update "true false"]
 #
 # Each worker gets max(1, cores / workers) OpenBLAS threads, so every run uses the same cores.
 set -euo pipefail
@@ -19,6 +22,7 @@ WORKER_COUNTS="1 2 4"
 STAGES="0 1 2"
 OVERLAPS="true false"
 SNAPSHOTS="10:1"
+UPDATES="true"
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) STEPS="$2"; shift 2 ;;
@@ -27,7 +31,8 @@ while [ $# -gt 0 ]; do
     --stages) STAGES="$2"; shift 2 ;;
     --overlap) OVERLAPS="$2"; shift 2 ;;
     --snapshot-every) SNAPSHOTS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --overlap-update) UPDATES="$2"; shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench-train: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -47,17 +52,18 @@ trap cleanup EXIT
 "$BIN/shardctl" data generate --widths 512,1024,1024,1024,64 --samples 16384 --seed 1 \
   --out "$RUN_DIR/data.safetensors" >/dev/null
 
-# run WORKERS STAGE OVERLAP SNAPSHOT_EVERY REPLICAS -> prints "steps_per_second hidden_percent"
+# run WORKERS STAGE OVERLAP SNAPSHOT_EVERY REPLICAS UPDATE -> prints "steps_per_second
+# hidden_percent"
 run() {
-  local workers=$1 stage=$2 overlap=$3 snapshot_every=$4 replicas=$5
-  local dir="$RUN_DIR/run-$workers-$stage-$overlap-$snapshot_every-$replicas"
+  local workers=$1 stage=$2 overlap=$3 snapshot_every=$4 replicas=$5 update=$6
+  local dir="$RUN_DIR/run-$workers-$stage-$overlap-$snapshot_every-$replicas-$update"
   mkdir -p "$dir"
   cat >"$dir/job.json" <<JSON
 {"name": "bench", "worldSize": $workers,
  "model": {"mlp": {"widths": [512, 1024, 1024, 1024, 64]}},
  "data": {"path": "$RUN_DIR/data.safetensors"}, "optimizer": {"name": "adam", "lr": 0.001},
  "globalBatch": 256, "steps": $STEPS, "zeroStage": $stage, "overlap": $overlap,
- "bucketCapMb": $BUCKET_CAP_MB,
+ "overlapUpdate": $update, "bucketCapMb": $BUCKET_CAP_MB,
  "snapshot": {"everySteps": $snapshot_every, "replicas": $replicas}, "outputDir": "$dir/out"}
 JSON
   "$BIN/shard-coordinator" --listen 127.0.0.1:0 --port-file "$dir/port" --job "$dir/job.json" \
@@ -83,8 +89,8 @@ JSON
 
 printf "# medium MLP 512,1024,1024,1024,64, global batch 256, Adam, %s steps, bucket cap %s MiB, %s cores\n" \
   "$STEPS" "$BUCKET_CAP_MB" "$CORES"
-printf "%8s %6s %8s %9s %10s %10s %12s %12s\n" workers stage overlap snapshot steps/s hidden \
-  vs_1_worker vs_snapshot
+printf "%8s %6s %8s %7s %9s %10s %10s %12s %12s %10s\n" workers stage overlap update snapshot \
+  steps/s hidden vs_1_worker vs_snapshot vs_update
 baseline=""
 for workers in $WORKER_COUNTS; do
   for stage in $STAGES; do
@@ -92,16 +98,23 @@ for workers in $WORKER_COUNTS; do
       # One worker has nothing to overlap or shard: measure it once.
       if [ "$workers" = 1 ] && { [ "$stage" != 0 ] || [ "$overlap" = false ]; }; then continue; fi
       first=""
+      # The update can only overlap an overlapped backward: measure the others once.
+      updates=$UPDATES
+      [ "$overlap" = false ] && updates=${UPDATES%% *}
       for snapshot in $SNAPSHOTS; do
         every=${snapshot%%:*}
         replicas=1
         [ "$snapshot" != "$every" ] && replicas=${snapshot#*:}
-        read -r rate hidden < <(run "$workers" "$stage" "$overlap" "$every" "$replicas")
-        [ -z "$baseline" ] && baseline=$rate
-        [ -z "$first" ] && first=$rate
-        awk -v w="$workers" -v s="$stage" -v o="$overlap" -v n="$every:$replicas" -v r="$rate" \
-          -v h="$hidden" -v b="$baseline" -v f="$first" \
-          'BEGIN { printf "%8s %6s %8s %9s %10s %9s%% %11.2fx %11.3fx\n", w, s, o, n, r, h, r / b, r / f }'
+        first_update=""
+        for update in $updates; do
+          read -r rate hidden < <(run "$workers" "$stage" "$overlap" "$every" "$replicas" "$update")
+          [ -z "$baseline" ] && baseline=$rate
+          [ -z "$first" ] && first=$rate
+          [ -z "$first_update" ] && first_update=$rate
+          awk -v w="$workers" -v s="$stage" -v o="$overlap" -v u="$update" -v n="$every:$replicas" \
+            -v r="$rate" -v h="$hidden" -v b="$baseline" -v f="$first" -v g="$first_update" \
+            'BEGIN { printf "%8s %6s %8s %7s %9s %10s %9s%% %11.2fx %11.3fx %9.3fx\n", w, s, o, u, n, r, h, r / b, r / f, r / g }'
+        done
       done
     done
   done
