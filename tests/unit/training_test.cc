@@ -270,18 +270,28 @@ TEST(TrainingTest, GatheringOnDemandChangesNoBit) {
   }
 }
 
-// Updating each bucket as soon as its reduction completes (overlapUpdate, during backward)
-// changes when the update runs, not what it computes: every stage and shard mode ends with the
-// same bits as the update after backward. The overlapped runs did overlap every step after the
+// Updating each bucket as soon as its reduction completes (overlapUpdate, during backward, and
+// at stages 1 and 2 without overlapParamGather its gather right after) changes when the update
+// runs, not what it computes: every stage and shard mode ends with the same bits as the update
+// after backward. The overlapped runs did overlap every step after the
 // first (the rebuild), and clipping turns it off.
 TEST(TrainingTest, UpdatingDuringBackwardChangesNoBit) {
+  struct Config {
+    int stage;
+    bool overlap_param_gather;  // false at stages 1 and 2: each bucket gathered after its update
+  };
+  const std::vector<Config> configs = {{0, true}, {1, true}, {1, false}, {2, true}, {2, false},
+                                       {3, true}};
   for (ShardMode mode : {ShardMode::kRange, ShardMode::kParam}) {
-    for (int stage : {0, 1, 2, 3}) {
+    for (const Config& config : configs) {
+      const int stage = config.stage;
       for (double clip : {0.0, 0.5}) {
-        SCOPED_TRACE(absl::StrCat(ShardModeName(mode), " stage ", stage, " clip ", clip));
+        SCOPED_TRACE(absl::StrCat(ShardModeName(mode), " stage ", stage, " clip ", clip,
+                                  " overlapParamGather ", config.overlap_param_gather));
         std::vector<std::vector<std::vector<float>>> outputs;
         for (bool overlap_update : {false, true}) {
           JobConfig job = Job(OptimizerKind::kAdamW, 3, stage, mode);
+          job.overlap_param_gather = config.overlap_param_gather;
           job.grad_clip_norm = clip;
           job.overlap_update = overlap_update;
           job.output_dir += overlap_update ? "-update-overlapped" : "-update-after";

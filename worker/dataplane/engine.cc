@@ -322,6 +322,10 @@ void Engine::MarkGradReady(int index) {
   }
 }
 
+bool Engine::GathersAfterEachUpdate() const {
+  return options_.zero_stage > 0 && !sharded_params() && !options_.overlap_param_gather;
+}
+
 bool Engine::UpdatesDuringBackward() const {
   return options_.overlap_update && options_.overlap && rebuilt_ && !first_step_all_reduce_ &&
          options_.grad_clip_norm == 0 && !scaler_.has_value() &&
@@ -332,6 +336,7 @@ bool Engine::UpdatesDuringBackward() const {
 void Engine::SubmitReadyReductions() {
   // In plan order on every rank, as DDP does, whatever order backward finished them in.
   const bool update = UpdatesDuringBackward();
+  const bool gather = update && GathersAfterEachUpdate();
   const int64_t update_step = optimizer_steps_ + 1;
   while (next_reduce_ < static_cast<int>(buckets_.size()) && bucket_ready_[next_reduce_]) {
     const int b = next_reduce_++;
@@ -350,15 +355,19 @@ void Engine::SubmitReadyReductions() {
                                     : bucket.grads.data();
     const bool all_reduce = first_step_all_reduce_;
     const CommunicationQueue::Ticket ticket =
-        queue_->Submit([this, b, all_reduce, grads, update, update_step] {
+        queue_->Submit([this, b, all_reduce, grads, update, gather, update_step] {
           const absl::Time start = absl::Now();
           absl::Status reduced = ReduceBucket(b, all_reduce, grads);
           const absl::Time end = absl::Now();
-          // The bucket's owned range is final: update it while backward goes on.
+          // The bucket's owned range is final: update it while backward goes on, and gather
+          // the bucket's parameters (every rank does the same, in plan order).
           if (reduced.ok() && update) reduced = bucket_kernels_[b]->OptimizerStep(update_step);
+          const absl::Time updated = absl::Now();
+          if (reduced.ok() && gather) reduced = GatherBucket(b, buckets_[b].params.data());
           absl::MutexLock lock(&spans_mu_);
           reduce_spans_.push_back({start, end});
-          update_ms_ += Milliseconds(absl::Now() - end);
+          if (gather) reduce_spans_.push_back({updated, absl::Now()});
+          update_ms_ += Milliseconds(updated - end);
           return reduced;
         });
     if (sharded_params()) {
@@ -539,7 +548,8 @@ absl::Status Engine::EndStep(bool updated, StepTimings* timings) {
         slot.bucket = -1;
       }
       gathers_pending_ = !sharded_params();
-    } else {
+    } else if (!(updated_during_backward_ && GathersAfterEachUpdate())) {
+      // (Otherwise each bucket was gathered right after its update, during backward.)
       const absl::Time gather_start = absl::Now();
       SHARD_RETURN_IF_ERROR(GatherParameters());
       timings->gather_ms = Milliseconds(absl::Now() - gather_start);

@@ -92,8 +92,10 @@ struct EngineOptions {
   // completes, while backward goes on (ZeroRedundancyOptimizer's overlap_with_ddp). Only where
   // the update needs nothing global or from the caller: after the first step's rebuild, with
   // `overlap`, without clipping or loss scaling, with the built-in optimizer, on host memory;
-  // otherwise the update runs after backward as before. The same arithmetic on the same
-  // values: the same bits. Backward must not read a parameter after marking it ready.
+  // otherwise the update runs after backward as before. At stages 1 and 2 without
+  // overlap_param_gather each bucket's all-gather follows its update there too, instead of
+  // ending the step. The same arithmetic on the same values: the same bits. Backward must not
+  // read a parameter after marking it ready.
   bool overlap_update = false;
   // The update rule with its param groups, matched against the manifest's names by Create
   // (InvalidArgument for a group that takes no parameter), and its learning-rate schedule over
@@ -336,8 +338,10 @@ class Engine {
   // Queues the reductions of the ready buckets, in plan order.
   void SubmitReadyReductions();
   absl::Status ReduceBucket(int bucket, bool all_reduce, float* grads);
-  // Whether this step's buckets are updated as their reductions complete (overlap_update).
+  // Whether this step's buckets are updated as their reductions complete (overlap_update), and
+  // then, at stages 1 and 2 without overlap_param_gather, gathered right after their update.
   bool UpdatesDuringBackward() const;
+  bool GathersAfterEachUpdate() const;
   absl::Status ClipGradients(StepTimings* timings);
   // Reads what this rank owns (see ReadOwned) and at stages 1 and 2 all-gathers the parameters,
   // after the reads or during them (EngineOptions::gather_during_reads). `timings` (may be
