@@ -163,7 +163,7 @@ absl::Status Join(const char* config_json, shard_job** out) {
     return absl::InvalidArgumentError("shard_join: the config is not a JSON object");
   }
   static const char* const kKnown[] = {
-      "coordinator", "worker_id", "host", "device", "backend", "coordinator_timeout_s",
+      "coordinator", "worker_id", "host", "device", "backend", "transport", "coordinator_timeout_s",
       "collective_timeout_s", "log_level", "tls_ca", "tls_cert", "tls_key", "tls_server_name",
       "job_token_file"};
   for (const auto& [key, value] : config.items()) {
@@ -178,12 +178,14 @@ absl::Status Join(const char* config_json, shard_job** out) {
   double collective_timeout_s = 60;
   std::string log_level = "info";
   std::string backend = "auto";
+  std::string transport = "auto";
   shard::ClientSecurityFiles files;
   SHARD_RETURN_IF_ERROR(Read(config, "coordinator", &coordinator));
   SHARD_RETURN_IF_ERROR(Read(config, "worker_id", &options.worker_id));
   SHARD_RETURN_IF_ERROR(Read(config, "host", &options.host));
   SHARD_RETURN_IF_ERROR(Read(config, "device", &options.device));
   SHARD_RETURN_IF_ERROR(Read(config, "backend", &backend));
+  SHARD_RETURN_IF_ERROR(Read(config, "transport", &transport));
   SHARD_RETURN_IF_ERROR(Read(config, "coordinator_timeout_s", &coordinator_timeout_s));
   SHARD_RETURN_IF_ERROR(Read(config, "collective_timeout_s", &collective_timeout_s));
   SHARD_RETURN_IF_ERROR(Read(config, "log_level", &log_level));
@@ -218,12 +220,14 @@ absl::Status Join(const char* config_json, shard_job** out) {
   options.coordinator_timeout = absl::Seconds(coordinator_timeout_s);
   options.collective_timeout = absl::Seconds(collective_timeout_s);
 
-  absl::StatusOr<std::unique_ptr<shard::DataPath>> data_path =
-      shard::CpuDataPath(options.host, options.collective_timeout);
+  SHARD_ASSIGN_OR_RETURN(const shard::HostTransport host_transport,
+                         shard::ParseHostTransport(transport));
+  const shard::HostPathOptions host_path{.host = options.host,
+                                         .timeout = options.collective_timeout,
+                                         .transport = host_transport};
+  absl::StatusOr<std::unique_ptr<shard::DataPath>> data_path = shard::CpuDataPath(host_path);
 #if SHARD_HAVE_CUDA
-  if (gpu >= 0) {
-    data_path = shard::GpuDataPath(gpu, resolved, options.host, options.collective_timeout);
-  }
+  if (gpu >= 0) data_path = shard::GpuDataPath(gpu, resolved, host_path);
 #endif
   SHARD_RETURN_IF_ERROR(data_path.status());
 

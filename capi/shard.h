@@ -49,7 +49,8 @@ const char* shard_last_error(void);
  * `config_json`: {"coordinator": "host:port", "worker_id": "...", "host": "127.0.0.1" (where
  * peers reach this rank), "device": "cpu" or "cuda:N", "backend": "auto" (NCCL on a GPU, Gloo
  * on the host) or "gloo" (on a GPU: staged through host memory, e.g. several ranks sharing one
- * GPU) or "nccl", "coordinator_timeout_s": 60,
+ * GPU) or "nccl", "transport": "auto" (host memory through shared memory when every rank is on
+ * this host, TCP otherwise), "tcp" or "shm", "coordinator_timeout_s": 60,
  * "collective_timeout_s": 60, "log_level": "info", "tls_ca", "tls_cert", "tls_key",
  * "tls_server_name", "job_token_file" (paths)}; only "coordinator" is required. */
 int shard_join(const char* config_json, shard_job** job);

@@ -24,7 +24,12 @@ void FaultPoint(absl::string_view name) {
   ::raise(SIGKILL);
 }
 
-void StallTrainingAt(int64_t step) {
+void BeforeTrainingStep(int64_t step) {
+  static const int64_t slow_ms = [] {
+    const char* slow = std::getenv("SHARD_SLOW_STEP_MS");
+    return slow == nullptr ? int64_t{0} : std::max<int64_t>(0, std::atoll(slow));
+  }();
+  if (slow_ms > 0) absl::SleepFor(absl::Milliseconds(slow_ms));
   const char* stall = std::getenv("SHARD_STALL_TRAINING");
   if (stall == nullptr || std::atoll(stall) != step) return;
   // stderr, not the log: this file builds into the portable GPU tests, which have no spdlog.

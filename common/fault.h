@@ -14,7 +14,8 @@
 // A stuck training thread, for tests of the progress lease: with SHARD_STALL_TRAINING=N the
 // built-in trainer's thread stops for good when it is about to run step N (1-based), outside any
 // collective, while the process goes on heartbeating, as a hung kernel or a deadlocked data
-// loader would leave it.
+// loader would leave it. A slow one, for tests that act while a tiny model trains: with
+// SHARD_SLOW_STEP_MS=N each of its steps takes N ms more, as on a slower machine.
 //
 // Disk and memory faults, for tests of what a save or a restore does when the hardware fails
 // (docs/checkpoints.md, "When the disk fails"; docs/recovery.md). This kernel offers no slow or
@@ -36,7 +37,7 @@ namespace shard {
 
 void FaultPoint(absl::string_view name);
 void StallPoint(absl::string_view name);
-void StallTrainingAt(int64_t step);
+void BeforeTrainingStep(int64_t step);
 
 // SHARD_SLOW_WRITE_MS, or 0.
 int64_t SlowWriteMillisPerMiB();

@@ -2,7 +2,8 @@
 // ranks of each generation connect their collectives (the generation's rendezvous store carries
 // Gloo's addresses or NCCL's unique id). The agent builds one communicator per generation.
 //
-//   --device cpu        host memory, Gloo over TCP                         (CpuDataPath)
+//   --device cpu        host memory; shared memory between ranks on one host, Gloo over TCP
+//                       otherwise (--transport)                            (CpuDataPath)
 //   --device cuda:N     GPU memory, NCCL (backend auto or nccl), or Gloo
 //                       staged through pinned memory (backend gloo)      (worker/gpu/gpu_data_path.h)
 #pragma once
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "worker/dataplane/communicator.h"
 #include "worker/dataplane/device.h"
@@ -34,10 +36,30 @@ class DataPath {
                                                                 int size) = 0;
 };
 
-// Host memory and Gloo over TCP, listening on `host`; collectives and connecting time out after
-// `timeout`, a silent link after `link_timeout` (GlooOptions::link_timeout).
-std::unique_ptr<DataPath> CpuDataPath(std::string host, absl::Duration timeout,
-                                      absl::Duration link_timeout = absl::Seconds(10));
+// How ranks exchange host memory. auto: shared memory when every rank of the generation is in
+// this process's shared-memory domain (one host: SharedMemoryDomain()), Gloo over TCP
+// otherwise; tcp: always Gloo; shm: shared memory, or an error naming the rank elsewhere.
+enum class HostTransport { kAuto, kTcp, kShm };
+
+// "auto", "tcp" or "shm"; InvalidArgument naming them otherwise.
+absl::StatusOr<HostTransport> ParseHostTransport(absl::string_view name);
+
+struct HostPathOptions {
+  std::string host = "127.0.0.1";  // where Gloo listens for its peers
+  // Collectives and connecting time out after `timeout`, a silent TCP link after
+  // `link_timeout` (GlooOptions::link_timeout).
+  absl::Duration timeout = absl::Seconds(60);
+  absl::Duration link_timeout = absl::Seconds(10);
+  HostTransport transport = HostTransport::kAuto;
+};
+
+// Host memory, with collectives over `options.transport`.
+std::unique_ptr<DataPath> CpuDataPath(HostPathOptions options);
+
+// Connects rank `rank` of `size` for collectives on host memory over `options.transport`: each
+// rank publishes its shared-memory domain in `store`, and every rank makes the same choice.
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectHostCollectives(
+    KeyValueStore* store, int rank, int size, const HostPathOptions& options);
 
 // The backend a worker runs for `device` ("cpu", "cpu:N" or "cuda:N") when asked for `backend`
 // ("auto", "gloo" or "nccl"): auto is NCCL on a GPU and Gloo on the host. InvalidArgument for a

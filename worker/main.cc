@@ -65,6 +65,13 @@ int main(int argc, char** argv) {
                  "collectives: auto (NCCL on a GPU, Gloo on CPU), nccl, or gloo (on a GPU: "
                  "staged through pinned host memory, so several ranks may share one GPU)")
       ->capture_default_str();
+  std::string transport = "auto";
+  app.add_option("--transport", transport,
+                 "how ranks exchange host memory (Gloo's, or the GPU staging's): auto (shared "
+                 "memory when every rank of the generation is on this host, TCP otherwise), "
+                 "tcp, or shm (every rank must be on this host)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "tcp", "shm"}));
   app.add_option("--rank", rank, "ask for this rank (default: the coordinator assigns one)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--snapshot-port", options.snapshot_port,
@@ -175,13 +182,13 @@ int main(int argc, char** argv) {
   options.collective_timeout = shard::ParsedDuration(collective_timeout);
   options.collective_timeout_floor = shard::ParsedDuration(collective_timeout_floor);
   options.connect_probe_timeout = shard::ParsedDuration(connect_probe_timeout);
-  absl::StatusOr<std::unique_ptr<shard::DataPath>> data_path =
-      shard::CpuDataPath(options.host, options.collective_timeout,
-                         shard::ParsedDuration(link_timeout));
+  const shard::HostPathOptions host_path{.host = options.host,
+                                         .timeout = options.collective_timeout,
+                                         .link_timeout = shard::ParsedDuration(link_timeout),
+                                         .transport = *shard::ParseHostTransport(transport)};
+  absl::StatusOr<std::unique_ptr<shard::DataPath>> data_path = shard::CpuDataPath(host_path);
 #if SHARD_HAVE_CUDA
-  if (gpu >= 0) {
-    data_path = shard::GpuDataPath(gpu, *resolved, options.host, options.collective_timeout);
-  }
+  if (gpu >= 0) data_path = shard::GpuDataPath(gpu, *resolved, host_path);
 #endif
   if (!data_path.ok()) {
     spdlog::error("{}", data_path.status().message());

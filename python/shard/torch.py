@@ -33,8 +33,9 @@ scaler that knows Shard's step, which there is not yet.
 
 Configuration comes from join()'s arguments or the environment: SHARD_COORDINATOR, SHARD_ID (the
 worker id; default host-pid), SHARD_DEVICE ("cpu" or "cuda:N"; default cpu), SHARD_BACKEND
-("auto": NCCL on a GPU, Gloo on the host; "gloo"; "nccl"), SHARD_HOST (where peers reach this
-rank; default 127.0.0.1),
+("auto": NCCL on a GPU, Gloo on the host; "gloo"; "nccl"), SHARD_TRANSPORT (host memory between
+ranks: "auto", shared memory when every rank is on this host and TCP otherwise; "tcp"; "shm"),
+SHARD_HOST (where peers reach this rank; default 127.0.0.1),
 SHARD_COORDINATOR_TIMEOUT and SHARD_COLLECTIVE_TIMEOUT (seconds), SHARD_LOG_LEVEL,
 SHARD_JOB_TOKEN_FILE, SHARD_TLS_CA, SHARD_TLS_CERT, SHARD_TLS_KEY, SHARD_TLS_SERVER_NAME.
 """
@@ -66,7 +67,7 @@ sys.modules[__name__ + ".data"] = data
 __all__ = ["join", "Job", "Engine", "ShardOptimizer", "ShardError", "data"]
 
 
-def join(coordinator=None, worker_id=None, host=None, device=None, backend=None,
+def join(coordinator=None, worker_id=None, host=None, device=None, backend=None, transport=None,
          coordinator_timeout=None, collective_timeout=None, log_level=None, job_token_file=None,
          tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None):
     """Joins the job's coordinator and blocks until the world is formed and this process holds a
@@ -78,6 +79,7 @@ def join(coordinator=None, worker_id=None, host=None, device=None, backend=None,
         "host": host or env("SHARD_HOST"),
         "device": str(device or env("SHARD_DEVICE") or "cpu"),
         "backend": backend or env("SHARD_BACKEND"),
+        "transport": transport or env("SHARD_TRANSPORT"),
         "coordinator_timeout_s": _seconds(coordinator_timeout or env("SHARD_COORDINATOR_TIMEOUT")),
         "collective_timeout_s": _seconds(collective_timeout or env("SHARD_COLLECTIVE_TIMEOUT")),
         "log_level": log_level or env("SHARD_LOG_LEVEL"),

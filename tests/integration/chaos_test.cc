@@ -1,4 +1,5 @@
-// Chaos: real coordinator and worker processes on 127.0.0.1 lose a worker (SIGKILL, SIGSTOP),
+// Chaos: real coordinator and worker processes on 127.0.0.1 (their collectives over shared
+// memory, the default on one host) lose a worker (SIGKILL, SIGSTOP),
 // gain a replacement, are resized by an operator, and lose their coordinator (SIGKILL and
 // restart). Every job must finish, survivors must abort promptly instead of hanging, and the
 // final parameters must equal those of a run without failures that restored at the same
@@ -31,6 +32,9 @@ namespace {
 
 constexpr absl::Duration kLease = absl::Seconds(1);
 constexpr char kGrace[] = "1500ms";
+// For the workers of a test that acts while the job trains: the tiny model trains thousands of
+// steps a second over shared memory, and would finish before an operator's resize lands.
+const std::vector<std::string> kSlowSteps = {"SHARD_SLOW_STEP_MS=3"};
 
 std::string FileBytes(const std::string& path) {
   absl::StatusOr<std::string> bytes = ReadFile(path);
@@ -48,6 +52,13 @@ class ChaosTest : public ::testing::Test {
                                      dir_ + "/data.safetensors"},
                                     absl::Seconds(30));
     ASSERT_EQ(data.exit_code, 0) << data.output;
+  }
+
+  // The workers talk through shared memory (every one is on this host): whatever was killed,
+  // no segment of theirs is left in /dev/shm.
+  void TearDown() override {
+    const std::vector<std::string> left = cluster_->WorkerSegmentsLeft();
+    EXPECT_TRUE(left.empty()) << absl::StrJoin(left, ", ");
   }
 
   struct JobOptions {
@@ -103,9 +114,10 @@ class ChaosTest : public ::testing::Test {
   }
 
   std::vector<Process> StartWorkers(const std::vector<std::string>& ids,
-                                    const std::vector<std::string>& extra = {}) {
+                                    const std::vector<std::string>& extra = {},
+                                    const std::vector<std::string>& env = {}) {
     std::vector<Process> workers;
-    for (const std::string& id : ids) workers.push_back(cluster_->StartWorker(id, extra));
+    for (const std::string& id : ids) workers.push_back(cluster_->StartWorker(id, extra, env));
     return workers;
   }
 
@@ -257,10 +269,12 @@ class ChaosTest : public ::testing::Test {
   // survivors must leave their collective within a few leases, re-form at 3 after the grace
   // period, restore the latest checkpoint, and end with exactly the parameters of a 4->3 restore
   // of that checkpoint. Returns how long the slowest survivor took to abort.
-  absl::Duration LoseAWorkerAndExpectTheSameParametersOnThree(int victim, int signal) {
+  // `worker_flags` go to the job's workers, not to the reference's.
+  absl::Duration LoseAWorkerAndExpectTheSameParametersOnThree(
+      int victim, int signal, const std::vector<std::string>& worker_flags = {}) {
     constexpr int kSteps = 300;
     StartCoordinator(WriteJob("job", 4, 3, kSteps, 10, "out"));
-    std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"});
+    std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"}, worker_flags);
     WaitForCheckpoints(2);
     const absl::Time lost = absl::Now();
     workers[victim].Signal(signal);
@@ -341,6 +355,14 @@ TEST_F(ChaosTest, AKilledWorkerAbortsTheSurvivorsPromptlyAndTheJobFinishesOnThre
   // A crash closes the peers' connections: the survivors give up their collective at once.
   const absl::Duration aborted = LoseAWorkerAndExpectTheSameParametersOnThree(2, SIGKILL);
   std::cout << "SIGKILL: survivors aborted " << absl::FormatDuration(aborted) << " after the kill\n";
+}
+
+TEST_F(ChaosTest, OverTcpAKilledWorkerAbortsTheSurvivorsAndTheBitsEqualSharedMemorys) {
+  // The job's workers on loopback TCP, the reference's on shared memory: both transports add
+  // the ranks' gradients in the same order, so the parameters are the same bits.
+  const absl::Duration aborted =
+      LoseAWorkerAndExpectTheSameParametersOnThree(1, SIGKILL, {"--transport", "tcp"});
+  std::cout << "SIGKILL over TCP: survivors aborted " << absl::FormatDuration(aborted) << "\n";
 }
 
 TEST_F(ChaosTest, AHangingWorkerIsDeclaredDeadAndTheSurvivorsDoNotHang) {
@@ -432,7 +454,7 @@ TEST_F(ChaosTest, AWorkerResumedAfterItsGenerationEndedJoinsAgainInsteadOfFailin
 TEST_F(ChaosTest, ResizingFourToTwoToThreeLosesNoStep) {
   constexpr int kSteps = 600;
   StartCoordinator(WriteJob("job", 4, 2, kSteps, 100, "out"));
-  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"});
+  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"}, {}, kSlowSteps);
   // Whichever worker holds rank 0 logs the steps.
   ASSERT_TRUE(Eventually(
       [&] {
@@ -445,7 +467,7 @@ TEST_F(ChaosTest, ResizingFourToTwoToThreeLosesNoStep) {
   CommandResult shrink = cluster_->Shardctl({"resize", "--world-size", "2"}, absl::Seconds(60));
   ASSERT_EQ(shrink.exit_code, 0) << shrink.output << cluster_->coordinator().Log();
   EXPECT_NE(shrink.output.find("2/2 ranks held (target 2"), std::string::npos) << shrink.output;
-  Process joiner = cluster_->StartWorker("w9");
+  Process joiner = cluster_->StartWorker("w9", {}, kSlowSteps);
   ASSERT_TRUE(Eventually(
       [&] {
         nlohmann::json status = cluster_->Status();
@@ -586,12 +608,12 @@ TEST_F(ChaosTest, ResizingFourToThreeToFourToTwoMovesTheStateInMemory) {
   constexpr int kSteps = 1200;
   StartCoordinator(WriteJob("job", JobOptions{.world = 4, .min = 2, .steps = kSteps,
                                               .snapshot_every = 10, .replicas = 1}));
-  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"});
+  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2", "w3"}, {}, kSlowSteps);
   WaitForSnapshot(30);
   CommandResult shrink = cluster_->Shardctl({"resize", "--world-size", "3"}, absl::Seconds(60));
   ASSERT_EQ(shrink.exit_code, 0) << shrink.output << cluster_->coordinator().Log();
   WaitForWorld(3);
-  Process newcomer = cluster_->StartWorker("w9");
+  Process newcomer = cluster_->StartWorker("w9", {}, kSlowSteps);
   ASSERT_TRUE(Eventually(
       [&] {
         nlohmann::json status = cluster_->Status();

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -52,7 +53,23 @@ Process LocalCluster::StartWorker(const std::string& id, const std::vector<std::
   argv.insert(argv.end(), extra.begin(), extra.end());
   absl::StatusOr<Process> process = Process::Start(argv, absl::StrCat(dir_, "/", id, ".log"), env);
   EXPECT_TRUE(process.ok()) << process.status();
+  if (process.ok()) worker_pids_.push_back(process->pid());
   return std::move(*process);
+}
+
+std::vector<std::string> LocalCluster::WorkerSegmentsLeft() const {
+  std::vector<std::string> left;
+  if (!std::filesystem::exists("/dev/shm")) return left;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    // shard-<pid namespace>-<pid>-<nonce> (worker/dataplane/shm_communicator.cc)
+    const std::vector<std::string> parts = absl::StrSplit(entry.path().filename().string(), '-');
+    pid_t pid = 0;
+    if (parts.size() == 4 && parts[0] == "shard" && absl::SimpleAtoi(parts[2], &pid) &&
+        std::find(worker_pids_.begin(), worker_pids_.end(), pid) != worker_pids_.end()) {
+      left.push_back(entry.path().string());
+    }
+  }
+  return left;
 }
 
 CommandResult LocalCluster::Shardctl(const std::vector<std::string>& args,

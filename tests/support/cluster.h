@@ -58,8 +58,13 @@ class LocalCluster {
 
   const std::string& dir() const { return dir_; }
 
+  // The shared-memory segments in /dev/shm that workers this cluster started still have (their
+  // names carry the creating process's pid): none once every worker connected or exited.
+  std::vector<std::string> WorkerSegmentsLeft() const;
+
  private:
   std::string dir_;
+  std::vector<pid_t> worker_pids_;
   std::optional<Process> coordinator_;
   std::vector<Process> event_followers_;
   std::string address_;

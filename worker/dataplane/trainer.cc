@@ -99,7 +99,7 @@ absl::StatusOr<TrainResult> TrainMlp(const JobConfig& job, Communicator& communi
   }
   while (!session->finished()) {
     const int64_t step = session->next_step();
-    StallTrainingAt(step + 1);
+    BeforeTrainingStep(step + 1);
     if (session->stop_requested()) {
       return absl::CancelledError(absl::StrCat("training stopped before step ", step + 1));
     }

@@ -11,10 +11,9 @@ namespace {
 
 class CudaDataPath final : public DataPath {
  public:
-  CudaDataPath(std::unique_ptr<GpuDevice> device, std::string backend, std::string host,
-               absl::Duration timeout)
-      : device_(std::move(device)), backend_(std::move(backend)), timeout_(timeout),
-        host_path_(CpuDataPath(std::move(host), timeout)) {}
+  CudaDataPath(std::unique_ptr<GpuDevice> device, std::string backend, HostPathOptions host)
+      : device_(std::move(device)), backend_(std::move(backend)), timeout_(host.timeout),
+        host_(std::move(host)) {}
 
   Device& device() override { return *device_; }
   std::string backend() const override { return backend_ == "nccl" ? "nccl" : "gloo+staged"; }
@@ -37,7 +36,7 @@ class CudaDataPath final : public DataPath {
       return std::unique_ptr<Communicator>(std::move(nccl));
     }
     SHARD_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> host,
-                           host_path_->Connect(store, rank, size));
+                           ConnectHostCollectives(store, rank, size, host_));
     SHARD_ASSIGN_OR_RETURN(
         std::unique_ptr<StagedCommunicator> staged,
         StagedCommunicator::Create(
@@ -51,20 +50,20 @@ class CudaDataPath final : public DataPath {
   std::unique_ptr<GpuDevice> device_;
   const std::string backend_;
   const absl::Duration timeout_;
-  const std::unique_ptr<DataPath> host_path_;  // Gloo, which the staged backend wraps
+  const HostPathOptions host_;  // the host collectives the staged backend wraps
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DataPath>> GpuDataPath(int device, const std::string& backend,
-                                                      std::string host, absl::Duration timeout) {
+                                                      HostPathOptions host) {
   if (backend != "nccl" && backend != "gloo") {
     return absl::InvalidArgumentError(
         absl::StrCat("a GPU worker runs the nccl or gloo backend, not '", backend, "'"));
   }
   SHARD_ASSIGN_OR_RETURN(std::unique_ptr<GpuDevice> gpu, GpuDevice::Create(device));
   return std::unique_ptr<DataPath>(
-      new CudaDataPath(std::move(gpu), backend, std::move(host), timeout));
+      new CudaDataPath(std::move(gpu), backend, std::move(host)));
 }
 
 }  // namespace shard

@@ -14,10 +14,10 @@
 
 namespace shard {
 
-// `backend` is "nccl" or "gloo" (ResolveBackend's answer); Gloo listens on `host`. Connecting
-// and every collective time out after `timeout`. FailedPrecondition when cuda:`device` is not
-// there.
+// `backend` is "nccl" or "gloo" (ResolveBackend's answer); the gloo backend stages through host
+// collectives connected as `host` says (ConnectHostCollectives). Connecting and every
+// collective time out after `host.timeout`. FailedPrecondition when cuda:`device` is not there.
 absl::StatusOr<std::unique_ptr<DataPath>> GpuDataPath(int device, const std::string& backend,
-                                                      std::string host, absl::Duration timeout);
+                                                      HostPathOptions host);
 
 }  // namespace shard
