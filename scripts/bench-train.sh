@@ -7,10 +7,14 @@
 # EVERY:REPLICAS; 0 is off; the job's default is 10:1) and gives its steps/s against the first.
 # --overlap-update "true false" runs each overlapped configuration with each bucket's update
 # during backward (the job's default) and after it, and gives its steps/s against the first.
+# --transport "shm tcp" runs each multi-worker configuration over each transport (shared memory,
+# the default on one host, and loopback TCP) and gives its steps/s against the first. Every row
+# shows rank 0's step efficiency: its mean step time over its forward+backward time (target
+# <= 1.1: reductions, update and step boundary hidden or negligible).
 #
 #   scripts/bench-train.sh [--steps N] [--bucket-cap-mb X] [--workers "1 2 4"] [--stages "0 1 2"]
 #                          [--overlap "true false"] [--snapshot-every "0 10:1 1:1"]
-#                          [--overlap-update "true false"]
+#                          [--overlap-update "true false"] [--transport "shm tcp"]
 #
 # Each worker gets max(1, cores / workers) OpenBLAS threads, so every run uses the same cores.
 set -euo pipefail
@@ -23,6 +27,7 @@ STAGES="0 1 2"
 OVERLAPS="true false"
 SNAPSHOTS="10:1"
 UPDATES="true"
+TRANSPORTS="shm"
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) STEPS="$2"; shift 2 ;;
@@ -32,7 +37,8 @@ while [ $# -gt 0 ]; do
     --overlap) OVERLAPS="$2"; shift 2 ;;
     --snapshot-every) SNAPSHOTS="$2"; shift 2 ;;
     --overlap-update) UPDATES="$2"; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --transport) TRANSPORTS="$2"; shift 2 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench-train: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -52,11 +58,11 @@ trap cleanup EXIT
 "$BIN/shardctl" data generate --widths 512,1024,1024,1024,64 --samples 16384 --seed 1 \
   --out "$RUN_DIR/data.safetensors" >/dev/null
 
-# run WORKERS STAGE OVERLAP SNAPSHOT_EVERY REPLICAS UPDATE -> prints "steps_per_second
-# hidden_percent"
+# run WORKERS STAGE OVERLAP SNAPSHOT_EVERY REPLICAS UPDATE TRANSPORT -> prints
+# "steps_per_second hidden_percent step_over_forward_backward"
 run() {
-  local workers=$1 stage=$2 overlap=$3 snapshot_every=$4 replicas=$5 update=$6
-  local dir="$RUN_DIR/run-$workers-$stage-$overlap-$snapshot_every-$replicas-$update"
+  local workers=$1 stage=$2 overlap=$3 snapshot_every=$4 replicas=$5 update=$6 transport=$7
+  local dir="$RUN_DIR/run-$workers-$stage-$overlap-$snapshot_every-$replicas-$update-$transport"
   mkdir -p "$dir"
   cat >"$dir/job.json" <<JSON
 {"name": "bench", "worldSize": $workers,
@@ -74,7 +80,7 @@ JSON
   local threads=$(( CORES / workers > 0 ? CORES / workers : 1 ))
   for i in $(seq 0 $((workers - 1))); do
     "$BIN/shard-worker" --coordinator "127.0.0.1:$(cat "$dir/port")" --id "w$i" \
-      --compute-threads "$threads" >"$dir/w$i.log" 2>&1 &
+      --compute-threads "$threads" --transport "$transport" >"$dir/w$i.log" 2>&1 &
     PIDS+=("$!")
   done
   if ! wait "$coordinator"; then
@@ -82,15 +88,18 @@ JSON
     tail -5 "$dir"/*.log >&2
     exit 1
   fi
-  # Rank 0's summary: "... N steps/s over steps 2-M, P% of gradient reduction hidden ..."
+  # Rank 0's summary: "... N steps/s over steps 2-M, P% of gradient reduction hidden behind
+  # backward, a step E.EEx its forward and backward, ..."
   grep -h "parameters written to" "$dir"/w*.log |
-    sed -E 's/.* ([0-9.]+) steps\/s over steps.* ([0-9]+)% of gradient reduction.*/\1 \2/'
+    sed -E 's/.* ([0-9.]+) steps\/s over steps.* ([0-9]+)% of gradient reduction.*a step ([0-9.]+)x its.*/\1 \2 \3/'
 }
 
 printf "# medium MLP 512,1024,1024,1024,64, global batch 256, Adam, %s steps, bucket cap %s MiB, %s cores\n" \
   "$STEPS" "$BUCKET_CAP_MB" "$CORES"
-printf "%8s %6s %8s %7s %9s %10s %10s %12s %12s %10s\n" workers stage overlap update snapshot \
-  steps/s hidden vs_1_worker vs_snapshot vs_update
+printf "# %s\n" "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
+printf "%8s %6s %8s %7s %9s %9s %10s %10s %14s %12s %12s %10s %13s\n" workers stage overlap \
+  update snapshot transport steps/s hidden step/fwd+bwd vs_1_worker vs_snapshot vs_update \
+  vs_transport
 baseline=""
 for workers in $WORKER_COUNTS; do
   for stage in $STAGES; do
@@ -107,13 +116,23 @@ for workers in $WORKER_COUNTS; do
         [ "$snapshot" != "$every" ] && replicas=${snapshot#*:}
         first_update=""
         for update in $updates; do
-          read -r rate hidden < <(run "$workers" "$stage" "$overlap" "$every" "$replicas" "$update")
-          [ -z "$baseline" ] && baseline=$rate
-          [ -z "$first" ] && first=$rate
-          [ -z "$first_update" ] && first_update=$rate
-          awk -v w="$workers" -v s="$stage" -v o="$overlap" -v u="$update" -v n="$every:$replicas" \
-            -v r="$rate" -v h="$hidden" -v b="$baseline" -v f="$first" -v g="$first_update" \
-            'BEGIN { printf "%8s %6s %8s %7s %9s %10s %9s%% %11.2fx %11.3fx %9.3fx\n", w, s, o, u, n, r, h, r / b, r / f, r / g }'
+          # One worker has no peer to reach: measure it over the first transport only.
+          transports=$TRANSPORTS
+          [ "$workers" = 1 ] && transports=${TRANSPORTS%% *}
+          first_transport=""
+          for transport in $transports; do
+            read -r rate hidden efficiency < <(
+              run "$workers" "$stage" "$overlap" "$every" "$replicas" "$update" "$transport")
+            [ -z "$baseline" ] && baseline=$rate
+            [ -z "$first" ] && first=$rate
+            [ -z "$first_update" ] && first_update=$rate
+            [ -z "$first_transport" ] && first_transport=$rate
+            awk -v w="$workers" -v s="$stage" -v o="$overlap" -v u="$update" \
+              -v n="$every:$replicas" -v t="$transport" -v r="$rate" -v h="$hidden" \
+              -v e="$efficiency" -v b="$baseline" -v f="$first" -v g="$first_update" \
+              -v x="$first_transport" \
+              'BEGIN { printf "%8s %6s %8s %7s %9s %9s %10s %9s%% %13.2fx %11.2fx %11.3fx %9.3fx %12.3fx\n", w, s, o, u, n, t, r, h, e, r / b, r / f, r / g, r / x }'
+          done
         done
       done
     done

@@ -1,11 +1,14 @@
 #include "worker/data_path.h"
 
+#include <algorithm>
+
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/dataplane/cpu_device.h"
 #include "worker/dataplane/gloo_communicator.h"
+#include "worker/dataplane/hierarchical_communicator.h"
 #include "worker/dataplane/shm_communicator.h"
 
 namespace shard {
@@ -45,11 +48,16 @@ absl::string_view TransportName(HostTransport transport) {
   return "auto";
 }
 
-// Whether every rank takes shared memory, decided the same way on every rank from what each
-// published: its --transport and its shared-memory domain.
-absl::StatusOr<bool> EveryRankOnThisHost(KeyValueStore* store, int rank, int size,
-                                         const HostPathOptions& options) {
-  const std::string domain = SharedMemoryDomain();
+// What the ranks connect over, decided the same way on every rank from what each published:
+// its --transport and its shared-memory domain.
+struct TransportChoice {
+  enum Kind { kShm, kTcp, kHierarchical } kind = kTcp;
+  std::vector<std::string> domains;  // rank r's shared-memory domain
+};
+
+absl::StatusOr<TransportChoice> ChooseTransport(KeyValueStore* store, int rank, int size,
+                                                const HostPathOptions& options) {
+  const std::string domain = options.domain.empty() ? SharedMemoryDomain() : options.domain;
   const auto key = [](int r) { return absl::StrCat("transport/", r); };
   SHARD_RETURN_IF_ERROR(
       store->Set(key(rank), absl::StrCat(TransportName(options.transport), "|", domain)));
@@ -60,31 +68,65 @@ absl::StatusOr<bool> EveryRankOnThisHost(KeyValueStore* store, int rank, int siz
                         absl::StrCat("rank ", rank, " of ", size,
                                      ": waiting for the peers' transports: ", arrived.message()));
   }
+  TransportChoice choice;
   bool any_tcp = false;
   int shm_asked_by = -1;
-  int elsewhere = -1;
-  std::string elsewhere_domain;
   for (int r = 0; r < size; ++r) {
     SHARD_ASSIGN_OR_RETURN(const std::string value, store->Get(key(r)));
     const size_t bar = value.find('|');
     const std::string transport = value.substr(0, bar);
-    const std::string peer_domain = bar == std::string::npos ? "" : value.substr(bar + 1);
     any_tcp = any_tcp || transport == "tcp";
     if (transport == "shm" && shm_asked_by < 0) shm_asked_by = r;
-    if (peer_domain != domain && elsewhere < 0) {
-      elsewhere = r;
-      elsewhere_domain = peer_domain;
-    }
+    choice.domains.push_back(bar == std::string::npos ? "" : value.substr(bar + 1));
   }
-  if (any_tcp) return false;
-  if (elsewhere < 0) return true;
+  const HostLayout layout = HostLayout::FromDomains(choice.domains);
+  if (any_tcp) return choice;
+  if (layout.hosts() == 1) {
+    choice.kind = TransportChoice::kShm;
+    return choice;
+  }
   if (shm_asked_by >= 0) {
+    const int elsewhere = static_cast<int>(
+        std::find_if(layout.host.begin(), layout.host.end(), [](int h) { return h != 0; }) -
+        layout.host.begin());
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", shm_asked_by, " asked for --transport shm, which needs every rank on one host, "
-        "but rank ", elsewhere, " is elsewhere (shared-memory domain ", elsewhere_domain,
-        "; rank ", rank, "'s: ", domain, "): use --transport auto or tcp"));
+        "but rank ", elsewhere, " is elsewhere (shared-memory domain ", choice.domains[elsewhere],
+        "; rank 0's: ", choice.domains[0], "): use --transport auto or tcp"));
   }
-  return false;
+  // Several hosts: shared memory within those that have several ranks pays off.
+  if (layout.hosts() < size) choice.kind = TransportChoice::kHierarchical;
+  return choice;
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(KeyValueStore* store, int rank,
+                                                          int size, const std::string& prefix,
+                                                          const HostPathOptions& options) {
+  GlooOptions gloo;
+  gloo.rank = rank;
+  gloo.size = size;
+  gloo.hostname = options.host;
+  gloo.timeout = options.timeout;
+  gloo.link_timeout = options.link_timeout;
+  gloo.key_prefix = prefix;
+  // The agent's self-check follows at once: a collective it aborts when the generation ends
+  // (soak seed 7301: a barrier here waited out its timeout for a peer SIGSTOPped just after
+  // connecting, while the world had moved on).
+  gloo.barrier_after_connect = false;
+  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<GlooCommunicator> created,
+                         CreateGlooCommunicator(store, gloo));
+  return std::unique_ptr<Communicator>(std::move(created));
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectShm(KeyValueStore* store, int rank, int size,
+                                                         const std::string& prefix,
+                                                         const HostPathOptions& options) {
+  ShmOptions shm;
+  shm.rank = rank;
+  shm.size = size;
+  shm.timeout = options.timeout;
+  shm.key_prefix = prefix;
+  return CreateShmCommunicator(store, shm);
 }
 
 }  // namespace
@@ -99,28 +141,29 @@ absl::StatusOr<HostTransport> ParseHostTransport(absl::string_view name) {
 
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectHostCollectives(
     KeyValueStore* store, int rank, int size, const HostPathOptions& options) {
-  SHARD_ASSIGN_OR_RETURN(const bool shared_memory,
-                         EveryRankOnThisHost(store, rank, size, options));
-  if (shared_memory) {
-    ShmOptions shm;
-    shm.rank = rank;
-    shm.size = size;
-    shm.timeout = options.timeout;
-    return CreateShmCommunicator(store, shm);
+  SHARD_ASSIGN_OR_RETURN(const TransportChoice choice,
+                         ChooseTransport(store, rank, size, options));
+  switch (choice.kind) {
+    case TransportChoice::kShm: return ConnectShm(store, rank, size, "shm/", options);
+    case TransportChoice::kTcp: return ConnectGloo(store, rank, size, "gloo/", options);
+    case TransportChoice::kHierarchical: break;
   }
-  GlooOptions gloo;
-  gloo.rank = rank;
-  gloo.size = size;
-  gloo.hostname = options.host;
-  gloo.timeout = options.timeout;
-  gloo.link_timeout = options.link_timeout;
-  // The agent's self-check follows at once: a collective it aborts when the generation ends
-  // (soak seed 7301: a barrier here waited out its timeout for a peer SIGSTOPped just after
-  // connecting, while the world had moved on).
-  gloo.barrier_after_connect = false;
-  SHARD_ASSIGN_OR_RETURN(std::unique_ptr<GlooCommunicator> created,
-                         CreateGlooCommunicator(store, gloo));
-  return std::unique_ptr<Communicator>(std::move(created));
+  HostLayout layout = HostLayout::FromDomains(choice.domains);
+  const int host = layout.host[rank];
+  const std::vector<int> local = layout.RanksOn(host);
+  const int local_rank =
+      static_cast<int>(std::find(local.begin(), local.end(), rank) - local.begin());
+  SHARD_ASSIGN_OR_RETURN(
+      std::unique_ptr<Communicator> within,
+      ConnectShm(store, local_rank, static_cast<int>(local.size()),
+                 absl::StrCat("shm/host", host, "/"), options));
+  std::unique_ptr<Communicator> leaders;
+  if (local_rank == 0) {
+    SHARD_ASSIGN_OR_RETURN(leaders,
+                           ConnectGloo(store, host, layout.hosts(), "gloo/leaders/", options));
+  }
+  return MakeHierarchicalCommunicator(rank, std::move(layout), std::move(within),
+                                      std::move(leaders));
 }
 
 std::unique_ptr<DataPath> CpuDataPath(HostPathOptions options) {

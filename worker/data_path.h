@@ -37,8 +37,11 @@ class DataPath {
 };
 
 // How ranks exchange host memory. auto: shared memory when every rank of the generation is in
-// this process's shared-memory domain (one host: SharedMemoryDomain()), Gloo over TCP
-// otherwise; tcp: always Gloo; shm: shared memory, or an error naming the rank elsewhere.
+// this process's shared-memory domain (one host: SharedMemoryDomain()); where the ranks span
+// hosts and some host has several, shared memory within each host and Gloo over TCP between the
+// hosts' leaders (hierarchical_communicator.h); Gloo over TCP between every rank where each host
+// has one. tcp: always Gloo between every rank; shm: shared memory, or an error naming the rank
+// elsewhere.
 enum class HostTransport { kAuto, kTcp, kShm };
 
 // "auto", "tcp" or "shm"; InvalidArgument naming them otherwise.
@@ -51,6 +54,9 @@ struct HostPathOptions {
   absl::Duration timeout = absl::Seconds(60);
   absl::Duration link_timeout = absl::Seconds(10);
   HostTransport transport = HostTransport::kAuto;
+  // The shared-memory domain this rank reports; empty: SharedMemoryDomain(). Tests give ranks
+  // on one machine different ones to stand in for several hosts.
+  std::string domain = "";
 };
 
 // Host memory, with collectives over `options.transport`.

@@ -446,7 +446,10 @@ TEST_F(DiskFaultTest, ACorruptReplicaIsRefusedAndTheRestoreFallsBackToDiskSaying
                                               .steps = kSteps, .every = 20, .keep = 100,
                                               .snapshot_every = 5}));
   const std::vector<std::string> ids = {"w0", "w1", "w2"};
-  std::vector<Process> workers = StartWorkers(ids, {"SHARD_CORRUPT_REPLICAS=1"});
+  // Slowed to a few hundred steps a second, so that the job is still training when the test
+  // looks for a snapshot newer than the newest checkpoint.
+  std::vector<Process> workers =
+      StartWorkers(ids, {"SHARD_CORRUPT_REPLICAS=1", "SHARD_SLOW_STEP_MS=5"});
   ASSERT_TRUE(Eventually([&] { return cluster_->Checkpoints().size() >= 2; }, absl::Seconds(60)))
       << cluster_->coordinator().Log();
   ASSERT_TRUE(Eventually(

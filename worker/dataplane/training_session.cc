@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <limits>
 #include <set>
 
+#include "absl/base/casts.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -210,9 +212,25 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
                                                                    const StepTimings& timings,
                                                                    absl::Time started) {
   const int64_t step = next_step_;
-  double loss = loss_share;
-  SHARD_RETURN_IF_ERROR(
-      device_.AllReduceHostValues(communicator_, &loss, 1, DataType::kFloat64, ReduceOp::kSum));
+  // One collective at the boundary, not one for the loss and one for the orders: an all-reduce
+  // (max) of the newest orders any rank knows and of every rank's loss share, each in a slot of
+  // its own (the other ranks put the smallest int64 there, so the max is the owner's bits),
+  // added up in rank order here, the same on every rank.
+  StepOrders known = options_.orders ? options_.orders() : StepOrders{};
+  if (known.generation != options_.generation) known = StepOrders{};
+  constexpr size_t kOrderValues = 5;
+  std::vector<int64_t> agreed(kOrderValues + communicator_.size(),
+                              std::numeric_limits<int64_t>::min());
+  agreed[0] = known.save_request;
+  agreed[1] = known.pause_request;
+  agreed[2] = known.pause_in_memory ? 1 : 0;
+  agreed[3] = snapshotter_ != nullptr && snapshotter_->busy() ? 1 : 0;
+  agreed[4] = saver_.writing_step();
+  agreed[kOrderValues + communicator_.rank()] = absl::bit_cast<int64_t>(loss_share);
+  SHARD_RETURN_IF_ERROR(device_.AllReduceHostValues(communicator_, agreed.data(), agreed.size(),
+                                                    DataType::kInt64, ReduceOp::kMax));
+  double loss = 0;
+  for (size_t r = kOrderValues; r < agreed.size(); ++r) loss += absl::bit_cast<double>(agreed[r]);
   StepRecord record;
   record.step = step + 1;
   record.loss = loss;
@@ -226,24 +244,17 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
   } else {
     hidden_ms_ += timings.hidden_ms;
     reduction_ms_ += timings.communication_ms;
+    step_ms_ += record.step_ms;
+    compute_ms_ += timings.backward_ms;
   }
   result_.last_loss = loss;
   result_.steps = step + 1;
   next_step_ = step + 1;
 
   // Checkpoint or snapshot at this step boundary if one is due or requested anywhere: the ranks
-  // agree on the newest save and pause requests any of them knows, and on whether any of them is
-  // still replicating its previous snapshot.
+  // agreed above on the newest save and pause requests any of them knows, and on whether any of
+  // them is still replicating its previous snapshot or writing its previous checkpoint.
   if (step == result_.start_step) boundary_state_.last_snapshot_step = step;
-  StepOrders known = options_.orders ? options_.orders() : StepOrders{};
-  if (known.generation != options_.generation) known = StepOrders{};
-  int64_t agreed[5] = {known.save_request, known.pause_request, known.pause_in_memory ? 1 : 0,
-                       snapshotter_ != nullptr && snapshotter_->busy() ? 1 : 0,
-                       saver_.writing_step()};
-  if (options_.orders || snapshotter_ != nullptr || job_.checkpoint_every > 0) {
-    SHARD_RETURN_IF_ERROR(device_.AllReduceHostValues(communicator_, agreed, 5, DataType::kInt64,
-                                                      ReduceOp::kMax));
-  }
   const StepBoundaryRules rules{job_.steps, job_.checkpoint_every,
                                 snapshotter_ != nullptr ? job_.snapshot_every : 0};
   const StepOrders orders{options_.generation, agreed[0], agreed[1], agreed[2] > 0};
@@ -401,6 +412,7 @@ absl::StatusOr<TrainResult> TrainingSession::Finish() {
     result_.steps_per_second =
         (trained - 1) / absl::ToDoubleSeconds(absl::Now() - steady_start_);
     result_.hidden_fraction = reduction_ms_ > 0 ? hidden_ms_ / reduction_ms_ : 0;
+    result_.step_over_compute = compute_ms_ > 0 ? step_ms_ / compute_ms_ : 0;
   }
   result_.optimizer_state_bytes = engine_->optimizer_state_bytes();
   result_.held_bytes = engine_->held_bytes();

@@ -59,6 +59,9 @@ struct TrainResult {
   // Over steps 2..N (the first step also plans and rebuilds the buckets).
   double steps_per_second = 0;
   double hidden_fraction = 0;  // of gradient-reduction time that overlapped backward
+  // Step efficiency: the mean step's time over its forward and backward time (1 when the
+  // reductions, the update and the boundary cost nothing on top of the compute).
+  double step_over_compute = 0;
   int64_t optimizer_state_bytes = 0;  // on this rank
   HeldBytes held_bytes;               // the model state this rank holds at the end
   std::string output_path;            // rank 0 only
@@ -211,6 +214,8 @@ class TrainingSession {
   absl::Time steady_start_;  // end of this run's first step
   double hidden_ms_ = 0;
   double reduction_ms_ = 0;
+  double step_ms_ = 0;     // summed over steps 2..N, as the two below
+  double compute_ms_ = 0;  // forward and backward
 };
 
 }  // namespace shard
