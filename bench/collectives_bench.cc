@@ -1,12 +1,13 @@
-// shard-bench-collectives: collective bus bandwidth through shard::GlooCommunicator, beside
-// raw Gloo's own collectives on the very same connections and the loopback TCP limit measured
-// in the same run, reported like nccl-tests (GB = 1e9 bytes; busbw = algbw x factor).
+// shard-bench-collectives: collective bus bandwidth through Shard's shared-memory communicator
+// (shm) and its TCP rings (tcp, shard::GlooCommunicator), beside raw Gloo's own collectives on
+// the TCP communicator's very connections, one thread's memcpy and the loopback TCP limit, all
+// measured in the same run, reported like nccl-tests (GB = 1e9 bytes; busbw = algbw x factor).
 //
 // Ranks are real processes: the parent forks them before any thread exists, and they meet
-// through a file-per-key rendezvous store in a private temporary directory. Results are
-// checked while measuring: inputs are small integers (exact in f32, so every summation order
-// gives the same bits) and the outputs of the timed iterations are compared with the closed
-// form; mismatching elements are counted in #wrong.
+// through a file-per-key rendezvous store in a private temporary directory (each communicator
+// under its own key prefix). Results are checked while measuring: inputs are small integers
+// (exact in f32, so every summation order gives the same bits) and the outputs of the timed
+// iterations are compared with the closed form; mismatching elements are counted in #wrong.
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -26,6 +27,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -34,9 +36,12 @@
 #include <thread>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -52,11 +57,17 @@
 #include "gloo/math.h"
 #include "worker/dataplane/gloo_communicator.h"
 #include "worker/dataplane/key_value_store.h"
+#include "worker/dataplane/shm_communicator.h"
 
 namespace shard {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// What is measured: our shared-memory communicator, our TCP rings, raw Gloo's collectives.
+enum class Impl { kShm, kTcp, kGloo };
+constexpr Impl kAllImpls[] = {Impl::kShm, Impl::kTcp, Impl::kGloo};
+constexpr int kImplCount = 3;
 
 struct Flags {
   int ranks = 2;
@@ -66,8 +77,12 @@ struct Flags {
   int warmup = 2;
   int iters = 10;
   uint64_t segment_bytes = GlooOptions().segment_bytes;
-  std::vector<std::string> collective_names = {"all_reduce", "all_gather"};
+  uint64_t shm_slot_bytes = ShmOptions().slot_bytes;
+  std::vector<std::string> collective_names = {"all_reduce", "reduce_scatter", "all_gather"};
   std::vector<Collective> collectives;
+  std::vector<std::string> impl_names = {"shm", "tcp", "gloo"};
+  std::vector<Impl> impls;  // in kAllImpls order
+  int memcpy_trials = 5;
   bool skip_loopback = false;
   uint64_t loopback_bytes = 512 << 20;
   int loopback_trials = 3;
@@ -324,12 +339,50 @@ absl::StatusOr<double> MeasureLoopbackTcp(uint64_t bytes, int trials) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// One descriptor per collective: buffer sizes, data, closed-form check, and the two ways to
-// run it (our communicator, raw Gloo on the communicator's own context).
+// Memory copy: one thread, `bytes` from one buffer to another (both touched beforehand), the
+// best of `trials`; GB/s = bytes copied / time.
+
+double MeasureMemcpyGBps(uint64_t bytes, int trials) {
+  std::vector<char> from(bytes, 1);
+  std::vector<char> to(bytes, 0);
+  double best = std::numeric_limits<double>::infinity();
+  for (int t = 0; t < trials; ++t) {
+    const Clock::time_point start = Clock::now();
+    std::memcpy(to.data(), from.data(), bytes);
+    // The copy's result must count as used.
+    asm volatile("" : : "r"(to.data()) : "memory");
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  return AlgorithmBandwidthGBps(static_cast<double>(bytes), best);
+}
+
+// The first "model name" of /proc/cpuinfo.
+std::string CpuName() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (!absl::StartsWith(line, "model name")) continue;
+    const size_t colon = line.find(':');
+    if (colon != std::string::npos) {
+      return std::string(absl::StripAsciiWhitespace(line.substr(colon + 1)));
+    }
+  }
+  return "unknown CPU";
+}
+
+// ---------------------------------------------------------------------------------------------
+// One descriptor per collective: buffer sizes, data, closed-form check, and how to run it
+// through a Communicator (shm, tcp) and, where raw Gloo has it, through gloo:: on the TCP
+// communicator's own context.
 
 // Exact in f32 for any rank count we accept, and every partial sum of them is too.
 float InputValue(int rank, size_t i) {
   return static_cast<float>((i % 4093 + 1) * static_cast<size_t>(rank + 1));
+}
+
+// The sum over `ranks` ranks of InputValue(rank, i).
+float SumOfInputs(int ranks, size_t i) {
+  return static_cast<float>((i % 4093 + 1) * static_cast<size_t>(ranks) * (ranks + 1) / 2);
 }
 
 struct Buffers {
@@ -346,9 +399,12 @@ class CollectiveTest {
   virtual size_t RecvCount(size_t send_count, int ranks) const = 0;
   // The size(B) and count(elems) columns: the buffer the bandwidth is about.
   virtual size_t MessageCount(size_t send_count, int ranks) const = 0;
-  virtual size_t CountWrong(const std::vector<float>& recv, size_t send_count,
+  // Elements of `rank`'s output that differ from the closed form.
+  virtual size_t CountWrong(const std::vector<float>& recv, size_t send_count, int rank,
                             int ranks) const = 0;
-  virtual absl::Status RunShard(GlooCommunicator& comm, Buffers& buffers) const = 0;
+  virtual absl::Status Run(Communicator& comm, Buffers& buffers) const = 0;
+  // Whether raw Gloo's collectives have this one; RunGloo is only called where they do.
+  virtual bool has_gloo() const { return true; }
   // Throws gloo::Exception on failure.
   virtual void RunGloo(const std::shared_ptr<gloo::Context>& context, Buffers& buffers,
                        std::chrono::milliseconds timeout) const = 0;
@@ -362,15 +418,14 @@ class AllReduceTest : public CollectiveTest {
   }
   size_t RecvCount(size_t send_count, int) const override { return send_count; }
   size_t MessageCount(size_t send_count, int) const override { return send_count; }
-  size_t CountWrong(const std::vector<float>& recv, size_t, int ranks) const override {
-    const size_t sum_of_factors = static_cast<size_t>(ranks) * (ranks + 1) / 2;
+  size_t CountWrong(const std::vector<float>& recv, size_t, int, int ranks) const override {
     size_t wrong = 0;
     for (size_t i = 0; i < recv.size(); ++i) {
-      if (recv[i] != static_cast<float>((i % 4093 + 1) * sum_of_factors)) ++wrong;
+      if (recv[i] != SumOfInputs(ranks, i)) ++wrong;
     }
     return wrong;
   }
-  absl::Status RunShard(GlooCommunicator& comm, Buffers& b) const override {
+  absl::Status Run(Communicator& comm, Buffers& b) const override {
     return comm.AllReduce(b.send.data(), b.recv.data(), b.send.size(), DataType::kFloat32,
                           ReduceOp::kSum);
   }
@@ -386,6 +441,33 @@ class AllReduceTest : public CollectiveTest {
   }
 };
 
+// Every rank sends size() blocks; rank r receives the sum of every rank's block r. The message
+// is the scattered input, as in nccl-tests.
+class ReduceScatterTest : public CollectiveTest {
+ public:
+  Collective collective() const override { return Collective::kReduceScatter; }
+  size_t SendCount(uint64_t bytes, int ranks) const override {
+    return std::max<size_t>(1, bytes / sizeof(float) / ranks) * ranks;
+  }
+  size_t RecvCount(size_t send_count, int ranks) const override { return send_count / ranks; }
+  size_t MessageCount(size_t send_count, int) const override { return send_count; }
+  size_t CountWrong(const std::vector<float>& recv, size_t, int rank, int ranks) const override {
+    const size_t first = static_cast<size_t>(rank) * recv.size();
+    size_t wrong = 0;
+    for (size_t i = 0; i < recv.size(); ++i) {
+      if (recv[i] != SumOfInputs(ranks, first + i)) ++wrong;
+    }
+    return wrong;
+  }
+  absl::Status Run(Communicator& comm, Buffers& b) const override {
+    return comm.ReduceScatter(b.send.data(), b.recv.data(), b.recv.size(), DataType::kFloat32,
+                              ReduceOp::kSum);
+  }
+  bool has_gloo() const override { return false; }
+  void RunGloo(const std::shared_ptr<gloo::Context>&, Buffers&,
+               std::chrono::milliseconds) const override {}
+};
+
 class AllGatherTest : public CollectiveTest {
  public:
   Collective collective() const override { return Collective::kAllGather; }
@@ -398,7 +480,8 @@ class AllGatherTest : public CollectiveTest {
   size_t MessageCount(size_t send_count, int ranks) const override {
     return send_count * ranks;
   }
-  size_t CountWrong(const std::vector<float>& recv, size_t send_count, int ranks) const override {
+  size_t CountWrong(const std::vector<float>& recv, size_t send_count, int,
+                    int ranks) const override {
     size_t wrong = 0;
     for (int r = 0; r < ranks; ++r) {
       const float* block = recv.data() + r * send_count;
@@ -408,7 +491,7 @@ class AllGatherTest : public CollectiveTest {
     }
     return wrong;
   }
-  absl::Status RunShard(GlooCommunicator& comm, Buffers& b) const override {
+  absl::Status Run(Communicator& comm, Buffers& b) const override {
     return comm.AllGather(b.send.data(), b.recv.data(), b.send.size(), DataType::kFloat32);
   }
   void RunGloo(const std::shared_ptr<gloo::Context>& context, Buffers& b,
@@ -424,30 +507,57 @@ class AllGatherTest : public CollectiveTest {
 std::unique_ptr<CollectiveTest> MakeTest(Collective collective) {
   switch (collective) {
     case Collective::kAllReduce: return std::make_unique<AllReduceTest>();
+    case Collective::kReduceScatter: return std::make_unique<ReduceScatterTest>();
     case Collective::kAllGather: return std::make_unique<AllGatherTest>();
     default: return nullptr;
   }
 }
 
 // ---------------------------------------------------------------------------------------------
+// The implementations measured.
+
+absl::string_view ImplName(Impl impl) {
+  switch (impl) {
+    case Impl::kShm: return "shm";
+    case Impl::kTcp: return "tcp";
+    case Impl::kGloo: return "gloo";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<Impl> ParseImpl(absl::string_view name) {
+  for (Impl impl : kAllImpls) {
+    if (name == ImplName(impl)) return impl;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown impl '", name, "'; expected shm, tcp or gloo"));
+}
+
+// ---------------------------------------------------------------------------------------------
 // The harness, run by every rank.
-
-enum class Impl { kShard, kGloo };
-
-absl::string_view ImplName(Impl impl) { return impl == Impl::kShard ? "shard" : "gloo"; }
 
 struct Measurement {
   double seconds = 0;  // per iteration: max over ranks of each rank's mean
   int64_t wrong = 0;   // summed over ranks
 };
 
-absl::StatusOr<Measurement> Measure(GlooCommunicator& comm, const CollectiveTest& test,
+// Every rank's communicators. `tcp` is always there: it carries the barrier before the timed
+// iterations and the statistics after them, whatever is measured, and raw Gloo runs on its
+// context and connections.
+struct Communicators {
+  GlooCommunicator* tcp = nullptr;
+  Communicator* shm = nullptr;  // null unless shm is measured
+};
+
+absl::StatusOr<Measurement> Measure(const Communicators& comms, const CollectiveTest& test,
                                     Impl impl, Buffers& buffers, const Flags& flags,
                                     std::chrono::milliseconds timeout) {
+  GlooCommunicator& control = *comms.tcp;
   auto run_once = [&]() -> absl::Status {
-    if (impl == Impl::kShard) return test.RunShard(comm, buffers);
+    if (impl == Impl::kShm) return test.Run(*comms.shm, buffers);
+    if (impl == Impl::kTcp) return test.Run(control, buffers);
     try {
-      test.RunGloo(comm.gloo_context(), buffers, timeout);
+      test.RunGloo(control.gloo_context(), buffers, timeout);
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat("gloo ", CollectiveName(test.collective()),
                                                  " failed: ", e.what()));
@@ -459,21 +569,22 @@ absl::StatusOr<Measurement> Measure(GlooCommunicator& comm, const CollectiveTest
   }
   // Stale results from the warm-up must not pass the check.
   std::fill(buffers.recv.begin(), buffers.recv.end(), std::numeric_limits<float>::quiet_NaN());
-  if (absl::Status s = comm.Barrier(); !s.ok()) return s;
+  if (absl::Status s = control.Barrier(); !s.ok()) return s;
   const Clock::time_point start = Clock::now();
   for (int i = 0; i < flags.iters; ++i) {
     if (absl::Status s = run_once(); !s.ok()) return s;
   }
   const Clock::time_point end = Clock::now();
   int64_t wrong = static_cast<int64_t>(
-      test.CountWrong(buffers.recv, buffers.send.size(), comm.size()));
+      test.CountWrong(buffers.recv, buffers.send.size(), control.rank(), control.size()));
   int64_t mean_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count() /
                     flags.iters;
-  if (absl::Status s = comm.AllReduce(&mean_ns, &mean_ns, 1, DataType::kInt64, ReduceOp::kMax);
+  if (absl::Status s =
+          control.AllReduce(&mean_ns, &mean_ns, 1, DataType::kInt64, ReduceOp::kMax);
       !s.ok()) {
     return s;
   }
-  if (absl::Status s = comm.AllReduce(&wrong, &wrong, 1, DataType::kInt64, ReduceOp::kSum);
+  if (absl::Status s = control.AllReduce(&wrong, &wrong, 1, DataType::kInt64, ReduceOp::kSum);
       !s.ok()) {
     return s;
   }
@@ -488,18 +599,71 @@ std::vector<uint64_t> MessageSizes(const Flags& flags) {
   return sizes;
 }
 
+// Per collective and impl (indexed by Impl).
 struct Summary {
-  double busbw_sum[2] = {0, 0};
-  int rows[2] = {0, 0};
-  double busbw_largest[2] = {0, 0};
+  double busbw_sum[kImplCount] = {};
+  int rows[kImplCount] = {};
+  std::optional<double> busbw_largest[kImplCount];
 };
 
-std::string Ratio(double numerator, double denominator) {
-  return denominator > 0 ? absl::StrFormat("%.2f", numerator / denominator) : "n/a";
+// "-" where either side was not measured.
+std::string Ratio(std::optional<double> numerator, std::optional<double> denominator) {
+  if (!numerator.has_value() || !denominator.has_value() || *denominator <= 0) return "-";
+  return absl::StrFormat("%.2f", *numerator / *denominator);
+}
+
+std::string Target(bool met) { return met ? "met" : "NOT met"; }
+
+// The closing lines of one collective, at the largest size: shm against memcpy, TCP and Gloo;
+// our TCP ring against loopback TCP and Gloo.
+void PrintSummary(const CollectiveTest& test, const Summary& sum, uint64_t largest,
+                  double memcpy_gbps, std::optional<double> loopback_gbps) {
+  const std::string name(CollectiveName(test.collective()));
+  const auto& at = sum.busbw_largest;
+  const auto shm = static_cast<int>(Impl::kShm);
+  const auto tcp = static_cast<int>(Impl::kTcp);
+  const auto gloo = static_cast<int>(Impl::kGloo);
+  std::vector<std::string> averages;
+  for (Impl impl : kAllImpls) {
+    const int i = static_cast<int>(impl);
+    if (sum.rows[i] > 0) {
+      averages.push_back(
+          absl::StrFormat("%s %.3f", ImplName(impl), sum.busbw_sum[i] / sum.rows[i]));
+    }
+  }
+  std::printf("# %s: avg busbw %s GB/s\n", name.c_str(), absl::StrJoin(averages, ", ").c_str());
+  if (at[shm].has_value()) {
+    const double x = *at[shm] / memcpy_gbps;
+    std::printf(
+        "# %s at %llu B: shm busbw %.3f GB/s = %.2fx memcpy (%.3f GB/s) [target >= 0.5x "
+        "memcpy: %s]; shm/tcp %s, shm/gloo %s\n",
+        name.c_str(), static_cast<unsigned long long>(largest), *at[shm], x, memcpy_gbps,
+        Target(x >= 0.5).c_str(), Ratio(at[shm], at[tcp]).c_str(),
+        Ratio(at[shm], at[gloo]).c_str());
+  }
+  if (at[tcp].has_value()) {
+    std::string loopback = "loopback TCP not measured";
+    if (loopback_gbps.has_value()) {
+      const double x = *at[tcp] / *loopback_gbps;
+      loopback = absl::StrFormat("%.2fx loopback TCP per direction (%.3f GB/s)", x,
+                                 *loopback_gbps);
+      if (test.collective() == Collective::kAllReduce) {
+        absl::StrAppend(&loopback, " [target >= 0.70x: ", Target(x >= 0.7), "]");
+      }
+    }
+    std::string versus_gloo = "tcp/gloo -";
+    if (at[gloo].has_value()) {
+      versus_gloo = absl::StrCat("tcp/gloo ", Ratio(at[tcp], at[gloo]),
+                                 " [target >= 1: ", Target(*at[tcp] >= *at[gloo]), "]");
+    }
+    std::printf("# %s at %llu B: tcp busbw %.3f GB/s = %s; %s\n", name.c_str(),
+                static_cast<unsigned long long>(largest), *at[tcp], loopback.c_str(),
+                versus_gloo.c_str());
+  }
 }
 
 // Returns the process exit code.
-int RunRank(int rank, const Flags& flags, const std::string& store_dir,
+int RunRank(int rank, const Flags& flags, const std::string& store_dir, double memcpy_gbps,
             std::optional<double> loopback_gbps) {
   const bool print = rank == 0;
   DirectoryKeyValueStore store(store_dir);
@@ -509,13 +673,31 @@ int RunRank(int rank, const Flags& flags, const std::string& store_dir,
   options.hostname = "127.0.0.1";
   options.timeout = ParsedDuration(flags.timeout);
   options.segment_bytes = flags.segment_bytes;
-  absl::StatusOr<std::unique_ptr<GlooCommunicator>> created =
-      CreateGlooCommunicator(&store, options);
-  if (!created.ok()) {
-    std::fprintf(stderr, "rank %d: %s\n", rank, std::string(created.status().message()).c_str());
+  options.key_prefix = "gloo/";
+  absl::StatusOr<std::unique_ptr<GlooCommunicator>> tcp = CreateGlooCommunicator(&store, options);
+  if (!tcp.ok()) {
+    std::fprintf(stderr, "rank %d: %s\n", rank, std::string(tcp.status().message()).c_str());
     return 1;
   }
-  GlooCommunicator& comm = **created;
+  Communicators comms{tcp->get(), nullptr};
+  std::unique_ptr<Communicator> shm;
+  if (absl::c_linear_search(flags.impls, Impl::kShm)) {
+    ShmOptions shm_options;
+    shm_options.rank = rank;
+    shm_options.size = flags.ranks;
+    shm_options.timeout = options.timeout;
+    shm_options.key_prefix = "shm/";
+    shm_options.slot_bytes = flags.shm_slot_bytes;
+    absl::StatusOr<std::unique_ptr<Communicator>> created =
+        CreateShmCommunicator(&store, shm_options);
+    if (!created.ok()) {
+      std::fprintf(stderr, "rank %d: %s\n", rank,
+                   std::string(created.status().message()).c_str());
+      return 1;
+    }
+    shm = *std::move(created);
+    comms.shm = shm.get();
+  }
   const auto timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(options.timeout));
 
   if (print) {
@@ -539,8 +721,18 @@ int RunRank(int rank, const Flags& flags, const std::string& store_dir,
       buffers.recv.resize(test.RecvCount(send_count, flags.ranks));
       const size_t count = test.MessageCount(send_count, flags.ranks);
       const double bytes = static_cast<double>(count * sizeof(float));
-      for (Impl impl : {Impl::kShard, Impl::kGloo}) {
-        absl::StatusOr<Measurement> m = Measure(comm, test, impl, buffers, flags, timeout);
+      const std::string row_start = absl::StrFormat(
+          "  %12.0f %14zu %5s %15s", bytes, count, DataTypeName(DataType::kFloat32),
+          CollectiveName(test.collective()));
+      for (Impl impl : flags.impls) {
+        if (impl == Impl::kGloo && !test.has_gloo()) {
+          if (print) {
+            std::printf("%s %6s %11s %12s %12s %8s\n", row_start.c_str(), "gloo", "-", "-", "-",
+                        "-");
+          }
+          continue;
+        }
+        absl::StatusOr<Measurement> m = Measure(comms, test, impl, buffers, flags, timeout);
         if (!m.ok()) {
           std::fprintf(stderr, "rank %d: %s %s at %.0f B: %s\n", rank,
                        std::string(CollectiveName(test.collective())).c_str(),
@@ -550,15 +742,13 @@ int RunRank(int rank, const Flags& flags, const std::string& store_dir,
         }
         const double algbw = AlgorithmBandwidthGBps(bytes, m->seconds);
         const double busbw = BusBandwidthGBps(test.collective(), flags.ranks, bytes, m->seconds);
-        const int i = impl == Impl::kShard ? 0 : 1;
+        const int i = static_cast<int>(impl);
         summaries[t].busbw_sum[i] += busbw;
         summaries[t].rows[i] += 1;
         if (s + 1 == sizes.size()) summaries[t].busbw_largest[i] = busbw;
         total_wrong += m->wrong;
         if (print) {
-          std::printf("  %12.0f %14zu %5s %15s %6s %11.1f %12.3f %12.3f %8lld\n", bytes, count,
-                      std::string(DataTypeName(DataType::kFloat32)).c_str(),
-                      std::string(CollectiveName(test.collective())).c_str(),
+          std::printf("%s %6s %11.1f %12.3f %12.3f %8lld\n", row_start.c_str(),
                       std::string(ImplName(impl)).c_str(), m->seconds * 1e6, algbw, busbw,
                       static_cast<long long>(m->wrong));
           std::fflush(stdout);
@@ -569,29 +759,7 @@ int RunRank(int rank, const Flags& flags, const std::string& store_dir,
   if (print) {
     std::printf("#\n");
     for (size_t t = 0; t < tests.size(); ++t) {
-      const Summary& sum = summaries[t];
-      const std::string name(CollectiveName(tests[t]->collective()));
-      const double shard_avg = sum.rows[0] > 0 ? sum.busbw_sum[0] / sum.rows[0] : 0;
-      const double gloo_avg = sum.rows[1] > 0 ? sum.busbw_sum[1] / sum.rows[1] : 0;
-      std::printf("# %s: avg busbw shard %.3f GB/s, gloo %.3f GB/s, shard/gloo %s\n",
-                  name.c_str(), shard_avg, gloo_avg, Ratio(shard_avg, gloo_avg).c_str());
-      const bool all_reduce = tests[t]->collective() == Collective::kAllReduce;
-      std::string loopback = "loopback TCP not measured";
-      if (loopback_gbps.has_value()) {
-        const double x = sum.busbw_largest[0] / *loopback_gbps;
-        loopback = absl::StrFormat("%.2fx loopback TCP per direction (%.3f GB/s)", x,
-                                   *loopback_gbps);
-        if (all_reduce) {
-          absl::StrAppend(&loopback, x >= 0.7 ? " [target >= 0.70x: met]"
-                                              : " [target >= 0.70x: MISSED]");
-        }
-      }
-      const bool beats_gloo = sum.busbw_largest[0] >= sum.busbw_largest[1];
-      std::printf(
-          "# %s at %llu B: shard busbw %.3f GB/s = %s; shard/gloo %s [target >= 1: %s]\n",
-          name.c_str(), static_cast<unsigned long long>(sizes.back()), sum.busbw_largest[0],
-          loopback.c_str(), Ratio(sum.busbw_largest[0], sum.busbw_largest[1]).c_str(),
-          beats_gloo ? "met" : "MISSED");
+      PrintSummary(*tests[t], summaries[t], sizes.back(), memcpy_gbps, loopback_gbps);
     }
     std::printf("# total #wrong: %lld\n", static_cast<long long>(total_wrong));
     std::fflush(stdout);
@@ -603,18 +771,21 @@ int RunRank(int rank, const Flags& flags, const std::string& store_dir,
 
 int Main(int argc, char** argv) {
   CLI::App app{
-      "shard-bench-collectives: collective bus bandwidth through Shard's Gloo communicator "
-      "(shard::GlooCommunicator, our pipelined rings), next to raw Gloo's own collectives "
-      "(gloo::allreduce / gloo::allgather on the same gloo::Context and TCP connections) and "
-      "next to the raw loopback TCP bandwidth measured in the same run (two processes, one "
+      "shard-bench-collectives: collective bus bandwidth through Shard's communicators, "
+      "shared memory (impl shm: CreateShmCommunicator) and TCP (impl tcp: "
+      "shard::GlooCommunicator, our pipelined rings), next to raw Gloo's own collectives "
+      "(impl gloo: gloo::allreduce / gloo::allgather on the same gloo::Context and TCP "
+      "connections; it has no reduce-scatter here) and next to two limits measured in the same "
+      "run: one thread's memcpy of the largest size, and raw loopback TCP (two processes, one "
       "127.0.0.1 connection, both directions at once; reported per direction).\n"
-      "Ranks are separate processes on this host. For every message size and collective: "
+      "Ranks are separate processes on this host. For every message size, collective and impl: "
       "warm-up iterations, a barrier, then timed iterations; time is the slowest rank's mean; "
       "outputs are checked against the closed form (#wrong counts mismatching f32 elements, "
       "summed over ranks). Columns as nccl-tests: size(B) is the whole buffer the bandwidth "
-      "is about (all-reduce: the buffer; all-gather: the gathered output), algbw = size/time, "
-      "busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n (all-gather); GB = 1e9 B. Targets: "
-      "shard busbw >= raw Gloo's, and all-reduce at the largest size >= 0.7x loopback TCP. "
+      "is about (all-reduce: the buffer; reduce-scatter: the scattered input; all-gather: the "
+      "gathered output), algbw = size/time, busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n "
+      "(reduce-scatter, all-gather); GB = 1e9 B. Targets at the largest size: shm busbw >= "
+      "0.5x memcpy; tcp busbw >= raw Gloo's, and tcp all-reduce >= 0.7x loopback TCP. "
       "Exits non-zero if a process fails or any element is wrong.",
       "shard-bench-collectives"};
   Flags flags;
@@ -641,13 +812,23 @@ int Main(int argc, char** argv) {
                  "keeps its own 1 MiB)")
       ->capture_default_str()
       ->transform(CLI::AsSizeValue(false));
+  app.add_option("--shm-slot-bytes", flags.shm_slot_bytes,
+                 "ShmOptions::slot_bytes: one round's data per rank in shared memory")
+      ->capture_default_str()
+      ->transform(CLI::AsSizeValue(false));
   app.add_option("-c,--collectives", flags.collective_names,
-                 "comma-separated: all_reduce, all_gather")
+                 "comma-separated: all_reduce, reduce_scatter, all_gather")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--impls", flags.impl_names, "comma-separated: shm, tcp, gloo")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--timeout", flags.timeout, "connect and per-collective timeout")
       ->capture_default_str()
       ->check(DurationValidator());
+  app.add_option("--memcpy-trials", flags.memcpy_trials, "memcpy trials (best kept)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
   app.add_flag("--skip-loopback", flags.skip_loopback, "do not measure loopback TCP");
   app.add_option("--loopback-bytes", flags.loopback_bytes,
                  "bytes each way per loopback TCP trial")
@@ -662,7 +843,8 @@ int Main(int argc, char** argv) {
     absl::StatusOr<Collective> c = ParseCollective(name);
     if (c.ok() && MakeTest(*c) == nullptr) {
       c = absl::InvalidArgumentError(absl::StrCat(
-          "collective '", name, "' has no raw Gloo counterpart here; use all_reduce, all_gather"));
+          "collective '", name, "' is not measured here; use all_reduce, reduce_scatter, "
+          "all_gather"));
     }
     if (!c.ok()) {
       std::fprintf(stderr, "shard-bench-collectives: %s\n", std::string(c.status().message()).c_str());
@@ -670,19 +852,41 @@ int Main(int argc, char** argv) {
     }
     flags.collectives.push_back(*c);
   }
+  for (const std::string& name : flags.impl_names) {
+    absl::StatusOr<Impl> impl = ParseImpl(name);
+    if (!impl.ok()) {
+      std::fprintf(stderr, "shard-bench-collectives: %s\n",
+                   std::string(impl.status().message()).c_str());
+      return 2;
+    }
+  }
+  // Measured in a fixed order, each once.
+  for (Impl impl : kAllImpls) {
+    if (absl::c_linear_search(flags.impl_names, ImplName(impl))) flags.impls.push_back(impl);
+  }
   if (flags.min_bytes < sizeof(float) || flags.max_bytes < flags.min_bytes ||
-      flags.segment_bytes < sizeof(float) || flags.loopback_bytes == 0) {
+      flags.segment_bytes < sizeof(float) || flags.shm_slot_bytes < 64 ||
+      flags.loopback_bytes == 0) {
     std::fprintf(stderr,
                  "shard-bench-collectives: need 4 <= --min-bytes <= --max-bytes, "
-                 "--segment-bytes >= 4 and --loopback-bytes > 0\n");
+                 "--segment-bytes >= 4, --shm-slot-bytes >= 64 and --loopback-bytes > 0\n");
     return 2;
   }
 
   std::printf(
       "# shard-bench-collectives: %d ranks (processes) on 127.0.0.1, f32 sum, out-of-place, "
-      "warmup %d, iters %d, segment_bytes %llu\n",
+      "warmup %d, iters %d, impls %s, tcp segment_bytes %llu, shm slot_bytes %llu x depth %d\n",
       flags.ranks, flags.warmup, flags.iters,
-      static_cast<unsigned long long>(flags.segment_bytes));
+      absl::StrJoin(flags.impls, ",",
+                    [](std::string* out, Impl impl) { absl::StrAppend(out, ImplName(impl)); })
+          .c_str(),
+      static_cast<unsigned long long>(flags.segment_bytes),
+      static_cast<unsigned long long>(flags.shm_slot_bytes), ShmOptions().depth);
+  std::printf("# CPU: %s, %u logical CPUs\n", CpuName().c_str(),
+              std::thread::hardware_concurrency());
+  const double memcpy_gbps = MeasureMemcpyGBps(flags.max_bytes, flags.memcpy_trials);
+  std::printf("# memcpy, one thread: %.3f GB/s (%llu B, best of %d)\n", memcpy_gbps,
+              static_cast<unsigned long long>(flags.max_bytes), flags.memcpy_trials);
   std::optional<double> loopback_gbps;
   bool ok = true;
   if (!flags.skip_loopback) {
@@ -731,7 +935,7 @@ int Main(int argc, char** argv) {
     }
     if (pid == 0) {
       DieWithParent(parent);
-      ExitChild(RunRank(rank, flags, store_dir, loopback_gbps));
+      ExitChild(RunRank(rank, flags, store_dir, memcpy_gbps, loopback_gbps));
     }
     pids.push_back(pid);
   }

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Builds shard-bench-collectives and reports all-reduce / all-gather bus bandwidth through our
-# Gloo communicator beside raw Gloo and loopback TCP, for 2 and 4 ranks (nccl-tests columns).
-# Extra arguments go to every run, e.g.:
+# Builds shard-bench-collectives and reports all-reduce / reduce-scatter / all-gather bus
+# bandwidth through our shared-memory communicator (shm) and our TCP rings (tcp) beside raw Gloo,
+# one thread's memcpy and loopback TCP, for 2 and 4 ranks (nccl-tests columns; the header names
+# the CPU). Extra arguments go to every run, e.g.:
 #   scripts/bench-collectives.sh --iters 10 --segment-bytes 4MiB --collectives all_reduce
+#   scripts/bench-collectives.sh --impls shm,tcp --shm-slot-bytes 4MiB
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/setup.sh
