@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/support/directory_store.h"
 
 namespace shard {
 namespace {
@@ -259,41 +260,6 @@ TEST(GlooCommunicatorTest, APeerThatAbortsReleasesTheOtherRankPromptly) {
   // A peer that went away (or aborted) is not a broken link: nothing to report against it.
   EXPECT_FALSE((*c0)->peer_fault().has_value());
 }
-
-// A store in a directory, so that ranks in different processes can rendezvous.
-class DirectoryKeyValueStore : public KeyValueStore {
- public:
-  explicit DirectoryKeyValueStore(std::string dir) : dir_(std::move(dir)) {}
-  absl::Status Set(const std::string& key, const std::string& value) override {
-    const std::string path = Path(key);
-    std::ofstream(path + ".tmp") << value;
-    std::filesystem::rename(path + ".tmp", path);
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::string> Get(const std::string& key) override {
-    std::ifstream in(Path(key));
-    if (!in) return absl::NotFoundError(key);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  }
-  absl::Status Wait(const std::vector<std::string>& keys, absl::Duration timeout) override {
-    const absl::Time deadline = absl::Now() + timeout;
-    for (const std::string& key : keys) {
-      while (!std::filesystem::exists(Path(key))) {
-        if (absl::Now() > deadline) return absl::DeadlineExceededError(key);
-        absl::SleepFor(absl::Milliseconds(5));
-      }
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  std::string Path(const std::string& key) const {
-    std::string name = key;
-    std::replace(name.begin(), name.end(), '/', '_');
-    return dir_ + "/" + name;
-  }
-  std::string dir_;
-};
 
 // A peer process killed while three ranks stream a large all-reduce: rank 0's writes to it may
 // hit a reset connection, which by default raises SIGPIPE and would end rank 0 silently. Rank 0

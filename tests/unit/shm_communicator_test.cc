@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/directory_store.h"
 #include "tests/support/status_assertions.h"
 #include "tests/support/test_directory.h"
 #include "worker/dataplane/gloo_communicator.h"
@@ -533,53 +534,6 @@ TEST(ShmSegmentsTest, ARankWhosePeerNeverArrivesTimesOutAndLeavesNoSegment) {
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
   EXPECT_THAT(NewSegments(before), IsEmpty());
 }
-
-// A store in a directory, so that ranks in different processes can rendezvous: a key is a
-// file, written whole under another name and renamed into place.
-class DirectoryKeyValueStore : public KeyValueStore {
- public:
-  explicit DirectoryKeyValueStore(std::string dir) : dir_(std::move(dir)) {}
-
-  absl::Status Set(const std::string& key, const std::string& value) override {
-    const std::string path = Path(key);
-    const std::string temporary = absl::StrCat(path, ".tmp-", ::getpid());
-    {
-      std::ofstream out(temporary, std::ios::binary);
-      out << value;
-      if (!out.flush()) return absl::InternalError(absl::StrCat("cannot write ", temporary));
-    }
-    std::error_code error;
-    std::filesystem::rename(temporary, path, error);
-    if (error) return absl::InternalError(absl::StrCat("cannot rename to ", path));
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<std::string> Get(const std::string& key) override {
-    std::ifstream in(Path(key), std::ios::binary);
-    if (!in) return absl::NotFoundError(key);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  }
-
-  absl::Status Wait(const std::vector<std::string>& keys, absl::Duration timeout) override {
-    const absl::Time deadline = absl::Now() + timeout;
-    for (const std::string& key : keys) {
-      while (!std::filesystem::exists(Path(key))) {
-        if (absl::Now() > deadline) return absl::DeadlineExceededError(key);
-        absl::SleepFor(absl::Milliseconds(5));
-      }
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  std::string Path(const std::string& key) const {
-    std::string name = key;
-    std::replace(name.begin(), name.end(), '/', '_');
-    return dir_ + "/" + name;
-  }
-
-  std::string dir_;
-};
 
 constexpr size_t kProcessCount = size_t{1} << 20;
 

@@ -90,28 +90,9 @@ class StoreAdapter : public gloo::rendezvous::Store {
   absl::Status first_error_;
 };
 
-// A contiguous run of elements: rank i's block in a ring collective.
-struct Block {
-  size_t offset = 0;
-  size_t count = 0;
-};
-
 std::vector<Block> EqualBlocks(int ranks, size_t count) {
   std::vector<Block> blocks(ranks);
   for (int i = 0; i < ranks; ++i) blocks[i] = Block{i * count, count};
-  return blocks;
-}
-
-// Sizes differ by at most one element.
-std::vector<Block> BalancedBlocks(int ranks, size_t count) {
-  std::vector<Block> blocks(ranks);
-  const size_t base = count / ranks;
-  const size_t extra = count % ranks;
-  size_t offset = 0;
-  for (int i = 0; i < ranks; ++i) {
-    blocks[i] = Block{offset, base + (static_cast<size_t>(i) < extra ? 1 : 0)};
-    offset += blocks[i].count;
-  }
   return blocks;
 }
 

@@ -52,4 +52,16 @@ void ReduceBuffers(DataType dtype, ReduceOp op, void* dst, const void* a, const 
   }
 }
 
+std::vector<Block> BalancedBlocks(int ranks, size_t count) {
+  std::vector<Block> blocks(ranks);
+  const size_t base = count / ranks;
+  const size_t extra = count % ranks;
+  size_t offset = 0;
+  for (int i = 0; i < ranks; ++i) {
+    blocks[i] = Block{offset, base + (static_cast<size_t>(i) < extra ? 1 : 0)};
+    offset += blocks[i].count;
+  }
+  return blocks;
+}
+
 }  // namespace shard

@@ -1,7 +1,9 @@
-// Element-wise reductions of host buffers, for the CPU collectives.
+// Element-wise reductions of host buffers, and how a buffer splits into the ranks' blocks, for
+// the CPU collectives.
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include "common/dtype.h"
 #include "worker/dataplane/communicator.h"
@@ -12,5 +14,15 @@ namespace shard {
 // float and rounded back (to nearest even), as NCCL does.
 void ReduceBuffers(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b,
                    size_t count);
+
+// A contiguous run of elements: one rank's block of a collective.
+struct Block {
+  size_t offset = 0;
+  size_t count = 0;
+};
+
+// `count` elements in `ranks` blocks whose sizes differ by at most one element (the first ones
+// larger): how an all-reduce splits its buffer.
+std::vector<Block> BalancedBlocks(int ranks, size_t count);
 
 }  // namespace shard

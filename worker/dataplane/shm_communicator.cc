@@ -155,25 +155,6 @@ absl::StatusOr<Mapping> Map(int fd, size_t bytes, const std::string& what) {
   return Mapping(base, bytes);
 }
 
-// A contiguous run of elements: one rank's block of a collective.
-struct Block {
-  size_t offset = 0;
-  size_t count = 0;
-};
-
-// Sizes differ by at most one element, as the TCP ring splits an all-reduce.
-std::vector<Block> BalancedBlocks(int ranks, size_t count) {
-  std::vector<Block> blocks(ranks);
-  const size_t base = count / ranks;
-  const size_t extra = count % ranks;
-  size_t offset = 0;
-  for (int i = 0; i < ranks; ++i) {
-    blocks[i] = Block{offset, base + (static_cast<size_t>(i) < extra ? 1 : 0)};
-    offset += blocks[i].count;
-  }
-  return blocks;
-}
-
 size_t CeilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
 
 // The part of a block of `count` elements that round `round` carries, `per_round` at a time.
