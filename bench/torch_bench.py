@@ -1,9 +1,11 @@
 """shard.torch against PyTorch's own data parallelism, measured in one run on this machine.
 
-For each model (the medium MLP 512,1024,1024,1024,64 with Adam at global batch 256; the example
-transformer at its default size with AdamW, a no-decay group and gradient clipping at global
-batch 32) it runs eight configurations, each as real processes with one compute thread each
-(OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1, torch.set_num_threads(1)):
+For each model (the medium MLP 512,1024,1024,1024,64 with Adam at global batch 256; the tiny MLP
+64,64,64,10, 8,970 parameters, with Adam at global batch 32, where the fixed cost per step is
+nearly all there is; the example transformer at its default size with AdamW, a no-decay group
+and gradient clipping at global batch 32) it runs nine configurations, each as real processes
+with one compute thread each (OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1,
+torch.set_num_threads(1)):
 
   plain       plain torch, one process, torch.optim.Adam/AdamW(foreach=False), the whole batch
   shard1      shard.torch at W=1: shard-coordinator + one worker process, ZeRO-2
@@ -12,8 +14,9 @@ batch 32) it runs eight configurations, each as real processes with one compute 
   ddp2bv      the same with ZeroRedundancyOptimizer(parameters_as_bucket_view=True): one
               parameter broadcast per rank instead of one per parameter
   shard2      shard.torch at W=2, ZeRO-2 (bucket cap 25 MiB, the job spec's default), half
-              batch each
-  shard2z3    the same at ZeRO-3: each rank keeps half the parameters and gathers a unit's
+              batch each, SHARD_TRANSPORT=auto: shared memory, every rank being on this host
+  shard2tcp   the same with SHARD_TRANSPORT=tcp: Gloo's TCP over loopback, as across hosts
+  shard2z3    shard2 at ZeRO-3: each rank keeps half the parameters and gathers a unit's
               (wrap's default policy) around its forward and again for its backward
   plainopt    plain torch, one process, with the optimizer as a script that brings its own
               writes it: the torch.optim class (Adam/AdamW), its settings and foreach=False, and
@@ -24,40 +27,58 @@ batch 32) it runs eight configurations, each as real processes with one compute 
               `opt = engine.optimizer(cls, groups, **settings)` and calls `opt.step()` (Shard's
               whole step: reduce, clip, the class's update on the rank's shard, gather)
 
+and, only when --configs names it:
+
+  shard4      shard.torch at W=4, ZeRO-2, auto transport, a quarter batch each: on a machine
+              with fewer than 4 cores the ranks take turns on them (oversubscribed)
+
 Every worker is this file run with `worker --mode ...`: it builds the model from
 examples/torch/, trains `--warmup` steps, then times `--steps` steps on rank 0's wall clock (from
 the top of step K to the top of step K+N, so the step boundary of every timed step is inside)
 and writes steps/s and the per-step split (forward+backward, optimizer or engine step, the rest).
 The driver repeats each configuration `--repeats` times (configurations interleaved within a
 repeat so slow drift of the machine's load hits all of them) and prints the median and range,
-the ratios shard2/ddp2 (target >= 1.2), shard1/plain (target >= 0.95) and shard1opt/plainopt
-(target >= 0.91: the script's class through shard.torch within 10% of the same class in plain
-torch), PASS or MISS, and shard2/ddp2bv beside them (the same 1.2, against the better-tuned
-torch), and shard2z3 against shard2 (target >= 0.85) and ddp2 (>= 1.2). Rank 0's losses of the first steps of each pair are compared too: both sides train the
-same samples with the same updates, so they agree to float32 rounding (a warning says when they
-do not).
+the transport each configuration's ranks exchanged data over (shard.torch's as its worker log
+names it), and:
 
-    scripts/bench-torch.sh [--steps N] [--warmup K] [--repeats R] [--models mlp,transformer]
+  step/fwd+bwd   the median step time over the median forward+backward time in it, rank 0's:
+                 how much a step costs beyond the rank's own compute (target <= 1.1 for every
+                 shard.torch configuration)
+  ratios         shard2/ddp2 (target >= 1.2), shard1/plain (target >= 0.95; the tiny MLP's
+                 >= 1.0), shard1opt/plainopt (target >= 0.91: the script's class through
+                 shard.torch within 10% of the same class in plain torch), PASS or MISS; beside
+                 them shard2/ddp2bv (the same 1.2, against the better-tuned torch), shard2z3
+                 against shard2 (target >= 0.85) and ddp2 (>= 1.2), and shard2/shard2tcp (what
+                 shared memory gains over TCP, no target)
+
+Rank 0's losses of the first steps of each pair are compared too: both sides train the same
+samples with the same updates, so they agree to float32 rounding (a warning says when they do
+not). The table's header names the CPU, the load average before and after the run, and warns
+when other work was running.
+
+    scripts/bench-torch.sh [--steps N] [--warmup K] [--repeats R] [--models mlp,tiny,transformer]
                            [--configs KEY,...] [--device cpu|cuda:N] [--bf16] [--json]
                            [--timeout S] [--keep]
 
---configs runs only the configurations named (the keys above; default: all of the device's), and
-reports the ratios whose two sides ran: `--configs plainopt,shard1opt` measures the script's own
-optimizer path alone.
+--configs runs only the configurations named (the keys above; default: all of the device's but
+shard4), and reports the ratios whose two sides ran: `--configs plainopt,shard1opt` measures the
+script's own optimizer path alone, `--configs shard2,shard2tcp,shard4` the transports and W=4.
 
 With --device cuda:N (one GPU) the configurations are those one GPU can compare:
 
   plain       plain torch on the GPU, torch.optim.Adam/AdamW(fused=True), the whole batch
   shard1      shard.torch W=1 on the GPU (NCCL), ZeRO-2
-  worker1     (mlp only) shard-worker's built-in MLP of the same widths on the GPU, its own
-              "steps/s over steps 2-N" (it has no per-step split)
+  worker1     (the MLPs only) shard-worker's built-in MLP of the same widths on the GPU, its
+              own "steps/s over steps 2-N" (it has no per-step split)
   fsdp1       (torch 2.x) torch FSDP2, fully_shard on each transformer block and on the model,
               W=1 over NCCL, the fused optimizer as plain's
   shard1z3    shard.torch W=1 on the GPU, ZeRO-3 (wrap's default units)
 
 and --bf16 runs the forward and backward passes under torch.autocast in bf16 (shard-worker:
 the job's precision bf16); the targets are shard1/plain and worker1/plain >= 0.95, and
-shard1z3/fsdp1 is reported beside them (no target: the same sharding, world of one).
+shard1z3/fsdp1 is reported beside them (no target: the same sharding, world of one). The
+models there default to mlp,transformer, and step/fwd+bwd is left out (the split times kernel
+launches, not the GPU's work).
 
 Everything it starts listens on 127.0.0.1 (the coordinator on a free port it reports in a port
 file; DDP rendezvous through a file store), is bounded by --timeout seconds per run and is
@@ -85,12 +106,24 @@ EXAMPLES = os.path.join(ROOT, "examples", "torch")
 BUILD = os.path.abspath(os.environ.get("SHARD_BUILD_DIR", os.path.join(ROOT, "build")))
 BIN = os.path.join(BUILD, "bin")
 
-MLP_WIDTHS = [512, 1024, 1024, 1024, 64]
+# A model with "widths" is examples/torch/mlp.py's Mlp of those widths, trained on a
+# `shardctl data generate` file whose labels come from a teacher MLP of "teacher" widths; the
+# others are built in worker_main by name. "targets" overrides a ratio's target for the model.
 MODELS = {
     "mlp": {
         "title": "medium MLP 512,1024,1024,1024,64, global batch 256, Adam lr 1e-3",
+        "widths": [512, 1024, 1024, 1024, 64], "teacher": [512, 1024, 64],
         "global_batch": 256, "steps": 100, "warmup": 10,
         "optimizer": {"name": "adam", "lr": 0.001},
+    },
+    "tiny": {
+        "title": "tiny MLP 64,64,64,10 (8,970 parameters), global batch 32, Adam lr 1e-3",
+        "widths": [64, 64, 64, 10], "teacher": [64, 64, 10],
+        "global_batch": 32, "steps": 2000, "warmup": 200,
+        "optimizer": {"name": "adam", "lr": 0.001},
+        # Its steps are the fixed cost per step and little else: shard.torch must not cost more
+        # than plain torch's Adam step.
+        "targets": {("shard1", "plain"): 1.0},
     },
     "transformer": {
         "title": ("example transformer (vocab 64, dim 64, 4 heads, 2 layers, context 32), "
@@ -102,24 +135,34 @@ MODELS = {
         "clip": 1.0,
     },
 }
+DEFAULT_MODELS = {"cpu": "mlp,tiny,transformer", "cuda": "mlp,transformer"}
 CPU_CONFIGS = [  # (key, label, world size)
     ("plain", "plain torch W=1", 1),
     ("shard1", "shard.torch W=1 ZeRO-2", 1),
     ("ddp2", "DDP+ZeroRedundancyOpt W=2", 2),
     ("ddp2bv", "DDP+ZeRO bucket view W=2", 2),
     ("shard2", "shard.torch W=2 ZeRO-2", 2),
+    ("shard2tcp", "shard.torch W=2 ZeRO-2 TCP", 2),
     ("shard2z3", "shard.torch W=2 ZeRO-3", 2),
     ("plainopt", "plain torch W=1 optim class", 1),
     ("shard1opt", "shard.torch W=1 optim class", 1),
 ]
-CPU_TARGETS = [  # (numerator, denominator, target, primary: the issue's target, in the main table)
+CPU_OPTIONAL_CONFIGS = [  # run only when --configs names them
+    ("shard4", "shard.torch W=4 ZeRO-2", 4),  # more ranks than a small machine has cores
+]
+# (numerator, denominator, target or None, primary: the issue's target, in the main table)
+CPU_TARGETS = [
     ("shard1", "plain", 0.95, True),
     ("shard2", "ddp2", 1.2, True),
     ("shard2", "ddp2bv", 1.2, False),
     ("shard2z3", "shard2", 0.85, False),  # ZeRO-3 against ZeRO-2: the cost of gathering
     ("shard2z3", "ddp2", 1.2, False),
     ("shard1opt", "plainopt", 0.91, True),  # within 10%: 1/1.1
+    ("shard2", "shard2tcp", None, False),  # what shared memory gains over TCP
 ]
+# Step time over the rank's own forward+backward in it, at most (every shard.torch
+# configuration on the CPU): what a step costs beyond the compute it cannot avoid.
+STEP_OVER_COMPUTE_TARGET = 1.1
 GPU_CONFIGS = [
     ("plain", "plain torch (fused Adam)", 1),
     ("shard1", "shard.torch W=1 (NCCL)", 1),
@@ -132,22 +175,37 @@ GPU_TARGETS = [
     ("worker1", "plain", 0.95, True),
     ("shard1z3", "fsdp1", 1.0, False),
 ]
+ALL_KEYS = {key for key, _, _ in CPU_CONFIGS + CPU_OPTIONAL_CONFIGS + GPU_CONFIGS}
 
 
 def configurations(model, device, only=None):
-    """The configurations run for `model` on `device` (of those, the keys in `only` when given),
-    and the ratios reported: those whose two sides run."""
+    """The configurations run for `model` on `device` (those in the default set, or of all the
+    device's, the keys in `only` when given), and the ratios reported: those whose two sides
+    run, with the model's own targets."""
     if not device.startswith("cuda"):
-        configs, targets = CPU_CONFIGS, CPU_TARGETS
-    elif model == "mlp":
-        configs, targets = GPU_CONFIGS, GPU_TARGETS
+        configs, optional, targets = CPU_CONFIGS, CPU_OPTIONAL_CONFIGS, CPU_TARGETS
+    elif "widths" in MODELS[model]:
+        configs, optional, targets = GPU_CONFIGS, [], GPU_TARGETS
     else:
         configs = [c for c in GPU_CONFIGS if c[0] != "worker1"]
+        optional = []
         targets = [t for t in GPU_TARGETS if t[0] != "worker1"]
     if only is not None:
-        configs = [c for c in configs if c[0] in only]
+        configs = [c for c in configs + optional if c[0] in only]
     keys = {c[0] for c in configs}
-    return configs, [t for t in targets if t[0] in keys and t[1] in keys]
+    own = MODELS[model].get("targets", {})
+    return configs, [(num, den, own.get((num, den), target), primary)
+                     for num, den, target, primary in targets if num in keys and den in keys]
+
+
+def step_over_compute_target(config, device):
+    """The step/fwd+bwd target of `config`, or None: shard.torch's on the CPU (a GPU's split
+    times kernel launches, not the work)."""
+    if device.startswith("cuda") or not config.startswith("shard"):
+        return None
+    return STEP_OVER_COMPUTE_TARGET
+
+
 LOSS_CHECK_STEPS = 3
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -168,12 +226,12 @@ def worker_main(args):
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     torch.manual_seed(0)
-    if args.model == "mlp":
+    if "widths" in spec:
         from mlp import Mlp
         from shard.safetensors import load_file
         data = load_file(args.data)
         x, y = data["x"].to(device), data["y"].to(device)
-        model = Mlp(MLP_WIDTHS).to(device)
+        model = Mlp(spec["widths"]).to(device)
         loss_fn = torch.nn.CrossEntropyLoss()
 
         def loss_of(idx):
@@ -243,7 +301,7 @@ def worker_main(args):
         batch = spec["global_batch"]
         share = batch // world
         forward = ddp
-        if args.model == "mlp":
+        if "widths" in spec:
             def loss_of(idx):  # noqa: F811  (through DDP's forward, which arms its hooks)
                 return loss_fn(forward(x[idx]), y[idx])
         else:
@@ -511,11 +569,21 @@ def start_coordinator(runner, run_dir, job, deadline, what):
     return coordinator, int(open(port_file).read())
 
 
-def run_builtin_worker(runner, run_dir, steps, warmup, data, device, bf16, deadline, what):
-    """shard-worker's built-in MLP of MLP_WIDTHS on `device`: its own steps/s over steps 2-N
-    from its log (the worker prints no per-step split)."""
-    spec = MODELS["mlp"]
-    job = {"name": "bench-builtin", "worldSize": 1, "model": {"mlp": {"widths": MLP_WIDTHS}},
+def transport_in_log(path):
+    """The transport a Shard rank's log names in its self-check ("... over 2 ranks (shm) ..."):
+    shm, tcp (Gloo's, which the worker calls gloo), or a GPU's backend."""
+    with open(path) as f:
+        match = re.search(r"over \d+ ranks \(([^)]+)\)", f.read())
+    name = match.group(1) if match else "?"
+    return "tcp" if name == "gloo" else name
+
+
+def run_builtin_worker(runner, run_dir, model, steps, warmup, data, device, bf16, deadline,
+                       what):
+    """shard-worker's built-in MLP of the model's widths on `device`: its own steps/s over steps
+    2-N from its log (the worker prints no per-step split)."""
+    spec = MODELS[model]
+    job = {"name": "bench-builtin", "worldSize": 1, "model": {"mlp": {"widths": spec["widths"]}},
            "data": {"path": data}, "optimizer": spec["optimizer"],
            "globalBatch": spec["global_batch"], "steps": warmup + steps + 1, "zeroStage": 2,
            "precision": "bf16" if bf16 else "fp32", "checkpoint": {"everySteps": 0},
@@ -526,7 +594,8 @@ def run_builtin_worker(runner, run_dir, steps, warmup, data, device, bf16, deadl
                            f"127.0.0.1:{port}", "--id", "w0", "--device", device],
                           f"{rel}/worker.log")
     runner.wait([worker, coordinator], deadline, what)
-    with open(os.path.join(runner.dir, rel, "worker.log")) as f:
+    log_path = os.path.join(runner.dir, rel, "worker.log")
+    with open(log_path) as f:
         finished = [line for line in f if "training finished" in line]
     match = re.search(r"loss ([0-9.e+-]+) -> ([0-9.e+-]+), ([0-9.]+) steps/s", "".join(finished))
     if not match:
@@ -534,10 +603,13 @@ def run_builtin_worker(runner, run_dir, steps, warmup, data, device, bf16, deadl
     rate = float(match.group(3))
     nan = float("nan")
     return {"steps_per_second": rate, "ms_per_step": 1000.0 / rate, "compute_ms": nan,
-            "step_ms": nan, "rest_ms": nan, "losses": [float(match.group(1))], "torch": None}
+            "step_ms": nan, "rest_ms": nan, "losses": [float(match.group(1))], "torch": None,
+            "transport": transport_in_log(log_path)}
 
 
-def run_config(runner, model, config, steps, warmup, data, tag, device="cpu", bf16=False):
+def run_config(runner, model, config, world, steps, warmup, data, tag, device="cpu", bf16=False):
+    """One run of `config` (a key of the configuration lists) at `world` ranks: rank 0's result,
+    with the transport its ranks exchanged data over."""
     run_dir = os.path.join(runner.dir, tag)
     os.makedirs(run_dir)
     result = os.path.join(run_dir, "result")
@@ -547,11 +619,12 @@ def run_config(runner, model, config, steps, warmup, data, tag, device="cpu", bf
     rel = os.path.relpath(run_dir, runner.dir)
     target = ["--device", device] + (["--bf16"] if bf16 else [])
     if config == "worker1":
-        result = run_builtin_worker(runner, run_dir, steps, warmup, data, device, bf16, deadline,
-                                    what)
+        result = run_builtin_worker(runner, run_dir, model, steps, warmup, data, device, bf16,
+                                    deadline, what)
         runner.kill_all()
         return result
     own = ["--own-optimizer"] if config in ("plainopt", "shard1opt") else []
+    transport = "-"  # one process: nothing exchanged
     if config in ("plain", "plainopt"):
         proc = runner.start(worker_argv(model, "plain", steps, warmup, data, result,
                                         target + own), f"{rel}/plain.log", env)
@@ -561,6 +634,7 @@ def run_config(runner, model, config, steps, warmup, data, tag, device="cpu", bf
                                         target + ["--store", os.path.join(run_dir, "store")]),
                             f"{rel}/fsdp.log", env)
         runner.wait([proc], deadline, what)
+        transport = "nccl"
     elif config in ("ddp2", "ddp2bv"):
         ddp_extra = ["--zero-bucket-view"] if config == "ddp2bv" else []
         store = os.path.join(run_dir, "store")
@@ -571,13 +645,13 @@ def run_config(runner, model, config, steps, warmup, data, tag, device="cpu", bf
                                                           MASTER_ADDR="127.0.0.1"))
                  for r in range(2)]
         runner.wait(procs, deadline, what)
+        transport = "gloo tcp"
     else:
-        world = 1 if config in ("shard1", "shard1opt", "shard1z3") else 2
         spec = MODELS[model]
         job = {"name": f"bench-{model}", "worldSize": world, "model": {"external": {}},
                "optimizer": {"name": "torch"} if own else spec["optimizer"],
                "globalBatch": spec["global_batch"],
-               "steps": warmup + steps + 1, "zeroStage": 3 if config in ("shard1z3", "shard2z3") else 2,
+               "steps": warmup + steps + 1, "zeroStage": 3 if config.endswith("z3") else 2,
                "checkpoint": {"everySteps": 0}, "outputDir": os.path.join(run_dir, "out")}
         if spec.get("clip"):
             job["gradClipNorm"] = spec["clip"]
@@ -586,16 +660,31 @@ def run_config(runner, model, config, steps, warmup, data, tag, device="cpu", bf
                                             ["--world", str(world), *target, *own]),
                                 f"{rel}/w{i}.log",
                                 dict(env, SHARD_COORDINATOR=f"127.0.0.1:{port}",
-                                     SHARD_ID=f"w{i}"))
+                                     SHARD_ID=f"w{i}",
+                                     SHARD_TRANSPORT="tcp" if config == "shard2tcp" else "auto"))
                    for i in range(world)]
         runner.wait(workers + [coordinator], deadline, what)
+        transport = transport_in_log(os.path.join(run_dir, "w0.log"))
     runner.kill_all()
-    return read_result(result, what)
+    return dict(read_result(result, what), transport=transport)
 
 
 def summarize(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "values": values}
+
+
+def cpu_model():
+    """The CPU's model name, as /proc/cpuinfo gives it (another system: platform's guess)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "cpu model"):
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def load_average():
@@ -607,19 +696,22 @@ def load_average():
 
 
 def driver_main(args):
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    models = args.models or DEFAULT_MODELS["cuda" if args.device.startswith("cuda") else "cpu"]
+    models = [m.strip() for m in models.split(",") if m.strip()]
     for m in models:
         if m not in MODELS:
-            print(f"torch_bench: unknown model '{m}' (mlp, transformer)", file=sys.stderr)
+            print(f"torch_bench: unknown model '{m}' ({', '.join(MODELS)})", file=sys.stderr)
             return 2
     only = None
     if args.configs:
         only = {c.strip() for c in args.configs.split(",") if c.strip()}
-        known = {key for m in models for key, _, _ in configurations(m, args.device)[0]}
+        known = {key for m in models for key, _, _ in configurations(m, args.device, only)[0]}
         unknown = sorted(only - known)
         if unknown or not only:
+            every = {key for m in models
+                     for key, _, _ in configurations(m, args.device, ALL_KEYS)[0]}
             print(f"torch_bench: unknown configuration {', '.join(unknown) or '(none)'} on "
-                  f"{args.device} ({', '.join(sorted(known))})", file=sys.stderr)
+                  f"{args.device} ({', '.join(sorted(every))})", file=sys.stderr)
             return 2
     for binary in ("shard-coordinator", "shardctl"):
         if not os.path.exists(os.path.join(BIN, binary)):
@@ -641,13 +733,15 @@ def driver_main(args):
 
     started = datetime.datetime.now().astimezone()
     load_before = load_average()
-    data = ""
-    if "mlp" in models:
-        data = os.path.join(run_dir, "mlp.safetensors")
+    data = {}  # model: its data file, for the MLPs
+    for model in models:
+        if "teacher" not in MODELS[model]:
+            continue
+        data[model] = os.path.join(run_dir, f"{model}.safetensors")
         generated = subprocess.run(
-            [os.path.join(BIN, "shardctl"), "data", "generate", "--widths", "512,1024,64",
-             "--samples", "16384", "--seed", "1", "--out", data],
-            capture_output=True, text=True, timeout=120)
+            [os.path.join(BIN, "shardctl"), "data", "generate", "--widths",
+             ",".join(map(str, MODELS[model]["teacher"])), "--samples", "16384", "--seed", "1",
+             "--out", data[model]], capture_output=True, text=True, timeout=120)
         if generated.returncode != 0:
             log("torch_bench: shardctl data generate failed:\n" + generated.stdout +
                 generated.stderr)
@@ -661,8 +755,8 @@ def driver_main(args):
             configs, _ = configurations(model, args.device, only)
             runs = {key: [] for key, _, _ in configs}
             for repeat in range(args.repeats):
-                for key, label, _ in configs:
-                    r = run_config(runner, model, key, steps, warmup, data,
+                for key, label, world in configs:
+                    r = run_config(runner, model, key, world, steps, warmup, data.get(model, ""),
                                    f"{model}-{key}-{repeat}", args.device, args.bf16)
                     runs[key].append(r)
                     log(f"{model:12s} {label:28s} repeat {repeat + 1}/{args.repeats}: "
@@ -679,7 +773,7 @@ def driver_main(args):
     report = {
         "date": started.isoformat(timespec="seconds"),
         "device": args.device, "precision": "bf16 autocast" if args.bf16 else "fp32",
-        "host": platform.node(), "cores": os.cpu_count(),
+        "host": platform.node(), "cpu": cpu_model(), "cores": os.cpu_count(),
         "load_before": load_before, "load_after": load_average(),
         "python": platform.python_version(),
         "threads_per_process": 1, "repeats": args.repeats,
@@ -693,12 +787,22 @@ def driver_main(args):
             runs = res["runs"][key]
             configs[key] = {
                 "label": label, "world_size": world,
+                # what every run's ranks exchanged data over (one name unless runs differed)
+                "transport": "/".join(sorted({r["transport"] for r in runs})),
                 "steps_per_second": summarize([r["steps_per_second"] for r in runs]),
                 "ms_per_step": statistics.median(r["ms_per_step"] for r in runs),
                 "compute_ms": statistics.median(r["compute_ms"] for r in runs),
                 "step_ms": statistics.median(r["step_ms"] for r in runs),
                 "rest_ms": statistics.median(r["rest_ms"] for r in runs),
             }
+            # The medians' quotient, so that the table's columns show how it came about; none
+            # on a GPU, where the split times kernel launches.
+            efficiency, target = None, step_over_compute_target(key, args.device)
+            if not args.device.startswith("cuda"):
+                efficiency = configs[key]["ms_per_step"] / configs[key]["compute_ms"]
+            configs[key]["step_over_compute"] = {
+                "ratio": efficiency, "target": target,
+                "pass": None if target is None else efficiency <= target}
             if runs[0]["torch"]:
                 report["torch"] = runs[0]["torch"]
                 report["gpu"] = runs[0].get("gpu")
@@ -721,7 +825,8 @@ def driver_main(args):
                 log(f"torch_bench: warning: {model} {num} and {den} do not train alike: rank 0's "
                     f"losses of the first steps {a} against {b}")
             ratios.append({"of": num, "over": den, "ratio": ratio, "target": target,
-                           "primary": primary, "pass": ratio >= target,
+                           "primary": primary,
+                           "pass": None if target is None else ratio >= target,
                            "first_losses": [a, b], "loss_relative_difference": loss_difference})
         report["models"][model] = {"title": MODELS[model]["title"], "steps": res["steps"],
                                    "warmup": res["warmup"], "configs": configs,
@@ -736,9 +841,9 @@ def driver_main(args):
 def print_table(report):
     load = report["load_before"]
     where = report["device"] + (f" ({report['gpu']})" if report.get("gpu") else "")
-    print(f"# shard.torch vs PyTorch, {report['date']}, {report['host']}, {report['cores']} "
-          f"cores, {where}, {report['precision']}, torch {report.get('torch')}, 1 thread per "
-          f"process, median of {report['repeats']} [min-max]")
+    print(f"# shard.torch vs PyTorch, {report['date']}, {report['host']}, {report['cpu']}, "
+          f"{report['cores']} cores, {where}, {report['precision']}, torch {report.get('torch')}, "
+          f"1 thread per process, median of {report['repeats']} [min-max]")
     if load:
         print(f"# load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; after: "
               + " ".join(f"{v:.2f}" for v in report["load_after"] or [])
@@ -748,10 +853,15 @@ def print_table(report):
                   "shares the cores, so the W=2 runs (a process per core) are not trustworthy")
     for model, m in report["models"].items():
         print(f"# {model}: {m['title']}; {m['steps']} timed steps after {m['warmup']} warm-up")
+    if not report["device"].startswith("cuda"):
+        print(f"# step/fwd+bwd: ms/step over rank 0's forward+backward ms in it (the medians); "
+              f"target <= {STEP_OVER_COMPUTE_TARGET:.2f} for shard.torch")
     print()
-    print(f"| {'model':11s} | {'configuration':28s} | {'steps/s (median [min-max])':27s} | "
-          f"{'ms/step: fwd+bwd / step / rest':30s} | {'ratio':13s} | {'target':6s} | result |")
-    print(f"|{'-' * 13}|{'-' * 30}|{'-' * 29}|{'-' * 32}|{'-' * 15}|{'-' * 8}|--------|")
+    print(f"| {'model':11s} | {'configuration':28s} | {'transport':9s} | "
+          f"{'steps/s (median [min-max])':27s} | {'ms/step: fwd+bwd / step / rest':30s} | "
+          f"{'step/fwd+bwd':12s} | {'ratio':14s} | {'target':6s} | result |")
+    print(f"|{'-' * 13}|{'-' * 30}|{'-' * 11}|{'-' * 29}|{'-' * 32}|{'-' * 14}|{'-' * 16}|"
+          f"{'-' * 8}|--------|")
     for model, m in report["models"].items():
         ratio_of = {r["of"]: r for r in m["ratios"] if r["primary"]}
         for key, c in m["configs"].items():
@@ -761,24 +871,40 @@ def print_table(report):
             split = (f"{c['ms_per_step']:.2f}: " + " / ".join(
                 "-" if math.isnan(c[part]) else f"{c[part]:.2f}"
                 for part in ("compute_ms", "step_ms", "rest_ms")))
+            e = c["step_over_compute"]
+            efficiency = "-" if e["ratio"] is None else f"{e['ratio']:.2f}"
+            if e["target"] is not None:
+                if e["pass"] is False and efficiency == f"{e['target']:.2f}":
+                    efficiency = f"{e['ratio']:.3f}"  # a miss by less than the rounding
+                efficiency += " PASS" if e["pass"] else " MISS"
             ratio, target, result = "", "", ""
             if key in ratio_of:
                 r = ratio_of[key]
                 ratio = f"{r['ratio']:.2f}x {r['over']}"
                 target = f">={r['target']:.2f}"
                 result = "PASS" if r["pass"] else "MISS"
-            print(f"| {model:11s} | {label:28s} | {rate:27s} | {split:30s} | {ratio:13s} | "
-                  f"{target:6s} | {result:6s} |")
+            print(f"| {model:11s} | {label:28s} | {c['transport']:9s} | {rate:27s} | "
+                  f"{split:30s} | {efficiency:12s} | {ratio:14s} | {target:6s} | {result:6s} |")
     print()
     for model, m in report["models"].items():
         for r in m["ratios"]:
             if not r["primary"]:
-                print(f"# {model}: {r['of']} / {r['over']} = {r['ratio']:.2f}x (target "
-                      f">={r['target']:.2f}: {'PASS' if r['pass'] else 'MISS'})")
-    print(f"# same training in each pair: largest relative difference of rank 0's losses over "
-          f"the first {LOSS_CHECK_STEPS} steps: " +
-          "; ".join(f"{model} {r['of']}/{r['over']} {r['loss_relative_difference']:.1e}"
-                    for model, m in report["models"].items() for r in m["ratios"]))
+                verdict = ("no target" if r["target"] is None else
+                           f"target >={r['target']:.2f}: {'PASS' if r['pass'] else 'MISS'}")
+                print(f"# {model}: {r['of']} / {r['over']} = {r['ratio']:.2f}x ({verdict})")
+    pairs = [f"{model} {r['of']}/{r['over']} {r['loss_relative_difference']:.1e}"
+             for model, m in report["models"].items() for r in m["ratios"]]
+    if pairs:
+        print(f"# same training in each pair: largest relative difference of rank 0's losses "
+              f"over the first {LOSS_CHECK_STEPS} steps: " + "; ".join(pairs))
+    missed = [f"{model} {r['of']}/{r['over']} {r['ratio']:.2f}x < {r['target']:.2f}"
+              for model, m in report["models"].items() for r in m["ratios"]
+              if r["pass"] is False]
+    missed += [f"{model} {key} step/fwd+bwd {c['step_over_compute']['ratio']:.3f} > "
+               f"{c['step_over_compute']['target']:.2f}"
+               for model, m in report["models"].items() for key, c in m["configs"].items()
+               if c["step_over_compute"]["pass"] is False]
+    print("# targets missed: " + ("; ".join(missed) if missed else "none"))
 
 
 def main():
@@ -804,14 +930,19 @@ def main():
     worker.add_argument("--device", default="cpu")
     worker.add_argument("--bf16", action="store_true")
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per run (default: mlp 100, transformer 300)")
+                        help="timed steps per run (default: " +
+                        ", ".join(f"{m} {spec['steps']}" for m, spec in MODELS.items()) + ")")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed steps before them (default: mlp 10, transformer 30)")
+                        help="untimed steps before them (default: " +
+                        ", ".join(f"{m} {spec['warmup']}" for m, spec in MODELS.items()) + ")")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (3)")
-    parser.add_argument("--models", default="mlp,transformer", help="mlp,transformer")
+    parser.add_argument("--models", default=None,
+                        help=f"of {','.join(MODELS)} (default: {DEFAULT_MODELS['cpu']} on the "
+                        f"cpu, {DEFAULT_MODELS['cuda']} on a GPU)")
     parser.add_argument("--configs", default=None,
-                        help="only these configurations, e.g. plainopt,shard1opt (default: all: "
-                        + ",".join(key for key, _, _ in CPU_CONFIGS) + " on the cpu)")
+                        help="only these configurations, e.g. plainopt,shard1opt (default on "
+                        "the cpu: " + ",".join(key for key, _, _ in CPU_CONFIGS) + "; also "
+                        + ",".join(key for key, _, _ in CPU_OPTIONAL_CONFIGS) + " when named)")
     parser.add_argument("--device", default="cpu",
                         help="cpu (default) or cuda:N: on a GPU, plain torch, shard.torch and "
                         "shard-worker on that GPU")

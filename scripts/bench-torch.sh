@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Builds the coordinator, shardctl and the shard Python package, and measures shard.torch against
-# PyTorch's own data parallelism in one run: for the medium MLP (Adam, global batch 256) and the
-# example transformer (AdamW, global batch 32), plain torch at W=1 against shard.torch at W=1
-# (target: overhead <= 5%), and torch DDP (gloo) + ZeroRedundancyOptimizer at W=2 against
-# shard.torch ZeRO-2 at W=2 (target: >= 1.2x), and the script's own torch.optim class through
-# shard.torch at W=1 (engine.optimizer) against the same class in plain torch (target: within
-# 10%, >= 0.91x), one compute thread per process. Extra arguments go to bench/torch_bench.py
-# (e.g. --steps 30 --warmup 5 --repeats 1 --models mlp --json; --configs plainopt,shard1opt for
-# that last pair alone); see the Performance section of docs/torch.md.
+# PyTorch's own data parallelism in one table, one run, one compute thread per process: for the
+# medium MLP (Adam, global batch 256), the tiny MLP 64,64,64,10 (Adam, global batch 32: the fixed
+# cost per step) and the example transformer (AdamW, global batch 32), plain torch at W=1 against
+# shard.torch at W=1 (target: overhead <= 5%; the tiny MLP's: no slower), torch DDP (gloo) +
+# ZeroRedundancyOptimizer at W=2 against shard.torch ZeRO-2 at W=2 (target: >= 1.2x), and the
+# script's own torch.optim class through shard.torch at W=1 (engine.optimizer) against the same
+# class in plain torch (target: within 10%, >= 0.91x). Every shard.torch configuration's step
+# time over its rank's own forward+backward ("step/fwd+bwd", target <= 1.1), and the transport
+# each one's ranks used: shared memory (SHARD_TRANSPORT=auto, "shard2") beside TCP ("shard2tcp").
+# The header names the CPU and the load average. Extra arguments go to bench/torch_bench.py (e.g.
+# --steps 30 --warmup 5 --repeats 1 --models tiny --json; --configs plainopt,shard1opt for that
+# last pair alone; --configs shard2,shard2tcp,shard4 adds W=4, oversubscribed on fewer than 4
+# cores); see the Performance section of docs/torch.md.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/setup.sh >/dev/null

@@ -82,9 +82,9 @@ class Cluster:
         wait_for(serving, 30, "the coordinator's port")
         self.port = int(open(port_file).read())
 
-    def start_worker(self, worker_id, script=EXAMPLE, args=None):
+    def start_worker(self, worker_id, script=EXAMPLE, args=None, env=None):
         env = dict(os.environ, SHARD_COORDINATOR=f"127.0.0.1:{self.port}", SHARD_ID=worker_id,
-                   OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+                   OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **(env or {}))
         argv = [sys.executable, script]
         argv += args if args is not None else ["--data", self.data, "--widths",
                                                ",".join(map(str, WIDTHS)), "--seed", "5"]
@@ -441,6 +441,27 @@ def test_two_workers_equal_one_process_on_the_global_batch(cluster):
     difference = max_difference(exported(cluster), reference(mlp_config(cluster, 30)))
     print(f"two workers against one process: max |difference| {difference:.3g}")
     assert difference < 1e-5
+
+
+def test_shared_memory_and_tcp_give_the_same_bits(cluster):
+    # Three workers, where the order of adding up matters: both transports add the ranks'
+    # gradients in the same order, so the trained parameters are the same bits.
+    results = {}
+    for transport, backend in (("tcp", "gloo"), ("auto", "shm")):
+        cluster.start_coordinator(
+            cluster.write_job(world=3, steps=20, out=f"out-{transport}",
+                              file=f"job-{transport}.json"),
+            log_name=f"coordinator-{transport}.log", state=f"state-{transport}")
+        workers = [cluster.start_worker(f"{transport}{i}", env={"SHARD_TRANSPORT": transport})
+                   for i in range(3)]
+        for worker in workers:
+            assert cluster.wait(worker) == 0, cluster.log(worker)
+            assert f"over 3 ranks ({backend})" in cluster.log(worker), cluster.log(worker)
+        assert cluster.wait(cluster.coordinator) == 0
+        results[transport] = exported(cluster, f"out-{transport}")
+    for name in results["tcp"]:
+        assert torch.equal(results["auto"][name], results["tcp"][name]), (
+            name, max_difference(results["auto"], results["tcp"]))
 
 
 def test_micro_batches_accumulate_and_reduce_once_per_step(cluster):

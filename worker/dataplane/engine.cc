@@ -57,7 +57,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(Manifest manifest,
   SHARD_RETURN_IF_ERROR(engine->Allocate());
   SHARD_RETURN_IF_ERROR(engine->Apply(std::move(initial), /*carry_gradients=*/false));
   Device* device = engine->device_;
-  engine->queue_ = std::make_unique<CommunicationQueue>(engine->options_.overlap,
+  // A world of one rank has no communication to overlap: its buckets' work (the update, at most
+  // a copy) runs where they are marked ready, sparing a thread hand-off per bucket.
+  const bool threaded = engine->options_.overlap && communicator->size() > 1;
+  engine->queue_ = std::make_unique<CommunicationQueue>(threaded,
                                                         [device] { return device->BindThread(); });
   return engine;
 }
