@@ -199,9 +199,12 @@ class Fault:
         return ", ".join(parts) + "; " + when
 
 
-# Steps a partition lets training run for each second it lasts (about what 4 CPU workers do on
-# the project's 2-core VM; a slower machine only makes the tail longer).
+# Steps a partition lets training run for each second it lasts (a slower machine only makes the
+# tail longer). With partitions, the job's workers are held to about this rate
+# (SHARD_SLOW_STEP_MS): the tiny model trains hundreds of steps a second on a fast machine or in a
+# small world, and would run out of steps before the faults were all injected.
 PARTITION_STEPS_PER_SECOND = 50
+STEP_FLOOR_MS = 1000 // PARTITION_STEPS_PER_SECOND
 
 # Steps a fault costs besides its gap: training runs on while the script polls, calls shardctl,
 # restarts the coordinator and waits for the world to settle (more on a fast machine, fewer on a
@@ -703,7 +706,8 @@ class Soak:
             argv += ["--host", self.hosts.addr(host)]
         argv += self.args.worker_arg
         log = self.path("workers", f"{worker_id}-{n}.log")
-        worker = self.start(Worker, worker_id, n, argv, log, self.env, self.dir, host=host,
+        env = dict(self.env, SHARD_SLOW_STEP_MS=str(STEP_FLOOR_MS if self.args.partitions else 0))
+        worker = self.start(Worker, worker_id, n, argv, log, env, self.dir, host=host,
                             netns=self.hosts.ns(host) if host else None)
         self.workers.append(worker)
         self.last_action = time.time()

@@ -651,10 +651,12 @@ TEST_F(ChaosTest, ASnapshotTornByAKillMidTransferIsNeverUsed) {
   constexpr int kSteps = 600;
   StartCoordinator(WriteJob("job", JobOptions{.world = 4, .min = 3, .steps = kSteps,
                                               .snapshot_every = 10, .replicas = 1}));
-  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2"});
+  // Slowed so that each snapshot's replication ends before the next is due: the snapshots are
+  // those of steps 10, 20, 30 (a busy one would be put off to a later step).
+  std::vector<Process> workers = StartWorkers({"w0", "w1", "w2"}, {}, kSlowSteps);
   // Its third push (of the snapshot of step 30) dies half-way.
   workers.push_back(cluster_->StartWorker(
-      "w3", {}, {"SHARD_FAULT=snapshot-push-midway", "SHARD_FAULT_SKIP=2"}));
+      "w3", {}, {"SHARD_FAULT=snapshot-push-midway", "SHARD_FAULT_SKIP=2", kSlowSteps[0]}));
   EXPECT_EQ(workers[3].Wait(absl::Seconds(60)), 128 + SIGKILL) << workers[3].Log();
   ExpectJobFinishes({&workers[0], &workers[1], &workers[2]});
   const std::vector<std::string> restored = EventsOf("restored");

@@ -16,7 +16,6 @@
 #include <cstring>
 #include <fstream>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -27,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "common/host_cores.h"
 #include "common/status_macros.h"
 #include "worker/dataplane/reduce.h"
 
@@ -171,7 +171,7 @@ class ShmCommunicator final : public Communicator {
         depth_(options.depth),
         slot_bytes_(slot_bytes),
         segments_(std::move(segments)),
-        spin_(static_cast<unsigned>(options.size) <= std::thread::hardware_concurrency()),
+        spin_(options.size <= UsableCores()),
         timeout_ms_(absl::ToInt64Milliseconds(options.timeout)) {}
 
   ~ShmCommunicator() override { Leave("it left the communicator"); }
@@ -536,7 +536,7 @@ class ShmCommunicator final : public Communicator {
   const int depth_;
   const size_t slot_bytes_;
   const std::vector<Mapping> segments_;  // every rank's, this rank's included
-  const bool spin_;  // a core per rank: spin briefly before sleeping
+  const bool spin_;  // a usable core per rank (affinity, container quota): spin briefly first
   const uint64_t pid_namespace_ = PidNamespace();
   uint64_t round_ = 0;  // rounds this rank has started, the same on every rank between calls
   std::vector<char> scratch_;
