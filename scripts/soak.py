@@ -200,9 +200,9 @@ class Fault:
 
 
 # Steps a partition lets training run for each second it lasts (a slower machine only makes the
-# tail longer). With partitions, the job's workers are held to about this rate
-# (SHARD_SLOW_STEP_MS): the tiny model trains hundreds of steps a second on a fast machine or in a
-# small world, and would run out of steps before the faults were all injected.
+# tail longer). The job's workers are held to about this rate (SHARD_SLOW_STEP_MS): the tiny
+# model trains hundreds of steps a second over shared memory or in a small world, and would run
+# out of steps before the faults were all injected (the schedule's steps are budgeted at it).
 PARTITION_STEPS_PER_SECOND = 50
 STEP_FLOOR_MS = 1000 // PARTITION_STEPS_PER_SECOND
 
@@ -706,7 +706,7 @@ class Soak:
             argv += ["--host", self.hosts.addr(host)]
         argv += self.args.worker_arg
         log = self.path("workers", f"{worker_id}-{n}.log")
-        env = dict(self.env, SHARD_SLOW_STEP_MS=str(STEP_FLOOR_MS if self.args.partitions else 0))
+        env = dict(self.env, SHARD_SLOW_STEP_MS=str(STEP_FLOOR_MS))
         worker = self.start(Worker, worker_id, n, argv, log, env, self.dir, host=host,
                             netns=self.hosts.ns(host) if host else None)
         self.workers.append(worker)
