@@ -24,7 +24,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "common/host_cores.h"
 #include "common/status_macros.h"
