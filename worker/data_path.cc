@@ -52,7 +52,7 @@ absl::string_view TransportName(HostTransport transport) {
 // its --transport and its shared-memory domain.
 struct TransportChoice {
   enum Kind { kShm, kTcp, kHierarchical } kind = kTcp;
-  std::vector<std::string> domains;  // rank r's shared-memory domain
+  HostLayout layout;  // the ranks' hosts, from their shared-memory domains
 };
 
 absl::StatusOr<TransportChoice> ChooseTransport(KeyValueStore* store, int rank, int size,
@@ -69,6 +69,7 @@ absl::StatusOr<TransportChoice> ChooseTransport(KeyValueStore* store, int rank, 
                                      ": waiting for the peers' transports: ", arrived.message()));
   }
   TransportChoice choice;
+  std::vector<std::string> domains;  // rank r's
   bool any_tcp = false;
   int shm_asked_by = -1;
   for (int r = 0; r < size; ++r) {
@@ -77,9 +78,10 @@ absl::StatusOr<TransportChoice> ChooseTransport(KeyValueStore* store, int rank, 
     const std::string transport = value.substr(0, bar);
     any_tcp = any_tcp || transport == "tcp";
     if (transport == "shm" && shm_asked_by < 0) shm_asked_by = r;
-    choice.domains.push_back(bar == std::string::npos ? "" : value.substr(bar + 1));
+    domains.push_back(bar == std::string::npos ? "" : value.substr(bar + 1));
   }
-  const HostLayout layout = HostLayout::FromDomains(choice.domains);
+  choice.layout = HostLayout::FromDomains(domains);
+  const HostLayout& layout = choice.layout;
   if (any_tcp) return choice;
   if (layout.hosts() == 1) {
     choice.kind = TransportChoice::kShm;
@@ -91,8 +93,8 @@ absl::StatusOr<TransportChoice> ChooseTransport(KeyValueStore* store, int rank, 
         layout.host.begin());
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", shm_asked_by, " asked for --transport shm, which needs every rank on one host, "
-        "but rank ", elsewhere, " is elsewhere (shared-memory domain ", choice.domains[elsewhere],
-        "; rank 0's: ", choice.domains[0], "): use --transport auto or tcp"));
+        "but rank ", elsewhere, " is elsewhere (shared-memory domain ", domains[elsewhere],
+        "; rank 0's: ", domains[0], "): use --transport auto or tcp"));
   }
   // Several hosts: shared memory within those that have several ranks pays off.
   if (layout.hosts() < size) choice.kind = TransportChoice::kHierarchical;
@@ -132,23 +134,22 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectShm(KeyValueStore* store, i
 }  // namespace
 
 absl::StatusOr<HostTransport> ParseHostTransport(absl::string_view name) {
-  if (name == "auto") return HostTransport::kAuto;
-  if (name == "tcp") return HostTransport::kTcp;
-  if (name == "shm") return HostTransport::kShm;
+  for (HostTransport transport : {HostTransport::kAuto, HostTransport::kTcp, HostTransport::kShm}) {
+    if (name == TransportName(transport)) return transport;
+  }
   return absl::InvalidArgumentError(
       absl::StrCat("--transport '", name, "' is not a transport; use auto, tcp or shm"));
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectHostCollectives(
     KeyValueStore* store, int rank, int size, const HostPathOptions& options) {
-  SHARD_ASSIGN_OR_RETURN(const TransportChoice choice,
-                         ChooseTransport(store, rank, size, options));
+  SHARD_ASSIGN_OR_RETURN(TransportChoice choice, ChooseTransport(store, rank, size, options));
   switch (choice.kind) {
     case TransportChoice::kShm: return ConnectShm(store, rank, size, "shm/", options);
     case TransportChoice::kTcp: return ConnectGloo(store, rank, size, "gloo/", options);
     case TransportChoice::kHierarchical: break;
   }
-  HostLayout layout = HostLayout::FromDomains(choice.domains);
+  HostLayout& layout = choice.layout;
   const int host = layout.host[rank];
   const std::vector<int> local = layout.RanksOn(host);
   const int local_rank =
