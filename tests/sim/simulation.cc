@@ -73,6 +73,13 @@ struct Session {
 };
 
 // The ranks of one generation that connected their data path: they step in lockstep.
+// The orders the ranks agreed on at a step boundary, and whether a rank's snapshot work was
+// still in flight then.
+struct PostedAgreement {
+  StepOrders orders;
+  bool snapshots_busy = false;
+};
+
 struct Group {
   int64_t generation = 0;
   int size = 0;
@@ -85,6 +92,8 @@ struct Group {
   int64_t step = 0;
   uint64_t hash = 0;
   StepBoundaryState boundary;
+  // What the ranks posted at the last boundary, for the next one to act on.
+  std::optional<PostedAgreement> posted;
   std::string restored_from;
 };
 
@@ -201,6 +210,8 @@ class Simulation {
   void Rendezvoused(int index);
   void CheckGroup(int64_t generation);
   void Step(int64_t generation);
+  // Every rank of `generation` reports `step` done; the coordinator's status must show it.
+  void ReportStep(int64_t generation, int64_t step);
   void ShardWritten(int index, int64_t generation, std::string id, int64_t step, int64_t request,
                     uint64_t hash);
   void WritesDone(int index);
@@ -961,6 +972,24 @@ void Simulation::OnConnected(int index) {
       [failed](Worker& w) { failed(w, absl::UnavailableError("self-check: unavailable")); });
 }
 
+void Simulation::ReportStep(int64_t generation, int64_t step) {
+  if (core_ == nullptr) return;
+  bool heard = false;
+  for (const auto& [rank, index] : groups_[generation].members) {
+    StepReport report;
+    report.step = step;
+    report.step_ms = absl::ToDoubleMilliseconds(step_time_);
+    heard |= core_
+                 ->ReportStepStats(workers_[index]->id, workers_[index]->incarnation, generation,
+                                   report, now_)
+                 .ok();
+  }
+  if (const int64_t shown = core_->Progress(now_).step; heard && shown != step) {
+    failure_.Set(absl::StrCat("status shows step ", shown, " while generation ", generation,
+                              " reported step ", step));
+  }
+}
+
 void Simulation::Step(int64_t generation) {
   Group& group = groups_[generation];
   group.stepping = false;
@@ -1034,34 +1063,16 @@ void Simulation::Step(int64_t generation) {
     ++group.step;
     group.last_step_at = now_;
     group.hash = Mix(group.hash, group.step);
-    // Every rank reports its step; the coordinator notes that training started, and its status
-    // shows the step the ranks are at.
-    if (core_ != nullptr) {
-      bool heard = false;
-      for (const auto& [rank, index] : group.members) {
-        StepReport report;
-        report.step = group.step;
-        report.step_ms = absl::ToDoubleMilliseconds(step_time_);
-        heard |= core_
-                     ->ReportStepStats(workers_[index]->id, workers_[index]->incarnation,
-                                       generation, report, now_)
-                     .ok();
-      }
-      if (const int64_t shown = core_->Progress(now_).step; heard && shown != group.step) {
-        failure_.Set(absl::StrCat("status shows step ", shown, " while generation ", generation,
-                                  " trained step ", group.step));
-      }
-    }
-    // The ranks agree on the newest orders of this generation any of them knows.
+    // This boundary acts on what the ranks posted at the previous one, and the previous step
+    // is reported now (worker/dataplane/training_session.cc: the agreement runs one step
+    // ahead, while the next step computes). The first boundary of a run has nothing posted.
     StepOrders agreed{generation, 0, 0};
-    bool busy = false;  // a rank still reports or pushes its previous snapshot
-    for (const auto& [rank, index] : group.members) {
-      busy = busy || workers_[index]->session->snapshot_work > 0;
-      const StepOrders& known = workers_[index]->orders;
-      if (known.generation != generation) continue;
-      agreed.save_request = std::max(agreed.save_request, known.save_request);
-      agreed.pause_request = std::max(agreed.pause_request, known.pause_request);
-      agreed.pause_in_memory = agreed.pause_in_memory || known.pause_in_memory;
+    bool busy = false;  // a rank still reported or pushed its previous snapshot then
+    if (group.posted.has_value()) {
+      ReportStep(generation, group.step - 1);
+      agreed = group.posted->orders;
+      busy = group.posted->snapshots_busy;
+      group.posted.reset();
     }
     boundary = DecideStepBoundary(
         group.step, StepBoundaryRules{job_.steps, job_.checkpoint_every, job_.snapshot_every},
@@ -1110,6 +1121,24 @@ void Simulation::Step(int64_t generation) {
                   ShardWritten(index, generation, id, step, request, hash);
                 });
     }
+  }
+  if (stepped) {
+    // Every rank posts the newest orders of this generation it knows and whether its snapshot
+    // work is still in flight (after this boundary's snapshot started); the ranks agree on them
+    // with a max.
+    PostedAgreement posted{StepOrders{generation, 0, 0}, false};
+    for (const auto& [rank, index] : group.members) {
+      posted.snapshots_busy =
+          posted.snapshots_busy || workers_[index]->session->snapshot_work > 0;
+      const StepOrders& known = workers_[index]->orders;
+      if (known.generation != generation) continue;
+      posted.orders.save_request = std::max(posted.orders.save_request, known.save_request);
+      posted.orders.pause_request = std::max(posted.orders.pause_request, known.pause_request);
+      posted.orders.pause_in_memory = posted.orders.pause_in_memory || known.pause_in_memory;
+    }
+    group.posted = posted;
+    // The last step of a run, or the one it pauses after, is reported at once.
+    if (boundary.pause || last) ReportStep(generation, group.step);
   }
   if (boundary.pause || last) {
     group.over = true;

@@ -281,7 +281,16 @@ float* Engine::grad(int index) {
   return grad_slots_[bucket.grad_slot].array.data() + location.offset;
 }
 
+absl::StatusOr<CommunicationQueue::Ticket> Engine::SubmitCollective(
+    CommunicationQueue::Operation operation) {
+  if (queue_->threaded() && device_->host_memory()) return queue_->Submit(std::move(operation));
+  SHARD_RETURN_IF_ERROR(queue_->Drain());
+  SHARD_RETURN_IF_ERROR(operation());
+  return CommunicationQueue::Ticket{0};
+}
+
 absl::Status Engine::BroadcastParameters() {
+  SHARD_RETURN_IF_ERROR(queue_->Drain());  // SubmitCollective's, if one is in flight
   SHARD_RETURN_IF_ERROR(FinishGathers());
   if (sharded_params()) {
     SHARD_RETURN_IF_ERROR(BroadcastStagedValues());

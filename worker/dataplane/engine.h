@@ -215,6 +215,16 @@ class Engine {
   // Makes every rank's parameters rank 0's (as DDP does at construction).
   absl::Status BroadcastParameters();
 
+  // A collective of the caller's (the step boundary's agreement), queued behind the engine's
+  // own so that the caller does not wait for it: it runs on the communication thread when the
+  // engine has one and its memory is the host's. A device's host values pass through its
+  // compute stream, so there (and without a thread) it runs now. WaitCollective waits for it
+  // and everything queued before it; the engine's own collectives outside the queue (the
+  // methods marked Collective) wait for it first, so the two never run at once.
+  absl::StatusOr<CommunicationQueue::Ticket> SubmitCollective(
+      CommunicationQueue::Operation operation);
+  absl::Status WaitCollective(CommunicationQueue::Ticket ticket) { return queue_->Wait(ticket); }
+
   // Zeroes every gradient, one bucket at a time (for callers whose backward accumulates into
   // the gradients, as torch's autograd does).
   absl::Status ZeroGradients();

@@ -62,6 +62,7 @@ absl::Status Engine::CopyOwnedState(std::vector<char>* out) {
 }
 
 absl::Status Engine::Restore(CheckpointReader& checkpoint, RestoreTimings* timings) {
+  SHARD_RETURN_IF_ERROR(queue_->Drain());  // SubmitCollective's, if one is in flight
   const CheckpointManifest& saved = checkpoint.manifest();
   if (absl::Status same = CompareManifests(manifest_, saved.model(),
                                            absl::StrCat("checkpoint ", saved.id));
@@ -227,6 +228,7 @@ absl::Status Engine::ReadInto(StateSource& source, int param, int array, int64_t
 
 absl::Status Engine::LoadState(std::unique_ptr<StateSource> source, bool with_state,
                                int64_t steps_done, const TrainingCounters& counters) {
+  SHARD_RETURN_IF_ERROR(queue_->Drain());  // SubmitCollective's, if one is in flight
   SHARD_RETURN_IF_ERROR(ReadAndGather(*source, with_state && rebuilt_, nullptr));
   steps_done_ = steps_done;
   SHARD_RETURN_IF_ERROR(ContinueCounters(counters));
@@ -275,6 +277,7 @@ absl::Status Engine::ConsolidateStateDict(int to_rank, const std::string& path,
 }
 
 absl::Status Engine::GatherToRank(int param, int array, int to_rank, float* out) {
+  SHARD_RETURN_IF_ERROR(queue_->Drain());  // SubmitCollective's, if one is in flight
   const int rank = communicator_->rank();
   if (param < 0 || param >= static_cast<int>(manifest_.params.size()) ||
       array >= static_cast<int>(optimizer_.state_names().size()) ||
@@ -323,6 +326,7 @@ absl::Status Engine::GatherToRank(int param, int array, int to_rank, float* out)
 }
 
 absl::Status Engine::SendBytes(int from_rank, int to_rank, std::string* bytes) {
+  SHARD_RETURN_IF_ERROR(queue_->Drain());  // SubmitCollective's, if one is in flight
   if (from_rank == to_rank) return absl::OkStatus();
   SHARD_RETURN_IF_ERROR(FinishGathers());
   const int rank = communicator_->rank();

@@ -212,34 +212,13 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
                                                                    const StepTimings& timings,
                                                                    absl::Time started) {
   const int64_t step = next_step_;
-  // One collective at the boundary, not one for the loss and one for the orders: an all-reduce
-  // (max) of the newest orders any rank knows and of every rank's loss share, each in a slot of
-  // its own (the other ranks put the smallest int64 there, so the max is the owner's bits),
-  // added up in rank order here, the same on every rank.
-  StepOrders known = options_.orders ? options_.orders() : StepOrders{};
-  if (known.generation != options_.generation) known = StepOrders{};
-  constexpr size_t kOrderValues = 5;
-  std::vector<int64_t> agreed(kOrderValues + communicator_.size(),
-                              std::numeric_limits<int64_t>::min());
-  agreed[0] = known.save_request;
-  agreed[1] = known.pause_request;
-  agreed[2] = known.pause_in_memory ? 1 : 0;
-  agreed[3] = snapshotter_ != nullptr && snapshotter_->busy() ? 1 : 0;
-  agreed[4] = saver_.writing_step();
-  agreed[kOrderValues + communicator_.rank()] = absl::bit_cast<int64_t>(loss_share);
-  SHARD_RETURN_IF_ERROR(device_.AllReduceHostValues(communicator_, agreed.data(), agreed.size(),
-                                                    DataType::kInt64, ReduceOp::kMax));
-  double loss = 0;
-  for (size_t r = kOrderValues; r < agreed.size(); ++r) loss += absl::bit_cast<double>(agreed[r]);
   StepRecord record;
   record.step = step + 1;
-  record.loss = loss;
   record.timings = timings;
   record.step_ms = absl::ToDoubleMilliseconds(absl::Now() - started);
   record.plan_version = engine_->plan_version();
   record.held_bytes = engine_->held_bytes().total();
   if (step == result_.start_step) {
-    result_.first_loss = loss;
     steady_start_ = absl::Now();
   } else {
     hidden_ms_ += timings.hidden_ms;
@@ -247,24 +226,32 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
     step_ms_ += record.step_ms;
     compute_ms_ += timings.backward_ms;
   }
-  result_.last_loss = loss;
   result_.steps = step + 1;
   next_step_ = step + 1;
 
-  // Checkpoint or snapshot at this step boundary if one is due or requested anywhere: the ranks
-  // agreed above on the newest save and pause requests any of them knows, and on whether any of
-  // them is still replicating its previous snapshot or writing its previous checkpoint.
+  // This boundary acts on what the ranks posted at the previous one (the orders and the work in
+  // flight then): agreed one step ahead, so that no rank waits here for the others. The
+  // previous step is reported now, with its global loss. The first boundary of a run has
+  // nothing posted: no orders, and nothing in flight yet.
+  StepOrders orders{options_.generation, 0, 0, false};
+  BoundaryWork work;
+  if (posted_.has_value()) {
+    SHARD_ASSIGN_OR_RETURN(const PostedAgreement agreed, SettlePosted());
+    orders = agreed.orders;
+    work = agreed.work;
+  }
+
+  // Checkpoint or snapshot at this step boundary if one is due or requested anywhere.
   if (step == result_.start_step) boundary_state_.last_snapshot_step = step;
   const StepBoundaryRules rules{job_.steps, job_.checkpoint_every,
                                 snapshotter_ != nullptr ? job_.snapshot_every : 0};
-  const StepOrders orders{options_.generation, agreed[0], agreed[1], agreed[2] > 0};
-  BoundaryWork work{agreed[3] > 0, agreed[4]};
   absl::Duration waited;
   if (work.saving_step > 0 && work.saving_step != waited_for_save_ &&
       SaveDue(step + 1, rules, orders, boundary_state_)) {
     // A save is due while a rank still writes the previous one: each rank waits for its own
-    // write a bounded time, once per write, and the ranks agree again on whether one still
-    // writes. A slow disk holds training up at most checkpoint.max_wait_ms per write.
+    // write a bounded time, once per write, and the ranks agree again (now, blocking: rare) on
+    // whether one still writes. A slow disk holds training up at most checkpoint.max_wait_ms
+    // per write.
     waited_for_save_ = work.saving_step;
     const absl::Time wait_start = absl::Now();
     saver_.WaitIdleFor(absl::Milliseconds(job_.checkpoint_max_wait_ms));
@@ -286,7 +273,11 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
   if (boundary.snapshot || boundary.save) {
     SHARD_RETURN_IF_ERROR(SaveState(step + 1, boundary, waited, &record));
   }
-  if (options_.on_step) options_.on_step(record);
+  // What this rank knows now, for the next boundary, with this step's loss share. Posted after
+  // this boundary's saves started, so that the next one knows they are in flight.
+  SHARD_RETURN_IF_ERROR(Post(std::move(record), loss_share));
+  const bool last = boundary.pause || finished();
+  if (last) SHARD_RETURN_IF_ERROR(SettlePosted().status());
   if (boundary.pause) {
     // What the world re-forms from must be reported first: the snapshot held (and replicated),
     // or the checkpoint's shard on disk.
@@ -304,6 +295,50 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
     return Boundary::kPaused;
   }
   return finished() ? Boundary::kFinished : Boundary::kContinue;
+}
+
+absl::Status TrainingSession::Post(StepRecord record, double loss_share) {
+  // One small all-reduce (max): the newest orders any rank knows, what any rank still has in
+  // flight, and every rank's loss share in a slot of its own (the other ranks put the smallest
+  // int64 there, so the max is the owner's bits), added up in rank order when it is settled,
+  // the same on every rank.
+  StepOrders known = options_.orders ? options_.orders() : StepOrders{};
+  if (known.generation != options_.generation) known = StepOrders{};
+  auto values = std::make_shared<std::vector<int64_t>>(kPostedOrderValues + communicator_.size(),
+                                                       std::numeric_limits<int64_t>::min());
+  std::vector<int64_t>& posted = *values;
+  posted[0] = known.save_request;
+  posted[1] = known.pause_request;
+  posted[2] = known.pause_in_memory ? 1 : 0;
+  posted[3] = snapshotter_ != nullptr && snapshotter_->busy() ? 1 : 0;
+  posted[4] = saver_.writing_step();
+  posted[kPostedOrderValues + communicator_.rank()] = absl::bit_cast<int64_t>(loss_share);
+  SHARD_ASSIGN_OR_RETURN(
+      const CommunicationQueue::Ticket ticket,
+      engine_->SubmitCollective([this, values] {
+        return device_.AllReduceHostValues(communicator_, values->data(), values->size(),
+                                           DataType::kInt64, ReduceOp::kMax);
+      }));
+  posted_ = Posted{std::move(values), ticket, std::move(record)};
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TrainingSession::PostedAgreement> TrainingSession::SettlePosted() {
+  Posted posted = std::move(*posted_);
+  posted_.reset();
+  SHARD_RETURN_IF_ERROR(engine_->WaitCollective(posted.ticket));
+  const std::vector<int64_t>& agreed = *posted.values;
+  double loss = 0;
+  for (size_t r = kPostedOrderValues; r < agreed.size(); ++r) {
+    loss += absl::bit_cast<double>(agreed[r]);
+  }
+  StepRecord& record = posted.record;
+  record.loss = loss;
+  if (record.step == result_.start_step + 1) result_.first_loss = loss;
+  result_.last_loss = loss;
+  if (options_.on_step) options_.on_step(record);
+  return PostedAgreement{StepOrders{options_.generation, agreed[0], agreed[1], agreed[2] > 0},
+                         BoundaryWork{agreed[3] > 0, agreed[4]}};
 }
 
 void TrainingSession::ReportSkippedSave(int64_t step, int64_t writing, absl::Duration waited) {

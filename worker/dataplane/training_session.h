@@ -22,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -76,7 +77,8 @@ struct TrainerOptions {
   // Where the model, its buffers and the update run (not owned; null: the host); the
   // communicator's buffers must be its memory. The job's precision must be one it runs.
   Device* device = nullptr;
-  // Called after every step (e.g. to log and report to the coordinator).
+  // Called after every step (e.g. to log and report to the coordinator), one boundary late: the
+  // global loss is agreed while the next step computes.
   std::function<void(const StepRecord&)> on_step;
   // Polled between steps; training stops with Cancelled once it is set.
   const std::atomic<bool>* stop = nullptr;
@@ -104,10 +106,10 @@ struct TrainerOptions {
   std::function<void(const SnapshotShard&, const std::string& buddy, const absl::Status&)>
       on_snapshot_push_failed;
   // The orders from the coordinator this rank knows of now (common/control_types.h), polled at
-  // every step boundary; only orders of `generation` count. All ranks save at the first
-  // boundary at which any of them knows a request newer than the last one saved, and pause
-  // after a pausing one (they agree through one small all-reduce per step; common/
-  // step_boundary.h decides). A pause returns with TrainResult::paused_at: the world is about
+  // every step boundary; only orders of `generation` count. All ranks save at the boundary
+  // after the first at which any of them knows a request newer than the last one saved, and
+  // pause after a pausing one (they agree one step ahead, through one small all-reduce per step
+  // that runs while the next step computes; common/step_boundary.h decides). A pause returns with TrainResult::paused_at: the world is about
   // to re-form and restore that checkpoint. Periodic saves need no orders.
   std::function<StepOrders()> orders;
   int64_t generation = 0;
@@ -158,8 +160,10 @@ class TrainingSession {
 
   // The boundary after engine().Step(): `loss_share` is this rank's share of the global batch's
   // mean loss (the ranks' shares are summed), `started` when the step began. Reports the step
-  // (options.on_step), saves when a checkpoint is due or asked for, and says whether training
-  // goes on, paused for a re-formation, or did its last step.
+  // before (options.on_step) with its global loss, which is agreed while this step computed
+  // (the last step of a run, or the one it pauses after, is reported at once), saves when a
+  // checkpoint is due or asked for, and says whether training goes on, paused for a
+  // re-formation, or did its last step.
   absl::StatusOr<Boundary> EndStep(double loss_share, const StepTimings& timings,
                                    absl::Time started);
   // A training script's own optimizer (kTorch) keeps part of its state itself: at every save
@@ -188,6 +192,16 @@ class TrainingSession {
   // (after training `waited` for the previous save's write).
   absl::Status SaveState(int64_t step, const StepBoundary& boundary, absl::Duration waited,
                          StepRecord* record);
+  // The step boundary's agreement, one step ahead (EndStep): Post submits what this rank knows
+  // at the end of `record`'s step (its orders, its saves in flight, its loss share) as one
+  // all-reduce that runs while the next step computes; SettlePosted waits for it, reports
+  // `record` with the global loss, and returns what the ranks agreed on.
+  struct PostedAgreement {
+    StepOrders orders;
+    BoundaryWork work;
+  };
+  absl::Status Post(StepRecord record, double loss_share);
+  absl::StatusOr<PostedAgreement> SettlePosted();
   // Tells the coordinator (through options.on_checkpoint) that the periodic checkpoint of
   // `step` was skipped while the one of step `writing` was still being written.
   void ReportSkippedSave(int64_t step, int64_t writing, absl::Duration waited);
@@ -207,6 +221,14 @@ class TrainingSession {
   bool restored_ = false;
   int64_t next_step_ = 0;
   StepBoundaryState boundary_state_;
+  // The agreement posted at the last boundary, in flight until the next one settles it.
+  static constexpr size_t kPostedOrderValues = 5;  // then one loss share per rank
+  struct Posted {
+    std::shared_ptr<std::vector<int64_t>> values;  // shared with the collective in flight
+    CommunicationQueue::Ticket ticket = 0;
+    StepRecord record;  // its step's, the global loss still to come
+  };
+  std::optional<Posted> posted_;
   ExtrasProvider extras_provider_;
   std::map<int, std::string> restored_extras_;
   int64_t waited_for_save_ = 0;  // the step of the last in-flight save a boundary waited for

@@ -10,8 +10,9 @@
 namespace shard {
 namespace {
 
-// The largest AllReduceHostValues: a few scalars.
-constexpr size_t kHostValueBytes = 256;
+// The largest AllReduceHostValues: the step boundary's, a few orders and one loss share per
+// rank (training_session.cc), for worlds of up to about 8,000 ranks.
+constexpr size_t kHostValueBytes = 64 << 10;
 
 void FreeDevice(float* data) { cudaFree(data); }
 

@@ -1,0 +1,129 @@
+// The step boundary's agreement runs one step ahead (worker/dataplane/training_session.h): what
+// the ranks know at the end of a step (the coordinator's orders, their saves in flight, their
+// loss shares) is all-reduced while the next step computes, and the boundary after acts on it.
+// On ranks that train as threads over Gloo, with orders that only one rank knows: every rank
+// saves and pauses at the same boundary, the one after the order was first known, and every step
+// is reported, in order, with the global loss an undisturbed run reports.
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/mlp_data.h"
+#include "gtest/gtest.h"
+#include "tests/support/train_on_threads.h"
+
+namespace shard {
+namespace {
+
+const std::vector<int64_t> kWidths = {12, 40, 24, 6};
+constexpr int kWorld = 3;
+
+JobConfig Job(const std::string& name) {
+  const std::string root =
+      absl::StrCat(::testing::TempDir(), "/shard-boundary-agreement-test-", getpid(), "/", name);
+  std::filesystem::remove_all(root);
+  JobConfig job;
+  job.name = "agree";
+  job.world_size = kWorld;
+  job.min_world_size = 1;
+  job.widths = kWidths;
+  job.data_path = ::testing::TempDir() + "/shard-boundary-agreement-test-data.safetensors";
+  job.seed = 11;
+  job.optimizer.kind = OptimizerKind::kAdam;
+  job.optimizer.lr = 0.01;
+  job.global_batch = 24;
+  job.steps = 12;
+  job.zero_stage = 2;
+  job.bucket_cap_bytes = 1024;
+  job.first_bucket_cap_bytes = 256;
+  job.output_dir = root + "/out";
+  job.checkpoint_dir = root + "/checkpoints";
+  job.checkpoint_every = 0;
+  job.snapshot_every = 0;
+  return job;
+}
+
+struct RankLog {
+  int orders_polled = 0;             // boundaries this rank reached
+  std::vector<StepRecord> reported;  // on_step, in call order
+  std::vector<std::pair<int64_t, int64_t>> saved;  // (step, request) of each checkpoint shard
+};
+
+// Trains `job` on threads; `orders(rank, boundary)` is what rank `rank` knows at its
+// `boundary`-th step boundary (1-based).
+std::vector<RankLog> Train(const JobConfig& job,
+                           const std::function<StepOrders(int rank, int boundary)>& orders,
+                           std::vector<TrainResult>* results) {
+  if (!std::filesystem::exists(job.data_path)) {
+    EXPECT_TRUE(GenerateMlpData(kWidths, 96, 4, job.data_path).ok());
+  }
+  std::vector<RankLog> logs(job.world_size);
+  absl::Mutex mu;
+  RankThreadsOptions run;
+  run.results = results;
+  run.configure = [&](int rank, TrainerOptions* trainer) {
+    RankLog& log = logs[rank];
+    trainer->orders = [&log, &orders, rank] { return orders(rank, ++log.orders_polled); };
+    trainer->on_step = [&log](const StepRecord& record) { log.reported.push_back(record); };
+    trainer->on_checkpoint = [&, &log = logs[rank], committing = trainer->on_checkpoint](
+                                 const SavedShard& saved) {
+      {
+        absl::MutexLock lock(&mu);
+        log.saved.emplace_back(saved.step, saved.request);
+      }
+      committing(saved);
+    };
+  };
+  TrainMlpOnThreads(job, run);
+  return logs;
+}
+
+TEST(BoundaryAgreementTest, OrdersOneRankKnowsAreActedOnByEveryRankAtTheNextBoundary) {
+  // The reference: the same job with no orders.
+  const JobConfig reference_job = Job("reference");
+  std::vector<TrainResult> reference_results;
+  const std::vector<RankLog> reference = Train(
+      reference_job, [](int, int) { return StepOrders{}; }, &reference_results);
+  ASSERT_EQ(reference[0].reported.size(), static_cast<size_t>(reference_job.steps));
+
+  // Rank 1 knows a save request from its 3rd boundary on, rank 2 a pause (to a disk
+  // checkpoint) from its 6th: saves at step 4 and at step 7, where training pauses.
+  const JobConfig job = Job("orders");
+  std::vector<TrainResult> results;
+  const std::vector<RankLog> logs = Train(
+      job,
+      [](int rank, int boundary) {
+        StepOrders known;
+        if (rank == 1 && boundary >= 3) known.save_request = 1;
+        if (rank == 2 && boundary >= 6) known.save_request = known.pause_request = 2;
+        return known;
+      },
+      &results);
+  ASSERT_EQ(results.size(), static_cast<size_t>(kWorld));
+  for (int rank = 0; rank < kWorld; ++rank) {
+    SCOPED_TRACE(absl::StrCat("rank ", rank));
+    EXPECT_EQ(results[rank].paused_at, 7);
+    EXPECT_EQ(results[rank].checkpoints_saved, 2);
+    const std::vector<std::pair<int64_t, int64_t>> expected_saves = {{4, 1}, {7, 2}};
+    EXPECT_EQ(logs[rank].saved, expected_saves);
+    const RankLog& log = logs[rank];
+    ASSERT_EQ(log.reported.size(), 7u);
+    for (size_t i = 0; i < log.reported.size(); ++i) {
+      const StepRecord& record = log.reported[i];
+      EXPECT_EQ(record.step, static_cast<int64_t>(i + 1));
+      // The global loss, bit for bit the undisturbed run's and the same on every rank.
+      EXPECT_EQ(record.loss, reference[0].reported[i].loss) << "step " << record.step;
+      EXPECT_EQ(record.loss, logs[0].reported[i].loss) << "step " << record.step;
+    }
+    EXPECT_EQ(results[rank].first_loss, reference[0].reported[0].loss);
+    EXPECT_EQ(results[rank].last_loss, reference[0].reported[6].loss);
+  }
+  EXPECT_EQ(reference_results[0].last_loss, reference[0].reported.back().loss);
+  EXPECT_TRUE(reference[0].saved.empty());
+}
+
+}  // namespace
+}  // namespace shard
