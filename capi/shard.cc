@@ -65,7 +65,8 @@ struct shard_job {
   std::string output_path;  // shard_generation_end's
   int gpu = -1;             // N of device cuda:N, -1 on the host
   uintptr_t stream = 0;     // the caller's CUDA stream (shard_set_stream)
-  // What went wrong in shard_mark_ready, which returns nothing: the step reports it.
+  // What went wrong in shard_mark_ready or shard_mark_bucket_ready, which return nothing: the
+  // step reports it.
   absl::Mutex mark_mu;
   absl::Status mark_failure ABSL_GUARDED_BY(mark_mu);
 };
@@ -121,6 +122,22 @@ absl::Status AfterCaller(shard_job* job) {
 }
 absl::Status BeforeCaller(shard_job* job) {
   return job->session->device().MakeStreamWait(job->stream);
+}
+
+// Before gradients are marked ready: what the caller wrote is visible, and `numel` gradients at
+// `grad` are divided by the world size (each rank's loss is the mean over its own samples, so
+// the ranks' gradients are averaged, as DDP does, before the reduction sums them). False, with
+// the failure kept for the step to report, if that failed: shard_mark_ready returns nothing.
+bool AverageGradients(shard_job* job, float* grad, int64_t numel) {
+  const int world = job->session->communicator().size();
+  absl::Status prepared = AfterCaller(job);
+  if (prepared.ok() && grad != nullptr && world > 1) {
+    prepared = job->session->device().Divide(grad, numel, static_cast<float>(world));
+  }
+  if (prepared.ok()) return true;
+  absl::MutexLock lock(&job->mark_mu);
+  if (job->mark_failure.ok()) job->mark_failure = prepared;
+  return false;
 }
 
 // A step's gradients are all marked (or shard_mark_ready found something wrong).
@@ -506,7 +523,10 @@ absl::Status ParamLayout(shard_job* job, const char** json) {
   for (const shard::ParamLocation& location : plan.locations) {
     params.push_back({location.bucket, location.offset});
   }
-  job->layout_json = nlohmann::json{{"buckets", buckets}, {"params", params}}.dump();
+  job->layout_json = nlohmann::json{{"buckets", buckets},
+                                    {"params", params},
+                                    {"final", job->session->engine().buckets_final()}}
+                         .dump();
   *json = job->layout_json.c_str();
   return absl::OkStatus();
 }
@@ -734,11 +754,8 @@ int shard_broadcast(shard_job* job, int index) {
       return absl::InvalidArgumentError(absl::StrCat(
           spec.name, " is trained: its values are the engine's and the same on every rank"));
     }
-    shard::Communicator& communicator = job->session->communicator();
     SHARD_RETURN_IF_ERROR(AfterCaller(job));
-    SHARD_RETURN_IF_ERROR(
-        communicator.Broadcast(engine.param(index), spec.numel(), shard::DataType::kFloat32, 0));
-    SHARD_RETURN_IF_ERROR(communicator.OrderComputeAfterCollectives());
+    SHARD_RETURN_IF_ERROR(engine.BroadcastFrozen(index));
     return BeforeCaller(job);
   });
 }
@@ -752,20 +769,31 @@ void shard_mark_ready(shard_job* job, int index) {
   shard::Engine& engine = job->session->engine();
   const shard::Manifest& manifest = engine.manifest();
   if (index < 0 || index >= static_cast<int>(manifest.params.size())) return;
-  // Each rank's loss is the mean over its own samples, so the ranks' gradients are averaged,
-  // as DDP does: divided by the world size before the reduction sums them.
-  const int world = job->session->communicator().size();
-  absl::Status prepared = AfterCaller(job);
-  if (float* grad = engine.grad(index); prepared.ok() && grad != nullptr && world > 1) {
-    prepared = job->session->device().Divide(grad, manifest.params[index].numel(),
-                                             static_cast<float>(world));
+  if (float* grad = engine.grad(index);
+      AverageGradients(job, grad, grad != nullptr ? manifest.params[index].numel() : 0)) {
+    engine.MarkGradReady(index);
   }
-  if (!prepared.ok()) {
+}
+
+void shard_mark_bucket_ready(shard_job* job, int bucket) {
+  if (job == nullptr || job->session == nullptr) return;
+  shard::Engine& engine = job->session->engine();
+  const std::vector<shard::Bucket>& buckets = engine.plan().buckets;
+  absl::StatusOr<float*> grads = absl::FailedPreconditionError(absl::StrCat(
+      "shard_mark_bucket_ready(", bucket, "): not a bucket of a final layout at stages 0 to 2 "
+      "(ask shard_param_layout again after the layout version changed)"));
+  if (bucket >= 0 && bucket < static_cast<int>(buckets.size()) && engine.buckets_final() &&
+      job->session->job().zero_stage < 3) {
+    grads = engine.AcquireGradBucket(bucket);
+  }
+  if (!grads.ok()) {
     absl::MutexLock lock(&job->mark_mu);
-    if (job->mark_failure.ok()) job->mark_failure = prepared;
+    if (job->mark_failure.ok()) job->mark_failure = grads.status();
     return;
   }
-  engine.MarkGradReady(index);
+  // The whole bucket in one division (its padding is zeros), then every gradient of it marked.
+  if (!AverageGradients(job, *grads, buckets[bucket].padded_numel)) return;
+  for (const shard::BucketEntry& entry : buckets[bucket].entries) engine.MarkGradReady(entry.param);
 }
 
 int shard_step(shard_job* job) {

@@ -99,8 +99,9 @@ int shard_tensor_dlpack(shard_job* job, int index, int grad, struct DLManagedTen
  * parameters, so shard_tensor and shard_tensor_dlpack give them only for frozen tensors. The
  * caller gathers a bucket while it computes with the bucket's parameters (module hooks):
  * shard_param_layout says where each parameter lives, {"buckets": [padded numel of each],
- * "params": [[bucket, offset] by index; bucket -1 for a frozen tensor]} (valid until the layout
- * version changes); shard_acquire with grad = 0 gathers bucket `bucket` (prefetching the
+ * "params": [[bucket, offset] by index; bucket -1 for a frozen tensor], "final": whether the
+ * buckets were planned from the gradients' ready order} (valid until the layout version
+ * changes; at every stage); shard_acquire with grad = 0 gathers bucket `bucket` (prefetching the
  * buckets the previous step acquired next) and gives a 1-D view of its whole parameters, valid
  * until shard_release and the next shard_acquire that needs its slot; with grad = 1 it gives
  * the bucket's zeroed gradient buffer for this step's backward, valid until the bucket's last
@@ -132,6 +133,11 @@ int shard_broadcast(shard_job* job, int index);
 int shard_step_begin(shard_job* job, int64_t* step);
 /* Gradient `index` is complete for this step; its bucket reduces once all of its are. */
 void shard_mark_ready(shard_job* job, int index);
+/* Every gradient of bucket `bucket` (shard_param_layout's) is complete for this step: one call a
+ * bucket instead of one a parameter, at stages 0 to 2 once the layout is "final" (before, the
+ * first step's ready order of each gradient rebuilds the buckets). Like shard_mark_ready, any
+ * thread; what goes wrong is reported by the step. */
+void shard_mark_bucket_ready(shard_job* job, int bucket);
 /* Waits for the reductions, clips, updates what this rank owns and gathers the parameters. */
 int shard_step(shard_job* job);
 /* The same in parts, for the script's own optimizer: shard_step_reduce waits for the reductions

@@ -584,10 +584,16 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
           options_.collective_timeout_floor, options_.collective_timeout));
     }
     if (rank == 0 && (record.step % log_every == 0 || record.step == 1 || record.step == job.steps)) {
-      spdlog::info("step {}/{} loss {:.6f} ({:.1f} ms: backward {:.1f} ms, reduction {:.1f} ms of "
+      // The global loss is agreed a step late (training_session.h), but for the last step.
+      const std::string loss =
+          record.loss_step == record.step ? absl::StrFormat("loss %.6f", record.loss)
+          : record.loss_step > 0
+              ? absl::StrFormat("loss %.6f (step %d's)", record.loss, record.loss_step)
+              : std::string("loss -");
+      spdlog::info("step {}/{} {} ({:.1f} ms: backward {:.1f} ms, reduction {:.1f} ms of "
                    "which {:.0f}% hidden, update {:.2f} ms, gather {:.1f} ms, waited for "
                    "gathers {:.1f} ms{}; plan v{}{})",
-                   record.step, job.steps, record.loss, record.step_ms, t.backward_ms,
+                   record.step, job.steps, loss, record.step_ms, t.backward_ms,
                    t.communication_ms,
                    t.communication_ms > 0 ? 100 * t.hidden_ms / t.communication_ms : 0.0,
                    t.optimizer_ms, t.gather_ms, t.gather_wait_ms,

@@ -52,6 +52,7 @@ def _load():
         "shard_broadcast": ([job, ctypes.c_int], ctypes.c_int),
         "shard_step_begin": ([job, ctypes.POINTER(ctypes.c_int64)], ctypes.c_int),
         "shard_mark_ready": ([job, ctypes.c_int], None),
+        "shard_mark_bucket_ready": ([job, ctypes.c_int], None),
         "shard_step": ([job], ctypes.c_int),
         "shard_step_reduce": ([job, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
         "shard_step_finish": ([job, ctypes.c_int], ctypes.c_int),

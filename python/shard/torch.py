@@ -431,6 +431,12 @@ class Engine:
         self._optimizer = None  # the script's own (optimizer()), else the job spec's runs
         self._grad_versions = {}  # by index: the gradient's version when backward last made it
         self._units = None  # stage 3's unit hooks (shard.units)
+        # Once the buckets are final (stages 0 to 2): each trainable parameter's bucket, each
+        # bucket's count of them, and this step's gradients counted and still to come by bucket.
+        self._bucket_of = None
+        self._bucket_sizes = []
+        self._counted = set()
+        self._unmarked = []
         if int(job.spec.get("zero_stage", 0)) == 3:
             bucket_params = int(float(job.spec.get("bucket_cap_mb", 25)) * 2**20 / 4)
             self._units = Units(self, model, self._params, units, max(1, bucket_params))
@@ -465,7 +471,7 @@ class Engine:
                     # after that (clip_grad_norm_) would hit values the bucket is reducing.
                     self._grad_versions[index] = param.grad._version
                     if self._syncing:
-                        lib.shard_mark_ready(handle, index)
+                        self._mark_ready(handle, index)
 
             if hasattr(param, "register_post_accumulate_grad_hook"):  # torch >= 2.1
                 self._hooks.append(param.register_post_accumulate_grad_hook(ready))
@@ -473,6 +479,21 @@ class Engine:
                 accumulate = param.expand_as(param).grad_fn.next_functions[0][0]
                 self._hooks.append(accumulate.register_hook(ready))
                 self._hooks.append(accumulate)  # keeps the node, and so its hook, alive
+
+    def _mark_ready(self, handle, index):
+        """Tells Shard once a bucket's gradients are all complete: one call a bucket, not one a
+        parameter. Until the buckets are final, each gradient as it comes: the first step's ready
+        order rebuilds them."""
+        if self._bucket_of is None:
+            lib.shard_mark_ready(handle, index)
+            return
+        if index in self._counted:  # a second backward without no_sync(): counted once
+            return
+        self._counted.add(index)
+        bucket = self._bucket_of[index]
+        self._unmarked[bucket] -= 1
+        if self._unmarked[bucket] == 0:
+            lib.shard_mark_bucket_ready(handle, bucket)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -585,6 +606,7 @@ class Engine:
         self._views = views
         if self._units is not None:
             self._units.load_layout(version.value)
+        self._load_buckets()
         self._buffer_views = []
         for offset, name in enumerate(self._buffer_names):
             self._buffer_views.append(_view(handle, len(self._params) + offset, False,
@@ -676,9 +698,28 @@ class Engine:
         if self._units is not None:
             self._units.end_step()
 
+    def _load_buckets(self):
+        """The trainable parameters' buckets, when they are final (see _mark_ready)."""
+        self._bucket_of = None
+        if self._units is not None:
+            return
+        text = ctypes.c_char_p()
+        check(lib.shard_param_layout(self._job._handle, ctypes.byref(text)))
+        layout = json.loads(text.value)
+        if not layout["final"]:
+            return
+        self._bucket_sizes = [0] * len(layout["buckets"])
+        for index, param in enumerate(self._params):
+            if param.requires_grad:
+                self._bucket_sizes[layout["params"][index][0]] += 1
+        self._bucket_of = [bucket for bucket, _ in layout["params"]]
+        self._step_begun()
+
     def _step_begun(self):
         if self._units is not None:
             self._units.begin_step()
+        self._counted = set()
+        self._unmarked = list(self._bucket_sizes)
 
     def _torch_step(self, optimizer):
         """The step with the script's optimizer: Shard reduces (and clips), the optimizer updates

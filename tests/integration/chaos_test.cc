@@ -313,7 +313,7 @@ class ChaosTest : public ::testing::Test {
                                                 .snapshot_every = 10, .replicas = 1,
                                                 .zero_stage = zero_stage}));
     const std::vector<std::string> ids = {"w0", "w1", "w2", "w3"};
-    std::vector<Process> workers = StartWorkers(ids);
+    std::vector<Process> workers = StartWorkers(ids, {}, kSlowSteps);
     WaitForSnapshot(40);
     const int victim = HolderOf(2, ids);
     ASSERT_GE(victim, 0);
@@ -678,8 +678,11 @@ TEST_F(ChaosTest, AStuckRankIsNamedEvictedAndTheWorldGoesOnWithoutIt) {
   StartCoordinator(WriteJob("job", JobOptions{.world = 4, .min = 3, .steps = kSteps,
                                               .snapshot_every = 10, .replicas = 1}),
                    {"--progress-lease-floor", "2s"});
-  std::vector<Process> workers = StartWorkers({"w0", "w1", "w3"});
-  workers.push_back(cluster_->StartWorker("w2", {}, {"SHARD_STALL_TRAINING=100"}));
+  // Slowed, so that the snapshot of step 80 is replicated before the boundary of step 89
+  // posts whether one is in flight: the snapshot of step 90 is taken on time.
+  std::vector<Process> workers = StartWorkers({"w0", "w1", "w3"}, {}, kSlowSteps);
+  workers.push_back(
+      cluster_->StartWorker("w2", {}, {"SHARD_STALL_TRAINING=100", kSlowSteps[0]}));
   ASSERT_TRUE(Eventually([&] { return HasEvent("stuck: "); }, absl::Seconds(60)))
       << cluster_->coordinator().Log();
   const std::vector<std::string> stuck = EventsOf("stuck");

@@ -361,6 +361,68 @@ job.finish()
 '''
 
 
+def test_gradients_are_marked_ready_once_a_bucket_once_the_buckets_are_final(cluster):
+    workers = run_script(cluster, MARK_COUNTER, world=2, steps=5)
+    for worker in workers:
+        log = cluster.log(worker)
+        counts = json.loads(log[log.index("marks "):].split("\n")[0][len("marks "):])
+        params, buckets = counts["trainable"], counts["buckets"]
+        assert buckets >= 2, log  # the job's small buckets split the MLP
+        # The first step marks each gradient (its ready order rebuilds the buckets); every
+        # later one marks each bucket once, and no gradient on its own.
+        assert counts["steps"][0] == [params, 0], log
+        assert counts["steps"][1:] == [[0, buckets]] * 4, log
+
+
+MARK_COUNTER = '''
+import ctypes
+import json
+import sys
+
+import torch
+import shard.torch as shard
+from shard._lib import check, lib
+
+sys.path.insert(0, "EXAMPLES")
+from mlp import Mlp
+
+WIDTHS = WIDTHS_HERE
+
+calls = {"param": 0, "bucket": 0}
+
+
+def counting(name, key):
+    function = getattr(lib, name)
+
+    def count(*args):
+        calls[key] += 1
+        return function(*args)
+    return count
+
+
+lib.shard_mark_ready = counting("shard_mark_ready", "param")
+lib.shard_mark_bucket_ready = counting("shard_mark_bucket_ready", "bucket")
+torch.manual_seed(5)
+model = Mlp(WIDTHS)
+job = shard.join()
+engine = job.wrap(model)
+x, y = torch.randn(24, WIDTHS[0]), torch.randint(0, WIDTHS[-1], (24,))
+steps = []
+for step in job.steps():
+    idx = job.batch_indices(step, len(x))
+    torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+    engine.step()
+    steps.append([calls["param"], calls["bucket"]])
+    calls.update(param=0, bucket=0)
+    text = ctypes.c_char_p()
+    check(lib.shard_param_layout(job._handle, ctypes.byref(text)))
+    buckets = len(json.loads(text.value)["buckets"])
+print("marks " + json.dumps({"steps": steps, "trainable": len(list(model.parameters())),
+                             "buckets": buckets}))
+job.finish()
+'''.replace("EXAMPLES", os.path.dirname(EXAMPLE)).replace("WIDTHS_HERE", str(WIDTHS))
+
+
 def test_saved_on_three_workers_restores_on_two(cluster):
     # Ten steps on three workers end with a checkpoint at step 10; a new coordinator on the same
     # state directory restores it on two workers and trains steps 11-20.

@@ -210,7 +210,8 @@ class Simulation {
   void Rendezvoused(int index);
   void CheckGroup(int64_t generation);
   void Step(int64_t generation);
-  // Every rank of `generation` reports `step` done; the coordinator's status must show it.
+  // Every rank of `generation` reports `step` done, the coordinator notes that training
+  // started, and its status must show the step.
   void ReportStep(int64_t generation, int64_t step);
   void ShardWritten(int index, int64_t generation, std::string id, int64_t step, int64_t request,
                     uint64_t hash);
@@ -986,7 +987,7 @@ void Simulation::ReportStep(int64_t generation, int64_t step) {
   }
   if (const int64_t shown = core_->Progress(now_).step; heard && shown != step) {
     failure_.Set(absl::StrCat("status shows step ", shown, " while generation ", generation,
-                              " reported step ", step));
+                              " trained step ", step));
   }
 }
 
@@ -1063,13 +1064,13 @@ void Simulation::Step(int64_t generation) {
     ++group.step;
     group.last_step_at = now_;
     group.hash = Mix(group.hash, group.step);
-    // This boundary acts on what the ranks posted at the previous one, and the previous step
-    // is reported now (worker/dataplane/training_session.cc: the agreement runs one step
-    // ahead, while the next step computes). The first boundary of a run has nothing posted.
+    ReportStep(generation, group.step);
+    // This boundary acts on what the ranks posted at the previous one (worker/dataplane/
+    // training_session.cc: the agreement runs one step ahead, while the next step computes).
+    // The first boundary of a run has nothing posted.
     StepOrders agreed{generation, 0, 0};
     bool busy = false;  // a rank still reported or pushed its previous snapshot then
     if (group.posted.has_value()) {
-      ReportStep(generation, group.step - 1);
       agreed = group.posted->orders;
       busy = group.posted->snapshots_busy;
       group.posted.reset();
@@ -1137,8 +1138,6 @@ void Simulation::Step(int64_t generation) {
       posted.orders.pause_in_memory = posted.orders.pause_in_memory || known.pause_in_memory;
     }
     group.posted = posted;
-    // The last step of a run, or the one it pauses after, is reported at once.
-    if (boundary.pause || last) ReportStep(generation, group.step);
   }
   if (boundary.pause || last) {
     group.over = true;

@@ -3,7 +3,8 @@
 // loss shares) is all-reduced while the next step computes, and the boundary after acts on it.
 // On ranks that train as threads over Gloo, with orders that only one rank knows: every rank
 // saves and pauses at the same boundary, the one after the order was first known, and every step
-// is reported, in order, with the global loss an undisturbed run reports.
+// is reported at its boundary with the global loss of the step before (the step training pauses
+// after with its own), bit for bit the loss an undisturbed run reports for that step.
 #include <filesystem>
 #include <map>
 #include <string>
@@ -54,6 +55,15 @@ struct RankLog {
 
 // Trains `job` on threads; `orders(rank, boundary)` is what rank `rank` knows at its
 // `boundary`-th step boundary (1-based).
+// The global loss of each step (by step) that `log`'s records carry.
+std::map<int64_t, double> LossesByStep(const RankLog& log) {
+  std::map<int64_t, double> losses;
+  for (const StepRecord& record : log.reported) {
+    if (record.loss_step > 0) losses[record.loss_step] = record.loss;
+  }
+  return losses;
+}
+
 std::vector<RankLog> Train(const JobConfig& job,
                            const std::function<StepOrders(int rank, int boundary)>& orders,
                            std::vector<TrainResult>* results) {
@@ -88,6 +98,13 @@ TEST(BoundaryAgreementTest, OrdersOneRankKnowsAreActedOnByEveryRankAtTheNextBoun
   const std::vector<RankLog> reference = Train(
       reference_job, [](int, int) { return StepOrders{}; }, &reference_results);
   ASSERT_EQ(reference[0].reported.size(), static_cast<size_t>(reference_job.steps));
+  const std::map<int64_t, double> reference_losses = LossesByStep(reference[0]);
+  // Every step's loss is reported (at the next boundary), but for the one before the last: the
+  // last boundary reports its own step's.
+  std::vector<int64_t> reported_steps;
+  for (const auto& [step, loss] : reference_losses) reported_steps.push_back(step);
+  const std::vector<int64_t> every_step_but_11 = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12};
+  ASSERT_EQ(reported_steps, every_step_but_11);
 
   // Rank 1 knows a save request from its 3rd boundary on, rank 2 a pause (to a disk
   // checkpoint) from its 6th: saves at step 4 and at step 7, where training pauses.
@@ -114,14 +131,19 @@ TEST(BoundaryAgreementTest, OrdersOneRankKnowsAreActedOnByEveryRankAtTheNextBoun
     for (size_t i = 0; i < log.reported.size(); ++i) {
       const StepRecord& record = log.reported[i];
       EXPECT_EQ(record.step, static_cast<int64_t>(i + 1));
+      // Reported at its boundary with the step before's loss; the step it pauses after waits
+      // for its own.
+      EXPECT_EQ(record.loss_step, record.step < 7 ? record.step - 1 : 7);
+      if (record.loss_step == 0) continue;
       // The global loss, bit for bit the undisturbed run's and the same on every rank.
-      EXPECT_EQ(record.loss, reference[0].reported[i].loss) << "step " << record.step;
+      EXPECT_EQ(record.loss, reference_losses.at(record.loss_step)) << "step " << record.step;
       EXPECT_EQ(record.loss, logs[0].reported[i].loss) << "step " << record.step;
     }
-    EXPECT_EQ(results[rank].first_loss, reference[0].reported[0].loss);
-    EXPECT_EQ(results[rank].last_loss, reference[0].reported[6].loss);
+    EXPECT_EQ(results[rank].first_loss, reference_losses.at(1));
+    EXPECT_EQ(results[rank].last_loss, reference_losses.at(7));
   }
-  EXPECT_EQ(reference_results[0].last_loss, reference[0].reported.back().loss);
+  EXPECT_EQ(reference_results[0].first_loss, reference_losses.at(1));
+  EXPECT_EQ(reference_results[0].last_loss, reference_losses.at(reference_job.steps));
   EXPECT_TRUE(reference[0].saved.empty());
 }
 

@@ -308,6 +308,13 @@ absl::Status Engine::BroadcastParameters() {
   return communicator_->OrderComputeAfterCollectives();
 }
 
+absl::Status Engine::BroadcastFrozen(int index) {
+  SHARD_RETURN_IF_ERROR(queue_->Drain());  // SubmitCollective's, if one is in flight
+  SHARD_RETURN_IF_ERROR(communicator_->Broadcast(param(index), manifest_.params[index].numel(),
+                                                 DataType::kFloat32, 0));
+  return communicator_->OrderComputeAfterCollectives();
+}
+
 absl::Status Engine::ZeroGradients() {
   for (BucketState& bucket : buckets_) {
     if (sharded_params()) {

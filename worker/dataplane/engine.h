@@ -171,6 +171,9 @@ class Engine {
   const Plan& plan() const { return *plan_; }
   std::shared_ptr<const Plan> plan_pointer() const { return plan_; }
   int64_t plan_version() const { return plan_version_; }
+  // Whether the buckets are final: planned from the gradients' ready order (a checkpoint's, or
+  // the one this run's first step saw, after which the buckets were rebuilt).
+  bool buckets_final() const { return rebuilt_; }
   int64_t steps_done() const { return steps_done_; }
 
   // At stage 3 param(i) is null unless i's bucket is gathered (Acquire), grad(i) unless backward
@@ -214,6 +217,8 @@ class Engine {
 
   // Makes every rank's parameters rank 0's (as DDP does at construction).
   absl::Status BroadcastParameters();
+  // Makes every rank's values of frozen tensor `index` (a module buffer) rank 0's. Collective.
+  absl::Status BroadcastFrozen(int index);
 
   // A collective of the caller's (the step boundary's agreement), queued behind the engine's
   // own so that the caller does not wait for it: it runs on the communication thread when the

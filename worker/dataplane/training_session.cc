@@ -230,13 +230,13 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
   next_step_ = step + 1;
 
   // This boundary acts on what the ranks posted at the previous one (the orders and the work in
-  // flight then): agreed one step ahead, so that no rank waits here for the others. The
-  // previous step is reported now, with its global loss. The first boundary of a run has
-  // nothing posted: no orders, and nothing in flight yet.
+  // flight then, and the previous step's loss): agreed one step ahead, so that no rank waits
+  // here for the others. The first boundary of a run has nothing posted: no orders, and
+  // nothing in flight yet.
   StepOrders orders{options_.generation, 0, 0, false};
   BoundaryWork work;
   if (posted_.has_value()) {
-    SHARD_ASSIGN_OR_RETURN(const PostedAgreement agreed, SettlePosted());
+    SHARD_ASSIGN_OR_RETURN(const PostedAgreement agreed, SettlePosted(&record));
     orders = agreed.orders;
     work = agreed.work;
   }
@@ -274,10 +274,11 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
     SHARD_RETURN_IF_ERROR(SaveState(step + 1, boundary, waited, &record));
   }
   // What this rank knows now, for the next boundary, with this step's loss share. Posted after
-  // this boundary's saves started, so that the next one knows they are in flight.
-  SHARD_RETURN_IF_ERROR(Post(std::move(record), loss_share));
-  const bool last = boundary.pause || finished();
-  if (last) SHARD_RETURN_IF_ERROR(SettlePosted().status());
+  // this boundary's saves started, so that the next one knows they are in flight. The last
+  // step of a run, or the one it pauses after, waits for it: its own loss is reported.
+  SHARD_RETURN_IF_ERROR(Post(step + 1, loss_share));
+  if (boundary.pause || finished()) SHARD_RETURN_IF_ERROR(SettlePosted(&record).status());
+  if (options_.on_step) options_.on_step(record);
   if (boundary.pause) {
     // What the world re-forms from must be reported first: the snapshot held (and replicated),
     // or the checkpoint's shard on disk.
@@ -297,7 +298,7 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
   return finished() ? Boundary::kFinished : Boundary::kContinue;
 }
 
-absl::Status TrainingSession::Post(StepRecord record, double loss_share) {
+absl::Status TrainingSession::Post(int64_t step, double loss_share) {
   // One small all-reduce (max): the newest orders any rank knows, what any rank still has in
   // flight, and every rank's loss share in a slot of its own (the other ranks put the smallest
   // int64 there, so the max is the owner's bits), added up in rank order when it is settled,
@@ -319,11 +320,12 @@ absl::Status TrainingSession::Post(StepRecord record, double loss_share) {
         return device_.AllReduceHostValues(communicator_, values->data(), values->size(),
                                            DataType::kInt64, ReduceOp::kMax);
       }));
-  posted_ = Posted{std::move(values), ticket, std::move(record)};
+  posted_ = Posted{std::move(values), ticket, step};
   return absl::OkStatus();
 }
 
-absl::StatusOr<TrainingSession::PostedAgreement> TrainingSession::SettlePosted() {
+absl::StatusOr<TrainingSession::PostedAgreement> TrainingSession::SettlePosted(
+    StepRecord* record) {
   Posted posted = std::move(*posted_);
   posted_.reset();
   SHARD_RETURN_IF_ERROR(engine_->WaitCollective(posted.ticket));
@@ -332,11 +334,10 @@ absl::StatusOr<TrainingSession::PostedAgreement> TrainingSession::SettlePosted()
   for (size_t r = kPostedOrderValues; r < agreed.size(); ++r) {
     loss += absl::bit_cast<double>(agreed[r]);
   }
-  StepRecord& record = posted.record;
-  record.loss = loss;
-  if (record.step == result_.start_step + 1) result_.first_loss = loss;
+  record->loss = loss;
+  record->loss_step = posted.step;
+  if (posted.step == result_.start_step + 1) result_.first_loss = loss;
   result_.last_loss = loss;
-  if (options_.on_step) options_.on_step(record);
   return PostedAgreement{StepOrders{options_.generation, agreed[0], agreed[1], agreed[2] > 0},
                          BoundaryWork{agreed[3] > 0, agreed[4]}};
 }

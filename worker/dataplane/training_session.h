@@ -43,7 +43,11 @@ namespace shard {
 
 struct StepRecord {
   int64_t step = 0;       // 1-based
-  double loss = 0;        // mean loss over the global batch
+  // The mean loss over the global batch of step `loss_step`: this step's at the last step of a
+  // run (or the one it pauses after), otherwise the step before's (0: none yet), whose loss the
+  // ranks agreed on while this step computed.
+  double loss = 0;
+  int64_t loss_step = 0;
   double step_ms = 0;     // wall time of the whole step on this rank
   StepTimings timings;
   int64_t plan_version = 0;
@@ -77,8 +81,7 @@ struct TrainerOptions {
   // Where the model, its buffers and the update run (not owned; null: the host); the
   // communicator's buffers must be its memory. The job's precision must be one it runs.
   Device* device = nullptr;
-  // Called after every step (e.g. to log and report to the coordinator), one boundary late: the
-  // global loss is agreed while the next step computes.
+  // Called after every step (e.g. to log and report to the coordinator); see StepRecord::loss.
   std::function<void(const StepRecord&)> on_step;
   // Polled between steps; training stops with Cancelled once it is set.
   const std::atomic<bool>* stop = nullptr;
@@ -160,8 +163,8 @@ class TrainingSession {
 
   // The boundary after engine().Step(): `loss_share` is this rank's share of the global batch's
   // mean loss (the ranks' shares are summed), `started` when the step began. Reports the step
-  // before (options.on_step) with its global loss, which is agreed while this step computed
-  // (the last step of a run, or the one it pauses after, is reported at once), saves when a
+  // (options.on_step; the global loss it carries is the step before's, agreed while this step
+  // computed, except at the last step of a run or the one it pauses after), saves when a
   // checkpoint is due or asked for, and says whether training goes on, paused for a
   // re-formation, or did its last step.
   absl::StatusOr<Boundary> EndStep(double loss_share, const StepTimings& timings,
@@ -193,15 +196,15 @@ class TrainingSession {
   absl::Status SaveState(int64_t step, const StepBoundary& boundary, absl::Duration waited,
                          StepRecord* record);
   // The step boundary's agreement, one step ahead (EndStep): Post submits what this rank knows
-  // at the end of `record`'s step (its orders, its saves in flight, its loss share) as one
-  // all-reduce that runs while the next step computes; SettlePosted waits for it, reports
-  // `record` with the global loss, and returns what the ranks agreed on.
+  // at the end of step `step` (its orders, its saves in flight, its loss share) as one
+  // all-reduce that runs while the next step computes; SettlePosted waits for it, puts the
+  // step's global loss into `record`, and returns what the ranks agreed on.
   struct PostedAgreement {
     StepOrders orders;
     BoundaryWork work;
   };
-  absl::Status Post(StepRecord record, double loss_share);
-  absl::StatusOr<PostedAgreement> SettlePosted();
+  absl::Status Post(int64_t step, double loss_share);
+  absl::StatusOr<PostedAgreement> SettlePosted(StepRecord* record);
   // Tells the coordinator (through options.on_checkpoint) that the periodic checkpoint of
   // `step` was skipped while the one of step `writing` was still being written.
   void ReportSkippedSave(int64_t step, int64_t writing, absl::Duration waited);
@@ -226,7 +229,7 @@ class TrainingSession {
   struct Posted {
     std::shared_ptr<std::vector<int64_t>> values;  // shared with the collective in flight
     CommunicationQueue::Ticket ticket = 0;
-    StepRecord record;  // its step's, the global loss still to come
+    int64_t step = 0;  // 1-based
   };
   std::optional<Posted> posted_;
   ExtrasProvider extras_provider_;
