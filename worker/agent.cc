@@ -448,7 +448,8 @@ absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generati
   PlanSession plans(client_.get(), options_.worker_id, incarnation_,
                     options_.collective_timeout);
   const int64_t log_every = std::max<int64_t>(1, job.steps / 50);
-  StatsReporter reporter(client_.get());
+  StatsReporter reporter(
+      [this](const v1::ReportStepStatsRequest& report) { return client_->ReportStepStats(report); });
   TrainerOptions trainer;
   trainer.stop = &stop_requested_;
   trainer.orders = [this] {

@@ -1,12 +1,14 @@
 #include "worker/stats_reporter.h"
 
+#include <utility>
+
 #include "common/logging.h"
 #include "spdlog/spdlog.h"
 
 namespace shard {
 
-StatsReporter::StatsReporter(CoordinatorClient* client, size_t max_queued)
-    : client_(client), max_queued_(max_queued), thread_([this] { Loop(); }) {}
+StatsReporter::StatsReporter(Send send, absl::Duration min_interval)
+    : send_(std::move(send)), min_interval_(min_interval), thread_([this] { Loop(); }) {}
 
 StatsReporter::~StatsReporter() {
   {
@@ -18,11 +20,7 @@ StatsReporter::~StatsReporter() {
 
 void StatsReporter::Submit(v1::ReportStepStatsRequest report) {
   absl::MutexLock lock(&mu_);
-  if (queue_.size() >= max_queued_) {
-    queue_.pop_front();
-    ++dropped_;
-  }
-  queue_.push_back(std::move(report));
+  newest_ = std::move(report);
 }
 
 void StatsReporter::Loop() {
@@ -31,21 +29,17 @@ void StatsReporter::Loop() {
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || !queue_.empty();
+        return stopping_ || newest_.has_value();
       };
       mu_.Await(absl::Condition(&ready));
-      if (queue_.empty()) {
-        if (dropped_ > 0) spdlog::warn("{} step reports were dropped (coordinator slow)", dropped_);
-        return;
-      }
-      report = std::move(queue_.front());
-      queue_.pop_front();
+      if (!newest_.has_value()) return;  // stopping, and everything was sent
+      report = *std::move(newest_);
+      newest_.reset();
     }
     // Statistics are best effort: one warning per outage, not one per step; reports that
     // outlived their generation (a re-formation) are expected to be refused.
-    if (absl::Status sent = client_->ReportStepStats(report); absl::IsAborted(sent)) {
-      continue;
-    } else if (!sent.ok()) {
+    const absl::Status sent = send_(report);
+    if (!sent.ok() && !absl::IsAborted(sent)) {
       if (failed_in_a_row_++ == 0) {
         spdlog::warn("could not report step {}: {} (further failures are not logged until a "
                      "report gets through)",
@@ -55,6 +49,11 @@ void StatsReporter::Loop() {
       spdlog::info("step reports get through again after {} failed", failed_in_a_row_);
       failed_in_a_row_ = 0;
     }
+    // The pace: what is submitted meanwhile replaces what came before it. A stop ends the wait
+    // (the newest report is still sent).
+    absl::MutexLock lock(&mu_);
+    auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+    mu_.AwaitWithTimeout(absl::Condition(&stopping), min_interval_);
   }
 }
 

@@ -325,6 +325,9 @@ class ShardOptimizer(torch.optim.Optimizer):
             self._tensors.append(tensor)
             local_groups[group]["params"].append(tensor)
         self._local = self._class(local_groups, **self._defaults)
+        # By range: the state values _adopt_state last saw (it has nothing to do until the class
+        # adds or replaces one).
+        self._adopted = [None] * len(self._tensors)
         self._layout = version.value
         if self._restore:
             self._restore = False
@@ -369,6 +372,10 @@ class ShardOptimizer(torch.optim.Optimizer):
             state = self._local.state.get(tensor)
             if not state:
                 continue
+            seen = self._adopted[index]
+            if (seen is not None and len(seen) == len(state) and
+                    all(value is before for value, before in zip(state.values(), seen))):
+                continue
             views = self._views[index]
             for name, view in views.items():
                 value = state.get(name)
@@ -386,6 +393,7 @@ class ShardOptimizer(torch.optim.Optimizer):
                             _lib.FAILED_PRECONDITION,
                             f"{_class_name(self._class)} made per-element state '{name}' that "
                             "its probe did not show: range mode cannot shard it (use param mode)")
+            self._adopted[index] = tuple(state.values())
 
     def _sync_settings(self, source, target):
         for source_group, target_group in zip(source, target):
