@@ -4,6 +4,7 @@
 // job.output_dir/final.safetensors. Header-only.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <thread>
@@ -22,6 +23,33 @@
 #include "worker/dataplane/trainer.h"
 
 namespace shard {
+
+// The small MLP job these tests train: `world` ranks, Adam (lr 0.01), ZeRO-2, buckets small
+// enough that the model has several, no checkpoints or snapshots; its output and checkpoints
+// under `root`. Tests change what they exercise.
+inline JobConfig SmallMlpJob(const std::string& name, const std::string& root,
+                             const std::vector<int64_t>& widths, const std::string& data_path,
+                             int world, int64_t global_batch, int64_t steps, uint64_t seed) {
+  JobConfig job;
+  job.name = name;
+  job.world_size = world;
+  job.min_world_size = 1;
+  job.widths = widths;
+  job.data_path = data_path;
+  job.seed = seed;
+  job.optimizer.kind = OptimizerKind::kAdam;
+  job.optimizer.lr = 0.01;
+  job.global_batch = global_batch;
+  job.steps = steps;
+  job.zero_stage = 2;
+  job.bucket_cap_bytes = 1024;
+  job.first_bucket_cap_bytes = 256;
+  job.output_dir = root + "/out";
+  job.checkpoint_dir = root + "/checkpoints";
+  job.checkpoint_every = 0;
+  job.snapshot_every = 0;
+  return job;
+}
 
 struct RankThreadsOptions {
   // From this committed checkpoint (its gradient order plans the buckets).

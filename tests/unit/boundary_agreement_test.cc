@@ -26,25 +26,9 @@ JobConfig Job(const std::string& name) {
   const std::string root =
       absl::StrCat(::testing::TempDir(), "/shard-boundary-agreement-test-", getpid(), "/", name);
   std::filesystem::remove_all(root);
-  JobConfig job;
-  job.name = "agree";
-  job.world_size = kWorld;
-  job.min_world_size = 1;
-  job.widths = kWidths;
-  job.data_path = ::testing::TempDir() + "/shard-boundary-agreement-test-data.safetensors";
-  job.seed = 11;
-  job.optimizer.kind = OptimizerKind::kAdam;
-  job.optimizer.lr = 0.01;
-  job.global_batch = 24;
-  job.steps = 12;
-  job.zero_stage = 2;
-  job.bucket_cap_bytes = 1024;
-  job.first_bucket_cap_bytes = 256;
-  job.output_dir = root + "/out";
-  job.checkpoint_dir = root + "/checkpoints";
-  job.checkpoint_every = 0;
-  job.snapshot_every = 0;
-  return job;
+  return SmallMlpJob("agree", root, kWidths,
+                     ::testing::TempDir() + "/shard-boundary-agreement-test-data.safetensors",
+                     kWorld, /*global_batch=*/24, /*steps=*/12, /*seed=*/11);
 }
 
 struct RankLog {

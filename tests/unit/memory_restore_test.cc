@@ -33,25 +33,9 @@ std::string Root(const std::string& name) {
 }
 
 JobConfig Job(const std::string& root, int world) {
-  JobConfig job;
-  job.name = "memory";
-  job.world_size = world;
-  job.min_world_size = 1;
-  job.widths = kWidths;
-  job.data_path = ::testing::TempDir() + "/shard-memory-restore-test-data.safetensors";
-  job.seed = 5;
-  job.optimizer.kind = OptimizerKind::kAdam;
-  job.optimizer.lr = 0.01;
-  job.global_batch = 48;
-  job.steps = 20;
-  job.zero_stage = 2;
-  job.bucket_cap_bytes = 1024;
-  job.first_bucket_cap_bytes = 256;
-  job.output_dir = root + "/out";
-  job.checkpoint_dir = root + "/checkpoints";
-  job.checkpoint_every = 0;
-  job.snapshot_every = 0;
-  return job;
+  return SmallMlpJob("memory", root, kWidths,
+                     ::testing::TempDir() + "/shard-memory-restore-test-data.safetensors", world,
+                     /*global_batch=*/48, /*steps=*/20, /*seed=*/5);
 }
 
 // A worker's memory: its snapshot store and the server its peers reach it at, and which

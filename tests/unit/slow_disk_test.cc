@@ -105,24 +105,10 @@ TEST(CheckpointSaverTest, ASkippedSaveIsReportedOffTheCallersThread) {
 const std::vector<int64_t> kWidths = {12, 40, 24, 6};
 
 JobConfig Job(const std::string& root) {
-  JobConfig job;
-  job.name = "slow";
-  job.world_size = 2;
-  job.min_world_size = 1;
-  job.widths = kWidths;
-  job.data_path = ::testing::TempDir() + "/shard-slow-disk-test-data.safetensors";
-  job.seed = 5;
-  job.optimizer.kind = OptimizerKind::kAdam;
-  job.optimizer.lr = 0.01;
-  job.global_batch = 16;
-  job.steps = 8;
-  job.zero_stage = 2;
-  job.bucket_cap_bytes = 1024;
-  job.first_bucket_cap_bytes = 256;
-  job.output_dir = root + "/out";
-  job.checkpoint_dir = root + "/checkpoints";
+  JobConfig job = SmallMlpJob("slow", root, kWidths,
+                              ::testing::TempDir() + "/shard-slow-disk-test-data.safetensors",
+                              /*world=*/2, /*global_batch=*/16, /*steps=*/8, /*seed=*/5);
   job.checkpoint_every = 1;  // every step: each save is due while the one before is written
-  job.snapshot_every = 0;
   return job;
 }
 
