@@ -779,13 +779,13 @@ void shard_mark_bucket_ready(shard_job* job, int bucket) {
   if (job == nullptr || job->session == nullptr) return;
   shard::Engine& engine = job->session->engine();
   const std::vector<shard::Bucket>& buckets = engine.plan().buckets;
-  absl::StatusOr<float*> grads = absl::FailedPreconditionError(absl::StrCat(
-      "shard_mark_bucket_ready(", bucket, "): not a bucket of a final layout at stages 0 to 2 "
-      "(ask shard_param_layout again after the layout version changed)"));
-  if (bucket >= 0 && bucket < static_cast<int>(buckets.size()) && engine.buckets_final() &&
-      job->session->job().zero_stage < 3) {
-    grads = engine.AcquireGradBucket(bucket);
-  }
+  absl::StatusOr<float*> grads =
+      bucket >= 0 && bucket < static_cast<int>(buckets.size()) && engine.buckets_final() &&
+              job->session->job().zero_stage < 3
+          ? engine.AcquireGradBucket(bucket)
+          : absl::FailedPreconditionError(absl::StrCat(
+                "shard_mark_bucket_ready(", bucket, "): not a bucket of a final layout at "
+                "stages 0 to 2 (ask shard_param_layout again after the layout version changed)"));
   if (!grads.ok()) {
     absl::MutexLock lock(&job->mark_mu);
     if (job->mark_failure.ok()) job->mark_failure = grads.status();

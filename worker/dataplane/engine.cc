@@ -290,8 +290,7 @@ absl::StatusOr<CommunicationQueue::Ticket> Engine::SubmitCollective(
 }
 
 absl::Status Engine::BroadcastParameters() {
-  SHARD_RETURN_IF_ERROR(queue_->Drain());  // SubmitCollective's, if one is in flight
-  SHARD_RETURN_IF_ERROR(FinishGathers());
+  SHARD_RETURN_IF_ERROR(FinishGathers());  // and SubmitCollective's, if one is in flight
   if (sharded_params()) {
     SHARD_RETURN_IF_ERROR(BroadcastStagedValues());
   } else {

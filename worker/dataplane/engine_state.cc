@@ -326,9 +326,8 @@ absl::Status Engine::GatherToRank(int param, int array, int to_rank, float* out)
 }
 
 absl::Status Engine::SendBytes(int from_rank, int to_rank, std::string* bytes) {
-  SHARD_RETURN_IF_ERROR(queue_->Drain());  // SubmitCollective's, if one is in flight
   if (from_rank == to_rank) return absl::OkStatus();
-  SHARD_RETURN_IF_ERROR(FinishGathers());
+  SHARD_RETURN_IF_ERROR(FinishGathers());  // and SubmitCollective's, if one is in flight
   const int rank = communicator_->rank();
   int64_t size = rank == from_rank ? static_cast<int64_t>(bytes->size()) : 0;
   SHARD_RETURN_IF_ERROR(device_->AllReduceHostValues(*communicator_, &size, 1, DataType::kInt64,
