@@ -83,6 +83,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "nlohmann/json.hpp"
+#include "proto/control_convert.h"
 #include "proto/unary_call.h"
 #include "shard/v1/coordinator.grpc.pb.h"
 #include "shard/v1/job.pb.h"
@@ -865,7 +866,7 @@ class Bench {
     SimWorker& worker = fleet_->worker(w);
     worker.known_generation.store(world.generation());
     worker.known_state.store(world.state());
-    if (world.state() != v1::JOB_STATE_RUNNING) return;
+    if (!Trains(FromProto(world.state()))) return;
     const int n = fleet_->size();
     if (world.world_size() == n) {
       // Once told, nothing to record: no lock on every later heartbeat.
@@ -908,7 +909,7 @@ class Bench {
     const int64_t formed = formed_generation_.load();
     const bool moved = !phase->world_may_move && formed >= 0 &&
                        (response.world().generation() != formed ||
-                        response.world().state() != v1::JOB_STATE_RUNNING);
+                        !Trains(FromProto(response.world().state())));
     phase->calls.Ok(sent, now, moved);
     const int64_t now_us = absl::ToUnixMicros(now);
     const int64_t last = worker.last_answer_us.exchange(now_us);
@@ -1510,7 +1511,7 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
                                       " live and ", expect_dead, " dead"));
     }
     if (status->world().generation() != expect_generation ||
-        status->world().state() != v1::JOB_STATE_RUNNING) {
+        !Trains(FromProto(status->world().state()))) {
       failures.push_back(absl::StrCat("GetStatus: the world is ",
                                       v1::JobState_Name(status->world().state()),
                                       " at generation ", status->world().generation(),

@@ -11,6 +11,7 @@
 #include "common/cli.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "proto/control_convert.h"
 
 namespace shard {
 namespace {
@@ -186,13 +187,13 @@ int Restore(const CheckpointCommands& c, AdminClient& admin) {
     absl::StatusOr<v1::GetStatusResponse> status = admin.GetStatus();
     if (!status.ok()) return Fail(status.status());
     const v1::WorldView& world = status->world();
-    if (world.state() == v1::JOB_STATE_STOPPING || world.state() == v1::JOB_STATE_STOPPED) {
+    if (Stops(FromProto(world.state()))) {
       std::cout << "\nthe job finished\n";
       return 0;
     }
     // The world that trains from the checkpoint: the one running at the restore's generation or
     // later, with as many ranks as it has (fewer than the target while workers are missing).
-    if (world.state() == v1::JOB_STATE_RUNNING && world.generation() >= restored->generation()) {
+    if (Trains(FromProto(world.state())) && world.generation() >= restored->generation()) {
       absl::StatusOr<v1::GetStatsResponse> stats = admin.GetStats();
       if (!stats.ok()) return Fail(stats.status());
       if (bar == nullptr)

@@ -9,6 +9,7 @@
 #include "client/status_view.h"
 #include "common/cli.h"
 #include "nlohmann/json.hpp"
+#include "proto/control_convert.h"
 
 namespace shard {
 namespace {
@@ -36,7 +37,7 @@ int WaitForWorld(AdminClient& admin, const std::string& wait_timeout,
     last = line;
     if (done(*status)) return 0;
     const v1::JobState state = status->world().state();
-    if (state == v1::JOB_STATE_STOPPING || state == v1::JOB_STATE_STOPPED) {
+    if (Stops(FromProto(state))) {
       return Fail(absl::FailedPreconditionError("the job is stopping"));
     }
     if (absl::Now() >= give_up) {

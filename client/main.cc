@@ -23,6 +23,7 @@
 #include "common/tensor_compare.h"
 #include "nlohmann/json.hpp"
 #include "proto/plan_convert.h"
+#include "proto/control_convert.h"
 
 namespace {
 
@@ -68,7 +69,7 @@ int RunCompare(const std::string& a, const std::string& b, double max_abs_diff, 
   return within ? 0 : 1;
 }
 
-// Waits for the stop to finish: the job reaches "stopped" or the coordinator exits.
+// Waits for the stop to finish: the job reaches "finished" (or "failed") or the coordinator exits.
 int WaitForStop(shard::AdminClient& admin, absl::Duration timeout) {
   const absl::Time give_up = absl::Now() + timeout;
   int last_live = -1;
@@ -81,7 +82,7 @@ int WaitForStop(shard::AdminClient& admin, absl::Duration timeout) {
       return 0;
     }
     if (!status.ok()) return Fail(status.status());
-    if (status->world().state() == shard::v1::JOB_STATE_STOPPED) {
+    if (shard::Ended(shard::FromProto(status->world().state()))) {
       std::cout << "job stopped\n";
       return 0;
     }
@@ -120,7 +121,7 @@ int WatchStatus(shard::AdminClient& admin, absl::Duration interval, bool json) {
                 << (terminal ? "" : "\n");
     }
     std::cout << std::flush;
-    if (status->world().state() == shard::v1::JOB_STATE_STOPPED) return 0;
+    if (shard::Ended(shard::FromProto(status->world().state()))) return 0;
     std::this_thread::sleep_for(absl::ToChronoNanoseconds(interval));
   }
 }
@@ -154,8 +155,7 @@ int WaitForReady(shard::AdminClient& admin, absl::Duration timeout, bool initial
                 << status->world().generation() << "\n";
       return 0;
     }
-    if (status->world().state() == shard::v1::JOB_STATE_STOPPING ||
-        status->world().state() == shard::v1::JOB_STATE_STOPPED) {
+    if (shard::Stops(shard::FromProto(status->world().state()))) {
       return Fail(absl::FailedPreconditionError("the job is stopping"));
     }
     const std::string progress =

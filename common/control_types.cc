@@ -2,16 +2,6 @@
 
 namespace shard {
 
-absl::string_view JobStateName(JobState state) {
-  switch (state) {
-    case JobState::kForming: return "forming";
-    case JobState::kRunning: return "running";
-    case JobState::kStopping: return "stopping";
-    case JobState::kStopped: return "stopped";
-  }
-  return "unknown";
-}
-
 absl::string_view WorkerStateName(WorkerState state) {
   switch (state) {
     case WorkerState::kJoining: return "joining";

@@ -12,11 +12,11 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/checkpoint.h"
+#include "common/job_state.h"
 #include "common/snapshot.h"
 
 namespace shard {
 
-enum class JobState { kForming, kRunning, kStopping, kStopped };
 enum class WorkerState { kJoining, kReady, kFailed, kLeft, kDead, kStandby, kLeaving };
 enum class SelfCheckState { kPending, kPassed, kFailed };
 // How a worker fails to reach a peer over the data path.
@@ -24,7 +24,6 @@ enum class LinkFailure { kConnect, kSend, kReceive };
 // The job's bucket-rebuild state, as PyTorch's ZeroRedundancyOptimizer._OverlapStatus.
 enum class OverlapStatus { kUninitialized, kRebuilt, kInitialized };
 
-absl::string_view JobStateName(JobState state);
 absl::string_view WorkerStateName(WorkerState state);
 absl::string_view SelfCheckStateName(SelfCheckState state);
 absl::string_view LinkFailureName(LinkFailure how);  // "connect", "send", "receive"
@@ -183,6 +182,18 @@ struct HeartbeatParams {
   std::vector<PeerProbe> probed;  // an isolated standby's answer to the probe it was asked for
 
   bool operator==(const HeartbeatParams&) const = default;
+};
+
+// A worker leaving the job, as its process ends.
+struct LeaveParams {
+  std::string worker_id;
+  uint64_t incarnation = 0;
+  std::string reason;
+  // The process exits with an error (its training failed, say): counts towards the job's
+  // --max-worker-failures.
+  bool failed = false;
+
+  bool operator==(const LeaveParams&) const = default;
 };
 
 // Timings of one training step on one rank.

@@ -11,8 +11,10 @@ v1::JobState ToProto(JobState state) {
   switch (state) {
     case JobState::kForming: return v1::JOB_STATE_FORMING;
     case JobState::kRunning: return v1::JOB_STATE_RUNNING;
+    case JobState::kReshaping: return v1::JOB_STATE_RESHAPING;
     case JobState::kStopping: return v1::JOB_STATE_STOPPING;
-    case JobState::kStopped: return v1::JOB_STATE_STOPPED;
+    case JobState::kFinished: return v1::JOB_STATE_FINISHED;
+    case JobState::kFailed: return v1::JOB_STATE_FAILED;
   }
   return v1::JOB_STATE_UNSPECIFIED;
 }
@@ -20,9 +22,30 @@ v1::JobState ToProto(JobState state) {
 JobState FromProto(v1::JobState state) {
   switch (state) {
     case v1::JOB_STATE_RUNNING: return JobState::kRunning;
+    case v1::JOB_STATE_RESHAPING: return JobState::kReshaping;
     case v1::JOB_STATE_STOPPING: return JobState::kStopping;
-    case v1::JOB_STATE_STOPPED: return JobState::kStopped;
+    case v1::JOB_STATE_FINISHED: return JobState::kFinished;
+    case v1::JOB_STATE_FAILED: return JobState::kFailed;
     default: return JobState::kForming;
+  }
+}
+
+v1::StopKind ToProto(StopKind kind) {
+  switch (kind) {
+    case StopKind::kNone: return v1::STOP_KIND_UNSPECIFIED;
+    case StopKind::kOperator: return v1::STOP_KIND_OPERATOR;
+    case StopKind::kTrained: return v1::STOP_KIND_TRAINED;
+    case StopKind::kFailed: return v1::STOP_KIND_FAILED;
+  }
+  return v1::STOP_KIND_UNSPECIFIED;
+}
+
+StopKind FromProto(v1::StopKind kind) {
+  switch (kind) {
+    case v1::STOP_KIND_OPERATOR: return StopKind::kOperator;
+    case v1::STOP_KIND_TRAINED: return StopKind::kTrained;
+    case v1::STOP_KIND_FAILED: return StopKind::kFailed;
+    default: return StopKind::kNone;
   }
 }
 
@@ -478,6 +501,20 @@ HeartbeatParams FromProto(const v1::HeartbeatRequest& request) {
   }
   for (const v1::PeerProbe& probe : request.probed()) params.probed.push_back(FromProto(probe));
   return params;
+}
+
+v1::LeaveRequest ToProto(const LeaveParams& params) {
+  v1::LeaveRequest request;
+  request.set_worker_id(params.worker_id);
+  request.set_incarnation(params.incarnation);
+  request.set_reason(params.reason);
+  request.set_failed(params.failed);
+  return request;
+}
+
+LeaveParams FromProto(const v1::LeaveRequest& request) {
+  return LeaveParams{request.worker_id(), request.incarnation(), request.reason(),
+                     request.failed()};
 }
 
 void SetOrders(const StepOrders& orders, v1::HeartbeatResponse* response) {

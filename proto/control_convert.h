@@ -15,6 +15,8 @@ namespace shard {
 
 v1::JobState ToProto(JobState state);
 JobState FromProto(v1::JobState state);  // UNSPECIFIED reads as forming
+v1::StopKind ToProto(StopKind kind);
+StopKind FromProto(v1::StopKind kind);
 v1::WorkerState ToProto(WorkerState state);
 WorkerState FromProto(v1::WorkerState state);
 v1::SelfCheckState ToProto(SelfCheckState state);
@@ -63,6 +65,9 @@ SelfCheckReport FromProto(const v1::ReportSelfCheckRequest& request);
 
 v1::HeartbeatRequest ToProto(const HeartbeatParams& params);
 HeartbeatParams FromProto(const v1::HeartbeatRequest& request);
+
+v1::LeaveRequest ToProto(const LeaveParams& params);
+LeaveParams FromProto(const v1::LeaveRequest& request);
 
 // The orders ride on a heartbeat reply and belong to the generation of its world.
 void SetOrders(const StepOrders& orders, v1::HeartbeatResponse* response);

@@ -43,10 +43,11 @@ absl::Status SettleJob(StateStore* store, CoreOptions* options) {
   const bool same_job =
       !options->job.has_value() || (has_job && google::protobuf::util::MessageDifferencer::Equals(
                                                    ToProto(*options->job), stored));
-  // A finished job is taken back (to stop at once) only when started again as it was; another
+  // A finished or failed job is taken back (to end at once) only when started again as it was;
+  // another
   // job spec, or --restore, is a new run.
-  const bool finished = saved == WorldManager::SavedWorld::kFinished && same_job;
-  const bool recover = (saved == WorldManager::SavedWorld::kLive || finished) &&
+  const bool ended = saved == WorldManager::SavedWorld::kEnded && same_job;
+  const bool recover = (saved == WorldManager::SavedWorld::kLive || ended) &&
                        options->restore.empty() && (has_job || !options->job.has_value());
   if (recover && has_job) {
     if (!same_job) {
@@ -102,6 +103,11 @@ absl::Status CheckRestorable(const JobConfig& job, const Manifest* registered,
   return absl::OkStatus();
 }
 
+absl::Status NoCheckpointsError() {
+  return absl::FailedPreconditionError(
+      "this coordinator runs no training job (started without --job), so it has no checkpoints");
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CoordinatorCore>> CoordinatorCore::Create(
@@ -119,6 +125,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorCore>> CoordinatorCore::Create(
   }
   SHARD_ASSIGN_OR_RETURN(
       core->elastic_, ElasticManager::Create(store, recovered && core->world_->kept_generation()));
+  // A re-formation in flight was taken back with its generation: the world still reshapes.
+  if (std::optional<InFlightReshape> in_flight = core->elastic_->in_flight()) {
+    core->world_->BeginReshaping(in_flight->generation);
+  }
   if (options.job.has_value()) {
     const JobConfig& job = *options.job;
     CheckpointOptions checkpoint_options;
@@ -219,9 +229,9 @@ void CoordinatorCore::ReportSelfCheck(const SelfCheckReport& report, absl::Time 
   Acknowledge([done = std::move(done), reported] { done(reported); });
 }
 
-void CoordinatorCore::Leave(const std::string& worker_id, uint64_t incarnation,
-                            const std::string& reason, absl::Time now, Callback<absl::Status> done) {
-  absl::Status left = world_->Leave(worker_id, incarnation, reason, now);
+void CoordinatorCore::Leave(const LeaveParams& params, absl::Time now,
+                            Callback<absl::Status> done) {
+  absl::Status left = world_->Leave(params, now);
   Acknowledge([done = std::move(done), left] { done(left); });
 }
 
@@ -272,7 +282,7 @@ void CoordinatorCore::ReportTrainingDone(const std::string& worker_id, uint64_t 
 }
 
 absl::StatusOr<bool> CoordinatorCore::ReportCheckpointShard(ShardReport report, absl::Time now) {
-  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, Checkpoints());
+  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, MutableCheckpoints());
   SHARD_ASSIGN_OR_RETURN(const MemberRef member,
                          world_->RunningMember(report.worker_id, report.incarnation));
   std::optional<PlanView> plan = plan_->Current();
@@ -302,7 +312,7 @@ absl::Status CoordinatorCore::ReportSnapshot(const SnapshotReport& report, absl:
 
 absl::StatusOr<RestoreSnapshotView> CoordinatorCore::GetRestoreSnapshot(
     const std::string& worker_id, uint64_t incarnation, int64_t generation) {
-  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, Checkpoints());
+  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, MutableCheckpoints());
   SHARD_ASSIGN_OR_RETURN(const MemberRef member, world_->RunningMember(worker_id, incarnation));
   if (member.generation != generation) {
     return absl::AbortedError(absl::StrCat("generation ", generation, " has ended (now ",
@@ -343,7 +353,7 @@ absl::StatusOr<RestoreSnapshotView> CoordinatorCore::GetRestoreSnapshot(
 }
 
 absl::Status CoordinatorCore::ReportRestore(const RestoreReport& report, absl::Time now) {
-  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, Checkpoints());
+  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, MutableCheckpoints());
   SHARD_ASSIGN_OR_RETURN(const MemberRef member,
                          world_->RunningMember(report.worker_id, report.incarnation));
   if (member.generation != report.generation) {
@@ -489,16 +499,41 @@ void CoordinatorCore::Drain(const std::string& worker_id, absl::Time now,
   });
 }
 
-absl::StatusOr<CheckpointManager*> CoordinatorCore::Checkpoints() {
+absl::StatusOr<CheckpointManager*> CoordinatorCore::MutableCheckpoints() {
   if (checkpoints_ != nullptr) return checkpoints_.get();
-  return absl::FailedPreconditionError(
-      "this coordinator runs no training job (started without --job), so it has no checkpoints");
+  return NoCheckpointsError();
+}
+
+absl::StatusOr<const CheckpointManager*> CoordinatorCore::Checkpoints() const {
+  if (checkpoints_ != nullptr) return checkpoints_.get();
+  return NoCheckpointsError();
+}
+
+absl::Status CoordinatorCore::DeleteCheckpoint(const std::string& id) {
+  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, MutableCheckpoints());
+  return checkpoints->Delete(id);
+}
+
+absl::Status CoordinatorCore::KvSet(const KvScope& scope, const std::string& key,
+                                    std::string value) {
+  return kv_->Set(scope, key, std::move(value));
+}
+
+absl::StatusOr<std::string> CoordinatorCore::KvGet(const KvScope& scope,
+                                                   const std::string& key) const {
+  return kv_->Get(scope, key);
+}
+
+void CoordinatorCore::KvWait(const KvScope& scope, std::vector<std::string> keys,
+                             absl::Duration timeout, absl::Time now,
+                             KvStoreManager::WaitCallback done) {
+  kv_->Wait(scope, std::move(keys), timeout, now, std::move(done));
 }
 
 absl::StatusOr<int64_t> CoordinatorCore::SaveCheckpoint() {
-  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, Checkpoints());
+  SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, MutableCheckpoints());
   const World world = world_->world();
-  if (world.state != JobState::kRunning) {
+  if (!Trains(world.state)) {
     return absl::FailedPreconditionError(
         "the world is not running; a checkpoint is saved by its workers");
   }
@@ -511,7 +546,7 @@ void CoordinatorCore::RestoreCheckpoint(
     const std::string& id, absl::Time now,
     Callback<absl::StatusOr<std::pair<TrainingStartPoint, World>>> done) {
   auto restore = [&]() -> absl::StatusOr<std::pair<TrainingStartPoint, World>> {
-    SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, Checkpoints());
+    SHARD_ASSIGN_OR_RETURN(CheckpointManager* const checkpoints, MutableCheckpoints());
     SHARD_ASSIGN_OR_RETURN(const v1::CheckpointRecord record, checkpoints->Find(id));
     SHARD_ASSIGN_OR_RETURN(const CheckpointManifest manifest, checkpoints->ReadManifest(record));
     const std::optional<PlanView> plan = plan_->Current();
@@ -542,151 +577,6 @@ void CoordinatorCore::ListEvents(int64_t after, absl::Duration wait, absl::Time 
   } else {
     world_->WatchEvents(after, now + wait, std::move(durable));
   }
-}
-
-// --- Housekeeping -------------------------------------------------------------------------------
-
-bool CoordinatorCore::Reconcile(absl::Time now) {
-  const World world = world_->world();
-  if (std::optional<InFlightReshape> in_flight = elastic_->in_flight()) {
-    if (world.generation != in_flight->generation || world.state != JobState::kRunning) {
-      // A death, a restart or a stop ended the generation first: the pause went with it (the
-      // checkpoint manager cancelled its request), and the world is re-planned once it settles.
-      elastic_->Finish(absl::StrCat("interrupted: the world changed (now ",
-                                    JobStateName(world.state), " at generation ",
-                                    world.generation, ")"));
-      return true;
-    }
-    const SaveProgress progress = PauseProgress(in_flight->request);
-    std::string failure = progress.error;
-    if (progress.committed_id.empty() && failure.empty()) {
-      if (!world_->AllPausedAt(world.generation)) return false;
-      // Every rank reported its shard before it paused, so reports are missing only if the
-      // coordinator lost them (it restarted): the checkpoint cannot commit any more.
-      failure = absl::StrCat("every rank paused but only ", progress.shards_done, " of ",
-                             world.world_size, " shard reports arrived (the coordinator "
-                             "restarted?)");
-    }
-    checkpoints_->CancelPause(in_flight->request);
-    if (!progress.committed_id.empty()) {
-      // Training paused right after this checkpoint (or snapshot): the next generation starts
-      // from it.
-      if (options_.job->snapshot_every > 0) {
-        std::optional<MemoryRestorePoint> point =
-            snapshots_->Usable(progress.committed_id, world_->LiveNow());
-        if (point.has_value()) checkpoints_->SetMemoryRestorePoint(*std::move(point));
-      } else if (absl::StatusOr<TrainingStartPoint> start =
-                     checkpoints_->SetRestorePoint(progress.committed_id);
-                 !start.ok()) {
-        spdlog::error("cannot restart from checkpoint {}: {}", progress.committed_id,
-                      start.status().message());
-      }
-    } else {
-      spdlog::error("the checkpoint for the re-formation (request {}) failed: {}; re-forming "
-                    "from the latest committed checkpoint instead",
-                    in_flight->request, failure);
-    }
-    const std::optional<Reshape> pending = world_->PendingReshape();
-    absl::StatusOr<World> reformed =
-        pending.has_value() ? world_->ApplyReshape(*pending, now)
-                            : absl::StatusOr<World>(absl::FailedPreconditionError(
-                                  "nothing to change any more"));
-    if (!reformed.ok()) {
-      // The workers paused for nothing: let them go on from the checkpoint they just wrote.
-      world_->Reform(absl::StrCat("resume after the re-formation was dropped (",
-                                  reformed.status().message(), ")"),
-                     now);
-    }
-    elastic_->Finish(progress.committed_id.empty() ? absl::StrCat("failed: ", failure)
-                                                   : absl::StrCat("done at checkpoint ",
-                                                                  progress.committed_id));
-    return true;
-  }
-  if (checkpoints_ != nullptr && world_->AllPausedAt(world.generation)) {
-    // The way out of a pause nobody holds any more: every rank waits for a next generation.
-    world_->Reform(absl::StrCat("every rank paused at generation ", world.generation,
-                                " with no re-formation in progress; resuming from the latest "
-                                "checkpoint"),
-                   now);
-    return true;
-  }
-  const std::optional<Reshape> pending = world_->PendingReshape();
-  if (!pending.has_value()) return false;
-  if (checkpoints_ == nullptr || !checkpoints_->training_started()) {
-    if (absl::StatusOr<World> reformed = world_->ApplyReshape(*pending, now); !reformed.ok()) {
-      spdlog::warn("re-formation not applied: {}", reformed.status().message());
-    }
-    return true;
-  }
-  absl::StatusOr<int64_t> request =
-      checkpoints_->RequestSave(pending->generation, /*pause=*/true,
-                                /*in_memory=*/options_.job->snapshot_every > 0);
-  if (!request.ok()) {
-    spdlog::error("cannot ask for the checkpoint of a re-formation: {}",
-                  request.status().message());
-    return false;
-  }
-  const std::string description =
-      absl::StrCat("re-forming from ", pending->from_size, " to ", pending->to_size,
-                   " workers (", pending->reason, ")");
-  if (absl::Status started =
-          elastic_->Start(InFlightReshape{pending->generation, *request, description, now});
-      !started.ok()) {
-    spdlog::error("cannot record the re-formation in flight: {}", started.message());
-    checkpoints_->CancelPause(*request);
-    return false;
-  }
-  return true;
-}
-
-void CoordinatorCore::CheckProgress(absl::Time now) {
-  const CoreOptions::ProgressLease& lease_options = options_.progress;
-  if (checkpoints_ == nullptr || lease_options.floor <= absl::ZeroDuration()) return;
-  const World world = world_->world();
-  if (world.state != JobState::kRunning) return;
-  const std::vector<double> step_ms = plan_->RecentStepMs();
-  const absl::Duration lease =
-      DerivedTimeout(absl::Milliseconds(Quantile(step_ms, 0.99)), lease_options.factor,
-                     lease_options.floor, lease_options.ceiling);
-  const std::optional<Stall> stall =
-      FindStall(world_->Progress(), world.ranks, world.generation, lease,
-                absl::Milliseconds(Quantile(step_ms, 0.5)), now);
-  if (!stall.has_value() || stall_handled_ == std::make_pair(world.generation, stall->step)) {
-    return;
-  }
-  stall_handled_ = {world.generation, stall->step};
-  if (stall->stuck.empty() || !lease_options.evict_stuck) {
-    spdlog::warn("{}", stall->description);
-    world_->RecordEvent(v1::MEMBERSHIP_EVENT_KIND_STUCK, "", -1,
-                        absl::StrCat(stall->description,
-                                     stall->stuck.empty() ? "" : "; not evicted (--stuck-policy warn)"),
-                        now);
-    return;
-  }
-  for (const RankProgress& rank : stall->stuck) {
-    if (absl::Status evicted = world_->Evict(rank.worker_id, rank.incarnation,
-                                             stall->description, now);
-        !evicted.ok()) {
-      spdlog::warn("could not evict worker {}: {}", rank.worker_id, evicted.message());
-    }
-  }
-}
-
-bool CoordinatorCore::Housekeep(absl::Time now) {
-  // What this pass fires is answered in one batch at its end (see WorldManager::AnswerFired).
-  world_->ExpireLeases(now, /*fired_at_most=*/0);
-  CheckProgress(now);
-  if (Reconcile(now)) world_->WakeWatches(/*fired_at_most=*/0);
-  world_->ExpireWatches(now, /*fired_at_most=*/0);
-  plan_->ExpireWaits(now);
-  kv_->ExpireWaiters(now);
-  return world_->AnswerFired(WorldManager::kAnswersPerPass) > 0;
-}
-
-void CoordinatorCore::Close(const absl::Status& reason) {
-  kv_->Close(reason);
-  world_->CloseWatches(reason);
-  plan_->CloseWaits(reason);
 }
 
 }  // namespace shard

@@ -84,8 +84,7 @@ class CoordinatorCore {
                  Callback<absl::StatusOr<HeartbeatReply>> done);
   void ReportSelfCheck(const SelfCheckReport& report, absl::Time now,
                        Callback<absl::Status> done);
-  void Leave(const std::string& worker_id, uint64_t incarnation, const std::string& reason,
-             absl::Time now, Callback<absl::Status> done);
+  void Leave(const LeaveParams& params, absl::Time now, Callback<absl::Status> done);
   absl::StatusOr<PlanView> RegisterManifest(const std::string& worker_id, uint64_t incarnation,
                                             const Manifest& manifest);
   absl::StatusOr<PlanView> AckPlan(const std::string& worker_id, uint64_t incarnation,
@@ -118,8 +117,16 @@ class CoordinatorCore {
   void RestoreCheckpoint(const std::string& id, absl::Time now,
                          Callback<absl::StatusOr<std::pair<TrainingStartPoint, World>>> done);
   void ListEvents(int64_t after, absl::Duration wait, absl::Time now, EventsCallback done);
-  // FailedPrecondition when the coordinator runs no job (and so keeps no checkpoints).
-  absl::StatusOr<CheckpointManager*> Checkpoints();
+  // The catalog, to read; FailedPrecondition when the coordinator runs no job (and so keeps no
+  // checkpoints).
+  absl::StatusOr<const CheckpointManager*> Checkpoints() const;
+  absl::Status DeleteCheckpoint(const std::string& id);
+
+  // --- Rendezvous (the current generation's store) ---
+  absl::Status KvSet(const KvScope& scope, const std::string& key, std::string value);
+  absl::StatusOr<std::string> KvGet(const KvScope& scope, const std::string& key) const;
+  void KvWait(const KvScope& scope, std::vector<std::string> keys, absl::Duration timeout,
+              absl::Time now, KvStoreManager::WaitCallback done);
 
   // --- Housekeeping ---
   // Declares silent workers dead, runs the job's state machine (re-formations, pauses and
@@ -133,13 +140,14 @@ class CoordinatorCore {
   bool recovered() const { return world_->recovered(); }
   bool kept_generation() const { return world_->kept_generation(); }
   const CoreOptions& options() const { return options_; }
-  WorldManager& world() { return *world_; }
+  // Read-only views of the managers (status, metrics, tests, the simulation's invariants):
+  // every change goes through the handlers above.
   const WorldManager& world() const { return *world_; }
-  KvStoreManager& kv() { return *kv_; }
-  PlanManager& plan() { return *plan_; }
-  CheckpointManager* checkpoints() { return checkpoints_.get(); }
-  SnapshotManager* snapshots() { return snapshots_.get(); }
-  ElasticManager& elastic() { return *elastic_; }
+  const KvStoreManager& kv() const { return *kv_; }
+  const PlanManager& plan() const { return *plan_; }
+  const CheckpointManager* checkpoints() const { return checkpoints_.get(); }
+  const SnapshotManager* snapshots() const { return snapshots_.get(); }
+  const ElasticManager& elastic() const { return *elastic_; }
 
  private:
   CoordinatorCore(CoreOptions options, StateStore* store) : options_(std::move(options)), store_(store) {}
@@ -154,6 +162,7 @@ class CoordinatorCore {
   SaveProgress PauseProgress(int64_t request) const;
   // The progress lease's pass: names (and evicts) a rank that holds the world up, once per step.
   void CheckProgress(absl::Time now);
+  absl::StatusOr<CheckpointManager*> MutableCheckpoints();
 
 
   const CoreOptions options_;

@@ -116,7 +116,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       options.max_joins_per_second, 2.0 * core_ptr->world().options().expected_world_size + 64);
   server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(
       core_ptr, job_spec, clock, server->join_limiter_.get());
-  server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(&core_ptr->kv(), clock);
+  server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(core_ptr, clock);
   server->admin_service_ = std::make_unique<AdminServiceImpl>(
       core_ptr, clock, now,
       [self] {
@@ -196,10 +196,13 @@ CoordinatorServer::~CoordinatorServer() { Shutdown(); }
 std::string CoordinatorServer::address() const { return absl::StrCat(host_, ":", port_); }
 
 void CoordinatorServer::RequestStop(const std::string& reason) {
-  core_->world().RequestStop(reason, absl::Now());
+  // The path `shardctl stop` takes: durable before anyone is told.
+  core_->Stop(reason, absl::Now(), [](const World&) {});
   absl::MutexLock lock(&mu_);
   wake_ = true;
 }
+
+JobState CoordinatorServer::job_state() const { return core_->world().world().state; }
 
 bool CoordinatorServer::WaitUntilStopped(absl::Duration timeout) {
   return stopped_.WaitForNotificationWithTimeout(timeout);
@@ -218,8 +221,10 @@ void CoordinatorServer::Housekeeping() {
       absl::MutexLock lock(&mu_);
       wake_ = true;  // answers still wait: the next pass at once
     }
-    if (core_->world().world().state == JobState::kStopped && !stopped_.HasBeenNotified()) {
-      spdlog::info("job '{}' stopped: every worker has left", core_->world().options().job);
+    if (const JobState state = core_->world().world().state;
+        Ended(state) && !stopped_.HasBeenNotified()) {
+      spdlog::info("job '{}' {}: every worker has left", core_->world().options().job,
+                   JobStateName(state));
       stopped_.Notify();
     }
   }

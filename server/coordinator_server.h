@@ -66,13 +66,14 @@ class CoordinatorServer {
 
   // Starts a graceful stop, as `shardctl stop` does (e.g. on SIGTERM).
   void RequestStop(const std::string& reason);
-  // Blocks until the job is stopped or `timeout` passes; true if stopped.
+  // Blocks until the job ended (finished or failed) or `timeout` passes; true if it ended.
   bool WaitUntilStopped(absl::Duration timeout);
+  // The job's phase now.
+  JobState job_state() const;
   // Stops serving. Idempotent.
   void Shutdown();
 
-  WorldManager& world() { return core_->world(); }
-  CoordinatorCore& core() { return *core_; }
+  const CoordinatorCore& core() const { return *core_; }
 
  private:
   CoordinatorServer() = default;

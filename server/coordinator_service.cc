@@ -102,7 +102,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Leave(grpc::CallbackServerCont
                                                         const v1::LeaveRequest* request,
                                                         v1::LeaveResponse* /*response*/) {
   const Pending pending = Later(context);
-  core_->Leave(request->worker_id(), request->incarnation(), request->reason(), clock_(),
+  core_->Leave(FromProto(*request), clock_(),
                [pending](absl::Status status) { pending.Finish(status); });
   return pending.reactor;
 }
@@ -202,15 +202,15 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportTrainingDone(
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Set(grpc::CallbackServerContext* context,
                                                      const v1::KvSetRequest* request,
                                                      v1::KvSetResponse* /*response*/) {
-  return Reply(context, kv_->Set(KvScope{request->scope().job(), request->scope().generation()},
-                                 request->key(), request->value()));
+  return Reply(context, core_->KvSet(KvScope{request->scope().job(), request->scope().generation()},
+                                     request->key(), request->value()));
 }
 
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Get(grpc::CallbackServerContext* context,
                                                      const v1::KvGetRequest* request,
                                                      v1::KvGetResponse* response) {
   absl::StatusOr<std::string> value =
-      kv_->Get(KvScope{request->scope().job(), request->scope().generation()}, request->key());
+      core_->KvGet(KvScope{request->scope().job(), request->scope().generation()}, request->key());
   if (value.ok()) response->set_value(std::move(*value));
   return Reply(context, value.status());
 }
@@ -222,9 +222,9 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Wait(grpc::CallbackServerContex
   // manager calls back exactly once.
   const Pending pending = Later(context);
   std::vector<std::string> keys(request->keys().begin(), request->keys().end());
-  kv_->Wait(KvScope{request->scope().job(), request->scope().generation()}, std::move(keys),
-            absl::Milliseconds(request->timeout_ms()), clock_(),
-            [pending](absl::Status status) { pending.Finish(status); });
+  core_->KvWait(KvScope{request->scope().job(), request->scope().generation()}, std::move(keys),
+                absl::Milliseconds(request->timeout_ms()), clock_(),
+                [pending](absl::Status status) { pending.Finish(status); });
   return pending.reactor;
 }
 
@@ -297,7 +297,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::SaveCheckpoint(
 grpc::ServerUnaryReactor* AdminServiceImpl::GetSaveProgress(
     grpc::CallbackServerContext* context, const v1::GetSaveProgressRequest* request,
     v1::GetSaveProgressResponse* response) {
-  absl::StatusOr<CheckpointManager*> checkpoints = core_->Checkpoints();
+  absl::StatusOr<const CheckpointManager*> checkpoints = core_->Checkpoints();
   if (!checkpoints.ok()) return Reply(context, checkpoints.status());
   *response = ToProto((*checkpoints)->Progress(request->request()));
   return Reply(context, absl::OkStatus());
@@ -306,7 +306,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetSaveProgress(
 grpc::ServerUnaryReactor* AdminServiceImpl::ListCheckpoints(
     grpc::CallbackServerContext* context, const v1::ListCheckpointsRequest* /*request*/,
     v1::ListCheckpointsResponse* response) {
-  absl::StatusOr<CheckpointManager*> checkpoints = core_->Checkpoints();
+  absl::StatusOr<const CheckpointManager*> checkpoints = core_->Checkpoints();
   if (!checkpoints.ok()) return Reply(context, checkpoints.status());
   for (const v1::CheckpointRecord& record : (*checkpoints)->List()) {
     *response->add_checkpoints() = ToCheckpointInfo(record);
@@ -318,7 +318,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListCheckpoints(
 grpc::ServerUnaryReactor* AdminServiceImpl::GetCheckpoint(grpc::CallbackServerContext* context,
                                                           const v1::GetCheckpointRequest* request,
                                                           v1::CheckpointInfo* response) {
-  absl::StatusOr<CheckpointManager*> checkpoints = core_->Checkpoints();
+  absl::StatusOr<const CheckpointManager*> checkpoints = core_->Checkpoints();
   if (!checkpoints.ok()) return Reply(context, checkpoints.status());
   absl::StatusOr<v1::CheckpointRecord> record = (*checkpoints)->Find(request->id());
   if (!record.ok()) return Reply(context, record.status());
@@ -338,9 +338,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetCheckpoint(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* AdminServiceImpl::DeleteCheckpoint(
     grpc::CallbackServerContext* context, const v1::DeleteCheckpointRequest* request,
     v1::DeleteCheckpointResponse* /*response*/) {
-  absl::StatusOr<CheckpointManager*> checkpoints = core_->Checkpoints();
-  if (!checkpoints.ok()) return Reply(context, checkpoints.status());
-  return Reply(context, (*checkpoints)->Delete(request->id()));
+  return Reply(context, core_->DeleteCheckpoint(request->id()));
 }
 
 grpc::ServerUnaryReactor* AdminServiceImpl::RestoreCheckpoint(

@@ -73,7 +73,7 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
 
 class RendezvousServiceImpl final : public v1::Rendezvous::CallbackService {
  public:
-  RendezvousServiceImpl(KvStoreManager* kv, Clock clock) : kv_(kv), clock_(clock) {}
+  RendezvousServiceImpl(CoordinatorCore* core, Clock clock) : core_(core), clock_(clock) {}
 
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KvSetRequest* request,
@@ -86,7 +86,7 @@ class RendezvousServiceImpl final : public v1::Rendezvous::CallbackService {
                                  v1::KvWaitResponse* response) override;
 
  private:
-  KvStoreManager* kv_;
+  CoordinatorCore* core_;
   Clock clock_;
 };
 

@@ -31,6 +31,7 @@ std::vector<v1::MembershipEvent> EventLog::After(int64_t after) const {
 
 std::vector<EventLog::Answer> EventLog::Watch(int64_t after, absl::Time deadline,
                                               EventsCallback done) {
+  if (!watchers_.closed().ok()) return {Answer{std::move(done), watchers_.closed()}};
   if (after < last_sequence_) return {Answer{std::move(done), After(after)}};
   watchers_.Add(deadline, Watcher{after, std::move(done)});
   return {};
@@ -53,9 +54,9 @@ std::vector<EventLog::Answer> EventLog::TakeExpired(absl::Time now) {
   return answers;
 }
 
-std::vector<EventLog::Answer> EventLog::TakeAll(const absl::Status& reason) {
+std::vector<EventLog::Answer> EventLog::Close(const absl::Status& reason) {
   std::vector<Answer> answers;
-  for (Watcher& watcher : watchers_.TakeAll()) {
+  for (Watcher& watcher : watchers_.Close(reason)) {
     answers.push_back(Answer{std::move(watcher.done), reason});
   }
   return answers;

@@ -36,13 +36,13 @@ class EventLog {
   const std::deque<v1::MembershipEvent>& events() const { return events_; }
 
   // Holds `done` until an event after `after` is recorded or `deadline` passes; answers at once
-  // (returned) if there are such events already.
+  // (returned) if there are such events already, or with Close's reason once closed.
   std::vector<Answer> Watch(int64_t after, absl::Time deadline, EventsCallback done);
   // The watches that have news now, and those whose deadline passed (with no events).
   std::vector<Answer> TakeAnswered();
   std::vector<Answer> TakeExpired(absl::Time now);
-  // Every watch, answered with `reason` (at shutdown).
-  std::vector<Answer> TakeAll(const absl::Status& reason);
+  // Every watch, answered with `reason` (at shutdown); later watches too.
+  std::vector<Answer> Close(const absl::Status& reason);
 
  private:
   struct Watcher {

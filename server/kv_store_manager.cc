@@ -30,7 +30,7 @@ void KvStoreManager::SetCurrentGeneration(int64_t generation) {
 }
 
 absl::Status KvStoreManager::CheckScope(const KvScope& scope) const {
-  if (!closed_.ok()) return closed_;
+  if (!waiters_.closed().ok()) return waiters_.closed();
   if (scope.job != job_) {
     return absl::NotFoundError(absl::StrCat("unknown job '", scope.job,
                                             "'; this coordinator serves job '", job_, "'"));
@@ -154,8 +154,7 @@ void KvStoreManager::Close(absl::Status reason) {
   std::vector<Waiter> closed;
   {
     absl::MutexLock lock(&mu_);
-    closed_ = reason;
-    closed = waiters_.TakeAll();
+    closed = waiters_.Close(reason);
   }
   for (Waiter& waiter : closed) waiter.done(reason);
 }

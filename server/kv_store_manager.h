@@ -80,7 +80,6 @@ class KvStoreManager {
   absl::flat_hash_map<std::string, std::string> values_ ABSL_GUARDED_BY(mu_);
   size_t scope_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   WaitList<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
-  absl::Status closed_ ABSL_GUARDED_BY(mu_);  // not OK once closed
 };
 
 }  // namespace shard

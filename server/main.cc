@@ -95,6 +95,12 @@ int main(int argc, char** argv) {
                  "them are told to retry")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--max-worker-failures", options.world.max_worker_failures,
+                 "the job fails (every worker is told to leave, and the coordinator exits 1) "
+                 "once more than this many workers have exited with an error over its life: an "
+                 "error that comes back wherever a worker restarts must not be retried forever. "
+                 "A worker killed or declared dead does not count. Negative: never")
+      ->capture_default_str();
   std::string shard_mode = "range";
   double bucket_cap_mb = 25;
   double first_bucket_cap_mb = 1;
@@ -244,7 +250,8 @@ int main(int argc, char** argv) {
     }
   }
   server->WaitUntilStopped(absl::InfiniteDuration());
+  const bool failed = server->job_state() == shard::JobState::kFailed;
   server->Shutdown();
-  spdlog::info("coordinator exiting");
-  return 0;
+  spdlog::info("coordinator exiting{}", failed ? ": the job failed" : "");
+  return failed ? 1 : 0;
 }

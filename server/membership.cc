@@ -82,7 +82,7 @@ void NoteFreedRank(Membership& membership, absl::Time now) {
 }
 
 void NoteStoppedIfEmpty(Membership& membership, absl::Time now, Change* change) {
-  if (membership.stop_requested && membership.live() == 0) {
+  if (Ended(membership.phase())) {
     change->events.push_back(
         MakeEvent(v1::MEMBERSHIP_EVENT_KIND_STOPPED, "", -1, membership.stop_reason, now));
   }
@@ -231,12 +231,18 @@ void Membership::SetRole(Member& member, Role role) {
   CountCapabilities(member, +1);
 }
 
+void Membership::Advance(JobEvent event) {
+  if (stop_kind_ == StopKind::kNone && !Ended(phase_)) stop_kind_ = StopKindOf(event);
+  phase_ = NextJobState(phase_, event, stop_kind_);
+}
+
 void Membership::Release(Member& member) {
   if (member.role != Role::kActive || member.rank < 0) return;
   if (member.rank < ranks() && holders_[member.rank] == member.id) {
     holders_[member.rank] = "";
     free_ranks_.insert(member.rank);
     --held_;
+    Advance(JobEvent::kRankFreed);
   }
   member.rank = -1;
 }
@@ -251,6 +257,7 @@ void Membership::Activate(Member& member, int rank) {
   holders_[rank] = member.id;
   free_ranks_.erase(rank);
   ++held_;
+  if (held_ == ranks()) Advance(JobEvent::kRanksHeld);
 }
 
 void Membership::MakeStandby(Member& member, absl::Time since) {
@@ -279,6 +286,7 @@ void Membership::Depart(Member& member, WorkerState state, std::string detail, a
   member.departed_at = now;
   member.detail = detail.empty() ? std::string(WorkerStateName(state)) : std::move(detail);
   departed_order_.emplace_back(now, member.id);
+  if (live() == 0) Advance(JobEvent::kLastWorkerGone);
 }
 
 void Membership::Renumber(const std::vector<std::string>& keep, int size) {
@@ -315,6 +323,7 @@ void Membership::Renumber(const std::vector<std::string>& keep, int size) {
       ++held_;
     }
   }
+  Advance(held_ == size ? JobEvent::kRanksHeld : JobEvent::kRankFreed);
 }
 
 void Membership::PruneDeparted(size_t max_departed) {
@@ -356,18 +365,13 @@ World WorldOf(const Membership& membership, int64_t generation, const Membership
   world.expected_world_size = membership.target;
   world.min_world_size = rules.min_world_size;
   world.standby = membership.count(Role::kStandby);
-  if (membership.stop_requested) {
-    world.state = membership.live() == 0 ? JobState::kStopped : JobState::kStopping;
-  } else {
-    world.state = world.ranks > 0 && world.world_size == world.ranks ? JobState::kRunning
-                                                                     : JobState::kForming;
-  }
+  world.state = membership.phase();
   return world;
 }
 
 std::string Transition(const Membership& membership, const MembershipRules& rules,
                        absl::Time now) {
-  if (membership.stop_requested) return "";
+  if (membership.stop_requested()) return "";
   const int ranks = membership.ranks();
   const int held = membership.held();
   if (held < ranks) {
@@ -405,7 +409,7 @@ absl::StatusOr<int> Join(Membership& membership, const MembershipRules& rules,
                          Change* change) {
   SHARD_RETURN_IF_ERROR(ValidateName("worker id", params.worker_id));
   SHARD_RETURN_IF_ERROR(ValidateJoinDescription(params));
-  if (membership.stop_requested) {
+  if (membership.stop_requested()) {
     return absl::FailedPreconditionError(absl::StrCat("job '", rules.job, "' is stopping (",
                                                       membership.stop_reason,
                                                       "); it accepts no workers"));
@@ -518,24 +522,39 @@ absl::StatusOr<int> Join(Membership& membership, const MembershipRules& rules,
 }
 
 absl::Status Leave(Membership& membership, const MembershipRules& rules,
-                   const std::string& worker_id, uint64_t incarnation, const std::string& reason,
-                   absl::Time now, Change* change) {
+                   const LeaveParams& params, absl::Time now, Change* change) {
+  const std::string& worker_id = params.worker_id;
   if (const Member* gone = membership.Find(worker_id);
-      gone != nullptr && gone->role == Role::kDeparted && gone->incarnation == incarnation) {
+      gone != nullptr && gone->role == Role::kDeparted && gone->incarnation == params.incarnation) {
     return absl::OkStatus();  // a retried leave
   }
-  SHARD_ASSIGN_OR_RETURN(Member * found, membership.FindLive(worker_id, incarnation, rules.job));
+  SHARD_ASSIGN_OR_RETURN(Member * found,
+                         membership.FindLive(worker_id, params.incarnation, rules.job));
   Member& member = *found;
   const bool held_rank = member.role == Role::kActive;
+  const std::string reason =
+      params.failed ? absl::StrCat("failed: ", params.reason) : params.reason;
   change->events.push_back(
       MakeEvent(v1::MEMBERSHIP_EVENT_KIND_LEFT, worker_id, member.rank, reason, now));
   membership.Depart(member, WorkerState::kLeft, reason, now);
-  if (held_rank && !membership.stop_requested) {
+  if (params.failed && !membership.stop_requested()) ++membership.worker_failures;
+  const bool fails_job = params.failed && !membership.stop_requested() &&
+                         rules.max_worker_failures >= 0 &&
+                         membership.worker_failures > rules.max_worker_failures;
+  if (held_rank && !membership.stop_requested() && !fails_job) {
     change->bump = membership.ran;
     NoteFreedRank(membership, now);
     if (PromoteStandbys(membership, now, change) > 0) MarkFormedIfComplete(membership, now, change);
   }
   NoteStoppedIfEmpty(membership, now, change);
+  if (fails_job) {
+    // The same error would come back wherever the job restarts its workers: stop for good.
+    Stop(membership, JobEvent::kJobFailed,
+         absl::StrCat(membership.worker_failures, " workers exited with an error (more than ",
+                      "--max-worker-failures ", rules.max_worker_failures, "); the last, ",
+                      worker_id, ": ", params.reason),
+         now, change);
+  }
   membership.PruneDeparted(rules.max_departed);
   return absl::OkStatus();
 }
@@ -562,7 +581,7 @@ absl::Status Evict(Membership& membership, const MembershipRules& rules,
   change->events.push_back(MakeEvent(v1::MEMBERSHIP_EVENT_KIND_STUCK, worker_id, member->rank,
                                      absl::StrCat(detail, "; evicted"), now));
   spdlog::warn("worker {} (rank {}) evicted: {}", worker_id, member->rank, detail);
-  if (!membership.stop_requested) {
+  if (!membership.stop_requested()) {
     change->bump = change->bump || membership.ran;
     NoteFreedRank(membership, now);
   }
@@ -594,7 +613,7 @@ std::vector<std::string> ExpireLeases(Membership& membership, const MembershipRu
                  : member.role == Role::kStandby ? std::string("standby")
                                                  : std::string("leaving"),
                  detail);
-    if (member.role == Role::kActive && !membership.stop_requested) {
+    if (member.role == Role::kActive && !membership.stop_requested()) {
       change->bump = change->bump || membership.ran;
       NoteFreedRank(membership, now);
     }
@@ -602,11 +621,11 @@ std::vector<std::string> ExpireLeases(Membership& membership, const MembershipRu
   }
   // A free rank goes to a waiting standby, whether the world lost its holder or never had one (a
   // world forming after a restart or a resize may hold standbys that no join would place).
-  if (!membership.stop_requested && membership.held() < membership.ranks()) {
+  if (!membership.stop_requested() && membership.held() < membership.ranks()) {
     if (PromoteStandbys(membership, now, change) > 0) MarkFormedIfComplete(membership, now, change);
   }
   // Past the grace period, re-form with the survivors (as many as an allowed size takes).
-  if (!membership.stop_requested && membership.formed &&
+  if (!membership.stop_requested() && membership.formed &&
       membership.held() < membership.ranks() && membership.free_rank_since.has_value() &&
       now >= *membership.free_rank_since + rules.reform_grace) {
     ReformWithSurvivors(membership, rules, now, change);
@@ -618,16 +637,18 @@ std::vector<std::string> ExpireLeases(Membership& membership, const MembershipRu
   return dead;
 }
 
-void RequestStop(Membership& membership, const std::string& reason, absl::Time now,
-                 Change* change) {
-  if (membership.stop_requested) return;
-  membership.stop_requested = true;
+void Stop(Membership& membership, JobEvent why, const std::string& reason, absl::Time now,
+          Change* change) {
+  if (membership.stop_requested()) return;
+  membership.Advance(why);
+  if (membership.live() == 0) membership.Advance(JobEvent::kLastWorkerGone);
   membership.stop_reason = reason.empty() ? "stop requested" : reason;
   change->events.push_back(MakeEvent(v1::MEMBERSHIP_EVENT_KIND_STOP_REQUESTED, "", -1,
                                      membership.stop_reason, now));
   NoteStoppedIfEmpty(membership, now, change);
-  spdlog::info("stop requested ({}); {} live workers will be told to leave",
-               membership.stop_reason, membership.live());
+  spdlog::log(why == JobEvent::kJobFailed ? spdlog::level::err : spdlog::level::info,
+              "{} ({}); {} live workers will be told to leave", JobEventName(why),
+              membership.stop_reason, membership.live());
 }
 
 }  // namespace shard

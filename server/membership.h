@@ -53,6 +53,7 @@ struct MembershipRules {
   // them); the error says why not. Unset: any size.
   std::function<absl::Status(int)> check_size;
   size_t max_departed = 64;  // departed workers still shown in status
+  int max_worker_failures = 3;  // the job fails beyond this many; negative: never
 
   bool Allowed(int world_size) const {
     return world_size >= 1 && (!check_size || check_size(world_size).ok());
@@ -154,6 +155,14 @@ class Membership {
   // Forgets the oldest departed members beyond `max_departed`.
   void PruneDeparted(size_t max_departed);
 
+  // The job's phase (common/job_state.h). Only Advance moves it, with the event that happened:
+  // the primitives above advance it when the last free rank is filled (kRanksHeld), a held
+  // rank is freed (kRankFreed), or the last live worker of a stopping job departs.
+  JobState phase() const { return phase_; }
+  StopKind stop_kind() const { return stop_kind_; }
+  bool stop_requested() const { return stop_kind_ != StopKind::kNone; }
+  void Advance(JobEvent event);
+
   // The ids whose persistent record changed since the last call (live or departed now).
   std::set<std::string> TakeDirty();
   bool has_dirty() const { return !dirty_.empty(); }
@@ -163,8 +172,8 @@ class Membership {
   bool formed = false;  // the world has formed at least once
   std::optional<absl::Time> free_rank_since;  // a rank of the formed world lost its worker
   int64_t connected_generation = 0;  // every rank passed its self-check at this generation
-  bool stop_requested = false;
-  std::string stop_reason;
+  std::string stop_reason;  // for people; stop_kind() says why the job stops
+  int worker_failures = 0;  // workers that left with an error, over the job's life
   // The world of the current generation has been RUNNING: workers may have connected at it,
   // so a change of hands must end the generation.
   bool ran = false;
@@ -186,6 +195,8 @@ class Membership {
   std::deque<std::pair<absl::Time, std::string>> departed_order_;
   std::map<std::vector<std::string>, int> live_capabilities_;  // sorted set -> live members
   std::set<std::string> dirty_;
+  JobState phase_ = JobState::kForming;
+  StopKind stop_kind_ = StopKind::kNone;
 };
 
 // --- Rules ----------------------------------------------------------------------------------------
@@ -199,15 +210,18 @@ std::string Transition(const Membership& membership, const MembershipRules& rule
 absl::StatusOr<int> Join(Membership& membership, const MembershipRules& rules,
                          const JoinParams& params, int64_t generation, absl::Time now,
                          Change* change);
+// A worker leaves (`params.failed`: its process exits with an error, which counts towards
+// rules.max_worker_failures: beyond them, the job fails).
 absl::Status Leave(Membership& membership, const MembershipRules& rules,
-                   const std::string& worker_id, uint64_t incarnation, const std::string& reason,
-                   absl::Time now, Change* change);
+                   const LeaveParams& params, absl::Time now, Change* change);
 // Declares the silent dead, gives their ranks to standbys and, past the grace period,
 // re-forms with the survivors. Returns the dead.
 std::vector<std::string> ExpireLeases(Membership& membership, const MembershipRules& rules,
                                       absl::Time now, Change* change);
-void RequestStop(Membership& membership, const std::string& reason, absl::Time now,
-                 Change* change);
+// Stops the job: `why` is kStopRequested (an operator, a signal), kTrainingFinished or
+// kJobFailed; the first stop's kind and reason stay.
+void Stop(Membership& membership, JobEvent why, const std::string& reason, absl::Time now,
+          Change* change);
 // What a departed member's process is told: NotFound (join again), or for one evicted,
 // FailedPrecondition (it must exit).
 absl::Status DepartedStatus(const Member& member);

@@ -3,8 +3,10 @@
 #include <map>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "proto/control_convert.h"
 
 namespace shard {
 namespace {
@@ -49,8 +51,11 @@ void SetHeader(const std::string& job, const Membership& membership, int64_t gen
   record->set_target_world_size(membership.target);
   record->set_formed(membership.formed);
   record->set_connected_generation(membership.connected_generation);
-  record->set_stop_requested(membership.stop_requested);
+  record->set_stop_requested(membership.stop_requested());
   record->set_stop_reason(membership.stop_reason);
+  record->set_phase(ToProto(membership.phase()));
+  record->set_stop_kind(ToProto(membership.stop_kind()));
+  record->set_worker_failures(membership.worker_failures);
   record->set_last_event_sequence(log.last_sequence());
 }
 
@@ -143,12 +148,21 @@ uint64_t MembershipLog::Record(const Membership& membership, int64_t generation,
   return store_->Append(kMembershipRecord, std::move(bytes));
 }
 
+StopKind SavedStopKind(const v1::CoordinatorState& record) {
+  if (record.stop_kind() != v1::STOP_KIND_UNSPECIFIED) return FromProto(record.stop_kind());
+  if (!record.stop_requested()) return StopKind::kNone;
+  // A record of an earlier release said only how the stop read.
+  return absl::StartsWith(record.stop_reason(), "training finished") ? StopKind::kTrained
+                                                                      : StopKind::kOperator;
+}
+
 Membership RestoreMembership(const v1::CoordinatorState& record, int default_target,
                              absl::Time heartbeat, absl::Time now) {
   const int target = record.target_world_size() > 0 ? record.target_world_size() : default_target;
   Membership membership(record.formed() ? record.ranks() : target, target);
   membership.formed = record.formed();
   membership.connected_generation = record.connected_generation();
+  membership.worker_failures = record.worker_failures();
   for (const v1::MemberRecord& saved : record.members()) {
     Member& member = membership.Upsert(saved.id());
     member.incarnation = saved.incarnation();

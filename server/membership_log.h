@@ -52,6 +52,10 @@ class MembershipLog {
   size_t snapshot_bytes_ = 0;  // of the last snapshot
 };
 
+// Why the recorded job stops (kNone: it does not); also for records of earlier releases, which
+// kept only the stop's reason.
+StopKind SavedStopKind(const v1::CoordinatorState& record);
+
 // The record's live members as a membership (a restarted coordinator takes them back), each
 // with its lease starting at `heartbeat`.
 Membership RestoreMembership(const v1::CoordinatorState& record, int default_target,

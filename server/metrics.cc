@@ -229,10 +229,10 @@ void AddWorldMetrics(const StatusSnapshot& status, prometheus::Registry& registr
   const World& w = status.world;
 
   GaugeFamily& job_state = AddGaugeFamily(
-      "shard_job_state", "1 for the job's current state (forming, running, stopping, stopped).",
+      "shard_job_state",
+      "1 for the job's current phase (forming, running, reshaping, stopping, finished, failed).",
       registry);
-  for (JobState state :
-       {JobState::kForming, JobState::kRunning, JobState::kStopping, JobState::kStopped}) {
+  for (JobState state : kAllJobStates) {
     job_state.Add({{"state", std::string(JobStateName(state))}}).Set(state == w.state ? 1 : 0);
   }
   SetGauge("shard_generation", "The world's generation (bumped on every rank change).",

@@ -243,8 +243,8 @@ void PlanManager::ReportGradientOrder(const MemberRef& member, int64_t plan_vers
     } else if (rebuilt_order_.has_value()) {
       RecordDisagreementLocked(member.rank, order);
       result = ViewLocked();
-    } else if (!closed_.ok()) {
-      result = closed_;  // nothing would answer a held wait
+    } else if (!waiters_.closed().ok()) {
+      result = waiters_.closed();  // nothing would answer a held wait
     } else if (member.rank != 0) {
       // Rank 0's order decides; wait for it.
       reported_orders_[member.rank] = std::move(order);
@@ -299,8 +299,9 @@ void PlanManager::CloseWaits(const absl::Status& reason) {
   std::vector<Answer> answers;
   {
     absl::MutexLock lock(&mu_);
-    closed_ = reason;
-    answers = TakeWaitersLocked(reason);
+    for (PlanCallback& done : waiters_.Close(reason)) {
+      answers.push_back(Answer{std::move(done), reason});
+    }
   }
   for (Answer& answer : answers) answer.done(std::move(answer.result));
 }

@@ -142,7 +142,6 @@ class PlanManager {
   std::map<int, std::vector<int>> reported_orders_ ABSL_GUARDED_BY(mu_);
   std::vector<OrderDisagreement> disagreements_ ABSL_GUARDED_BY(mu_);
   WaitList<PlanCallback> waiters_ ABSL_GUARDED_BY(mu_);  // ranks waiting for rank 0's order
-  absl::Status closed_ ABSL_GUARDED_BY(mu_);  // why waits are no longer held, once closed
   std::map<int, std::deque<StepReport>> stats_ ABSL_GUARDED_BY(mu_);
   ProgressMeter progress_ ABSL_GUARDED_BY(mu_);
 };

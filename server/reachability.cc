@@ -103,7 +103,7 @@ void RecordUnreachable(Membership& membership, const std::string& reporter, int6
 
 bool IsolateUnreachable(Membership& membership, const MembershipRules& rules, absl::Time now,
                         Change* change) {
-  if (membership.stop_requested) return false;
+  if (membership.stop_requested()) return false;
   // The pool: the world's members in rank order, then the isolated standbys (a choice made on
   // the first report may have left out the wrong worker: seen in a test where a worker cut off
   // from both peers was blamed once, as was the peer that reported it first).

@@ -20,7 +20,7 @@ bool Contains(const std::vector<std::string>& ids, const std::string& id) {
 
 std::optional<Reshape> PendingReshape(const Membership& membership, const MembershipRules& rules,
                                       int64_t generation, JobState state) {
-  if (membership.stop_requested || state != JobState::kRunning) return std::nullopt;
+  if (!Trains(state)) return std::nullopt;
   Reshape reshape;
   reshape.generation = generation;
   reshape.from_size = membership.ranks();
@@ -68,8 +68,7 @@ std::optional<Reshape> PendingReshape(const Membership& membership, const Member
 
 absl::Status ApplyReshape(Membership& membership, const Reshape& reshape, int64_t generation,
                           JobState state, absl::Time now, Change* change) {
-  if (membership.stop_requested || state != JobState::kRunning ||
-      generation != reshape.generation) {
+  if (!Trains(state) || generation != reshape.generation) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the world changed (now ", JobStateName(state), " at generation ", generation,
         ") since the re-formation was planned at generation ", reshape.generation));

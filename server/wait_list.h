@@ -1,7 +1,8 @@
 // The one wait list behind every long-poll the coordinator holds: heartbeats waiting for the
 // world to change, event watches, rank 1..n waiting for rank 0's gradient order, rendezvous
 // waits for keys. An entry is answered when what it waits for happens (Take, TakeIf) or when its
-// deadline passes (TakeExpired). Expiry pops a heap, so a pass costs O(expired · log n) however
+// deadline passes (TakeExpired), or when the list closes at shutdown (Close): a closed list holds
+// nothing more, so its owner answers new waits at once with the reason. Expiry pops a heap, so a pass costs O(expired · log n) however
 // many entries wait (10,000 workers each hold a heartbeat). Order is deterministic: by deadline,
 // then by the order entries were added.
 //
@@ -9,6 +10,7 @@
 // after releasing that lock.
 #pragma once
 
+#include <cassert>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -17,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 
 namespace shard {
@@ -26,7 +29,9 @@ class WaitList {
  public:
   using Id = uint64_t;
 
+  // Only while open: once closed, answer with closed() instead (nothing would answer it).
   Id Add(absl::Time deadline, Entry entry) {
+    assert(closed_.ok());
     const Id id = next_id_++;
     entries_.emplace(id, Slot{deadline, std::move(entry)});
     deadlines_.emplace(deadline, id);
@@ -74,6 +79,15 @@ class WaitList {
     return expired;
   }
 
+  // Every waiting entry, to be answered with `reason`; from now on closed() is `reason` (not
+  // OK) and the list holds nothing more.
+  std::vector<Entry> Close(absl::Status reason) {
+    closed_ = std::move(reason);
+    return TakeAll();
+  }
+  // OK while the list is open; why it closed after.
+  const absl::Status& closed() const { return closed_; }
+
   bool contains(Id id) const { return entries_.count(id) > 0; }
   size_t size() const { return entries_.size(); }
   bool empty() const { return entries_.empty(); }
@@ -88,6 +102,7 @@ class WaitList {
   std::map<Id, Slot> entries_;
   std::priority_queue<Deadline, std::vector<Deadline>, std::greater<Deadline>> deadlines_;
   Id next_id_ = 1;
+  absl::Status closed_;
 };
 
 }  // namespace shard

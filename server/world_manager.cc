@@ -17,17 +17,14 @@ namespace shard {
 
 namespace {
 
-// How a stop after the end of training reads; a restarted coordinator recognizes it.
-constexpr char kTrainingFinished[] = "training finished";
-
-bool TrainingFinished(const v1::CoordinatorState& saved) {
-  return saved.stop_requested() && absl::StartsWith(saved.stop_reason(), kTrainingFinished);
-}
+// Whether a job stopped this way is over for good (a restart has nothing to run): it trained to
+// the end, or it failed. An operator's stop is not: the next start is a new run.
+bool EndedFor(StopKind stop) { return stop == StopKind::kTrained || stop == StopKind::kFailed; }
 
 // The job-level fields a change may touch without touching a member or recording an event.
 auto Header(const Membership& m) {
-  return std::make_tuple(m.ranks(), m.target, m.formed, m.connected_generation, m.stop_requested,
-                         m.stop_reason);
+  return std::make_tuple(m.ranks(), m.target, m.formed, m.connected_generation, m.phase(),
+                         m.stop_kind(), m.stop_reason, m.worker_failures);
 }
 
 MembershipRules RulesFor(const WorldOptions& options) {
@@ -42,6 +39,7 @@ MembershipRules RulesFor(const WorldOptions& options) {
   rules.reform_grace = options.reform_grace;
   rules.check_size = options.check_size;
   rules.max_departed = options.max_departed_records;
+  rules.max_worker_failures = options.max_worker_failures;
   return rules;
 }
 
@@ -107,19 +105,23 @@ absl::StatusOr<std::unique_ptr<WorldManager>> WorldManager::Create(WorldOptions 
     manager->kept_generation_ = keep;
     spdlog::info("recovered job '{}' from the state directory at generation {}: {}",
                  manager->options_.job, manager->generation_, summary);
-  } else if (options.recover && saved.has_value() && TrainingFinished(*saved)) {
-    // Nothing to run: the world comes back stopped and the coordinator exits.
+  } else if (options.recover && saved.has_value() && EndedFor(SavedStopKind(*saved))) {
+    // Nothing to run: the world comes back as it ended and the coordinator exits.
+    const bool failed = SavedStopKind(*saved) == StopKind::kFailed;
+    const std::string how = failed ? "failed" : "finished";
     change.events.push_back(MakeEvent(v1::MEMBERSHIP_EVENT_KIND_COORDINATOR_RECOVERED, "", -1,
-                                      absl::StrCat("the job had finished (", saved->stop_reason(),
-                                                   "): nothing to run"),
+                                      absl::StrCat("the job had ", how, " (",
+                                                   saved->stop_reason(), "): nothing to run"),
                                       now));
     manager.reset(new WorldManager(std::move(options), store, Membership(target, target),
                                    saved_generation));
     manager->recovered_ = true;
-    shard::RequestStop(manager->membership_, saved->stop_reason(), now, &change);
-    spdlog::info("job '{}' had finished ({}); nothing to run: start with --restore to train "
+    shard::Stop(manager->membership_,
+                failed ? JobEvent::kJobFailed : JobEvent::kTrainingFinished,
+                saved->stop_reason(), now, &change);
+    spdlog::info("job '{}' had {} ({}); nothing to run: start with --restore to train "
                  "again from a checkpoint, or on another --state-dir for a new run",
-                 manager->options_.job, saved->stop_reason());
+                 manager->options_.job, how, saved->stop_reason());
   } else {
     // A new world: whatever existed before is gone, and its generation numbers stay used.
     change.events.push_back(MakeEvent(
@@ -149,7 +151,7 @@ absl::StatusOr<WorldManager::SavedWorld> WorldManager::FindSavedWorld(StateStore
   SHARD_ASSIGN_OR_RETURN(std::optional<v1::CoordinatorState> saved,
                          MembershipLog::Load(store, /*max_events=*/0));
   if (!saved.has_value()) return SavedWorld::kNone;
-  if (TrainingFinished(*saved)) return SavedWorld::kFinished;
+  if (EndedFor(SavedStopKind(*saved))) return SavedWorld::kEnded;
   return !saved->stop_requested() && !saved->members().empty() ? SavedWorld::kLive
                                                                 : SavedWorld::kNone;
 }
@@ -224,7 +226,7 @@ IsLiveMember WorldManager::LiveNow() const {
 }
 
 bool WorldManager::HeldLocked(const shard::Member& member) const {
-  return member.role == Role::kLeaving && !membership_.stop_requested && leaver_hold_ &&
+  return member.role == Role::kLeaving && !membership_.stop_requested() && leaver_hold_ &&
          leaver_hold_(member.id);
 }
 
@@ -268,7 +270,7 @@ auto WorldManager::Mutate(Rule rule, size_t fired_at_most)
 }
 
 void WorldManager::NoteRunningLocked() {
-  if (WorldLocked().state != JobState::kRunning) return;
+  if (!Trains(WorldLocked().state)) return;
   // Once a world runs, workers may connect at its generation: a change of hands ends it.
   membership_.ran = true;
   // However it became whole (joins, a resize while forming, a restart), a world that runs has
@@ -279,11 +281,12 @@ void WorldManager::NoteRunningLocked() {
 std::set<std::string> WorldManager::CommitLocked(Change change) {
   if (change.bump) {
     ++generation_;
+    membership_.Advance(JobEvent::kGenerationEnded);
     membership_.ran = false;
     // First, so that a world running at once at the new generation resolves its start there.
     if (generation_listener_) generation_listener_(generation_);
   }
-  const bool starts_running = !membership_.ran && WorldLocked().state == JobState::kRunning;
+  const bool starts_running = !membership_.ran && Trains(WorldLocked().state);
   NoteRunningLocked();
   if (starts_running && running_listener_) {
     // The listener reads the membership under this lock, as it stands.
@@ -302,114 +305,6 @@ std::set<std::string> WorldManager::CommitLocked(Change change) {
   std::set<std::string> touched = membership_.TakeDirty();
   log_.Record(membership_, generation_, touched, events, events_);
   return touched;
-}
-
-bool WorldManager::WatchFires(const World& world, const Watch& watch) const {
-  const shard::Member* member = membership_.Find(watch.worker_id);
-  if (member == nullptr || member->role == Role::kDeparted ||
-      (member->role == Role::kLeaving && !HeldLocked(*member)) || membership_.stop_requested) {
-    return true;
-  }
-  // While the world forms, its generation does not concern the waiting workers.
-  return world.state != watch.known_state ||
-         (world.state == JobState::kRunning && world.generation != watch.known_generation);
-}
-
-absl::StatusOr<HeartbeatOutcome> WorldManager::OutcomeLocked(const std::string& worker_id,
-                                                             const World& world) const {
-  const shard::Member* member = membership_.Find(worker_id);
-  if (member == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("worker '", worker_id, "' is no longer a member (unknown); join again"));
-  }
-  if (member->role == Role::kDeparted) return DepartedStatus(*member);
-  HeartbeatOutcome outcome;
-  outcome.world = world;
-  outcome.rank = member->rank;
-  if (member->role == Role::kStandby && !member->unreachable.empty()) {
-    outcome.probe = ProbeTargets(membership_, worker_id);
-  }
-  if (HeldLocked(*member)) {
-    // Not yet: the new world still reads state this worker holds.
-  } else if (member->role == Role::kLeaving) {
-    outcome.stop = true;
-    outcome.stop_reason = member->detail;
-  } else if (membership_.stop_requested) {
-    outcome.stop = true;
-    outcome.stop_reason = membership_.stop_reason;
-  }
-  return outcome;
-}
-
-WorldManager::Answers WorldManager::TakeChangedWatchesLocked(
-    const World& before, const std::set<std::string>& touched) {
-  Answers answers;
-  const World world = WorldLocked();
-  std::vector<Watch> fired;
-  if (world.state != before.state || world.generation != before.generation ||
-      membership_.stop_requested) {
-    fired = watches_.TakeIf([&](const Watch& watch) { return WatchFires(world, watch); });
-    for (const Watch& watch : fired) {
-      if (auto it = watch_of_.find(watch.worker_id);
-          it != watch_of_.end() && !watches_.contains(it->second)) {
-        watch_of_.erase(it);
-      }
-    }
-  } else {
-    // The world is the same: only a worker that left or was told to leave hears something new,
-    // and only a member the change touched can be one (a join is O(1), not O(watches)).
-    for (const std::string& id : touched) {
-      const shard::Member* member = membership_.Find(id);
-      if (member != nullptr && member->role != Role::kDeparted && member->role != Role::kLeaving) {
-        continue;
-      }
-      auto it = watch_of_.find(id);
-      if (it == watch_of_.end()) continue;
-      if (std::optional<Watch> watch = watches_.Take(it->second)) {
-        fired.push_back(std::move(*watch));
-      }
-      watch_of_.erase(it);
-    }
-  }
-  FireLocked(std::move(fired));
-  answers.events = events_.TakeAnswered();
-  return answers;
-}
-
-void WorldManager::FireLocked(std::vector<Watch> fired) {
-  for (Watch& watch : fired) fired_.push_back(std::move(watch));
-}
-
-void WorldManager::Deliver(Answers answers, size_t fired_at_most) {
-  for (auto& [done, outcome] : answers.heartbeats) done(std::move(outcome));
-  for (EventLog::Answer& answer : answers.events) answer.done(std::move(answer.events));
-  AnswerFired(fired_at_most);
-}
-
-size_t WorldManager::AnswerFired(size_t at_most) {
-  // In chunks, so that the lock is not held across thousands of answers.
-  constexpr size_t kChunk = 256;
-  size_t answered = 0;
-  while (answered < at_most) {
-    std::vector<std::pair<HeartbeatCallback, absl::StatusOr<HeartbeatOutcome>>> chunk;
-    {
-      absl::MutexLock lock(&mu_);
-      const World world = WorldLocked();
-      while (!fired_.empty() && chunk.size() < kChunk && answered + chunk.size() < at_most) {
-        Watch& watch = fired_.front();
-        absl::StatusOr<HeartbeatOutcome> outcome = closed_.ok()
-                                                       ? OutcomeLocked(watch.worker_id, world)
-                                                       : absl::StatusOr<HeartbeatOutcome>(closed_);
-        chunk.emplace_back(std::move(watch.done), std::move(outcome));
-        fired_.pop_front();
-      }
-      if (chunk.empty()) return fired_.size();
-    }
-    answered += chunk.size();
-    for (auto& [done, outcome] : chunk) done(std::move(outcome));
-  }
-  absl::MutexLock lock(&mu_);
-  return fired_.size();
 }
 
 absl::StatusOr<shard::Member*> WorldManager::GenerationMemberLocked(const std::string& worker_id,
@@ -461,9 +356,9 @@ void WorldManager::WatchHeartbeat(const HeartbeatParams& params, absl::Time now,
     }
     const absl::Duration wait = std::min(params.wait, options_.lease / 4);
     Watch watch{params.worker_id, params.known_generation, params.known_state, std::move(done)};
-    if (!closed_.ok()) {
+    if (!watches_.closed().ok()) {
       // Closed: nothing would answer a held heartbeat, and the server could not drain.
-      answers.heartbeats.emplace_back(std::move(watch.done), closed_);
+      answers.heartbeats.emplace_back(std::move(watch.done), watches_.closed());
     } else if (outcome.ok() && wait > absl::ZeroDuration() && !WatchFires(outcome->world, watch)) {
       // One held heartbeat per worker: an older one (a retry after a lost reply) is answered.
       if (auto it = watch_of_.find(params.worker_id); it != watch_of_.end()) {
@@ -475,44 +370,6 @@ void WorldManager::WatchHeartbeat(const HeartbeatParams& params, absl::Time now,
     } else {
       answers.heartbeats.emplace_back(std::move(watch.done), std::move(outcome));
     }
-  }
-  Deliver(std::move(answers));
-}
-
-void WorldManager::ExpireWatches(absl::Time now, size_t fired_at_most) {
-  Answers answers;
-  {
-    absl::MutexLock lock(&mu_);
-    std::vector<Watch> expired = watches_.TakeExpired(now);
-    for (const Watch& watch : expired) {
-      if (auto it = watch_of_.find(watch.worker_id);
-          it != watch_of_.end() && !watches_.contains(it->second)) {
-        watch_of_.erase(it);
-      }
-    }
-    FireLocked(std::move(expired));
-    answers.events = events_.TakeExpired(now);
-  }
-  Deliver(std::move(answers), fired_at_most);
-}
-
-void WorldManager::WakeWatches(size_t fired_at_most) {
-  {
-    absl::MutexLock lock(&mu_);
-    FireLocked(watches_.TakeAll());
-    watch_of_.clear();
-  }
-  AnswerFired(fired_at_most);
-}
-
-void WorldManager::CloseWatches(const absl::Status& reason) {
-  Answers answers;
-  {
-    absl::MutexLock lock(&mu_);
-    closed_ = reason;
-    FireLocked(watches_.TakeAll());  // answered with `reason` by Deliver
-    watch_of_.clear();
-    answers.events = events_.TakeAll(reason);
   }
   Deliver(std::move(answers));
 }
@@ -560,8 +417,8 @@ absl::Status WorldManager::ReportSelfCheck(const std::string& worker_id, uint64_
                     member->rank, generation, detail);
       // Its peers cannot use this generation's data path either: every rank reconnects at the
       // next one (after a death, only once the lease says who is gone).
-      if (member->role == Role::kActive && WorldLocked().state == JobState::kRunning &&
-          !membership_.stop_requested) {
+      if (member->role == Role::kActive && Trains(WorldLocked().state) &&
+          !membership_.stop_requested()) {
         RecordUnreachable(membership_, worker_id, generation, unreachable, now, change);
         if (IsolateUnreachable(membership_, rules_, now, change)) return absl::OkStatus();
         change->bump = true;
@@ -574,7 +431,7 @@ absl::Status WorldManager::ReportSelfCheck(const std::string& worker_id, uint64_
     spdlog::info("worker {} (rank {}) passed its self-check at generation {}: {}", worker_id,
                  member->rank, generation, detail);
     // Once every rank has connected, a restarted coordinator can keep this generation.
-    if (WorldLocked().state != JobState::kRunning ||
+    if (!Trains(WorldLocked().state) ||
         membership_.connected_generation == generation) {
       return absl::OkStatus();
     }
@@ -590,16 +447,15 @@ absl::Status WorldManager::ReportSelfCheck(const std::string& worker_id, uint64_
   });
 }
 
-absl::Status WorldManager::Leave(const std::string& worker_id, uint64_t incarnation,
-                                 const std::string& reason, absl::Time now) {
+absl::Status WorldManager::Leave(const LeaveParams& params, absl::Time now) {
   return Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const shard::Member* member = membership_.Find(worker_id);
+    const shard::Member* member = membership_.Find(params.worker_id);
     const int rank = member == nullptr ? -1 : member->rank;
-    absl::Status left =
-        shard::Leave(membership_, rules_, worker_id, incarnation, reason, now, change);
+    absl::Status left = shard::Leave(membership_, rules_, params, now, change);
     if (left.ok() && !change->events.empty()) {
-      spdlog::info("worker {} ({}) left: {}", worker_id,
-                   rank >= 0 ? absl::StrCat("rank ", rank) : std::string("no rank"), reason);
+      spdlog::info("worker {} ({}) left{}: {}", params.worker_id,
+                   rank >= 0 ? absl::StrCat("rank ", rank) : std::string("no rank"),
+                   params.failed ? " with an error" : "", params.reason);
     }
     return left;
   });
@@ -624,12 +480,12 @@ absl::Status WorldManager::ReportTrainingDone(const std::string& worker_id, uint
 
 void WorldManager::StopIfTrainingFinished(const std::string& summary, absl::Time now,
                                           Change* change) {
-  if (WorldLocked().state != JobState::kRunning) return;
+  if (!Trains(WorldLocked().state)) return;
   for (const std::string& id : membership_.holders()) {
     if (membership_.Find(id)->done_generation != generation_) return;
   }
-  shard::RequestStop(membership_, absl::StrCat(kTrainingFinished, " (", summary, ")"), now,
-                     change);
+  shard::Stop(membership_, JobEvent::kTrainingFinished,
+              absl::StrCat("training finished (", summary, ")"), now, change);
 }
 
 std::vector<std::string> WorldManager::ExpireLeases(absl::Time now, size_t fired_at_most) {
@@ -651,7 +507,7 @@ World WorldManager::Reform(const std::string& reason, absl::Time now) {
 
 absl::Status WorldManager::SetTarget(int world_size, absl::Time now) {
   return Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-    if (membership_.stop_requested) {
+    if (membership_.stop_requested()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "job '", options_.job, "' is stopping (", membership_.stop_reason, ")"));
     }
@@ -676,7 +532,7 @@ absl::Status WorldManager::SetTarget(int world_size, absl::Time now) {
 
 absl::Status WorldManager::Drain(const std::string& worker_id, absl::Time now) {
   return Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-    if (membership_.stop_requested) {
+    if (membership_.stop_requested()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "job '", options_.job, "' is stopping (", membership_.stop_reason, ")"));
     }
@@ -720,7 +576,7 @@ absl::StatusOr<World> WorldManager::ApplyReshape(const Reshape& reshape, absl::T
 
 bool WorldManager::AllPausedAt(int64_t generation) const {
   absl::ReaderMutexLock lock(&mu_);
-  if (generation != generation_ || WorldLocked().state != JobState::kRunning) return false;
+  if (generation != generation_ || !Trains(WorldLocked().state)) return false;
   for (const std::string& id : membership_.holders()) {
     if (membership_.Find(id)->paused_generation != generation) return false;
   }
@@ -732,25 +588,20 @@ std::vector<v1::MembershipEvent> WorldManager::Events(int64_t after) const {
   return events_.After(after);
 }
 
-void WorldManager::WatchEvents(int64_t after, absl::Time deadline, EventsCallback done) {
-  Answers answers;
-  {
-    absl::MutexLock lock(&mu_);
-    if (closed_.ok()) {
-      answers.events = events_.Watch(after, deadline, std::move(done));
-    } else {
-      answers.events.push_back(EventLog::Answer{std::move(done), closed_});
-    }
-  }
-  Deliver(std::move(answers));
-}
-
 World WorldManager::RequestStop(const std::string& reason, absl::Time now) {
   Mutate([&](Change* change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    shard::RequestStop(membership_, reason, now, change);
+    shard::Stop(membership_, JobEvent::kStopRequested, reason, now, change);
     return 0;
   });
   return world();
+}
+
+bool WorldManager::BeginReshaping(int64_t generation) {
+  return Mutate([&](Change*) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (generation != generation_ || WorldLocked().state != JobState::kRunning) return false;
+    membership_.Advance(JobEvent::kPauseRequested);
+    return true;
+  });
 }
 
 absl::StatusOr<MemberRef> WorldManager::RunningMember(const std::string& worker_id,
@@ -764,7 +615,7 @@ absl::StatusOr<MemberRef> WorldManager::RunningMember(const std::string& worker_
         absl::StrCat("worker '", worker_id, "' holds no rank at generation ", world.generation,
                      " (", member->role == Role::kStandby ? "a standby" : "leaving", ")"));
   }
-  if (world.state != JobState::kRunning) {
+  if (!Trains(world.state)) {
     return absl::AbortedError(absl::StrCat(
         "the world is ", JobStateName(world.state), " at generation ", world.generation,
         "; it trains once it runs again"));

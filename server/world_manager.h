@@ -53,6 +53,10 @@ struct WorldOptions {
   // Take back the live world kept in the state directory (a restart after a crash). Without it,
   // or when the saved job had stopped, the coordinator starts a new world.
   bool recover = true;
+  // The job fails once more than this many workers have exited with an error over its life
+  // (a worker whose training fails the same way wherever it restarts would otherwise be
+  // replaced forever); negative: never.
+  int max_worker_failures = 3;
   size_t max_departed_records = 64;  // departed workers still shown in status
   size_t max_events = 1000;          // membership history kept in the state store
 };
@@ -63,8 +67,8 @@ class WorldManager {
   // `options.job`; generations continue from the saved one. With `options.recover`, a saved
   // world whose job had not stopped is taken back: its live workers stay members (each with a
   // fresh lease) and, if every rank was held and had connected its data path, the generation
-  // is kept so that training goes on undisturbed; a job whose training had finished comes back
-  // stopped.
+  // is kept so that training goes on undisturbed; a job whose training had finished, or that
+  // had failed, comes back ended.
   static absl::StatusOr<std::unique_ptr<WorldManager>> Create(WorldOptions options,
                                                               StateStore* store, absl::Time now);
   // Whether Create took back a saved world, and whether it kept its generation (an intact,
@@ -72,9 +76,10 @@ class WorldManager {
   bool recovered() const { return recovered_; }
   bool kept_generation() const { return kept_generation_; }
   // What `store` holds: no world, a world whose job had not stopped (its coordinator crashed,
-  // so it is taken back), or a job whose training finished (a coordinator started again on it
-  // has nothing to run: it stops at once instead of training the job over).
-  enum class SavedWorld { kNone, kLive, kFinished };
+  // so it is taken back), or a job whose training finished or that failed (a coordinator started
+  // again on it has nothing to run: it ends at once, as it ended, instead of training the job
+  // over). An operator's stop leaves nothing to take back: the next start is a new run.
+  enum class SavedWorld { kNone, kLive, kEnded };
   static absl::StatusOr<SavedWorld> FindSavedWorld(StateStore* store);
 
   // Called under the manager's lock whenever the generation changes; must not call back.
@@ -122,8 +127,9 @@ class WorldManager {
   absl::Status ReportSelfCheck(const std::string& worker_id, uint64_t incarnation,
                                int64_t generation, bool passed, const std::string& detail,
                                absl::Time now, const std::vector<PeerFault>& unreachable = {});
-  absl::Status Leave(const std::string& worker_id, uint64_t incarnation,
-                     const std::string& reason, absl::Time now);
+  // A worker leaves; one that leaves failed counts towards max_worker_failures, beyond which
+  // the job fails.
+  absl::Status Leave(const LeaveParams& params, absl::Time now);
   // The member finished training; once every member of the generation has, the job is
   // stopped with `summary` as the reason.
   absl::Status ReportTrainingDone(const std::string& worker_id, uint64_t incarnation,
@@ -148,6 +154,10 @@ class WorldManager {
   absl::StatusOr<World> ApplyReshape(const Reshape& reshape, absl::Time now);
   // Whether every rank of the running world at `generation` says its training paused there.
   bool AllPausedAt(int64_t generation) const;
+  // The ranks of the running world at `generation` were asked to pause for a reshape: the job
+  // is RESHAPING until the generation ends. False (nothing changes) if the world is not running
+  // at that generation.
+  bool BeginReshaping(int64_t generation);
 
   // Events after sequence number `after`, oldest first.
   std::vector<v1::MembershipEvent> Events(int64_t after) const;
@@ -155,7 +165,7 @@ class WorldManager {
   // else when one is recorded or at `deadline` (empty; see ExpireWatches).
   void WatchEvents(int64_t after, absl::Time deadline, EventsCallback done);
 
-  // Asks every member to leave; the job is STOPPED once none is live.
+  // An operator's stop: asks every member to leave; the job is FINISHED once none is live.
   World RequestStop(const std::string& reason, absl::Time now);
 
   // What the ranks of the current world last said of their training (common/progress_lease.h).
@@ -257,7 +267,6 @@ class WorldManager {
   std::function<bool(const std::string&)> leaver_hold_ ABSL_GUARDED_BY(mu_);
   WaitList<Watch> watches_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, WaitList<Watch>::Id> watch_of_ ABSL_GUARDED_BY(mu_);  // by worker
-  absl::Status closed_ ABSL_GUARDED_BY(mu_);  // why watches are no longer held, once closed
   std::deque<Watch> fired_ ABSL_GUARDED_BY(mu_);  // fired, not answered yet, oldest first
 };
 

@@ -9,19 +9,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "common/host_cores.h"
+#include "common/backoff.h"
 #include "common/logging.h"
-#include "common/progress_lease.h"
 #include "common/status_macros.h"
 #include "proto/control_convert.h"
 #include "proto/job_convert.h"
 #include "spdlog/spdlog.h"
-#include "worker/dataplane/engine.h"
 #include "worker/dataplane/self_check.h"
-#include "worker/dataplane/snapshot_fetch.h"
-#include "worker/dataplane/trainer.h"
 #include "worker/plan_session.h"
-#include "worker/stats_reporter.h"
 
 namespace shard {
 namespace {
@@ -29,10 +24,6 @@ namespace {
 uint64_t RandomIncarnation() {
   std::random_device device;
   return (static_cast<uint64_t>(device()) << 32) ^ device();
-}
-
-bool IsTransient(const absl::Status& status) {
-  return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
 }
 
 // The coordinator answered but cannot take this worker yet.
@@ -48,7 +39,28 @@ WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClien
       client_(std::move(client)),
       data_path_(std::move(data_path)),
       incarnation_(RandomIncarnation()),
-      probe_timeout_(options_.connect_probe_timeout) {}
+      prober_(options_.connect_probe_timeout, &stop_requested_),
+      training_({.client = client_.get(),
+                 .worker_id = options_.worker_id,
+                 .incarnation = incarnation_,
+                 .coordinator_timeout = options_.coordinator_timeout,
+                 .collective_timeout = options_.collective_timeout,
+                 .collective_timeout_floor = options_.collective_timeout_floor,
+                 .trainer = options_.trainer,
+                 .device = &data_path_->device(),
+                 .snapshots = &snapshots_,
+                 .activity = &activity_,
+                 .stop = &stop_requested_,
+                 .generation_over = &generation_over_,
+                 .orders =
+                     [this] {
+                       absl::MutexLock lock(&mu_);
+                       return orders_;
+                     },
+                 .on_snapshot =
+                     [this](const SnapshotShard& shard, const std::vector<std::string>& dropped) {
+                       ReportHeld({shard}, dropped);
+                     }}) {}
 
 void WorkerAgent::RequestStop(const std::string& reason) {
   absl::MutexLock lock(&mu_);
@@ -77,7 +89,8 @@ void WorkerAgent::UpdateWorld(const v1::WorldView& world, int rank) {
   world_.rank = rank;
   world_.world_size = world.world_size();
   world_.state = world.state();
-  world_.running = world.state() == v1::JOB_STATE_RUNNING;
+  // A reshaping world still trains: its ranks connect and train until they pause.
+  world_.running = Trains(FromProto(world.state()));
   world_.scope = world.scope();
   if (!changed) return;
   SetLogContext(absl::StrCat("worker=", options_.worker_id,
@@ -114,7 +127,8 @@ absl::Status WorkerAgent::JoinWithRetry() {
   const v1::JoinRequest request = ToProto(params);
 
   const absl::Time give_up = absl::Now() + options_.coordinator_timeout;
-  absl::Duration backoff = absl::Milliseconds(100);
+  Backoff refused(absl::Milliseconds(100), absl::Seconds(5));
+  Backoff unreachable(absl::Milliseconds(100), absl::Seconds(2));
   while (true) {
     const absl::Time sent_at = absl::Now();
     absl::StatusOr<v1::JoinResponse> joined = client_->Join(request);
@@ -142,28 +156,28 @@ absl::Status WorkerAgent::JoinWithRetry() {
       // The coordinator is there and says "not yet" (the world is full, or the rank asked for
       // is still held): keep asking, however long it takes; a restarted pod must not
       // crash-loop while its predecessor's lease runs out.
+      const absl::Duration wait = refused.Next();
       spdlog::warn("{}; asking again in {}", joined.status().message(),
-                   absl::FormatDuration(backoff));
+                   absl::FormatDuration(wait));
       auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
-      if (mu_.AwaitWithTimeout(absl::Condition(&stopping), backoff)) {
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping), wait)) {
         return absl::CancelledError(absl::StrCat("stopped before joining: ", stop_reason_));
       }
-      backoff = std::min(backoff * 2, absl::Seconds(5));
       continue;
     }
     if (!IsTransient(joined.status())) return joined.status();
-    if (absl::Now() + backoff > give_up) {
+    const absl::Duration wait = unreachable.Next();
+    if (absl::Now() + wait > give_up) {
       return absl::UnavailableError(absl::StrCat(
           "cannot reach the coordinator at ", client_->address(), " for ",
           absl::FormatDuration(options_.coordinator_timeout), " (last error: ",
           joined.status().message(), "); is shard-coordinator running there? Check --coordinator"));
     }
-    spdlog::warn("{}; retrying in {}", joined.status().message(), absl::FormatDuration(backoff));
+    spdlog::warn("{}; retrying in {}", joined.status().message(), absl::FormatDuration(wait));
     auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
-    if (mu_.AwaitWithTimeout(absl::Condition(&stopping), backoff)) {
+    if (mu_.AwaitWithTimeout(absl::Condition(&stopping), wait)) {
       return absl::CancelledError(absl::StrCat("stopped before joining: ", stop_reason_));
     }
-    backoff = std::min(backoff * 2, absl::Seconds(2));
   }
 }
 
@@ -173,7 +187,10 @@ void WorkerAgent::HeartbeatLoop() {
   params.incarnation = incarnation_;
   absl::Time last_contact = absl::Now();
   absl::Duration pause = absl::ZeroDuration();
-  absl::Duration backoff = absl::ZeroDuration();  // grows while the coordinator is unreachable
+  // While the coordinator is unreachable: 50ms doubling, capped at the heartbeat interval (a
+  // restarted coordinator must hear from us within the lease).
+  Backoff unreachable(absl::Milliseconds(50), absl::InfiniteDuration());
+  absl::Duration backoff = absl::ZeroDuration();  // the latest of those; zero once answered
   // An isolated standby's probe runs beside the heartbeats (it may take longer than a lease);
   // its results go with the first heartbeat after it finished.
   std::future<std::vector<PeerProbe>> probing;
@@ -201,10 +218,11 @@ void WorkerAgent::HeartbeatLoop() {
     if (beat.ok()) {
       pause = absl::ZeroDuration();
       backoff = absl::ZeroDuration();
+      unreachable.Reset();
       last_contact = absl::Now();
       if (beat->probe_size() > 0 && !probing.valid()) {
         probing = std::async(std::launch::async,
-                             [this, reply = *beat] { return ProbeMembers(reply); });
+                             [this, reply = *beat] { return prober_.ProbeMembers(reply); });
       }
       absl::MutexLock lock(&mu_);
       NoteContact(sent_at);
@@ -242,11 +260,10 @@ void WorkerAgent::HeartbeatLoop() {
             absl::FormatDuration(absl::Trunc(silent, absl::Seconds(1))), ": ", status.message())));
         return;
       }
-      // Capped at the heartbeat interval: a restarted coordinator must hear from us within
-      // the lease.
       {
         absl::MutexLock lock(&mu_);
-        backoff = std::min(std::max(2 * backoff, absl::Milliseconds(50)), heartbeat_interval_);
+        unreachable.set_max(heartbeat_interval_);
+        backoff = unreachable.Next();
       }
       spdlog::warn("{} (coordinator silent for {}; retrying in {}, giving up after {})",
                    status.message(), absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))),
@@ -271,7 +288,13 @@ void WorkerAgent::HeartbeatLoop() {
   }
 }
 
-absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
+absl::Status WorkerAgent::RunGeneration(const WorldSnapshot& world) {
+  SHARD_ASSIGN_OR_RETURN(const Connected connected, Connect(world));
+  SHARD_RETURN_IF_ERROR(Check(world));
+  return Train(world, connected);
+}
+
+absl::StatusOr<WorkerAgent::Connected> WorkerAgent::Connect(const WorldSnapshot& world) {
   std::shared_ptr<RendezvousClient> rendezvous = client_->RendezvousStore(world.scope);
   {
     absl::MutexLock lock(&mu_);
@@ -285,14 +308,14 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
   spdlog::info("connecting the data path: rank {} of {} on {} over {} (peers reach {})",
                world.rank, world.world_size, data_path_->device().name(), data_path_->backend(),
                options_.host);
-  std::optional<JobConfig> job;
+  Connected connected;
   {
     absl::MutexLock lock(&mu_);
-    job = job_;
+    connected.job = job_;
   }
   // This rank's host and where its snapshots are served, published before connecting: once the
   // data path is connected, every peer's are in the store.
-  const bool snapshots = job.has_value() && job->snapshot_every > 0;
+  const bool snapshots = connected.job.has_value() && connected.job->snapshot_every > 0;
   const auto host_key = [](int rank) { return absl::StrCat("host/", rank); };
   const auto snapshot_key = [](int rank) { return absl::StrCat("snapshot/", rank); };
   SHARD_RETURN_IF_ERROR(rendezvous->Set(host_key(world.rank), options_.host));
@@ -303,7 +326,7 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
   }
   absl::StatusOr<std::unique_ptr<Communicator>> created =
       data_path_->Connect(rendezvous.get(), world.rank, world.world_size);
-  Peers peers;
+  GenerationPeers& peers = connected.peers;
   // Appends rank `rank`'s value of `key` to `values`; false (with `created` the error) if absent.
   const auto collect = [&](int rank, const std::string& key, absl::string_view what,
                            std::vector<std::string>* values) {
@@ -323,15 +346,17 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
       break;
     }
   }
-  {
-    absl::MutexLock lock(&mu_);
-    rendezvous_ = nullptr;
-    if (!created.ok()) return created.status();
-    communicator_ = TrackCollectives(std::move(*created), &activity_);
-    if (stop_ || world_.generation != world.generation) {
-      return absl::AbortedError("the world moved on while connecting");
-    }
+  absl::MutexLock lock(&mu_);
+  rendezvous_ = nullptr;
+  if (!created.ok()) return created.status();
+  communicator_ = TrackCollectives(std::move(*created), &activity_);
+  if (stop_ || world_.generation != world.generation) {
+    return absl::AbortedError("the world moved on while connecting");
   }
+  return connected;
+}
+
+absl::Status WorkerAgent::Check(const WorldSnapshot& world) {
   std::shared_ptr<Communicator> communicator;
   {
     absl::MutexLock lock(&mu_);
@@ -355,17 +380,33 @@ absl::Status WorkerAgent::ConnectGeneration(const WorldSnapshot& world) {
   }
   if (!reported.ok()) return reported;
   spdlog::info("self-check passed: {}", checked->summary);
-  {
-    // Connected and checked: a later generation change aborts this communicator.
-    absl::MutexLock lock(&mu_);
-    communicator_generation_ = world.generation;
-  }
+  // Connected and checked: a later generation change aborts this communicator.
+  absl::MutexLock lock(&mu_);
+  communicator_generation_ = world.generation;
+  return absl::OkStatus();
+}
+
+absl::Status WorkerAgent::Train(const WorldSnapshot& world, const Connected& connected) {
   // Also after this worker finished: a new generation means the job is not finished (a rank
   // died before it reported the end), and every rank trains again from the restore point.
-  if (job.has_value()) {
-    SHARD_RETURN_IF_ERROR(Train(*job, world.rank, world.generation, peers));
-  } else if (options_.manifest.has_value()) {
-    SHARD_RETURN_IF_ERROR(ApplyPlan());
+  if (!connected.job.has_value()) {
+    return options_.manifest.has_value() ? ApplyPlan() : absl::OkStatus();
+  }
+  std::shared_ptr<Communicator> communicator;
+  v1::TrainingStart start;
+  {
+    absl::MutexLock lock(&mu_);
+    communicator = communicator_;
+    start = start_;
+    generation_over_ = stop_ || world_.generation != world.generation;
+  }
+  const GenerationTraining::Generation generation{world.generation, world.rank, communicator.get(),
+                                                  std::move(start), &connected.peers};
+  SHARD_ASSIGN_OR_RETURN(const GenerationTraining::End end,
+                         training_.Train(*connected.job, generation));
+  if (end == GenerationTraining::End::kPaused) {
+    absl::MutexLock lock(&mu_);
+    paused_generation_ = world.generation;
   }
   return absl::OkStatus();
 }
@@ -398,302 +439,6 @@ void WorkerAgent::ReportAllHeldIfNeeded() {
   ReportHeld(held, {});
 }
 
-absl::StatusOr<std::unique_ptr<CheckpointReader>> WorkerAgent::OpenMemoryRestore(
-    int64_t generation, SnapshotReadStats* stats) {
-  v1::GetRestoreSnapshotRequest request;
-  request.set_worker_id(options_.worker_id);
-  request.set_incarnation(incarnation_);
-  request.set_generation(generation);
-  SHARD_ASSIGN_OR_RETURN(const v1::RestoreSnapshot where, client_->GetRestoreSnapshot(request));
-  SHARD_ASSIGN_OR_RETURN(
-      CheckpointManifest manifest,
-      CheckpointManifestFromJson(where.manifest_json(), "memory snapshot " + where.id()));
-  std::vector<std::vector<SnapshotHolderAddress>> holders;
-  for (const v1::RestoreSnapshot::Shard& shard : where.shards()) {
-    std::vector<SnapshotHolderAddress>& list = holders.emplace_back();
-    for (const v1::SnapshotHolder& holder : shard.holders()) {
-      list.push_back({holder.worker_id(), holder.address()});
-    }
-  }
-  if (holders.size() != manifest.shards.size()) {
-    return absl::InternalError(absl::StrCat("the coordinator lists holders of ", holders.size(),
-                                            " shards of memory snapshot ", where.id(), " for ",
-                                            manifest.shards.size()));
-  }
-  return CheckpointReader::Open(
-      std::move(manifest),
-      SnapshotShards(where.id(), std::move(holders), &snapshots_, absl::Seconds(10),
-                     &generation_over_, stats),
-      "memory snapshot " + where.id());
-}
-
-absl::Status WorkerAgent::Train(const JobConfig& job, int rank, int64_t generation,
-                                const Peers& peers) {
-  std::shared_ptr<Communicator> communicator;
-  v1::TrainingStart start;
-  {
-    absl::MutexLock lock(&mu_);
-    communicator = communicator_;
-    start = start_;
-    generation_over_ = stop_ || world_.generation != generation;
-  }
-  // The progress lease counts from here: restoring is part of the first step.
-  activity_.Begin(generation, start.step());
-  struct EndActivity {
-    ActivityTracker& activity;
-    ~EndActivity() { activity.End(); }
-  } end_activity{activity_};
-  // Collectives wait for a peer 20 x the p99 step time, within the floor and the ceiling.
-  std::vector<double> recent_step_ms;
-  PlanSession plans(client_.get(), options_.worker_id, incarnation_,
-                    options_.collective_timeout);
-  const int64_t log_every = std::max<int64_t>(1, job.steps / 50);
-  StatsReporter reporter(
-      [this](const v1::ReportStepStatsRequest& report) { return client_->ReportStepStats(report); });
-  TrainerOptions trainer;
-  trainer.stop = &stop_requested_;
-  trainer.orders = [this] {
-    absl::MutexLock lock(&mu_);
-    return orders_;
-  };
-  trainer.generation = generation;
-  trainer.checkpoint_tag = absl::StrCat("g", generation);
-  SnapshotReadStats read_stats;
-  if (start.in_memory()) {
-    trainer.open_restore = [this, generation, &read_stats] {
-      return OpenMemoryRestore(generation, &read_stats);
-    };
-    spdlog::info("restoring from memory snapshot {} (step {}), held by the job's workers",
-                 start.checkpoint_id(), start.step());
-  } else if (!start.checkpoint_id().empty()) {
-    trainer.restore_dir = start.checkpoint_dir();
-    spdlog::info("restoring from checkpoint {} (step {}) in {}", start.checkpoint_id(),
-                 start.step(), start.checkpoint_dir());
-  }
-  trainer.on_restored = [&](const absl::Status& restored, absl::Duration took,
-                            const RestoreTimings& timings) -> absl::Status {
-    RestoreReport report;
-    report.worker_id = options_.worker_id;
-    report.incarnation = incarnation_;
-    report.generation = generation;
-    report.checkpoint_id = start.checkpoint_id();
-    report.in_memory = start.in_memory();
-    report.duration = took;
-    report.bytes = read_stats.bytes;
-    report.bytes_from_peers = read_stats.bytes_from_peers;
-    report.refused = read_stats.refusals();
-    for (const std::string& refused : report.refused) spdlog::warn("{}", refused);
-    const bool cut_short = absl::IsCancelled(restored) || absl::IsAborted(restored);
-    if (!restored.ok() && !cut_short) report.error = std::string(restored.message());
-    if (!cut_short) {
-      if (absl::Status sent = client_->ReportRestore(ToProto(report)); !sent.ok()) {
-        spdlog::warn("could not report the restore: {}", sent.message());
-      }
-    }
-    if (restored.ok()) {
-      spdlog::info("restored {} {} (step {}) in {:.1f} ms (read {:.1f} ms, then the parameters' "
-                   "all-gather's last {:.1f} ms){}",
-                   start.in_memory() ? "memory snapshot" : "checkpoint", start.checkpoint_id(),
-                   start.step(), absl::ToDoubleMilliseconds(took), timings.read_ms,
-                   timings.gather_ms,
-                   start.in_memory() ? absl::StrCat(": ", report.bytes, " bytes, ",
-                                                    report.bytes_from_peers, " from peers")
-                                     : "");
-      return restored;
-    }
-    if (start.in_memory() && !cut_short) {
-      // The coordinator will not use this snapshot again: the next generation restores from
-      // another one, or from disk.
-      return absl::UnavailableError(absl::StrCat("restoring memory snapshot ",
-                                                 start.checkpoint_id(),
-                                                 " failed: ", restored.message()));
-    }
-    return restored;
-  };
-  const int ranks_on_host =
-      static_cast<int>(std::count(peers.hosts.begin(), peers.hosts.end(), peers.hosts[rank]));
-  trainer.gather_during_reads = GatherDuringReadsPays(ranks_on_host);
-  if (job.zero_stage > 0) {
-    spdlog::info("{} of the {} ranks on this host, {} usable cores: a restore gathers the "
-                 "parameters {} its reads",
-                 ranks_on_host, peers.hosts.size(), UsableCores(),
-                 trainer.gather_during_reads ? "during" : "after");
-  }
-  if (job.snapshot_every > 0) {
-    trainer.snapshots = &snapshots_;
-    for (int buddy : SnapshotBuddies(peers.hosts, rank, job.snapshot_replicas)) {
-      trainer.snapshot_buddies.push_back(peers.snapshot_servers[buddy]);
-    }
-    trainer.on_snapshot = [this](const SnapshotShard& shard,
-                                 const std::vector<std::string>& dropped) {
-      ReportHeld({shard}, dropped);
-    };
-    trainer.on_snapshot_push_failed = [](const SnapshotShard& shard, const std::string& buddy,
-                                         const absl::Status& why) {
-      spdlog::warn("snapshot {}: the buddy at {} did not take this rank's replica: {}", shard.id,
-                   buddy, why.message());
-    };
-  }
-  trainer.on_checkpoint = [&](const SavedShard& saved) {
-    ShardReport report;
-    report.worker_id = options_.worker_id;
-    report.incarnation = incarnation_;
-    report.generation = generation;
-    report.id = saved.id;
-    report.step = saved.step;
-    report.request = saved.request;
-    report.plan_version = saved.plan_version;
-    report.plan_hash = saved.plan->hash;
-    report.pause_ms = saved.pause_ms;
-    report.write_ms = saved.write_ms;
-    report.counters = saved.counters;
-    report.state = saved.state;
-    report.skipped = saved.skipped;
-    if (!saved.skipped.empty()) {
-      report.error = saved.skipped;
-      spdlog::warn("{}", saved.skipped);
-    } else if (saved.record.ok()) {
-      report.record = *saved.record;
-      if (rank == 0) {
-        spdlog::info("checkpoint {} (step {}): shard written in {:.1f} ms, training paused "
-                     "{:.2f} ms",
-                     saved.id, saved.step, saved.write_ms, saved.pause_ms);
-      }
-    } else {
-      report.error = std::string(saved.record.status().message());
-      spdlog::error("checkpoint {}: {}", saved.id, saved.record.status().message());
-    }
-    if (absl::Status sent = client_->ReportCheckpointShard(ToProto(report)); !sent.ok()) {
-      spdlog::warn("could not report checkpoint {}: {}", saved.id, sent.message());
-    }
-  };
-  bool first_step = true;
-  trainer.on_step = [&](const StepRecord& record) {
-    const StepTimings& t = record.timings;
-    // Marks the end of a (re)start, restore included, in the logs (scripts/bench-recovery.sh).
-    if (first_step && rank == 0) {
-      spdlog::info("first step of this run done: step {} ({:.1f} ms)", record.step,
-                   record.step_ms);
-    }
-    first_step = false;
-    activity_.StepDone(record.step);
-    recent_step_ms.push_back(record.step_ms);
-    if (recent_step_ms.size() > 100) recent_step_ms.erase(recent_step_ms.begin());
-    if (record.step % 10 == 0) {
-      communicator->SetCollectiveTimeout(DerivedTimeout(
-          absl::Milliseconds(Quantile(recent_step_ms, 0.99)), 20,
-          options_.collective_timeout_floor, options_.collective_timeout));
-    }
-    if (rank == 0 && (record.step % log_every == 0 || record.step == 1 || record.step == job.steps)) {
-      // The global loss is agreed a step late (training_session.h), but for the last step.
-      const std::string loss =
-          record.loss_step == record.step ? absl::StrFormat("loss %.6f", record.loss)
-          : record.loss_step > 0
-              ? absl::StrFormat("loss %.6f (step %d's)", record.loss, record.loss_step)
-              : std::string("loss -");
-      spdlog::info("step {}/{} {} ({:.1f} ms: backward {:.1f} ms, reduction {:.1f} ms of "
-                   "which {:.0f}% hidden, update {:.2f} ms, gather {:.1f} ms, waited for "
-                   "gathers {:.1f} ms{}; plan v{}{})",
-                   record.step, job.steps, loss, record.step_ms, t.backward_ms,
-                   t.communication_ms,
-                   t.communication_ms > 0 ? 100 * t.hidden_ms / t.communication_ms : 0.0,
-                   t.optimizer_ms, t.gather_ms, t.gather_wait_ms,
-                   t.gathered_units > 0
-                       ? absl::StrCat(", at most ", t.gathered_units, " buckets gathered")
-                       : "",
-                   record.plan_version, t.rebuilt ? ", buckets rebuilt" : "");
-    }
-    if (rank == 0 && t.skipped) {
-      spdlog::warn("step {}: inf/NaN gradients at loss scale {}; update skipped, scale lowered",
-                   record.step, t.loss_scale);
-    }
-    v1::ReportStepStatsRequest report;
-    report.set_worker_id(options_.worker_id);
-    report.set_incarnation(incarnation_);
-    report.set_generation(generation);
-    *report.mutable_stats() =
-        ToProto(StepReport{record.step, record.step_ms, t.backward_ms, t.communication_ms,
-                           t.hidden_ms, t.bucket_bytes, record.loss, record.held_bytes,
-                           t.gathered_units, t.gather_wait_ms});
-    reporter.Submit(std::move(report));
-  };
-  trainer.device = &data_path_->device();
-  spdlog::info("training job '{}': {} in {} on {}, {} steps, global batch {}, {}, "
-               "ZeRO stage {}, {} shards, overlap {}{}",
-               job.name,
-               job.external_model ? "the training script's model"
-                                  : absl::StrCat("MLP ", absl::StrJoin(job.widths, "x")),
-               job.precision, trainer.device->name(), job.steps, job.global_batch,
-               job.optimizer.kind == OptimizerKind::kTorch
-                   ? std::string("the script's own optimizer")
-                   : absl::StrCat(OptimizerKindName(job.optimizer.kind), " with lr ",
-                                  job.optimizer.lr),
-               job.zero_stage, ShardModeName(job.shard_mode), job.overlap ? "on" : "off",
-               job.zero_stage == 3
-                   ? absl::StrCat(", prefetch ", job.prefetch)
-                   : (job.zero_stage > 0 && job.overlap_param_gather && !job.external_model &&
-                              trainer.device->host_memory()
-                          ? ", parameter gather overlapped with forward"
-                          : ""));
-  absl::StatusOr<TrainResult> result = options_.trainer
-                                           ? options_.trainer(job, *communicator, plans, trainer)
-                                           : TrainMlp(job, *communicator, plans, trainer);
-  if (!result.ok()) {
-    if (stop_requested_) return absl::CancelledError(result.status().message());
-    if (absl::IsAborted(result.status())) {
-      // The world moved on (a membership change or a restore): the next generation's training
-      // starts where the coordinator says (its latest checkpoint, or the beginning).
-      return result.status();
-    }
-    return absl::Status(result.status().code(),
-                        absl::StrCat("training failed: ", result.status().message()));
-  }
-  if (result->paused_at > 0) {
-    // The world re-forms from the checkpoint just saved; the next generation continues.
-    spdlog::info("training paused after step {} for a re-formation of the world; waiting for "
-                 "the next generation",
-                 result->paused_at);
-    absl::MutexLock lock(&mu_);
-    paused_generation_ = generation;
-    return absl::OkStatus();
-  }
-  spdlog::info("training finished: {} steps{}, loss {:.6f} -> {:.6f}, {:.2f} steps/s over steps "
-               "{}-{}, {:.0f}% of gradient reduction hidden behind backward, a step {:.2f}x its forward "
-               "and backward, optimizer state {} "
-               "bytes on this rank, model state held {} bytes (parameters {}, gradients {}, "
-               "optimizer state {}, gathered buckets {}, frozen {}){}",
-               result->steps,
-               result->start_step > 0
-                   ? absl::StrCat(" (this run: steps ", result->start_step + 1, "-", result->steps,
-                                  " after restoring step ", result->start_step, ")")
-                   : "",
-               result->first_loss, result->last_loss, result->steps_per_second,
-               result->start_step + 2, result->steps, 100 * result->hidden_fraction,
-               result->step_over_compute,
-               result->optimizer_state_bytes, result->held_bytes.total(),
-               result->held_bytes.params, result->held_bytes.grads,
-               result->held_bytes.optimizer_state, result->held_bytes.gathered,
-               result->held_bytes.frozen,
-               result->output_path.empty() ? "" : ", parameters written to " + result->output_path);
-  v1::ReportTrainingDoneRequest done;
-  done.set_worker_id(options_.worker_id);
-  done.set_incarnation(incarnation_);
-  done.set_steps(result->steps);
-  done.set_final_loss(result->last_loss);
-  done.set_output_path(result->output_path);
-  // The coordinator may be restarting: the result is worth waiting for.
-  const absl::Time give_up = absl::Now() + options_.coordinator_timeout;
-  absl::Duration backoff = absl::Milliseconds(200);
-  while (true) {
-    absl::Status reported = client_->ReportTrainingDone(done);
-    if (!IsTransient(reported) || absl::Now() + backoff > give_up) return reported;
-    spdlog::warn("could not report the end of training ({}); retrying in {}", reported.message(),
-                 absl::FormatDuration(backoff));
-    absl::SleepFor(backoff);
-    backoff = std::min(2 * backoff, absl::Seconds(2));
-  }
-}
-
 absl::Status WorkerAgent::ApplyPlan() {
   PlanSession session(client_.get(), options_.worker_id, incarnation_,
                       options_.collective_timeout);
@@ -722,16 +467,17 @@ absl::Status WorkerAgent::ApplyPlan() {
 }
 
 void WorkerAgent::Leave() {
-  std::string reason;
+  LeaveParams params;
+  params.worker_id = options_.worker_id;
+  params.incarnation = incarnation_;
   {
     absl::MutexLock lock(&mu_);
-    reason = fatal_.ok() ? stop_reason_ : std::string(fatal_.message());
+    // A process that ends with an error says so: beyond --max-worker-failures the job fails.
+    params.failed = !fatal_.ok();
+    params.reason = params.failed ? std::string(fatal_.message()) : stop_reason_;
   }
-  v1::LeaveRequest request;
-  request.set_worker_id(options_.worker_id);
-  request.set_incarnation(incarnation_);
-  request.set_reason(reason);
-  absl::Status left = client_->Leave(request);
+  const std::string& reason = params.reason;
+  absl::Status left = client_->Leave(ToProto(params));
   if (left.ok()) {
     spdlog::info("left the job ({})", reason);
   } else {
@@ -744,7 +490,8 @@ bool WorkerAgent::GenerationStillMine(int64_t generation) {
   params.worker_id = options_.worker_id;
   params.incarnation = incarnation_;
   params.known_generation = generation;
-  absl::Duration backoff = absl::Milliseconds(50);
+  // 50ms, then doubling up to the heartbeat interval (set after each wait).
+  Backoff unreachable(absl::Milliseconds(50), absl::InfiniteDuration());
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -763,8 +510,8 @@ bool WorkerAgent::GenerationStillMine(int64_t generation) {
     if (!IsTransient(beat.status())) return true;
     absl::MutexLock lock(&mu_);
     auto gone = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !fatal_.ok(); };
-    mu_.AwaitWithTimeout(absl::Condition(&gone), backoff);
-    backoff = std::min(2 * backoff, heartbeat_interval_);
+    mu_.AwaitWithTimeout(absl::Condition(&gone), unreachable.Next());
+    unreachable.set_max(heartbeat_interval_);
   }
 }
 
@@ -830,52 +577,16 @@ void WorkerAgent::CoordinatorLeaseWatch() {
   }
 }
 
-std::vector<ConnectProbe> WorkerAgent::Probe(const std::vector<std::string>& addresses) {
-  PeerCallOptions options;
-  {
-    absl::MutexLock lock(&mu_);
-    options.timeout = probe_timeout_;
-  }
-  options.cancel = &stop_requested_;
-  std::vector<ConnectProbe> probes = ProbeConnect(addresses, options);
-  absl::Duration slowest;
-  bool any = false;
-  for (const ConnectProbe& probe : probes) {
-    if (!probe.reachable) continue;
-    slowest = std::max(slowest, probe.took);
-    any = true;
-  }
-  if (any) {
-    absl::MutexLock lock(&mu_);
-    probe_timeout_ =
-        std::clamp(50 * slowest, absl::Seconds(1), options_.connect_probe_timeout);
-  }
-  return probes;
-}
-
 absl::Status WorkerAgent::ProbePeers(const WorldSnapshot& world, RendezvousClient& rendezvous) {
-  const auto probe_key = [](int rank) { return absl::StrCat("probe/", rank); };
-  SHARD_RETURN_IF_ERROR(rendezvous.Set(probe_key(world.rank), snapshot_server_->address()));
-  std::vector<std::string> keys;
-  for (int rank = 0; rank < world.world_size; ++rank) keys.push_back(probe_key(rank));
-  SHARD_RETURN_IF_ERROR(rendezvous.Wait(keys, options_.collective_timeout));
-  std::vector<std::string> addresses;
-  std::vector<int> ranks;
-  for (int rank = 0; rank < world.world_size; ++rank) {
-    if (rank == world.rank) continue;
-    SHARD_ASSIGN_OR_RETURN(std::string address, rendezvous.Get(probe_key(rank)));
-    addresses.push_back(std::move(address));
-    ranks.push_back(rank);
-  }
-  const std::vector<ConnectProbe> probes = Probe(addresses);
-  std::vector<PeerFault> faults;
-  std::vector<std::string> failed;
-  for (size_t i = 0; i < probes.size(); ++i) {
-    if (probes[i].reachable) continue;
-    faults.push_back(PeerFault{ranks[i], LinkFailure::kConnect, probes[i].detail});
-    failed.push_back(absl::StrCat("rank ", ranks[i], " (", probes[i].detail, ")"));
-  }
+  SHARD_ASSIGN_OR_RETURN(std::vector<PeerFault> faults,
+                         prober_.ProbeRanks(rendezvous, world.rank, world.world_size,
+                                            snapshot_server_->address(),
+                                            options_.collective_timeout));
   if (faults.empty()) return absl::OkStatus();
+  std::vector<std::string> failed;
+  for (const PeerFault& fault : faults) {
+    failed.push_back(absl::StrCat("rank ", fault.peer_rank, " (", fault.detail, ")"));
+  }
   {
     absl::MutexLock lock(&mu_);
     if (world_.generation != world.generation) return absl::AbortedError("generation ended");
@@ -885,22 +596,6 @@ absl::Status WorkerAgent::ProbePeers(const WorldSnapshot& world, RendezvousClien
       absl::StrCat("cannot connect to ", absl::StrJoin(failed, ", "),
                    " over the data path's network: the coordinator re-forms the world with "
                    "workers that reach one another"));
-}
-
-std::vector<PeerProbe> WorkerAgent::ProbeMembers(const v1::HeartbeatResponse& reply) {
-  std::vector<std::string> addresses;
-  for (const v1::PeerProbe& target : reply.probe()) addresses.push_back(target.address());
-  const std::vector<ConnectProbe> probes = Probe(addresses);
-  std::vector<PeerProbe> probed;
-  int reached = 0;
-  for (int i = 0; i < reply.probe_size(); ++i) {
-    probed.push_back(PeerProbe{reply.probe(i).worker_id(), reply.probe(i).address(),
-                               probes[i].reachable, probes[i].detail});
-    reached += probes[i].reachable ? 1 : 0;
-  }
-  spdlog::info("isolated standby: reached {} of the {} members of the world", reached,
-               probed.size());
-  return probed;
 }
 
 absl::Status WorkerAgent::Run() {
@@ -919,16 +614,8 @@ absl::Status WorkerAgent::Run() {
   SHARD_RETURN_IF_ERROR(JoinWithRetry());
   {
     absl::MutexLock lock(&mu_);
-    if (job_.has_value() && job_->external_model && !options_.trainer) {
-      Fail(absl::FailedPreconditionError(absl::StrCat(
-          "job '", job_->name, "' trains a model its workers bring (model.external in the job "
-          "spec): start the training script (python3 train.py, with SHARD_COORDINATOR set to "
-          "the coordinator's address) in place of shard-worker")));
-    } else if (job_.has_value() && !job_->external_model && options_.trainer) {
-      Fail(absl::FailedPreconditionError(absl::StrCat(
-          "job '", job_->name, "' trains shard-worker's built-in MLP (model.mlp in the job spec), "
-          "not a model of its own: start shard-worker for it, or give the coordinator a job "
-          "spec with \"model\": {\"external\": {}}")));
+    if (job_.has_value()) {
+      if (absl::Status model = training_.CheckModel(*job_); !model.ok()) Fail(std::move(model));
     }
   }
   std::thread heartbeat([this] { HeartbeatLoop(); });
@@ -947,7 +634,7 @@ absl::Status WorkerAgent::Run() {
       target = world_;
     }
     attempted_generation = target.generation;
-    absl::Status connected = ConnectGeneration(target);
+    absl::Status connected = RunGeneration(target);
     if (connected.ok()) continue;
     if (absl::IsAborted(connected) || IsTransient(connected)) {
       // This generation's data path failed (a peer died or hangs, the generation ended, the

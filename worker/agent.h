@@ -19,11 +19,12 @@
 #include "worker/data_path.h"
 #include "worker/dataplane/communicator.h"
 #include "worker/dataplane/plan_provider.h"
-#include "worker/dataplane/snapshot_fetch.h"
 #include "worker/dataplane/snapshot_peer.h"
 #include "worker/dataplane/snapshot_store.h"
 #include "worker/dataplane/training_activity.h"
 #include "worker/dataplane/training_session.h"
+#include "worker/generation_training.h"
+#include "worker/peer_probe.h"
 
 namespace shard {
 
@@ -54,9 +55,7 @@ struct WorkerOptions {
   // TrainResult::paused_at) or an error (Aborted: the generation ended). Unset: the built-in MLP
   // (TrainMlp). A job whose model is external (model.external) needs one: GenerationHandoff
   // (worker/generation_handoff.h) hands the generation to the thread that runs the model.
-  std::function<absl::StatusOr<TrainResult>(const JobConfig&, Communicator&, PlanProvider&,
-                                            const TrainerOptions&)>
-      trainer;
+  GenerationTraining::Trainer trainer;
 };
 
 class WorkerAgent {
@@ -85,26 +84,30 @@ class WorkerAgent {
   void HeartbeatLoop();
   // Applies a world seen in a join or heartbeat reply.
   void UpdateWorld(const v1::WorldView& world, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Builds and self-checks the communicator of `world`; Aborted if the generation moved on.
-  absl::Status ConnectGeneration(const WorldSnapshot& world);
+  // One generation of `world` for this rank: Connect, Check, Train. Aborted if the generation
+  // moved on.
+  absl::Status RunGeneration(const WorldSnapshot& world);
+  // What connecting a generation yields.
+  struct Connected {
+    std::optional<JobConfig> job;  // the coordinator's, as it was when connecting
+    GenerationPeers peers;
+  };
+  // Rendezvous: publishes this rank's host and snapshot server, probes the peers, creates the
+  // communicator (communicator_) and collects what the peers published.
+  absl::StatusOr<Connected> Connect(const WorldSnapshot& world);
+  // Self-checks the communicator and reports the outcome to the coordinator.
+  absl::Status Check(const WorldSnapshot& world);
+  // Trains the job on the checked communicator (training_), or without a job applies the plan
+  // of options_.manifest.
+  absl::Status Train(const WorldSnapshot& world, const Connected& connected);
   // Registers the manifest, applies the plan, and after the first iteration the rebuilt one.
   absl::Status ApplyPlan();
-  // What the ranks of a generation published when they connected, by rank.
-  struct Peers {
-    std::vector<std::string> hosts;             // each one's --host
-    std::vector<std::string> snapshot_servers;  // empty without snapshots
-  };
-  // Trains the job on the connected communicator of `generation` and reports the result.
-  absl::Status Train(const JobConfig& job, int rank, int64_t generation, const Peers& peers);
   // Tells the coordinator which snapshot shards this worker now holds and dropped; if it cannot,
   // everything held is told again before the next heartbeat.
   void ReportHeld(const std::vector<SnapshotShard>& held, const std::vector<std::string>& dropped);
   // After the coordinator was away (it may have restarted and lost what it knew): everything
   // this worker holds, told again before its next heartbeat.
   void ReportAllHeldIfNeeded();
-  // Reads the memory restore point of `generation` from its holders.
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenMemoryRestore(int64_t generation,
-                                                                      SnapshotReadStats* stats);
   // Tells the coordinator that the data path of `world`'s generation failed with `why`, and the
   // peers this rank could not reach, so that it ends the generation (a failed self-check does);
   // nothing if it is over already.
@@ -112,10 +115,6 @@ class WorkerAgent {
   // Probes every peer of `world` (their addresses from the rendezvous store) before the data
   // path connects: Unavailable, with the peers it could not reach in link_faults_, if any.
   absl::Status ProbePeers(const WorldSnapshot& world, RendezvousClient& rendezvous);
-  // Connects to `addresses` within the derived probe deadline, which it updates.
-  std::vector<ConnectProbe> Probe(const std::vector<std::string>& addresses);
-  // An isolated standby's probe of the members its last heartbeat reply named.
-  std::vector<PeerProbe> ProbeMembers(const v1::HeartbeatResponse& reply);
   // The coordinator answered a call sent at `sent_at`: the lease runs from there.
   void NoteContact(absl::Time sent_at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stops training once the coordinator has not answered for a lease: by then it counts this
@@ -147,7 +146,6 @@ class WorkerAgent {
   int64_t contact_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   // The peers this rank could not connect to at the generation it connects (its probe).
   std::vector<PeerFault> link_faults_ ABSL_GUARDED_BY(mu_);
-  absl::Duration probe_timeout_ ABSL_GUARDED_BY(mu_);  // derived from measured connect times
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::string stop_reason_ ABSL_GUARDED_BY(mu_);
   absl::Status fatal_ ABSL_GUARDED_BY(mu_);
@@ -156,6 +154,8 @@ class WorkerAgent {
   int64_t rendezvous_generation_ ABSL_GUARDED_BY(mu_) = 0;            // the one it connects
   std::optional<JobConfig> job_ ABSL_GUARDED_BY(mu_);  // from the coordinator, at join
   std::atomic<bool> stop_requested_{false};             // stop_, for the training loop
+  // Probes the peers (at a rendezvous; as an isolated standby); a stop cancels its probes.
+  PeerProber prober_;
   // The coordinator's orders for the step boundaries of the world's generation.
   StepOrders orders_ ABSL_GUARDED_BY(mu_);
   // The generation in which training paused for a re-formation (0: not paused): heartbeats
@@ -174,6 +174,8 @@ class WorkerAgent {
   ActivityTracker activity_;
   // Set once Run returns: a forced exit for a hung training thread is off then.
   std::shared_ptr<std::atomic<bool>> finished_ = std::make_shared<std::atomic<bool>>(false);
+  // Trains each generation of the job; its options point at the members above.
+  GenerationTraining training_;
 };
 
 }  // namespace shard

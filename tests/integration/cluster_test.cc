@@ -248,6 +248,41 @@ TEST_F(ClusterTest, ThreeWorkersTrainTheJobAndTheCoordinatorFinishesOnItsOwn) {
   EXPECT_LT(last, 0.8 * first) << all_logs;
 }
 
+// A worker whose error would come back wherever it restarts (here shard-worker started for a job
+// whose model a training script brings) fails the job once more workers than
+// --max-worker-failures have exited with an error: the coordinator exits 1, and started again
+// as it was it has nothing to run and exits 1 again.
+TEST_F(ClusterTest, WorkersThatKeepFailingFailTheJobAndTheCoordinatorExitsOne) {
+  const std::string job = dir_ + "/job.json";
+  std::ofstream(job) << R"({"name": "fails", "worldSize": 2, "model": {"external": {}},
+    "optimizer": {"name": "adam", "lr": 0.001}, "globalBatch": 8, "steps": 10,
+    "outputDir": "out"})";
+  const std::string state = dir_ + "/state";
+  StartCoordinatorWith(
+      {"--job", job, "--lease", "2s", "--max-worker-failures", "1", "--state-dir", state});
+  Process first = StartWorker("f0");
+  EXPECT_EQ(first.Wait(absl::Seconds(30)), 1) << first.Log();
+  EXPECT_NE(first.Log().find("start the training script"), std::string::npos) << first.Log();
+  // One failure is within the limit: the job waits for workers.
+  EXPECT_EQ(Status()["state"], "forming") << coordinator_->Log();
+
+  Process again = StartWorker("f0");  // its pod restarted, with the same error
+  EXPECT_EQ(again.Wait(absl::Seconds(30)), 1) << again.Log();
+  EXPECT_EQ(coordinator_->Wait(absl::Seconds(30)), 1) << coordinator_->Log();
+  const std::string log = coordinator_->Log();
+  EXPECT_NE(log.find("2 workers exited with an error (more than --max-worker-failures 1)"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("job 'fails' failed: every worker has left"), std::string::npos) << log;
+
+  CommandResult restarted =
+      RunCommand({BinaryPath("shard-coordinator"), "--listen", "127.0.0.1:0", "--job", job,
+                  "--state-dir", state},
+                 absl::Seconds(30));
+  EXPECT_EQ(restarted.exit_code, 1) << restarted.output;
+  EXPECT_NE(restarted.output.find("had failed"), std::string::npos) << restarted.output;
+}
+
 TEST_F(ClusterTest, ABadJobIsRefusedBeforeAnyWorkerStarts) {
   const std::string job = WriteTrainingJob(dir_, 3, 50);  // 50 does not divide over 3
   CommandResult indivisible = RunCommand(
@@ -360,7 +395,7 @@ TEST_F(ClusterTest, StatusSaysTheStepLossRateEtaAndLastCheckpointAndWatchFollows
     EXPECT_GE(seen[i]["progress"]["step"], seen[i - 1]["progress"]["step"]) << watched->Log();
   }
   EXPECT_GT(seen.back()["progress"]["step"], seen.front()["progress"]["step"]);
-  const bool stopped = seen.back()["state"] == "stopped";
+  const bool stopped = seen.back()["state"] == "finished";
   EXPECT_TRUE(stopped || watched->Log().find("the coordinator has exited") != std::string::npos)
       << watched->Log();
   for (Process& worker : workers) EXPECT_EQ(worker.Wait(absl::Seconds(20)), 0) << worker.Log();

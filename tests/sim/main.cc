@@ -1,28 +1,110 @@
 // shard-control-plane-sim: runs the control plane's deterministic simulation (simulation.h) for
-// many seeds within a time budget, or replays one seed with a trace. Exit status 1 if any seed
-// broke an invariant or the liveness property; the seed and how to replay it are printed.
+// the seeds pinned in a file and a range of seeds, or replays one seed with a trace. Exit status
+// 1 if any seed broke an invariant or the liveness property (the seed and how to replay it are
+// printed), or if the time budget ended the run before every seed it was asked for had run; 2 on
+// a pinned-seed file it cannot read.
 #include <cstdio>
+#include <fstream>
+#include <limits>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "common/cli.h"
 #include "spdlog/spdlog.h"
 #include "tests/sim/simulation.h"
 
+namespace {
+
+// The seeds of a pinned-seed file (tests/sim/pinned_seeds.txt): one a line, `#` starts a comment,
+// blank lines are skipped. nullopt, with the reason printed, on a file it cannot read or a line
+// that is not a seed.
+std::optional<std::vector<uint64_t>> ReadPinnedSeeds(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    std::fprintf(stderr, "cannot read the pinned seeds %s\n", path.c_str());
+    return std::nullopt;
+  }
+  std::vector<uint64_t> seeds;
+  std::string line;
+  for (int number = 1; std::getline(in, line); ++number) {
+    absl::string_view text = line;
+    text = absl::StripAsciiWhitespace(text.substr(0, text.find('#')));
+    if (text.empty()) continue;
+    uint64_t seed = 0;
+    if (!absl::SimpleAtoi(text, &seed)) {
+      std::fprintf(stderr, "%s:%d: not a seed: %s\n", path.c_str(), number, line.c_str());
+      return std::nullopt;
+    }
+    seeds.push_back(seed);
+  }
+  return seeds;
+}
+
+// What the seeds of a run added up to.
+struct Totals {
+  int64_t run = 0;
+  int64_t failed = 0;
+  int64_t events = 0;
+  int64_t finished = 0;
+  int64_t stopped = 0;
+  int64_t kills = 0, stops = 0, stalls = 0, crashes = 0, admin = 0, checkpoints = 0;
+  int64_t partitions = 0;
+  int64_t memory_restores = 0, disk_restores = 0, memory_failures = 0;
+  absl::Duration simulated;
+
+  void Add(const shard::sim::SimulationResult& result) {
+    ++run;
+    failed += result.passed ? 0 : 1;
+    events += result.events;
+    simulated += result.simulated;
+    finished += result.finished ? 1 : 0;
+    stopped += result.stopped_by_operator && !result.finished ? 1 : 0;
+    kills += result.worker_kills;
+    stops += result.worker_stops;
+    stalls += result.training_stalls;
+    partitions += result.partitions;
+    crashes += result.coordinator_crashes;
+    admin += result.admin_calls;
+    checkpoints += result.checkpoints;
+    memory_restores += result.memory_restores;
+    disk_restores += result.disk_restores;
+    memory_failures += result.memory_restore_failures;
+  }
+};
+
+constexpr int64_t kMaxFailures = 3;  // a run stops at its third failing seed
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"Deterministic simulation of the Shard coordinator under random faults"};
   uint64_t first_seed = 1;
-  int64_t seeds = 1'000'000;
+  int64_t seeds = 0;
   std::string budget = "60s";
+  std::string pinned_path;
   std::optional<uint64_t> replay;
   bool verbose = false;
-  app.add_option("--first-seed", first_seed, "the first seed of the run")->capture_default_str();
-  app.add_option("--seeds", seeds, "at most this many seeds (first-seed, first-seed + 1, ...)")
-      ->capture_default_str();
+  app.add_option("--first-seed", first_seed, "the first seed of the range")->capture_default_str();
+  CLI::Option* seeds_option =
+      app.add_option("--seeds", seeds,
+                     "run exactly this many seeds of the range (first-seed, first-seed + 1, "
+                     "...); the run fails if the time budget ends it sooner. Without it, the "
+                     "range runs until the time budget ends it")
+          ->check(CLI::Range(int64_t{0}, std::numeric_limits<int64_t>::max()));
+  app.add_option("--pinned", pinned_path,
+                 "also run the seeds listed in this file (one a line, # comments), before the "
+                 "range; with --seeds 0, only those. All of them must run within the budget")
+      ->check(CLI::ExistingFile);
   app.add_option("--time-budget", budget,
-                 "stop starting new seeds after this much wall time (e.g. 60s)")
+                 "start no new seed after this much wall time (e.g. 60s, 10m)")
       ->capture_default_str()
       ->check(shard::DurationValidator());
   app.add_option("--seed", replay, "replay this one seed with a trace of every event");
@@ -41,58 +123,83 @@ int main(int argc, char** argv) {
     return result.passed ? 0 : 1;
   }
 
+  std::vector<uint64_t> pinned;
+  if (!pinned_path.empty()) {
+    std::optional<std::vector<uint64_t>> read = ReadPinnedSeeds(pinned_path);
+    if (!read.has_value()) return 2;
+    pinned = std::move(*read);
+  }
+  // A count asked for is a promise the budget must not break; without one the budget ends the
+  // range (a run to explore new seeds for a while).
+  const bool range_counted = seeds_option->count() > 0;
   const absl::Duration limit = shard::ParsedDuration(budget);
   const absl::Time started = absl::Now();
-  int64_t run = 0;
-  int64_t failed = 0;
-  int64_t events = 0;
-  int64_t finished = 0;
-  int64_t stopped = 0;
-  int64_t kills = 0, stops = 0, stalls = 0, crashes = 0, admin = 0, checkpoints = 0;
-  int64_t partitions = 0;
-  int64_t memory_restores = 0, disk_restores = 0, memory_failures = 0;
-  absl::Duration simulated;
-  for (uint64_t seed = first_seed; run < seeds && absl::Now() - started < limit; ++seed, ++run) {
+  Totals totals;
+  auto must_stop = [&] { return totals.failed >= kMaxFailures || absl::Now() - started >= limit; };
+  auto run_seed = [&](uint64_t seed, const char* kind) {
     const shard::sim::SimulationResult result = shard::sim::RunSimulation({.seed = seed});
-    events += result.events;
-    simulated += result.simulated;
-    finished += result.finished ? 1 : 0;
-    stopped += result.stopped_by_operator && !result.finished ? 1 : 0;
-    kills += result.worker_kills;
-    stops += result.worker_stops;
-    stalls += result.training_stalls;
-    partitions += result.partitions;
-    crashes += result.coordinator_crashes;
-    admin += result.admin_calls;
-    checkpoints += result.checkpoints;
-    memory_restores += result.memory_restores;
-    disk_restores += result.disk_restores;
-    memory_failures += result.memory_restore_failures;
+    totals.Add(result);
     if (!result.passed) {
-      ++failed;
-      std::printf("FAIL seed %llu: %s\nreplay: shard-control-plane-sim --seed %llu\n\n",
+      std::printf("FAIL %sseed %llu: %s\nreplay: shard-control-plane-sim --seed %llu\n\n", kind,
                   static_cast<unsigned long long>(seed), result.failure.c_str(),
                   static_cast<unsigned long long>(seed));
-      if (failed >= 3) break;
     }
+  };
+
+  int64_t pinned_run = 0;
+  for (uint64_t seed : pinned) {
+    if (must_stop()) break;
+    run_seed(seed, "pinned ");
+    ++pinned_run;
   }
+  int64_t range_run = 0;
+  for (uint64_t seed = first_seed; (!range_counted || range_run < seeds) && !must_stop(); ++seed) {
+    run_seed(seed, "");
+    ++range_run;
+  }
+
   const double seconds = absl::ToDoubleSeconds(absl::Now() - started);
+  std::string which;
+  if (!pinned.empty()) {
+    which =
+        pinned_run == static_cast<int64_t>(pinned.size())
+            ? absl::StrFormat("%d pinned from %s", pinned_run, pinned_path)
+            : absl::StrFormat("%d of %d pinned from %s", pinned_run, pinned.size(), pinned_path);
+  }
+  if (range_run > 0) {
+    which += absl::StrFormat("%s%d..%d", which.empty() ? "" : ", ", first_seed,
+                             first_seed + range_run - 1);
+  }
   std::printf(
-      "%lld seeds (%llu..%llu) in %.1f s: %.1f seeds/s, %lld events, %.0f s simulated\n"
+      "%lld seeds (%s) in %.1f s: %.1f seeds/s, %lld events, %.0f s simulated\n"
       "faults: %lld worker kills, %lld stops, %lld hung training threads, %lld partitions, "
       "%lld coordinator crashes, %lld operator calls; "
       "%lld checkpoints committed\n"
       "restores: %lld from memory, %lld from disk; %lld reads of a memory snapshot failed (the "
       "next generation restored from elsewhere)\n"
       "outcome: %lld trained to the end, %lld stopped by an operator, %lld failed\n",
-      static_cast<long long>(run), static_cast<unsigned long long>(first_seed),
-      static_cast<unsigned long long>(first_seed + run - 1), seconds, run / seconds,
-      static_cast<long long>(events), absl::ToDoubleSeconds(simulated),
-      static_cast<long long>(kills), static_cast<long long>(stops), static_cast<long long>(stalls),
-      static_cast<long long>(partitions), static_cast<long long>(crashes), static_cast<long long>(admin),
-      static_cast<long long>(checkpoints), static_cast<long long>(memory_restores),
-      static_cast<long long>(disk_restores), static_cast<long long>(memory_failures),
-      static_cast<long long>(finished),
-      static_cast<long long>(stopped), static_cast<long long>(failed));
-  return failed == 0 ? 0 : 1;
+      static_cast<long long>(totals.run), which.c_str(), seconds,
+      seconds > 0 ? totals.run / seconds : 0.0, static_cast<long long>(totals.events),
+      absl::ToDoubleSeconds(totals.simulated), static_cast<long long>(totals.kills),
+      static_cast<long long>(totals.stops), static_cast<long long>(totals.stalls),
+      static_cast<long long>(totals.partitions), static_cast<long long>(totals.crashes),
+      static_cast<long long>(totals.admin), static_cast<long long>(totals.checkpoints),
+      static_cast<long long>(totals.memory_restores), static_cast<long long>(totals.disk_restores),
+      static_cast<long long>(totals.memory_failures), static_cast<long long>(totals.finished),
+      static_cast<long long>(totals.stopped), static_cast<long long>(totals.failed));
+  if (totals.failed > 0) return 1;
+  // Coverage must not depend on the machine's speed: a budget that ran out before every seed
+  // asked for had run fails the run rather than passing with fewer.
+  const bool cut_short =
+      pinned_run < static_cast<int64_t>(pinned.size()) || (range_counted && range_run < seeds);
+  if (cut_short) {
+    const int64_t asked = static_cast<int64_t>(pinned.size()) + (range_counted ? seeds : 0);
+    const int64_t done = pinned_run + (range_counted ? range_run : 0);
+    std::printf(
+        "FAIL: the time budget (%s) ran out after %lld of the %lld seeds asked for; raise "
+        "--time-budget or ask for fewer seeds\n",
+        budget.c_str(), static_cast<long long>(done), static_cast<long long>(asked));
+    return 1;
+  }
+  return 0;
 }

@@ -58,7 +58,8 @@ class Failure {
   std::string message_;
 };
 
-// One worker's data path in one generation (worker/agent.cc ConnectGeneration and Train).
+// One worker's data path in one generation (worker/agent.cc RunGeneration, and
+// worker/generation_training.cc).
 struct Session {
   enum class Phase { kRendezvous, kConnecting, kChecking, kTraining, kPaused, kDone, kFailed };
   int64_t generation = 0;
@@ -137,7 +138,8 @@ struct Worker {
 
 class Simulation {
  public:
-  explicit Simulation(const SimulationOptions& options) : options_(options), rng_(options.seed) {}
+  explicit Simulation(const SimulationOptions& options)
+      : options_(options), rng_(options.seed), failure_rng_(options.seed ^ 0x5eedfa11u) {}
 
   SimulationResult Run();
 
@@ -189,7 +191,8 @@ class Simulation {
   void Join(int index);
   void Heartbeat(int index);
   void UpdateWorld(int index, const World& world, int rank);
-  void Leave(int index);
+  // Leaves and exits; `failed`: the process exits with an error (its training failed).
+  void Leave(int index, const std::string& reason, bool failed);
   void TryConnect(int index);
   // `unreachable`: the peers it reports it could not reach.
   void FailSession(int index, const absl::Status& status,
@@ -239,6 +242,9 @@ class Simulation {
 
   // --- Faults and operators ---
   void Fault();
+  // Worker `index`'s training fails with an error a restart does not fix: it leaves failed and
+  // exits; its pod is restarted (and may fail again).
+  void FailTraining(int index);
   void Operator();
   void Heal();
 
@@ -250,6 +256,12 @@ class Simulation {
 
   SimulationOptions options_;
   std::mt19937_64 rng_;
+  // Draws for training failures, apart: seeds that inject none draw the same as before they
+  // existed (pinned seeds keep their scenario).
+  std::mt19937_64 failure_rng_;
+  bool inject_failures_ = false;
+  int failed_leaves_sent_ = 0;   // leaves that said the worker failed
+  int failed_leaves_acked_ = 0;  // ... that the coordinator acknowledged (durably counted)
   struct Event {
     absl::Time when;
     uint64_t sequence;
@@ -612,8 +624,8 @@ void Simulation::Heartbeat(int index) {
                       [untold](Worker& w) { w.untold_failure = untold; });
                 }
               }
-              // An isolated standby connects to every member it was given (worker/agent.cc
-              // ProbeMembers).
+              // An isolated standby connects to every member it was given
+              // (worker/peer_probe.cc PeerProber::ProbeMembers).
               for (PeerProbe probe : reply->outcome.probe) {
                 for (int peer = 0; peer < static_cast<int>(workers_.size()); ++peer) {
                   if (workers_[peer]->id != probe.worker_id) continue;
@@ -624,7 +636,7 @@ void Simulation::Heartbeat(int index) {
                 worker.probed.push_back(std::move(probe));
               }
               if (reply->outcome.stop) {
-                if (!worker.leaving) Leave(index);
+                if (!worker.leaving) Leave(index, "told to leave", /*failed=*/false);
                 return;
               }
               Heartbeat(index);
@@ -681,18 +693,19 @@ void Simulation::UpdateWorld(int index, const World& world, int rank) {
   TryConnect(index);
 }
 
-void Simulation::Leave(int index) {
+void Simulation::Leave(int index, const std::string& reason, bool failed) {
   Worker& worker = *workers_[index];
   worker.leaving = true;
   if (worker.session.has_value() && worker.session->phase != Session::Phase::kDone) {
     FailSession(index, absl::CancelledError("stopping"));
   }
-  const std::string id = worker.id;
-  const uint64_t incarnation = worker.incarnation;
+  if (failed) ++failed_leaves_sent_;
+  const LeaveParams params{worker.id, worker.incarnation, reason, failed};
   Call(
       index,
-      [this, id, incarnation](CoordinatorCore& core, Deliver deliver) {
-        core.Leave(id, incarnation, "told to leave", now_, [this, deliver](absl::Status) {
+      [this, params](CoordinatorCore& core, Deliver deliver) {
+        core.Leave(params, now_, [this, deliver, failed = params.failed](absl::Status left) {
+          if (failed && left.ok()) ++failed_leaves_acked_;
           deliver([this](Worker& worker) { Exit(worker, "left", false); });
         });
       },
@@ -708,7 +721,7 @@ Group* Simulation::GroupOf(const Worker& worker) {
 void Simulation::TryConnect(int index) {
   Worker& worker = *workers_[index];
   if (!worker.alive || worker.leaving) return;
-  if (worker.known_state != JobState::kRunning || worker.rank < 0 ||
+  if (!Trains(worker.known_state) || worker.rank < 0 ||
       worker.known_generation <= worker.attempted_generation) {
     return;
   }
@@ -738,23 +751,22 @@ void Simulation::TryConnect(int index) {
   Call(
       index,
       [this, scope, key, keys, failed, generation, index](CoordinatorCore& core, Deliver deliver) {
-        const absl::Status set = core.kv().Set(scope, key, workers_[index]->id);
+        const absl::Status set = core.KvSet(scope, key, workers_[index]->id);
         if (!set.ok()) {
           deliver([failed, set](Worker& w) { failed(w, set); });
           return;
         }
-        core.kv().Wait(scope, keys, kCollectiveTimeout, now_,
-                       [this, deliver, failed, generation, index](absl::Status waited) {
-                         deliver([this, failed, waited, generation, index](Worker& w) {
-                           if (!waited.ok()) {
-                             failed(w, waited);
-                           } else if (w.session.has_value() &&
-                                      w.session->generation == generation &&
-                                      w.session->phase == Session::Phase::kRendezvous) {
-                             Rendezvoused(index);
-                           }
-                         });
-                       });
+        core.KvWait(scope, keys, kCollectiveTimeout, now_,
+                    [this, deliver, failed, generation, index](absl::Status waited) {
+                      deliver([this, failed, waited, generation, index](Worker& w) {
+                        if (!waited.ok()) {
+                          failed(w, waited);
+                        } else if (w.session.has_value() && w.session->generation == generation &&
+                                   w.session->phase == Session::Phase::kRendezvous) {
+                          Rendezvoused(index);
+                        }
+                      });
+                    });
       },
       [failed](Worker& w) { failed(w, absl::UnavailableError("rendezvous: unavailable")); });
 }
@@ -1399,16 +1411,23 @@ void Simulation::FailSessionLater(int index, int64_t generation, absl::Duration 
 
 void Simulation::ExitUnlessMovedOn(int index, int64_t generation, const std::string& reason) {
   const Worker& worker = *workers_[index];
-  const std::string id = worker.id;
-  const uint64_t incarnation = worker.incarnation;
+  // A heartbeat that does not wait.
+  HeartbeatParams params;
+  params.worker_id = worker.id;
+  params.incarnation = worker.incarnation;
+  params.known_generation = generation;
+  params.known_state = worker.known_state;
+  params.paused_generation = worker.paused_generation;
   Call(
       index,
-      [this, id, incarnation, generation, reason](CoordinatorCore& core, Deliver deliver) {
-        absl::StatusOr<HeartbeatOutcome> beat = core.world().Heartbeat(id, incarnation, now_);
-        const bool mine = !absl::IsNotFound(beat.status()) &&
-                          (!beat.ok() || beat->world.generation == generation);
-        deliver([this, mine, generation, reason](Worker& w) {
-          if (mine && w.known_generation == generation) Exit(w, reason, true);
+      [this, params, generation, reason](CoordinatorCore& core, Deliver deliver) {
+        core.Heartbeat(params, now_, [this, deliver, generation,
+                                      reason](absl::StatusOr<HeartbeatReply> beat) {
+          const bool mine = !absl::IsNotFound(beat.status()) &&
+                            (!beat.ok() || beat->outcome.world.generation == generation);
+          deliver([this, mine, generation, reason](Worker& w) {
+            if (mine && w.known_generation == generation) Exit(w, reason, true);
+          });
         });
       },
       [this, index, generation, reason](Worker& w) {
@@ -1476,6 +1495,18 @@ void Simulation::Fault() {
     if (workers_[i]->alive && !workers_[i]->stopped) running.push_back(i);
     if (!workers_[i]->alive) gone.push_back(i);
   }
+  if (inject_failures_ && std::bernoulli_distribution(0.1)(failure_rng_)) {
+    std::vector<int> members;
+    for (int index : running) {
+      if (workers_[index]->joined && !workers_[index]->leaving) members.push_back(index);
+    }
+    if (!members.empty()) {
+      FailTraining(members[std::uniform_int_distribution<size_t>(0, members.size() - 1)(
+          failure_rng_)]);
+    }
+    After(Uniform(absl::Milliseconds(100), absl::Seconds(3)), [this] { Fault(); });
+    return;
+  }
   const int kind = Pick(100);
   if (kind < 25 && !running.empty()) {
     ++result_.worker_kills;
@@ -1537,6 +1568,16 @@ void Simulation::Fault() {
     Operator();
   }
   After(Uniform(absl::Milliseconds(100), absl::Seconds(3)), [this] { Fault(); });
+}
+
+void Simulation::FailTraining(int index) {
+  ++result_.worker_failures;
+  Log(absl::StrCat(workers_[index]->id, "'s training fails with an error: it leaves and exits"));
+  Leave(index, "training failed (simulated)", /*failed=*/true);
+  // The pod restarts with the same id.
+  After(Uniform(absl::Milliseconds(1), absl::Seconds(3)), [this, index] {
+    if (!workers_[index]->alive) StartProcess(index);
+  });
 }
 
 void Simulation::Operator() {
@@ -1623,6 +1664,31 @@ void Simulation::Heal() {
 // --- Properties ---------------------------------------------------------------------------------
 
 void Simulation::CheckInvariants() {
+  // The phase is kept, not derived: it must still agree with the membership and the
+  // re-formation in flight.
+  if (core_ != nullptr) {
+    const World world = core_->world().world();
+    if (Trains(world.state) && world.world_size != world.ranks) {
+      failure_.Set(absl::StrCat("the job is ", JobStateName(world.state), " with ",
+                                world.world_size, " of ", world.ranks, " ranks held"));
+    }
+    if (world.state == JobState::kForming && world.ranks > 0 && world.world_size == world.ranks) {
+      failure_.Set(absl::StrCat("the job is forming with every one of its ", world.ranks,
+                                " ranks held"));
+    }
+    const std::optional<InFlightReshape> in_flight = core_->elastic().in_flight();
+    if (world.state == JobState::kReshaping &&
+        (!in_flight.has_value() || in_flight->generation != world.generation)) {
+      failure_.Set(absl::StrCat("the job is reshaping at generation ", world.generation,
+                                " without a re-formation in flight there"));
+    }
+    if (world.state == JobState::kFailed &&
+        failed_leaves_sent_ <= core_options_.world.max_worker_failures) {
+      failure_.Set(absl::StrCat("the job failed after ", failed_leaves_sent_,
+                                " failed workers (the limit is ",
+                                core_options_.world.max_worker_failures, ")"));
+    }
+  }
   if (storage_.overwritten().has_value()) {
     failure_.Set(absl::StrCat("committed checkpoint ", *storage_.overwritten(), " was written again"));
   }
@@ -1664,7 +1730,7 @@ void Simulation::CheckInvariants() {
                               " but a worker was told generation ", max_generation_told_,
                               ": a generation would be reused"));
   }
-  CheckpointManager* checkpoints = core_->checkpoints();
+  const CheckpointManager* checkpoints = core_->checkpoints();
   // The catalog changes only by commits, retention and deletes, also across restarts.
   std::map<std::string, std::string> listed;  // id -> dir
   for (const v1::CheckpointRecord& record : checkpoints->List()) {
@@ -1736,7 +1802,7 @@ void Simulation::CheckDiskEqualsMemory() {
 
 bool Simulation::Settled() {
   if (core_ == nullptr) return false;
-  if (core_->world().world().state != JobState::kStopped) return false;
+  if (!Ended(core_->world().world().state)) return false;
   for (const auto& worker : workers_) {
     if (worker->alive) return false;
   }
@@ -1811,6 +1877,12 @@ SimulationResult Simulation::Run() {
       absl::ZeroDuration(), absl::Milliseconds(500), absl::Seconds(1), absl::Seconds(3)}[Pick(4)];
   core_options_.world.max_standbys = Pick(3);
   core_options_.progress.floor = absl::Seconds(2);
+  // A quarter of the seeds make workers' training fail; the job fails beyond the limit.
+  inject_failures_ = std::bernoulli_distribution(0.25)(failure_rng_);
+  if (inject_failures_) {
+    core_options_.world.max_worker_failures =
+        std::vector<int>{0, 1, 3}[std::uniform_int_distribution<int>(0, 2)(failure_rng_)];
+  }
   reference_hash_ = Mix(job_.seed, 0);
   for (int64_t step = 1; step <= job_.steps; ++step) reference_hash_ = Mix(reference_hash_, step);
 
@@ -1849,8 +1921,18 @@ SimulationResult Simulation::Run() {
                               " after the faults stopped the job has neither finished nor "
                               "stopped"));
   }
-  if (!failure_.failed() && !operator_stopped_ && !final_hash_.has_value()) {
-    failure_.Set("the job stopped without training to the end and without an operator's stop");
+  result_.job_failed = core_ != nullptr && core_->world().world().state == JobState::kFailed;
+  const int max_failures = core_options_.world.max_worker_failures;
+  if (!failure_.failed() && failed_leaves_acked_ > max_failures && !operator_stopped_ &&
+      !final_hash_.has_value() && !result_.job_failed) {
+    failure_.Set(absl::StrCat("the coordinator acknowledged ", failed_leaves_acked_,
+                              " workers that failed (more than ", max_failures,
+                              ") but the job did not fail"));
+  }
+  if (!failure_.failed() && !operator_stopped_ && !final_hash_.has_value() &&
+      !result_.job_failed) {
+    failure_.Set("the job stopped without training to the end, without an operator's stop and "
+                 "without failing");
   }
   result_.passed = !failure_.failed();
   if (!result_.passed) {

@@ -47,8 +47,10 @@ struct SimulationResult {
   int memory_restores = 0;         // generations that restored a snapshot from workers' memory
   int disk_restores = 0;           // ... a checkpoint from disk
   int memory_restore_failures = 0;  // a holder did not serve: the generation ended
+  int worker_failures = 0;  // a worker's training failed with an error: it left failed
   bool finished = false;             // trained to the end
   bool stopped_by_operator = false;  // an operator's stop came first
+  bool job_failed = false;  // more workers failed than --max-worker-failures allows
 };
 
 SimulationResult RunSimulation(const SimulationOptions& options);

@@ -13,10 +13,15 @@ namespace {
 
 TEST(ControlConvertTest, EveryEnumValueRoundTripsToADistinctWireValue) {
   std::set<int> job_states;
-  for (JobState state :
-       {JobState::kForming, JobState::kRunning, JobState::kStopping, JobState::kStopped}) {
+  for (JobState state : kAllJobStates) {
     EXPECT_EQ(FromProto(ToProto(state)), state) << JobStateName(state);
     EXPECT_TRUE(job_states.insert(ToProto(state)).second);
+  }
+  std::set<int> stop_kinds;
+  for (StopKind kind : {StopKind::kNone, StopKind::kOperator, StopKind::kTrained,
+                        StopKind::kFailed}) {
+    EXPECT_EQ(FromProto(ToProto(kind)), kind) << StopKindName(kind);
+    EXPECT_TRUE(stop_kinds.insert(ToProto(kind)).second);
   }
   std::set<int> worker_states;
   for (WorkerState state : {WorkerState::kJoining, WorkerState::kReady, WorkerState::kFailed,

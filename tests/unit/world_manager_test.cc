@@ -220,9 +220,9 @@ TEST_F(WorldManagerTest, LeaveFreesTheRankAndStopEndsTheJobWhenTheLastOneLeaves)
   ASSERT_TRUE(world->Join(Params("a"), now_).ok());
   ASSERT_TRUE(world->Join(Params("b"), now_).ok());
   const int64_t formed = world->world().generation;
-  ASSERT_TRUE(world->Leave("a", 1, "maintenance", now_).ok());
+  ASSERT_TRUE(world->Leave({"a", 1, "maintenance"}, now_).ok());
   EXPECT_EQ(world->world().generation, formed + 1);
-  EXPECT_TRUE(world->Leave("a", 1, "maintenance", now_).ok()) << "a retried leave is fine";
+  EXPECT_TRUE(world->Leave({"a", 1, "maintenance"}, now_).ok()) << "a retried leave is fine";
 
   World stopping = world->RequestStop("operator", now_);
   EXPECT_EQ(stopping.state, JobState::kStopping);
@@ -232,8 +232,8 @@ TEST_F(WorldManagerTest, LeaveFreesTheRankAndStopEndsTheJobWhenTheLastOneLeaves)
   EXPECT_EQ(heartbeat->stop_reason, "operator");
   EXPECT_EQ(world->Join(Params("c"), now_).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  ASSERT_TRUE(world->Leave("b", 1, "stopped", now_).ok());
-  EXPECT_EQ(world->world().state, JobState::kStopped);
+  ASSERT_TRUE(world->Leave({"b", 1, "stopped"}, now_).ok());
+  EXPECT_EQ(world->world().state, JobState::kFinished);
   EXPECT_EQ(world->world().generation, formed + 1) << "departures after a stop do not bump";
 }
 
@@ -317,10 +317,10 @@ TEST_F(WorldManagerTest, AFinishedJobComesBackStoppedAfterARestart) {
     }
     ASSERT_EQ(world->world().state, JobState::kStopping);
   }  // killed before the workers left
-  ASSERT_EQ(*WorldManager::FindSavedWorld(&store_), WorldManager::SavedWorld::kFinished);
+  ASSERT_EQ(*WorldManager::FindSavedWorld(&store_), WorldManager::SavedWorld::kEnded);
   auto again = Make(2);
   EXPECT_TRUE(again->recovered());
-  EXPECT_EQ(again->world().state, JobState::kStopped);
+  EXPECT_EQ(again->world().state, JobState::kFinished);
   EXPECT_EQ(again->world().generation, generation);
   EXPECT_EQ(again->Heartbeat("a", 1, now_).status().code(), absl::StatusCode::kNotFound);
 
@@ -342,6 +342,97 @@ TEST_F(WorldManagerTest, AMembershipRecordOfAnUnknownFormatIsRefused) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+// RESHAPING is a phase of its own: entered when the running generation is asked to pause, left
+// when that generation ends (the reshape applied, or a re-formation), and never derived.
+TEST_F(WorldManagerTest, AJobReshapesFromAPauseRequestUntilItsGenerationEnds) {
+  auto world = Make(2);
+  for (const char* id : {"a", "b"}) ASSERT_TRUE(world->Join(Params(id), now_).ok());
+  const int64_t g = world->world().generation;
+  EXPECT_FALSE(world->BeginReshaping(g + 1)) << "a generation that does not run";
+  ASSERT_TRUE(world->BeginReshaping(g));
+  EXPECT_EQ(world->world().state, JobState::kReshaping);
+  EXPECT_FALSE(world->BeginReshaping(g)) << "once is enough";
+  auto beat = world->Heartbeat("a", 1, now_);
+  ASSERT_TRUE(beat.ok());
+  EXPECT_EQ(beat->world.state, JobState::kReshaping);
+  EXPECT_FALSE(beat->stop);
+  const World reformed = world->Reform("the reshape applied", now_);
+  EXPECT_EQ(reformed.generation, g + 1);
+  EXPECT_EQ(reformed.state, JobState::kRunning);
+
+  // A death while reshaping: the world forms again, and the pause went with its generation.
+  ASSERT_TRUE(world->BeginReshaping(g + 1));
+  ASSERT_TRUE(world->Leave({"b", 1, "gone"}, now_).ok());
+  EXPECT_EQ(world->world().state, JobState::kForming);
+}
+
+// A worker whose training fails the same way wherever it restarts would be replaced forever:
+// beyond --max-worker-failures (counted over the job's life, across coordinator restarts) the
+// job stops and, once every worker has gone, has FAILED.
+TEST_F(WorldManagerTest, WorkersThatExitWithAnErrorFailTheJobBeyondTheLimit) {
+  WorldOptions options = Options(2);
+  options.max_worker_failures = 1;
+  {
+    auto world = Make(options);
+    for (const char* id : {"a", "b"}) ASSERT_TRUE(world->Join(Params(id), now_).ok());
+    ASSERT_TRUE(world->Leave({"a", 1, "training failed: out of memory", /*failed=*/true}, now_)
+                    .ok());
+    EXPECT_EQ(world->world().state, JobState::kForming) << "one failure is within the limit";
+    ASSERT_TRUE(world->Join(Params("a", 2), now_).ok());
+    ASSERT_EQ(world->world().state, JobState::kRunning);
+  }  // the coordinator restarts: the count is in its state
+  auto world = Make(options);
+  ASSERT_TRUE(world->recovered());
+  ASSERT_TRUE(world->Join(Params("a", 2), now_).ok());
+  ASSERT_TRUE(world->Join(Params("b", 1), now_).ok());
+  ASSERT_TRUE(world->Leave({"a", 2, "training failed: out of memory", /*failed=*/true}, now_)
+                  .ok());
+  EXPECT_EQ(world->world().state, JobState::kStopping);
+  auto beat = world->Heartbeat("b", 1, now_);
+  ASSERT_TRUE(beat.ok());
+  EXPECT_TRUE(beat->stop);
+  EXPECT_NE(beat->stop_reason.find("2 workers exited with an error"), std::string::npos)
+      << beat->stop_reason;
+  // A worker leaving failed while the job already stops is not counted again.
+  ASSERT_TRUE(world->Leave({"b", 1, "told to leave"}, now_).ok());
+  EXPECT_EQ(world->world().state, JobState::kFailed);
+  std::optional<v1::CoordinatorState> saved = *MembershipLog::Load(&store_, 10);
+  ASSERT_TRUE(saved.has_value());
+  EXPECT_EQ(saved->stop_kind(), v1::STOP_KIND_FAILED);
+  EXPECT_EQ(saved->phase(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(saved->worker_failures(), 2);
+  // Started again as it was, a failed job has nothing to run: it comes back failed.
+  world.reset();
+  ASSERT_EQ(*WorldManager::FindSavedWorld(&store_), WorldManager::SavedWorld::kEnded);
+  auto again = Make(options);
+  EXPECT_TRUE(again->recovered());
+  EXPECT_EQ(again->world().state, JobState::kFailed);
+}
+
+TEST_F(WorldManagerTest, ALeaveWithoutAnErrorNeverFailsTheJob) {
+  WorldOptions options = Options(1);
+  options.max_worker_failures = 0;
+  auto world = Make(options);
+  for (uint64_t incarnation = 1; incarnation <= 3; ++incarnation) {
+    ASSERT_TRUE(world->Join(Params("a", incarnation), now_).ok());
+    ASSERT_TRUE(world->Leave({"a", incarnation, "rescheduled"}, now_).ok());
+  }
+  EXPECT_EQ(world->world().state, JobState::kForming);
+}
+
+// Records of earlier releases kept only how the stop read.
+TEST_F(WorldManagerTest, TheStopKindOfARecordOfAnEarlierReleaseComesFromItsReason) {
+  v1::CoordinatorState record;
+  EXPECT_EQ(SavedStopKind(record), StopKind::kNone);
+  record.set_stop_requested(true);
+  record.set_stop_reason("training finished (100 steps)");
+  EXPECT_EQ(SavedStopKind(record), StopKind::kTrained);
+  record.set_stop_reason("coordinator received Terminated");
+  EXPECT_EQ(SavedStopKind(record), StopKind::kOperator);
+  record.set_stop_kind(v1::STOP_KIND_FAILED);
+  EXPECT_EQ(SavedStopKind(record), StopKind::kFailed) << "the recorded kind wins";
+}
+
 TEST_F(WorldManagerTest, TheJournalHoldsWhatMemoryHoldsAndSurvivesSnapshots) {
   WorldOptions options = Options(40, absl::Seconds(2));
   options.max_events = 50;
@@ -353,7 +444,7 @@ TEST_F(WorldManagerTest, TheJournalHoldsWhatMemoryHoldsAndSurvivesSnapshots) {
       ASSERT_TRUE(world->Join(Params(absl::StrCat("w", i), round + 1), now_).ok());
     }
     ASSERT_TRUE(world->Join(Params(absl::StrCat("spare", round)), now_).ok());
-    ASSERT_TRUE(world->Leave(absl::StrCat("w", round), round + 1, "moving", now_).ok());
+    ASSERT_TRUE(world->Leave({absl::StrCat("w", round), uint64_t(round + 1), "moving"}, now_).ok());
   }
   auto saved = MembershipLog::Load(&store_, options.max_events);
   ASSERT_TRUE(saved.ok()) << saved.status();
@@ -771,8 +862,8 @@ TEST_F(ElasticWorldTest, ResizeAndDrainTellTheWorkersThatLeave) {
   const StatusSnapshot status = world->Status(now_);
   EXPECT_EQ(std::set<int>({RankOf(status, "w1"), RankOf(status, "w2")}), (std::set<int>{0, 1}));
   // Leaving after being told does not disturb the world.
-  ASSERT_TRUE(world->Leave("w0", 1, "drained", now_).ok());
-  ASSERT_TRUE(world->Leave("w3", 1, "resized out", now_).ok());
+  ASSERT_TRUE(world->Leave({"w0", 1, "drained"}, now_).ok());
+  ASSERT_TRUE(world->Leave({"w3", 1, "resized out"}, now_).ok());
   EXPECT_EQ(world->world().generation, before + 1);
   EXPECT_EQ(world->world().state, JobState::kRunning);
 }
