@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -124,19 +125,19 @@ absl::Status BeforeCaller(shard_job* job) {
   return job->session->device().MakeStreamWait(job->stream);
 }
 
-// Before gradients are marked ready: what the caller wrote is visible, and `numel` gradients at
-// `grad` are divided by the world size (each rank's loss is the mean over its own samples, so
-// the ranks' gradients are averaged, as DDP does, before the reduction sums them). False, with
-// the failure kept for the step to report, if that failed: shard_mark_ready returns nothing.
-bool AverageGradients(shard_job* job, float* grad, int64_t numel) {
-  const int world = job->session->communicator().size();
-  absl::Status prepared = AfterCaller(job);
-  if (prepared.ok() && grad != nullptr && world > 1) {
-    prepared = job->session->device().Divide(grad, numel, static_cast<float>(world));
-  }
-  if (prepared.ok()) return true;
+// What went wrong marking gradients ready, for the step to report (the first of it):
+// shard_mark_ready and shard_mark_bucket_ready return nothing.
+void KeepMarkFailure(shard_job* job, absl::Status failure) {
   absl::MutexLock lock(&job->mark_mu);
-  if (job->mark_failure.ok()) job->mark_failure = prepared;
+  if (job->mark_failure.ok()) job->mark_failure = std::move(failure);
+}
+
+// Before gradients are marked ready: Shard's device work sees what the caller wrote. (The
+// engine averages them over the ranks: EngineOptions::average_gradients.)
+bool GradientsWritten(shard_job* job) {
+  absl::Status ordered = AfterCaller(job);
+  if (ordered.ok()) return true;
+  KeepMarkFailure(job, std::move(ordered));
   return false;
 }
 
@@ -411,35 +412,46 @@ absl::Status StepBegin(shard_job* job, int64_t* step) {
   return absl::OkStatus();
 }
 
-absl::Status GenerationEnd(shard_job* job, int code, const char* message,
-                           const char** output_path) {
-  SHARD_RETURN_IF_ERROR(NeedsSession(job));
-  job->output_path.clear();
-  if (output_path != nullptr) *output_path = "";
+// How the generation ended, for the agent: the script's error (`code`), the pause, or the
+// last step's export.
+absl::StatusOr<shard::TrainResult> GenerationResult(shard_job* job, int code,
+                                                    const char* message) {
   if (code != 0) {
-    Return(job, absl::Status(static_cast<absl::StatusCode>(code),
-                             message != nullptr ? message : "the training loop failed"));
-    return absl::OkStatus();
+    return absl::Status(static_cast<absl::StatusCode>(code),
+                        message != nullptr ? message : "the training loop failed");
   }
+  SHARD_RETURN_IF_ERROR(NeedsSession(job));
   shard::TrainingSession& session = *job->session;
   SHARD_RETURN_IF_ERROR(AfterCaller(job));  // the export reads the parameters
-  if (session.result().paused_at > 0) {
-    Return(job, session.result());
-    return absl::OkStatus();
-  }
+  if (session.result().paused_at > 0) return session.result();
   if (!session.finished()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "the generation is neither paused nor finished (step ", session.next_step(), " of ",
+        "the generation ended neither paused nor finished (step ", session.next_step(), " of ",
         session.job().steps, "): end it with the error that stopped it"));
   }
-  absl::StatusOr<shard::TrainResult> result = session.Finish();
+  return session.Finish();
+}
+
+absl::Status GenerationEnd(shard_job* job, int code, const char* message,
+                           const char** output_path) {
+  SHARD_RETURN_IF_ERROR(NeedsJob(job));
+  if (!job->generation.has_value()) {
+    return absl::FailedPreconditionError(
+        "no generation to end: shard_generation_begin did not begin one");
+  }
+  job->output_path.clear();
+  if (output_path != nullptr) *output_path = "";
+  // The agent waits for the generation: every way out hands it back, once (an exception's
+  // with this error).
+  absl::StatusOr<shard::TrainResult> result =
+      absl::InternalError("libshard: unexpected exception ending the generation");
+  absl::Cleanup hand_back = [&] { Return(job, std::move(result)); };
+  result = GenerationResult(job, code, message);
   if (result.ok()) {
     job->output_path = result->output_path;
     if (output_path != nullptr) *output_path = job->output_path.c_str();
   }
-  const absl::Status finished = result.status();
-  Return(job, std::move(result));
-  return finished;
+  return code != 0 ? absl::OkStatus() : result.status();
 }
 
 // A DLPack tensor over one of the engine's arrays: the descriptor and its shape are ours to
@@ -681,20 +693,6 @@ int shard_generation_init(shard_job* job) {
   });
 }
 
-int shard_tensor(shard_job* job, int index, float** param, float** grad) {
-  return Guarded([&]() -> absl::Status {
-    SHARD_RETURN_IF_ERROR(NeedsSession(job));
-    shard::Engine& engine = job->session->engine();
-    if (index < 0 || index >= static_cast<int>(engine.manifest().params.size())) {
-      return absl::OutOfRangeError(absl::StrCat("parameter index ", index, " is not in [0, ",
-                                                engine.manifest().params.size(), ")"));
-    }
-    if (param != nullptr) *param = engine.param(index);
-    if (grad != nullptr) *grad = engine.grad(index);
-    return absl::OkStatus();
-  });
-}
-
 int shard_tensor_dlpack(shard_job* job, int index, int grad, DLManagedTensor** tensor) {
   return Guarded([&] { return TensorDlpack(job, index, grad, tensor); });
 }
@@ -769,30 +767,22 @@ void shard_mark_ready(shard_job* job, int index) {
   shard::Engine& engine = job->session->engine();
   const shard::Manifest& manifest = engine.manifest();
   if (index < 0 || index >= static_cast<int>(manifest.params.size())) return;
-  if (float* grad = engine.grad(index);
-      AverageGradients(job, grad, grad != nullptr ? manifest.params[index].numel() : 0)) {
-    engine.MarkGradReady(index);
-  }
+  if (GradientsWritten(job)) engine.MarkGradReady(index);
 }
 
 void shard_mark_bucket_ready(shard_job* job, int bucket) {
   if (job == nullptr || job->session == nullptr) return;
   shard::Engine& engine = job->session->engine();
   const std::vector<shard::Bucket>& buckets = engine.plan().buckets;
-  absl::StatusOr<float*> grads =
-      bucket >= 0 && bucket < static_cast<int>(buckets.size()) && engine.buckets_final() &&
-              job->session->job().zero_stage < 3
-          ? engine.AcquireGradBucket(bucket)
-          : absl::FailedPreconditionError(absl::StrCat(
-                "shard_mark_bucket_ready(", bucket, "): not a bucket of a final layout at "
-                "stages 0 to 2 (ask shard_param_layout again after the layout version changed)"));
-  if (!grads.ok()) {
-    absl::MutexLock lock(&job->mark_mu);
-    if (job->mark_failure.ok()) job->mark_failure = grads.status();
+  if (bucket < 0 || bucket >= static_cast<int>(buckets.size()) || !engine.buckets_final() ||
+      job->session->job().zero_stage >= 3) {
+    KeepMarkFailure(job, absl::FailedPreconditionError(absl::StrCat(
+                             "shard_mark_bucket_ready(", bucket, "): not a bucket of a final "
+                             "layout at stages 0 to 2 (ask shard_param_layout again after the "
+                             "layout version changed)")));
     return;
   }
-  // The whole bucket in one division (its padding is zeros), then every gradient of it marked.
-  if (!AverageGradients(job, *grads, buckets[bucket].padded_numel)) return;
+  if (!GradientsWritten(job)) return;
   for (const shard::BucketEntry& entry : buckets[bucket].entries) engine.MarkGradReady(entry.param);
 }
 

@@ -10,7 +10,8 @@
  *   [shard_job_set_optimizer(job, json)               once, for a job spec's "torch" optimizer]
  *   while (shard_generation_begin(job, &began, &needs_init) == 0 && began) {
  *     [needs_init: write initial values into the parameters; shard_generation_init(job)]
- *     shard_tensor(job, i, &param, &grad)             views, again after every shard_step
+ *     shard_tensor_dlpack(job, i, grad, &tensor)      views, again when the layout version
+ *                                                      changes
  *     while (shard_step_begin(job, &step) == 0 && step >= 0) {
  *       forward; backward into grad, shard_mark_ready(job, i) as each gradient is complete
  *       shard_step(job)                                ABORTED: the generation ended
@@ -81,23 +82,21 @@ int shard_job_set_optimizer(shard_job* job, const char* optimizer_json);
 int shard_generation_begin(shard_job* job, int* began, int* needs_init);
 int shard_generation_init(shard_job* job);
 
-/* Where parameter `index` and its gradient live now (grad NULL for a frozen parameter); they
- * move at the first step (the bucket rebuild) and with every generation. *version changes
- * whenever they may have moved. */
-int shard_tensor(shard_job* job, int index, float** param, float** grad);
+/* *version changes whenever the tensors below may have moved: at the first step (the bucket
+ * rebuild) and with every generation. */
 int shard_layout_version(shard_job* job, int64_t* version);
 
-/* The same places as DLPack tensors (dlpack/dlpack.h, DLPack 0.6): tensor `index`'s values
- * (grad = 0) or gradient (grad = 1), fp32 in the manifest's shape, on the job's device (kDLCPU,
- * or kDLCUDA with the GPU's index). The caller owns the descriptor and frees it with its deleter
+/* Where tensor `index`'s values (grad = 0) or gradient (grad = 1) live now, as a DLPack tensor
+ * (dlpack/dlpack.h, DLPack 0.6): fp32 in the manifest's shape, on the job's device (kDLCPU, or
+ * kDLCUDA with the GPU's index). The caller owns the descriptor and frees it with its deleter
  * (a framework that takes it, such as torch.from_dlpack, does); the memory stays Shard's and is
  * valid until the layout version changes. NOT_FOUND for a frozen tensor's gradient. */
 struct DLManagedTensor;
 int shard_tensor_dlpack(shard_job* job, int index, int grad, struct DLManagedTensor** tensor);
 
 /* ZeRO stage 3 (the job spec's "zeroStage": 3): each rank keeps only its shard of the trainable
- * parameters, so shard_tensor and shard_tensor_dlpack give them only for frozen tensors. The
- * caller gathers a bucket while it computes with the bucket's parameters (module hooks):
+ * parameters, so shard_tensor_dlpack gives them only for frozen tensors. The caller gathers a
+ * bucket while it computes with the bucket's parameters (module hooks):
  * shard_param_layout says where each parameter lives, {"buckets": [padded numel of each],
  * "params": [[bucket, offset] by index; bucket -1 for a frozen tensor], "final": whether the
  * buckets were planned from the gradients' ready order} (valid until the layout version
@@ -192,7 +191,9 @@ int shard_step_end(shard_job* job, double loss, int* boundary);
  * output_dir/final.safetensors under the manifest's names (*output_path, empty on other ranks;
  * valid until the next call with this job; output_path may be NULL). The worker then reports
  * the end of training; the next shard_generation_begin says whether the job is over (a rank
- * that died before every rank finished means another generation). */
+ * that died before every rank finished means another generation). A failure of this call (the
+ * export's, or code 0 before PAUSED or FINISHED) hands the generation back too, with that
+ * error. */
 int shard_generation_end(shard_job* job, int code, const char* message, const char** output_path);
 
 /* Leaves the job (if still in it) and frees everything. */

@@ -314,13 +314,62 @@ class Units:
         check(lib.shard_set_initial(self.handle, index, host.data_ptr()))
 
 
-_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
-_PyCapsule_New.restype = ctypes.py_object
-_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("dtype_code", ctypes.c_uint8), ("dtype_bits", ctypes.c_uint8),
+                ("dtype_lanes", ctypes.c_uint16), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class DLManagedTensor(ctypes.Structure):
+    """dlpack/dlpack.h's DLManagedTensor (DLPack 0.6), as libshard hands it out."""
+
+
+DLManagedTensor._fields_ = [
+    ("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+    ("deleter", ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor)))]
+
+# Prototypes of our own (ctypes.pythonapi's functions are shared with every other module). The
+# capsule is passed as a plain pointer: the destructor runs while it is being freed, when a
+# new reference would bring it back.
+_api = ctypes.pythonapi
+_PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
+                                   ctypes.c_void_p)(("PyCapsule_New", _api))
+_PyCapsule_IsValid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", _api))
+_PyCapsule_GetPointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", _api))
 _DLTENSOR = b"dltensor"
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _delete_unconsumed(capsule):
+    """The DLPack capsule's destructor: a consumer that took the descriptor renamed the capsule
+    ("used_dltensor") and calls its deleter itself; otherwise nobody will, so this does."""
+    if _PyCapsule_IsValid(capsule, _DLTENSOR):
+        managed = ctypes.cast(_PyCapsule_GetPointer(capsule, _DLTENSOR),
+                              ctypes.POINTER(DLManagedTensor))
+        if managed.contents.deleter:
+            managed.contents.deleter(managed)
+
+
+_DELETE_UNCONSUMED = ctypes.cast(_delete_unconsumed, ctypes.c_void_p)
+
+
+def _dlpack_capsule(managed):
+    """A "dltensor" capsule that owns `managed` (a DLManagedTensor*) until a consumer such as
+    torch.utils.dlpack.from_dlpack takes it; dropped unconsumed, it calls the deleter."""
+    return _PyCapsule_New(managed, _DLTENSOR, _DELETE_UNCONSUMED)
 
 
 def from_dlpack(managed):
     """A torch tensor over a DLPack descriptor from libshard, whose deleter torch calls when the
-    tensor goes."""
-    return torch.utils.dlpack.from_dlpack(_PyCapsule_New(managed, _DLTENSOR, None))
+    tensor goes (or this, if torch refuses it)."""
+    capsule = _dlpack_capsule(managed)
+    try:
+        return torch.utils.dlpack.from_dlpack(capsule)
+    finally:
+        # Dropped here, not while an exception propagates: ctypes cannot run the destructor
+        # while one is pending.
+        del capsule

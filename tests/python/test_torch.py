@@ -739,6 +739,36 @@ job.close()
 '''
 
 
+def test_a_generation_ended_wrongly_is_still_handed_back(cluster):
+    (worker,) = run_script(cluster, END_TOO_EARLY, world=1, steps=3)
+    log = cluster.log(worker)
+    # The end failed (code 0 before the last step) but handed the generation back with that
+    # error: the worker failed the job with it instead of waiting for the generation forever
+    # (and the next begin says so, not that a generation is still being trained).
+    failure = "the generation ended neither paused nor finished (step 0 of 3)"
+    assert f"end: 9 {failure}" in log, log
+    assert f"begin: 9 training failed: {failure}" in log, log
+
+
+END_TOO_EARLY = '''
+import ctypes
+import torch
+import shard.torch as shard
+
+job = shard.join()
+job.wrap(torch.nn.Linear(4, 2))
+began, needs_init, path = ctypes.c_int(), ctypes.c_int(), ctypes.c_char_p()
+shard.check(shard.lib.shard_generation_begin(job._handle, ctypes.byref(began),
+                                             ctypes.byref(needs_init)))
+assert began.value
+code = shard.lib.shard_generation_end(job._handle, 0, b"", ctypes.byref(path))
+print("end:", code, shard.lib.shard_last_error().decode(), flush=True)
+code = shard.lib.shard_generation_begin(job._handle, ctypes.byref(began), ctypes.byref(needs_init))
+print("begin:", code, shard.lib.shard_last_error().decode(), flush=True)
+job.close()
+'''
+
+
 def test_a_gpu_that_is_not_there_is_a_clear_error_at_join():
     # This machine has no GPU: a build with CUDA says the device is not there, one without
     # says it was built without. Both refuse before contacting the coordinator.

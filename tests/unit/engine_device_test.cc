@@ -2,8 +2,9 @@
 // caller may not touch trains and restores bit for bit like the host; dynamic loss scaling by
 // powers of two changes no bit of training; an inf gradient on one rank skips the update on
 // every rank; a restore continues the loss scale and the optimizer's step count where a skipped
-// update left them; the host refuses 16-bit precision. Ranks are threads over real loopback TCP,
-// as in training_test.cc and resume_test.cc.
+// update left them; averaging the ranks' gradients in the engine gives the bits of dividing each
+// before marking it ready; the host refuses 16-bit precision. Ranks are threads over real
+// loopback TCP, as in training_test.cc and resume_test.cc.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -600,6 +601,84 @@ TEST(EngineDeviceTest, ARestoreContinuesTheLossScaleAndTheOptimizerStep) {
     // ...but another bias correction from the first update on.
     EXPECT_NE(ParamsBitDifference(run.steps.front().params, expected[kSaved].params), "");
     EXPECT_NE(ParamsBitDifference(run.steps.back().params, expected.back().params), "");
+  }
+}
+
+// How the ranks' gradients are averaged: not at all, by the engine
+// (EngineOptions::average_gradients), or by the caller dividing each gradient by the world size
+// before marking it ready (as libshard did before the engine could).
+enum class Averaging { kNone, kByEngine, kByCaller };
+
+// Rank `rank`'s gradient of element i of parameter p at step s: different on every rank.
+float Gradient(int rank, int step, int param, int64_t i) {
+  return 0.001f * static_cast<float>((param * 131 + i * 7 + step * 17 + rank * 29) % 97 - 48);
+}
+
+// Rank 0's parameters after 3 steps of Adam on `world` ranks at ZeRO `stage` on `device` (null:
+// the host), with Gradient()'s gradients averaged as `averaging` says.
+std::vector<std::vector<float>> TrainAveraged(int world, int stage, Device* device,
+                                              Averaging averaging) {
+  const Manifest model = MlpManifest(kWidths);
+  std::vector<std::vector<float>> trained(model.params.size());
+  const std::vector<absl::Status> results =
+      RunRanks(world, [&](int rank, Communicator& communicator) -> absl::Status {
+        LocalPlanProvider plans(Planning(world));
+        EngineOptions options;
+        options.zero_stage = stage;
+        options.optimizer.kind = OptimizerKind::kAdam;
+        options.optimizer.lr = 0.01;
+        options.device = device;
+        options.average_gradients = averaging == Averaging::kByEngine;
+        SHARD_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                               Engine::Create(model, &communicator, &plans, options));
+        const std::vector<std::vector<float>> init = InitMlpParameters(kWidths, kSeed);
+        for (size_t p = 0; p < init.size(); ++p) {
+          SHARD_RETURN_IF_ERROR(engine->SetParamValues(static_cast<int>(p), init[p].data()));
+        }
+        SHARD_RETURN_IF_ERROR(engine->BroadcastParameters());
+        Device& memory = device != nullptr ? *device : HostDevice();
+        for (int step = 0; step < 3; ++step) {
+          SHARD_RETURN_IF_ERROR(engine->ZeroGradients());
+          engine->StartBackward();
+          for (int p = static_cast<int>(model.params.size()) - 1; p >= 0; --p) {
+            const int64_t numel = model.params[p].numel();
+            std::vector<float> grad(numel);
+            for (int64_t i = 0; i < numel; ++i) grad[i] = Gradient(rank, step, p, i);
+            SHARD_ASSIGN_OR_RETURN(float* into, engine->AcquireGrad(p));
+            SHARD_RETURN_IF_ERROR(memory.Upload(grad.data(), into, numel));
+            if (averaging == Averaging::kByCaller) {
+              SHARD_RETURN_IF_ERROR(memory.Divide(into, numel, static_cast<float>(world)));
+            }
+            engine->MarkGradReady(p);
+          }
+          StepTimings timings;
+          SHARD_RETURN_IF_ERROR(engine->Step(&timings));
+        }
+        for (size_t p = 0; p < model.params.size(); ++p) {
+          if (rank == 0) trained[p].resize(model.params[p].numel());
+          SHARD_RETURN_IF_ERROR(engine->GatherToRank(static_cast<int>(p), -1, 0,
+                                                     rank == 0 ? trained[p].data() : nullptr));
+        }
+        return absl::OkStatus();
+      });
+  for (const absl::Status& status : results) SHARD_EXPECT_OK(status);
+  return trained;
+}
+
+// Three ranks: dividing by 3 rounds, so only the same division of the same values before the
+// same sum gives the same bits.
+TEST(EngineDeviceTest, AveragingInTheEngineGivesTheBitsOfDividingBeforeMarkingReady) {
+  StagingDevice staging;
+  for (Device* device : {static_cast<Device*>(nullptr), static_cast<Device*>(&staging)}) {
+    for (const int stage : {0, 1, 2, 3}) {
+      SCOPED_TRACE(absl::StrCat(device != nullptr ? "staging" : "host", " stage ", stage));
+      const auto by_engine = TrainAveraged(3, stage, device, Averaging::kByEngine);
+      const auto by_caller = TrainAveraged(3, stage, device, Averaging::kByCaller);
+      const auto summed = TrainAveraged(3, stage, device, Averaging::kNone);
+      ASSERT_FALSE(by_engine.front().empty());
+      EXPECT_EQ(ParamsBitDifference(by_engine, by_caller), "");
+      EXPECT_NE(ParamsBitDifference(by_engine, summed), "") << "averaging changes the step";
+    }
   }
 }
 

@@ -371,11 +371,19 @@ void Engine::SubmitReadyReductions() {
     }
     float* grads = sharded_params() ? grad_slots_[bucket.grad_slot].array.data()
                                     : bucket.grads.data();
+    // Averaging: on the compute thread, in its device order after backward's writes (the
+    // bucket's padding and alignment gaps hold zeros, which stay zeros). A failure fails the
+    // step (ReduceGradients).
+    absl::Status averaged = absl::OkStatus();
+    if (options_.average_gradients && communicator_->size() > 1) {
+      averaged = device_->Divide(grads, plan_->buckets[b].padded_numel,
+                                 static_cast<float>(communicator_->size()));
+    }
     const bool all_reduce = first_step_all_reduce_;
     const CommunicationQueue::Ticket ticket =
-        queue_->Submit([this, b, all_reduce, grads, update, gather, update_step] {
+        queue_->Submit([this, b, all_reduce, grads, update, gather, update_step, averaged] {
           const absl::Time start = absl::Now();
-          absl::Status reduced = ReduceBucket(b, all_reduce, grads);
+          absl::Status reduced = averaged.ok() ? ReduceBucket(b, all_reduce, grads) : averaged;
           const absl::Time end = absl::Now();
           // The bucket's owned range is final: update it while backward goes on, and gather
           // the bucket's parameters (every rank does the same, in plan order).

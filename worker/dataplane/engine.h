@@ -103,6 +103,10 @@ struct EngineOptions {
   // restored run continues the schedule). common/param_groups.h.
   OptimizerConfig optimizer;
   double grad_clip_norm = 0;  // global L2 norm; 0 = off
+  // Each bucket's gradients divided by the world size just before its reduction sums them, so
+  // that the ranks' gradients are averaged (as DDP does) when each rank's loss is the mean over
+  // its own samples (a training script's). Off: the caller scales the loss by the global batch.
+  bool average_gradients = false;
   // Where the buffers live and the update runs (not owned; null: the host). The communicator's
   // buffers must be this device's memory.
   Device* device = nullptr;

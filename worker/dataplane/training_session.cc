@@ -94,6 +94,9 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
   engine_options.overlap_update = job.overlap_update && device.host_memory();
   engine_options.optimizer = job.optimizer;
   engine_options.grad_clip_norm = job.grad_clip_norm;
+  // A training script's loss is each rank's mean over its own samples (the built-in MLP's is
+  // its share of the global batch's).
+  engine_options.average_gradients = job.external_model;
   engine_options.device = &device;
   engine_options.gather_during_reads = options.gather_during_reads;
   // fp16's range needs the loss scaled (bf16 has fp32's exponent and needs no scaling).
