@@ -55,16 +55,6 @@ absl::string_view JobStateName(JobState state) {
   return "unknown";
 }
 
-absl::string_view StopKindName(StopKind kind) {
-  switch (kind) {
-    case StopKind::kNone: return "";
-    case StopKind::kOperator: return "operator";
-    case StopKind::kTrained: return "trained";
-    case StopKind::kFailed: return "failed";
-  }
-  return "unknown";
-}
-
 absl::string_view JobEventName(JobEvent event) {
   switch (event) {
     case JobEvent::kRanksHeld: return "every rank held";

@@ -58,7 +58,6 @@ bool Ended(JobState state);
 bool Stops(JobState state);
 
 absl::string_view JobStateName(JobState state);  // "forming", "running", ...
-absl::string_view StopKindName(StopKind kind);   // "", "operator", "trained", "failed"
 absl::string_view JobEventName(JobEvent event);  // as the docs' table names it
 
 // The transition table as docs/control-plane.md shows it: one Markdown row per event, one

@@ -6,7 +6,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
-#include "common/progress_lease.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "proto/job_convert.h"

@@ -537,9 +537,10 @@ absl::Status Leave(Membership& membership, const MembershipRules& rules,
   change->events.push_back(
       MakeEvent(v1::MEMBERSHIP_EVENT_KIND_LEFT, worker_id, member.rank, reason, now));
   membership.Depart(member, WorkerState::kLeft, reason, now);
-  if (params.failed && !membership.stop_requested()) ++membership.worker_failures;
-  const bool fails_job = params.failed && !membership.stop_requested() &&
-                         rules.max_worker_failures >= 0 &&
+  // A failure while the job stops anyway counts for nothing.
+  const bool counted = params.failed && !membership.stop_requested();
+  if (counted) ++membership.worker_failures;
+  const bool fails_job = counted && rules.max_worker_failures >= 0 &&
                          membership.worker_failures > rules.max_worker_failures;
   if (held_rank && !membership.stop_requested() && !fails_job) {
     change->bump = membership.ran;
@@ -647,8 +648,8 @@ void Stop(Membership& membership, JobEvent why, const std::string& reason, absl:
                                      membership.stop_reason, now));
   NoteStoppedIfEmpty(membership, now, change);
   spdlog::log(why == JobEvent::kJobFailed ? spdlog::level::err : spdlog::level::info,
-              "{} ({}); {} live workers will be told to leave", JobEventName(why),
-              membership.stop_reason, membership.live());
+              "the job stops ({}); {} live workers will be told to leave", membership.stop_reason,
+              membership.live());
 }
 
 }  // namespace shard

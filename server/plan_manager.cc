@@ -299,9 +299,8 @@ void PlanManager::CloseWaits(const absl::Status& reason) {
   std::vector<Answer> answers;
   {
     absl::MutexLock lock(&mu_);
-    for (PlanCallback& done : waiters_.Close(reason)) {
-      answers.push_back(Answer{std::move(done), reason});
-    }
+    answers = TakeWaitersLocked(reason);
+    waiters_.Close(reason);  // nothing left to hand back: later waits are answered at once
   }
   for (Answer& answer : answers) answer.done(std::move(answer.result));
 }

@@ -4,7 +4,6 @@
 #include <tuple>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/names.h"

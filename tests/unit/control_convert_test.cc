@@ -20,7 +20,7 @@ TEST(ControlConvertTest, EveryEnumValueRoundTripsToADistinctWireValue) {
   std::set<int> stop_kinds;
   for (StopKind kind : {StopKind::kNone, StopKind::kOperator, StopKind::kTrained,
                         StopKind::kFailed}) {
-    EXPECT_EQ(FromProto(ToProto(kind)), kind) << StopKindName(kind);
+    EXPECT_EQ(FromProto(ToProto(kind)), kind) << static_cast<int>(kind);
     EXPECT_TRUE(stop_kinds.insert(ToProto(kind)).second);
   }
   std::set<int> worker_states;
