@@ -55,6 +55,7 @@ import argparse
 import bisect
 import concurrent.futures
 import datetime
+import errno
 import heapq
 import json
 import math
@@ -989,23 +990,21 @@ class Soak:
         fault.duration: the saves meanwhile fail with ENOSPC, and training must go on."""
         filler = os.path.join(self.path("checkpoints"), f".filler-{fault.index}")
         written = 0
-        with open(filler, "wb") as handle:
-            chunk = b"\0" * (1 << 16)
-            while True:
-                try:
-                    handle.write(chunk)
-                    handle.flush()
-                    written += len(chunk)
-                except OSError:
-                    break
-        for size in (4096, 512, 1):  # the last bytes too
-            try:
-                with open(filler, "ab") as handle:
-                    while True:
-                        handle.write(b"\0" * size)
-                        handle.flush()
-            except OSError:
-                pass
+        # Unbuffered writes: a buffered file's close flushes what the full disk refused and
+        # raises ENOSPC again. Shrinking sizes fill the last bytes too.
+        descriptor = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for size in (1 << 16, 4096, 512, 1):
+                chunk = b"\0" * size
+                while True:
+                    try:
+                        written += os.write(descriptor, chunk)
+                    except OSError as error:
+                        if error.errno != errno.ENOSPC:
+                            raise
+                        break
+        finally:
+            os.close(descriptor)
 
         def free():
             os.remove(filler)
