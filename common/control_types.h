@@ -196,6 +196,43 @@ struct LeaveParams {
   bool operator==(const LeaveParams&) const = default;
 };
 
+struct JoinOutcome {
+  int rank = -1;
+  World world;
+
+  bool operator==(const JoinOutcome&) const = default;
+};
+
+// The coordinator's answer to a join: the rank (-1: a standby) and the world, and how the
+// worker keeps its lease.
+struct JoinReply {
+  JoinOutcome outcome;
+  absl::Duration lease;
+  absl::Duration heartbeat_interval;  // a quarter lease: how often to heartbeat
+  TrainingStartPoint start;
+
+  bool operator==(const JoinReply&) const = default;
+};
+
+struct HeartbeatOutcome {
+  World world;
+  int rank = -1;      // -1 for a standby
+  bool stop = false;  // the job stops, or this worker was taken out: leave
+  std::string stop_reason;
+  // An isolated standby: the members to connect to, reported in the next heartbeat.
+  std::vector<PeerProbe> probe;
+
+  bool operator==(const HeartbeatOutcome&) const = default;
+};
+
+struct HeartbeatReply {
+  HeartbeatOutcome outcome;
+  StepOrders orders;  // of the reply's generation
+  TrainingStartPoint start;
+
+  bool operator==(const HeartbeatReply&) const = default;
+};
+
 // Timings of one training step on one rank.
 struct StepReport {
   int64_t step = 0;

@@ -517,15 +517,57 @@ LeaveParams FromProto(const v1::LeaveRequest& request) {
                      request.failed()};
 }
 
-void SetOrders(const StepOrders& orders, v1::HeartbeatResponse* response) {
-  response->set_checkpoint_request(orders.save_request);
-  response->set_pause_request(orders.pause_request);
-  response->set_pause_in_memory(orders.pause_in_memory);
+v1::JoinResponse ToProto(const JoinReply& reply, const std::string& job) {
+  v1::JoinResponse out;
+  out.set_rank(reply.outcome.rank);
+  out.set_job(job);
+  out.set_generation(reply.outcome.world.generation);
+  out.set_lease_ms(absl::ToInt64Milliseconds(reply.lease));
+  out.set_heartbeat_interval_ms(absl::ToInt64Milliseconds(reply.heartbeat_interval));
+  *out.mutable_world() = ToProto(reply.outcome.world, job);
+  *out.mutable_start() = ToProto(reply.start);
+  return out;
 }
 
-StepOrders OrdersOf(const v1::HeartbeatResponse& response) {
-  return StepOrders{response.world().generation(), response.checkpoint_request(),
-                    response.pause_request(), response.pause_in_memory()};
+JoinReply FromProto(const v1::JoinResponse& response) {
+  JoinReply reply;
+  reply.outcome.rank = response.rank();
+  reply.outcome.world = FromProto(response.world());
+  reply.lease = absl::Milliseconds(response.lease_ms());
+  reply.heartbeat_interval = absl::Milliseconds(response.heartbeat_interval_ms());
+  reply.start = FromProto(response.start());
+  return reply;
+}
+
+v1::HeartbeatResponse ToProto(const HeartbeatReply& reply, const std::string& job) {
+  v1::HeartbeatResponse out;
+  *out.mutable_world() = ToProto(reply.outcome.world, job);
+  out.set_rank(reply.outcome.rank);
+  out.mutable_order()->set_kind(reply.outcome.stop ? v1::ORDER_KIND_STOP
+                                                   : v1::ORDER_KIND_CONTINUE);
+  out.mutable_order()->set_reason(reply.outcome.stop_reason);
+  for (const PeerProbe& probe : reply.outcome.probe) *out.add_probe() = ToProto(probe);
+  out.set_checkpoint_request(reply.orders.save_request);
+  out.set_pause_request(reply.orders.pause_request);
+  out.set_pause_in_memory(reply.orders.pause_in_memory);
+  *out.mutable_start() = ToProto(reply.start);
+  return out;
+}
+
+HeartbeatReply FromProto(const v1::HeartbeatResponse& response) {
+  HeartbeatReply reply;
+  reply.outcome.world = FromProto(response.world());
+  reply.outcome.rank = response.rank();
+  reply.outcome.stop = response.order().kind() == v1::ORDER_KIND_STOP;
+  reply.outcome.stop_reason = response.order().reason();
+  for (const v1::PeerProbe& probe : response.probe()) {
+    reply.outcome.probe.push_back(FromProto(probe));
+  }
+  // The orders belong to the generation of the reply's world.
+  reply.orders = StepOrders{response.world().generation(), response.checkpoint_request(),
+                            response.pause_request(), response.pause_in_memory()};
+  reply.start = FromProto(response.start());
+  return reply;
 }
 
 v1::GetSaveProgressResponse ToProto(const SaveProgress& progress) {

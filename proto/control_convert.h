@@ -69,9 +69,13 @@ HeartbeatParams FromProto(const v1::HeartbeatRequest& request);
 v1::LeaveRequest ToProto(const LeaveParams& params);
 LeaveParams FromProto(const v1::LeaveRequest& request);
 
+// `job` names the rendezvous scope of the world's generation. The job spec a join reply may
+// carry is not a domain value: the service sets it, the worker reads it from the message.
+v1::JoinResponse ToProto(const JoinReply& reply, const std::string& job);
+JoinReply FromProto(const v1::JoinResponse& response);
 // The orders ride on a heartbeat reply and belong to the generation of its world.
-void SetOrders(const StepOrders& orders, v1::HeartbeatResponse* response);
-StepOrders OrdersOf(const v1::HeartbeatResponse& response);
+v1::HeartbeatResponse ToProto(const HeartbeatReply& reply, const std::string& job);
+HeartbeatReply FromProto(const v1::HeartbeatResponse& response);
 
 v1::GetSaveProgressResponse ToProto(const SaveProgress& progress);
 SaveProgress FromProto(const v1::GetSaveProgressResponse& response);

@@ -53,19 +53,6 @@ struct CoreOptions {
   } progress;
 };
 
-struct JoinReply {
-  JoinOutcome outcome;
-  absl::Duration lease;
-  absl::Duration heartbeat_interval;  // a quarter lease: how often to heartbeat
-  TrainingStartPoint start;
-};
-
-struct HeartbeatReply {
-  HeartbeatOutcome outcome;
-  StepOrders orders;  // of the reply's generation
-  TrainingStartPoint start;
-};
-
 template <typename T>
 using Callback = std::function<void(T)>;
 

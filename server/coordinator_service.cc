@@ -48,15 +48,8 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Join(grpc::CallbackServerConte
   core_->Join(*std::move(params), clock_(),
               [pending, response, job, this](absl::StatusOr<JoinReply> reply) {
                 if (reply.ok()) {
-                  response->set_rank(reply->outcome.rank);
-                  response->set_job(job);
-                  response->set_generation(reply->outcome.world.generation);
-                  response->set_lease_ms(absl::ToInt64Milliseconds(reply->lease));
-                  response->set_heartbeat_interval_ms(
-                      absl::ToInt64Milliseconds(reply->heartbeat_interval));
-                  *response->mutable_world() = ToProto(reply->outcome.world, job);
+                  *response = ToProto(*reply, job);
                   if (job_spec_.has_value()) *response->mutable_job_spec() = *job_spec_;
-                  *response->mutable_start() = ToProto(reply->start);
                 }
                 pending.Finish(reply.status());
               });
@@ -71,19 +64,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::Heartbeat(grpc::CallbackServer
   const std::string job = core_->world().options().job;
   core_->Heartbeat(FromProto(*request), clock_(),
                    [pending, response, job](absl::StatusOr<HeartbeatReply> reply) {
-                     if (reply.ok()) {
-                       *response->mutable_world() = ToProto(reply->outcome.world, job);
-                       response->set_rank(reply->outcome.rank);
-                       response->mutable_order()->set_kind(reply->outcome.stop
-                                                               ? v1::ORDER_KIND_STOP
-                                                               : v1::ORDER_KIND_CONTINUE);
-                       response->mutable_order()->set_reason(reply->outcome.stop_reason);
-                       for (const PeerProbe& probe : reply->outcome.probe) {
-                         *response->add_probe() = ToProto(probe);
-                       }
-                       SetOrders(reply->orders, response);
-                       *response->mutable_start() = ToProto(reply->start);
-                     }
+                     if (reply.ok()) *response = ToProto(*reply, job);
                      pending.Finish(reply.status());
                    });
   return pending.reactor;

@@ -25,19 +25,6 @@ struct MemberRef {
   int world_size = 0;
 };
 
-struct JoinOutcome {
-  int rank = -1;
-  World world;
-};
-
-struct HeartbeatOutcome {
-  World world;
-  int rank = -1;      // -1 for a standby
-  bool stop = false;  // the job stops, or this worker was taken out: leave
-  std::string stop_reason;
-  // An isolated standby: the members to connect to, reported in the next heartbeat.
-  std::vector<PeerProbe> probe;
-};
 using HeartbeatCallback = std::function<void(absl::StatusOr<HeartbeatOutcome>)>;
 
 struct StatusSnapshot {

@@ -26,11 +26,6 @@ uint64_t RandomIncarnation() {
   return (static_cast<uint64_t>(device()) << 32) ^ device();
 }
 
-// The coordinator answered but cannot take this worker yet.
-bool IsRefusedForNow(const absl::Status& status) {
-  return absl::IsResourceExhausted(status) || absl::IsAlreadyExists(status);
-}
-
 }  // namespace
 
 WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClient> client,
@@ -39,6 +34,10 @@ WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClien
       client_(std::move(client)),
       data_path_(std::move(data_path)),
       incarnation_(RandomIncarnation()),
+      core_({.worker_id = options_.worker_id,
+             .incarnation = incarnation_,
+             .coordinator = client_->address(),
+             .coordinator_timeout = options_.coordinator_timeout}),
       prober_(options_.connect_probe_timeout, &stop_requested_),
       training_({.client = client_.get(),
                  .worker_id = options_.worker_id,
@@ -55,7 +54,7 @@ WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClien
                  .orders =
                      [this] {
                        absl::MutexLock lock(&mu_);
-                       return orders_;
+                       return core_.orders();
                      },
                  .on_snapshot =
                      [this](const SnapshotShard& shard, const std::vector<std::string>& dropped) {
@@ -64,55 +63,40 @@ WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClien
 
 void WorkerAgent::RequestStop(const std::string& reason) {
   absl::MutexLock lock(&mu_);
-  SetStop(reason);
+  Apply(core_.RequestStop(reason));
 }
 
-void WorkerAgent::SetStop(const std::string& reason) {
-  if (stop_) return;
-  stop_ = true;
-  stop_requested_ = true;
-  stop_reason_ = reason;
-  generation_over_ = true;
-  // Whatever the data path is blocked in must give way now.
-  if (communicator_ != nullptr) communicator_->Abort(absl::StrCat("worker stopping: ", reason));
-  if (rendezvous_ != nullptr) rendezvous_->Cancel();
-}
-
-void WorkerAgent::Fail(absl::Status status) {
-  if (fatal_.ok()) fatal_ = std::move(status);
-}
-
-void WorkerAgent::UpdateWorld(const v1::WorldView& world, int rank) {
-  const bool changed = world.generation() != world_.generation || rank != world_.rank ||
-                       world.state() != world_.state;
-  world_.generation = world.generation();
-  world_.rank = rank;
-  world_.world_size = world.world_size();
-  world_.state = world.state();
-  // A reshaping world still trains: its ranks connect and train until they pause.
-  world_.running = Trains(FromProto(world.state()));
-  world_.scope = world.scope();
-  if (!changed) return;
-  SetLogContext(absl::StrCat("worker=", options_.worker_id,
-                             rank >= 0 ? absl::StrCat(" rank=", rank) : std::string(" standby"),
-                             " gen=", world.generation()));
-  spdlog::info("world is {} at generation {} with {}/{} ranks held (target {}){}",
-               absl::AsciiStrToLower(v1::JobState_Name(world.state()).substr(10)),
-               world.generation(), world.world_size(), world.ranks(),
-               world.expected_world_size(),
-               rank < 0 ? "; this worker is a standby, folded in at the next checkpoint boundary"
-                        : "");
-  if (communicator_ != nullptr && communicator_generation_ < world.generation()) {
-    communicator_->Abort(absl::StrCat("generation ", communicator_generation_,
-                                      " ended; the world moved to generation ",
-                                      world.generation()));
+void WorkerAgent::Apply(const WorkerStep& step) {
+  if (step.next == WorkerNext::kEnd) stop_requested_ = true;
+  if (step.abort_below <= 0) return;
+  // Whatever the data path of an ended generation is blocked in must give way now.
+  if (communicator_ != nullptr && communicator_generation_ < step.abort_below) {
+    communicator_->Abort(step.abort_reason);
     generation_over_ = true;
   }
+  if (step.abort_below == kAbortAll) generation_over_ = true;
   // A rendezvous of an ended generation can never complete: give it up now.
-  if (rendezvous_ != nullptr && rendezvous_generation_ < world.generation()) rendezvous_->Cancel();
+  if (rendezvous_ != nullptr && rendezvous_generation_ < step.abort_below) rendezvous_->Cancel();
 }
 
-absl::Status WorkerAgent::JoinWithRetry() {
+void WorkerAgent::LogWorld(const World& before, int rank_before) {
+  const World& world = core_.world();
+  const int rank = core_.rank();
+  if (world.generation == before.generation && rank == rank_before &&
+      world.state == before.state) {
+    return;
+  }
+  SetLogContext(absl::StrCat("worker=", options_.worker_id,
+                             rank >= 0 ? absl::StrCat(" rank=", rank) : std::string(" standby"),
+                             " gen=", world.generation));
+  spdlog::info("world is {} at generation {} with {}/{} ranks held (target {}){}",
+               JobStateName(world.state), world.generation, world.world_size, world.ranks,
+               world.expected_world_size,
+               rank < 0 ? "; this worker is a standby, folded in at the next checkpoint boundary"
+                        : "");
+}
+
+WorkerStep WorkerAgent::Join(WorkerStep step) {
   JoinParams params;
   params.worker_id = options_.worker_id;
   params.host = options_.host;
@@ -125,185 +109,136 @@ absl::Status WorkerAgent::JoinWithRetry() {
     params.holdings = snapshots_.Holdings();
   }
   const v1::JoinRequest request = ToProto(params);
-
-  const absl::Time give_up = absl::Now() + options_.coordinator_timeout;
-  Backoff refused(absl::Milliseconds(100), absl::Seconds(5));
-  Backoff unreachable(absl::Milliseconds(100), absl::Seconds(2));
-  while (true) {
+  while (step.next == WorkerNext::kJoin) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto ended = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return Ended(); };
+      if (mu_.AwaitWithTimeout(absl::Condition(&ended), step.wait)) {
+        WorkerStep end;
+        end.next = WorkerNext::kEnd;
+        return end;
+      }
+    }
     const absl::Time sent_at = absl::Now();
     absl::StatusOr<v1::JoinResponse> joined = client_->Join(request);
     absl::MutexLock lock(&mu_);
-    if (joined.ok()) {
-      heartbeat_interval_ = absl::Milliseconds(joined->heartbeat_interval_ms());
-      lease_ = absl::Milliseconds(joined->lease_ms());
-      NoteContact(sent_at);
+    const World before = core_.world();
+    const int rank_before = core_.rank();
+    step = core_.OnJoinReply(joined.ok() ? absl::StatusOr<JoinReply>(FromProto(*joined))
+                                         : absl::StatusOr<JoinReply>(joined.status()),
+                             sent_at, absl::Now());
+    if (joined.ok() && step.next == WorkerNext::kHeartbeat) {
+      job_name_ = joined->job();
       if (joined->has_job_spec() && !job_.has_value()) {
         absl::StatusOr<JobConfig> job = JobConfigFromProto(joined->job_spec(), "");
         if (!job.ok()) {
-          return absl::Status(job.status().code(),
-                              absl::StrCat("the coordinator's job spec is not usable here: ",
-                                           job.status().message()));
+          step = core_.Fail(absl::Status(
+              job.status().code(), absl::StrCat("the coordinator's job spec is not usable here: ",
+                                                job.status().message())));
+        } else {
+          job_ = std::move(*job);
         }
-        job_ = std::move(*job);
       }
-      start_ = joined->start();
-      UpdateWorld(joined->world(), joined->rank());
+      LogWorld(before, rank_before);
       spdlog::info("joined job '{}' as rank {} (lease {}ms)", joined->job(), joined->rank(),
                    joined->lease_ms());
-      return absl::OkStatus();
-    }
-    if (IsRefusedForNow(joined.status())) {
-      // The coordinator is there and says "not yet" (the world is full, or the rank asked for
-      // is still held): keep asking, however long it takes; a restarted pod must not
-      // crash-loop while its predecessor's lease runs out.
-      const absl::Duration wait = refused.Next();
+    } else if (step.next == WorkerNext::kJoin) {
       spdlog::warn("{}; asking again in {}", joined.status().message(),
-                   absl::FormatDuration(wait));
-      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
-      if (mu_.AwaitWithTimeout(absl::Condition(&stopping), wait)) {
-        return absl::CancelledError(absl::StrCat("stopped before joining: ", stop_reason_));
-      }
-      continue;
+                   absl::FormatDuration(step.wait));
     }
-    if (!IsTransient(joined.status())) return joined.status();
-    const absl::Duration wait = unreachable.Next();
-    if (absl::Now() + wait > give_up) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot reach the coordinator at ", client_->address(), " for ",
-          absl::FormatDuration(options_.coordinator_timeout), " (last error: ",
-          joined.status().message(), "); is shard-coordinator running there? Check --coordinator"));
-    }
-    spdlog::warn("{}; retrying in {}", joined.status().message(), absl::FormatDuration(wait));
-    auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
-    if (mu_.AwaitWithTimeout(absl::Condition(&stopping), wait)) {
-      return absl::CancelledError(absl::StrCat("stopped before joining: ", stop_reason_));
-    }
+    Apply(step);
   }
+  return step;
 }
 
-void WorkerAgent::HeartbeatLoop() {
-  HeartbeatParams params;
-  params.worker_id = options_.worker_id;
-  params.incarnation = incarnation_;
-  absl::Time last_contact = absl::Now();
-  absl::Duration pause = absl::ZeroDuration();
-  // While the coordinator is unreachable: 50ms doubling, capped at the heartbeat interval (a
-  // restarted coordinator must hear from us within the lease).
-  Backoff unreachable(absl::Milliseconds(50), absl::InfiniteDuration());
-  absl::Duration backoff = absl::ZeroDuration();  // the latest of those; zero once answered
+void WorkerAgent::HeartbeatLoop(WorkerStep step) {
   // An isolated standby's probe runs beside the heartbeats (it may take longer than a lease);
   // its results go with the first heartbeat after it finished.
   std::future<std::vector<PeerProbe>> probing;
   while (true) {
+    if (step.next == WorkerNext::kJoin) step = Join(step);
+    if (step.next != WorkerNext::kHeartbeat) return;
     {
       absl::MutexLock lock(&mu_);
-      auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !fatal_.ok(); };
-      if (mu_.AwaitWithTimeout(absl::Condition(&done), pause)) return;
-      // Long-poll: the coordinator answers as soon as the world changes, or after the interval.
-      params.known_generation = world_.generation;
-      params.known_state = FromProto(world_.state);
-      params.wait = heartbeat_interval_;
-      params.paused_generation = paused_generation_;
-      pause = std::max(heartbeat_interval_, backoff);
+      auto ended = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return Ended(); };
+      if (mu_.AwaitWithTimeout(absl::Condition(&ended), step.wait)) return;
     }
-    params.activity = activity_.Read();
-    params.probed.clear();
+    std::vector<PeerProbe> probed;
     if (probing.valid() &&
         probing.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
-      params.probed = probing.get();
+      probed = probing.get();
     }
     ReportAllHeldIfNeeded();
-    const absl::Time sent_at = absl::Now();
-    absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(ToProto(params));
-    if (beat.ok()) {
-      pause = absl::ZeroDuration();
-      backoff = absl::ZeroDuration();
-      unreachable.Reset();
-      last_contact = absl::Now();
-      if (beat->probe_size() > 0 && !probing.valid()) {
-        probing = std::async(std::launch::async,
-                             [this, reply = *beat] { return prober_.ProbeMembers(reply); });
-      }
+    v1::HeartbeatRequest request;
+    {
       absl::MutexLock lock(&mu_);
-      NoteContact(sent_at);
-      UpdateWorld(beat->world(), beat->rank());
-      orders_ = OrdersOf(*beat);
-      start_ = beat->start();
-      if (beat->order().kind() == v1::ORDER_KIND_STOP && !stop_) {
+      request = ToProto(core_.NextHeartbeat(activity_.Read(), std::move(probed)));
+    }
+    const absl::Time sent_at = absl::Now();
+    absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(request);
+    {
+      absl::MutexLock lock(&mu_);
+      const World before = core_.world();
+      const int rank_before = core_.rank();
+      step = core_.OnHeartbeatReply(beat.ok() ? absl::StatusOr<HeartbeatReply>(FromProto(*beat))
+                                              : absl::StatusOr<HeartbeatReply>(beat.status()),
+                                    sent_at, absl::Now());
+      LogWorld(before, rank_before);
+      Apply(step);
+      if (beat.ok() && beat->order().kind() == v1::ORDER_KIND_STOP) {
         spdlog::info("coordinator ordered a stop: {}", beat->order().reason());
-        SetStop(beat->order().reason());
+      } else if (step.next == WorkerNext::kJoin) {
+        spdlog::warn("{}; joining again", beat.status().message());
+      } else if (step.next == WorkerNext::kHeartbeat && !beat.ok()) {
+        spdlog::warn(
+            "{} (coordinator silent for {}; retrying in {}, giving up after {})",
+            beat.status().message(),
+            absl::FormatDuration(absl::Trunc(absl::Now() - core_.last_contact(),
+                                             absl::Milliseconds(1))),
+            absl::FormatDuration(step.wait), absl::FormatDuration(options_.coordinator_timeout));
       }
-      continue;
+      // Taken over by a newer process, or evicted because this one made no progress: it must
+      // exit. A collective gives way (the step aborts it), but a computation that hangs cannot:
+      // if the training thread has not returned after a grace, the process exits anyway.
+      if (core_.taken_out()) {
+        std::thread([finished = finished_, message = std::string(beat.status().message())] {
+          absl::SleepFor(absl::Seconds(10));
+          if (finished->load()) return;
+          spdlog::error("{}; the training thread did not return within 10s: exiting the process",
+                        message);
+          std::_Exit(1);
+        }).detach();
+      }
     }
-    const absl::Status& status = beat.status();
-    if (absl::IsNotFound(status)) {
-      // Declared dead (e.g. after a long pause) or the coordinator restarted: join again.
-      spdlog::warn("{}; joining again", status.message());
-      if (absl::Status rejoined = JoinWithRetry(); !rejoined.ok()) {
-        absl::MutexLock lock(&mu_);
-        Fail(rejoined);
-        return;
-      }
-      last_contact = absl::Now();
-      continue;
+    if (!step.probe.empty() && !probing.valid()) {
+      probing = std::async(std::launch::async,
+                           [this, members = step.probe] { return prober_.ProbeMembers(members); });
     }
-    if (IsTransient(status)) {
-      {
-        absl::MutexLock lock(&mu_);
-        report_all_held_ = true;
-      }
-      const absl::Duration silent = absl::Now() - last_contact;
-      if (silent > options_.coordinator_timeout) {
-        absl::MutexLock lock(&mu_);
-        Fail(absl::UnavailableError(absl::StrCat(
-            "lost the coordinator at ", client_->address(), " for ",
-            absl::FormatDuration(absl::Trunc(silent, absl::Seconds(1))), ": ", status.message())));
-        return;
-      }
-      {
-        absl::MutexLock lock(&mu_);
-        unreachable.set_max(heartbeat_interval_);
-        backoff = unreachable.Next();
-      }
-      spdlog::warn("{} (coordinator silent for {}; retrying in {}, giving up after {})",
-                   status.message(), absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))),
-                   absl::FormatDuration(backoff), absl::FormatDuration(options_.coordinator_timeout));
-      continue;
-    }
-    // Taken over by a newer process, or evicted because this one made no progress: it must
-    // exit. A collective gives way (Fail aborts it), but a computation that hangs cannot: if the
-    // training thread has not returned after a grace, the process exits anyway.
-    if (absl::IsFailedPrecondition(status)) {
-      std::thread([finished = finished_, message = std::string(status.message())] {
-        absl::SleepFor(absl::Seconds(10));
-        if (finished->load()) return;
-        spdlog::error("{}; the training thread did not return within 10s: exiting the process",
-                      message);
-        std::_Exit(1);
-      }).detach();
-    }
-    absl::MutexLock lock(&mu_);
-    Fail(status);
-    return;
+    SendFailureReport(step.report_failure);
   }
 }
 
-absl::Status WorkerAgent::RunGeneration(const WorldSnapshot& world) {
-  SHARD_ASSIGN_OR_RETURN(const Connected connected, Connect(world));
-  SHARD_RETURN_IF_ERROR(Check(world));
-  return Train(world, connected);
+absl::Status WorkerAgent::RunGeneration(const GenerationAssignment& generation) {
+  SHARD_ASSIGN_OR_RETURN(const Connected connected, Connect(generation));
+  SHARD_RETURN_IF_ERROR(Check(generation));
+  return Train(generation, connected);
 }
 
-absl::StatusOr<WorkerAgent::Connected> WorkerAgent::Connect(const WorldSnapshot& world) {
-  std::shared_ptr<RendezvousClient> rendezvous = client_->RendezvousStore(world.scope);
+absl::StatusOr<WorkerAgent::Connected> WorkerAgent::Connect(const GenerationAssignment& world) {
+  v1::RendezvousScope scope;
   {
     absl::MutexLock lock(&mu_);
-    if (stop_) return absl::CancelledError("stopping");
+    scope.set_job(job_name_);
+  }
+  scope.set_generation(world.generation);
+  std::shared_ptr<RendezvousClient> rendezvous = client_->RendezvousStore(scope);
+  {
+    absl::MutexLock lock(&mu_);
+    if (Ended()) return absl::CancelledError("stopping");
     rendezvous_ = rendezvous;
     rendezvous_generation_ = world.generation;
-    paused_generation_ = 0;  // a new generation: whatever paused before is over
     link_faults_.clear();
-    if (world_.generation != world.generation) rendezvous_->Cancel();  // ended already
+    if (core_.world().generation != world.generation) rendezvous_->Cancel();  // ended already
   }
   spdlog::info("connecting the data path: rank {} of {} on {} over {} (peers reach {})",
                world.rank, world.world_size, data_path_->device().name(), data_path_->backend(),
@@ -350,13 +285,13 @@ absl::StatusOr<WorkerAgent::Connected> WorkerAgent::Connect(const WorldSnapshot&
   rendezvous_ = nullptr;
   if (!created.ok()) return created.status();
   communicator_ = TrackCollectives(std::move(*created), &activity_);
-  if (stop_ || world_.generation != world.generation) {
+  if (Ended() || core_.world().generation != world.generation) {
     return absl::AbortedError("the world moved on while connecting");
   }
   return connected;
 }
 
-absl::Status WorkerAgent::Check(const WorldSnapshot& world) {
+absl::Status WorkerAgent::Check(const GenerationAssignment& world) {
   std::shared_ptr<Communicator> communicator;
   {
     absl::MutexLock lock(&mu_);
@@ -386,7 +321,7 @@ absl::Status WorkerAgent::Check(const WorldSnapshot& world) {
   return absl::OkStatus();
 }
 
-absl::Status WorkerAgent::Train(const WorldSnapshot& world, const Connected& connected) {
+absl::Status WorkerAgent::Train(const GenerationAssignment& world, const Connected& connected) {
   // Also after this worker finished: a new generation means the job is not finished (a rank
   // died before it reported the end), and every rank trains again from the restore point.
   if (!connected.job.has_value()) {
@@ -397,8 +332,8 @@ absl::Status WorkerAgent::Train(const WorldSnapshot& world, const Connected& con
   {
     absl::MutexLock lock(&mu_);
     communicator = communicator_;
-    start = start_;
-    generation_over_ = stop_ || world_.generation != world.generation;
+    start = ToProto(core_.start());
+    generation_over_ = Ended() || core_.world().generation != world.generation;
   }
   const GenerationTraining::Generation generation{world.generation, world.rank, communicator.get(),
                                                   std::move(start), &connected.peers};
@@ -406,7 +341,7 @@ absl::Status WorkerAgent::Train(const WorldSnapshot& world, const Connected& con
                          training_.Train(*connected.job, generation));
   if (end == GenerationTraining::End::kPaused) {
     absl::MutexLock lock(&mu_);
-    paused_generation_ = world.generation;
+    core_.OnPaused(world.generation);
   }
   return absl::OkStatus();
 }
@@ -424,15 +359,14 @@ void WorkerAgent::ReportHeld(const std::vector<SnapshotShard>& held,
                  "everything held before the next heartbeat",
                  sent.message());
     absl::MutexLock lock(&mu_);
-    report_all_held_ = true;
+    core_.OnHeldReportFailed();
   }
 }
 
 void WorkerAgent::ReportAllHeldIfNeeded() {
   {
     absl::MutexLock lock(&mu_);
-    if (!report_all_held_) return;
-    report_all_held_ = false;
+    if (!core_.TakeReportAllHeld()) return;
   }
   std::vector<SnapshotShard> held = snapshots_.Holdings();
   if (held.empty()) return;
@@ -454,7 +388,7 @@ absl::Status WorkerAgent::ApplyPlan() {
   int rank = 0;
   {
     absl::MutexLock lock(&mu_);
-    rank = world_.rank;
+    rank = core_.rank();
   }
   spdlog::info("applied {}", describe(applied, rank));
   if (applied.rebuilt) return absl::OkStatus();
@@ -467,117 +401,102 @@ absl::Status WorkerAgent::ApplyPlan() {
 }
 
 void WorkerAgent::Leave() {
-  LeaveParams params;
-  params.worker_id = options_.worker_id;
-  params.incarnation = incarnation_;
+  std::optional<LeaveParams> params;
   {
     absl::MutexLock lock(&mu_);
-    // A process that ends with an error says so: beyond --max-worker-failures the job fails.
-    params.failed = !fatal_.ok();
-    params.reason = params.failed ? std::string(fatal_.message()) : stop_reason_;
+    params = core_.LeaveRequest();
   }
-  const std::string& reason = params.reason;
-  absl::Status left = client_->Leave(ToProto(params));
+  if (!params.has_value()) return;  // the coordinator no longer counts this worker
+  absl::Status left = client_->Leave(ToProto(*params));
   if (left.ok()) {
-    spdlog::info("left the job ({})", reason);
+    spdlog::info("left the job ({})", params->reason);
   } else {
     spdlog::warn("could not leave cleanly: {}", left.message());
   }
 }
 
-bool WorkerAgent::GenerationStillMine(int64_t generation) {
-  HeartbeatParams params;
-  params.worker_id = options_.worker_id;
-  params.incarnation = incarnation_;
-  params.known_generation = generation;
-  // 50ms, then doubling up to the heartbeat interval (set after each wait).
-  Backoff unreachable(absl::Milliseconds(50), absl::InfiniteDuration());
-  while (true) {
+void WorkerAgent::GenerationEnded(const GenerationAssignment& generation,
+                                  const absl::Status& status) {
+  std::vector<PeerFault> unreachable;
+  WorkerStep step;
+  {
+    absl::MutexLock lock(&mu_);
+    unreachable = link_faults_;
+    if (communicator_ != nullptr && communicator_generation_ == generation.generation) {
+      if (std::optional<PeerFault> fault = communicator_->peer_fault()) {
+        unreachable.push_back(*std::move(fault));
+      }
+    }
+    step = core_.OnGenerationEnded(generation.generation, status, std::move(unreachable));
+    Apply(step);
+  }
+  if (step.next == WorkerNext::kAskStillMine) {
+    spdlog::warn("generation {} failed ({}); asking the coordinator whether it is still this "
+                 "worker's before exiting with the error",
+                 generation.generation, status.message());
+  } else if (!status.ok() && step.next != WorkerNext::kEnd) {
+    spdlog::info("generation {} ended for this worker ({}); waiting for the next generation",
+                 generation.generation, status.message());
+  }
+  SendFailureReport(step.report_failure);
+  // An error of its own: the process ends with it unless the generation is no longer this
+  // worker's, which the coordinator is asked now.
+  while (step.next == WorkerNext::kAskStillMine) {
+    HeartbeatParams params;
     {
       absl::MutexLock lock(&mu_);
-      if (stop_ || !fatal_.ok()) return true;  // the process ends either way
-      params.paused_generation = paused_generation_;
+      auto ended = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return Ended(); };
+      if (mu_.AwaitWithTimeout(absl::Condition(&ended), step.wait)) return;
+      params = core_.StillMineRequest();
     }
     const absl::Time sent_at = absl::Now();
     absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(ToProto(params));
-    if (absl::IsNotFound(beat.status())) return false;  // declared dead: the heartbeat rejoins
-    if (beat.ok()) {
+    {
       absl::MutexLock lock(&mu_);
-      NoteContact(sent_at);
-      UpdateWorld(beat->world(), beat->rank());
-      return world_.generation == generation;
+      const World before = core_.world();
+      const int rank_before = core_.rank();
+      step = core_.OnStillMineReply(beat.ok() ? absl::StatusOr<HeartbeatReply>(FromProto(*beat))
+                                              : absl::StatusOr<HeartbeatReply>(beat.status()),
+                                    sent_at, absl::Now());
+      LogWorld(before, rank_before);
+      Apply(step);
     }
-    if (!IsTransient(beat.status())) return true;
-    absl::MutexLock lock(&mu_);
-    auto gone = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !fatal_.ok(); };
-    mu_.AwaitWithTimeout(absl::Condition(&gone), unreachable.Next());
-    unreachable.set_max(heartbeat_interval_);
+    SendFailureReport(step.report_failure);
+    if (step.next == WorkerNext::kWait) {
+      spdlog::info("generation {} ended ({}); waiting for the next", generation.generation,
+                   status.message());
+    }
   }
 }
 
-void WorkerAgent::ReportGenerationFailed(const WorldSnapshot& world, const absl::Status& why) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (stop_ || world_.generation != world.generation) return;  // it is over already
+void WorkerAgent::SendFailureReport(const std::optional<SelfCheckReport>& report) {
+  if (!report.has_value()) return;
+  absl::Status sent = client_->ReportSelfCheck(ToProto(*report));
+  if (!sent.ok()) {
+    // The generation ended meanwhile, or the coordinator is away: told again once it answers.
+    spdlog::info("could not report the failure of generation {}: {}", report->generation,
+                 sent.message());
   }
-  spdlog::warn("the data path of generation {} failed: asking the coordinator for the next",
-               world.generation);
-  SelfCheckReport report;
-  report.worker_id = options_.worker_id;
-  report.incarnation = incarnation_;
-  report.generation = world.generation;
-  report.detail = std::string(why.message());
-  {
-    absl::MutexLock lock(&mu_);
-    report.unreachable = link_faults_;
-    if (communicator_ != nullptr && communicator_generation_ == world.generation) {
-      if (std::optional<PeerFault> fault = communicator_->peer_fault()) {
-        report.unreachable.push_back(*std::move(fault));
-      }
-    }
-  }
-  if (absl::Status sent = client_->ReportSelfCheck(ToProto(report)); !sent.ok()) {
-    // The generation ended meanwhile, or the coordinator is away: its next answer tells.
-    spdlog::info("could not report it: {}", sent.message());
-  }
-}
-
-void WorkerAgent::NoteContact(absl::Time sent_at) {
-  last_contact_ = std::max(last_contact_, sent_at);
-  if (!cut_off_) return;
-  cut_off_ = false;
-  ++contact_epoch_;
-  spdlog::info("the coordinator answers again");
+  absl::MutexLock lock(&mu_);
+  core_.OnFailureReported(*report, sent);
 }
 
 void WorkerAgent::CoordinatorLeaseWatch() {
   absl::MutexLock lock(&mu_);
-  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !fatal_.ok(); };
-  while (!done()) {
-    if (cut_off_) {
-      auto back = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done() || !cut_off_; };
-      mu_.Await(absl::Condition(&back));
-      continue;
-    }
-    const absl::Time expires = last_contact_ + lease_;
-    if (absl::Now() < expires) {
-      mu_.AwaitWithDeadline(absl::Condition(&done), expires);
-      continue;  // contact may have been renewed meanwhile
-    }
-    cut_off_ = true;
-    const std::string why = absl::StrCat(
-        "the coordinator at ", client_->address(), " has not answered for its lease (",
-        absl::FormatDuration(lease_),
-        "): it counts this worker dead, so this rank stops training (nothing it trains now could "
-        "be committed) and rejoins once the coordinator answers");
-    spdlog::warn("{}", why);
-    generation_over_ = true;
-    if (communicator_ != nullptr) communicator_->Abort(why);
-    if (rendezvous_ != nullptr) rendezvous_->Cancel();
+  while (!Ended()) {
+    const absl::Time expiry = core_.LeaseExpiry();
+    auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return Ended() || core_.LeaseExpiry() != expiry;
+    };
+    if (mu_.AwaitWithDeadline(absl::Condition(&changed), expiry)) continue;
+    const WorkerStep step = core_.OnLeaseCheck(absl::Now());
+    if (step.abort_below > 0) spdlog::warn("{}", step.abort_reason);
+    Apply(step);
   }
 }
 
-absl::Status WorkerAgent::ProbePeers(const WorldSnapshot& world, RendezvousClient& rendezvous) {
+absl::Status WorkerAgent::ProbePeers(const GenerationAssignment& world,
+                                     RendezvousClient& rendezvous) {
   SHARD_ASSIGN_OR_RETURN(std::vector<PeerFault> faults,
                          prober_.ProbeRanks(rendezvous, world.rank, world.world_size,
                                             snapshot_server_->address(),
@@ -589,7 +508,9 @@ absl::Status WorkerAgent::ProbePeers(const WorldSnapshot& world, RendezvousClien
   }
   {
     absl::MutexLock lock(&mu_);
-    if (world_.generation != world.generation) return absl::AbortedError("generation ended");
+    if (core_.world().generation != world.generation) {
+      return absl::AbortedError("generation ended");
+    }
     link_faults_ = std::move(faults);
   }
   return absl::UnavailableError(
@@ -611,82 +532,43 @@ absl::Status WorkerAgent::Run() {
                                      server.status().message()));
   }
   snapshot_server_ = *std::move(server);
-  SHARD_RETURN_IF_ERROR(JoinWithRetry());
+  WorkerStep step;
   {
     absl::MutexLock lock(&mu_);
+    step = core_.Start(absl::Now());
+  }
+  step = Join(step);
+  {
+    absl::MutexLock lock(&mu_);
+    // Before joining there is nothing to leave.
+    if (step.next != WorkerNext::kHeartbeat) return core_.exit_status();
     if (job_.has_value()) {
-      if (absl::Status model = training_.CheckModel(*job_); !model.ok()) Fail(std::move(model));
+      if (absl::Status model = training_.CheckModel(*job_); !model.ok()) {
+        Apply(core_.Fail(std::move(model)));
+      }
     }
   }
-  std::thread heartbeat([this] { HeartbeatLoop(); });
+  std::thread heartbeat([this, step] { HeartbeatLoop(step); });
   std::thread lease_watch([this] { CoordinatorLeaseWatch(); });
-  int64_t attempted_generation = 0;
   while (true) {
-    WorldSnapshot target;
+    GenerationAssignment target;
     {
       absl::MutexLock lock(&mu_);
       auto next = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || !fatal_.ok() ||
-               (world_.running && world_.rank >= 0 && world_.generation > attempted_generation);
+        return Ended() || core_.HasGenerationToTrain();
       };
       mu_.Await(absl::Condition(&next));
-      if (stop_ || !fatal_.ok()) break;
-      target = world_;
+      if (Ended()) break;
+      target = *core_.TakeGeneration();
     }
-    attempted_generation = target.generation;
-    absl::Status connected = RunGeneration(target);
-    if (connected.ok()) continue;
-    if (absl::IsAborted(connected) || IsTransient(connected)) {
-      // This generation's data path failed (a peer died or hangs, the generation ended, the
-      // coordinator restarted): say so, so that the coordinator ends the generation if it has
-      // not, and wait for the next one for as long as the coordinator answers (the heartbeat
-      // thread gives up on a lost coordinator after --coordinator-timeout).
-      spdlog::info("generation {} ended for this worker ({}); waiting for the next generation",
-                   target.generation, connected.message());
-      int64_t epoch = 0;
-      {
-        absl::MutexLock lock(&mu_);
-        epoch = contact_epoch_;
-      }
-      ReportGenerationFailed(target, connected);
-      absl::MutexLock lock(&mu_);
-      while (true) {
-        // Back in touch after the coordinator was silent for a lease (training stopped) while
-        // it still runs that generation (it restarted and kept it, say): tell it again.
-        auto moved_on = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stop_ || !fatal_.ok() || world_.generation != target.generation ||
-                 contact_epoch_ != epoch;
-        };
-        mu_.Await(absl::Condition(&moved_on));
-        if (stop_ || !fatal_.ok() || world_.generation != target.generation) break;
-        epoch = contact_epoch_;
-        mu_.Unlock();
-        ReportGenerationFailed(target, connected);
-        mu_.Lock();
-      }
-      if (stop_ || !fatal_.ok()) break;
-      continue;
-    }
-    // An error of a generation that is over (its restore point since removed by retention,
-    // say) ends that generation, not the process.
-    const bool mine = GenerationStillMine(target.generation);
-    absl::MutexLock lock(&mu_);
-    if (stop_) break;
-    if (!mine || world_.generation != target.generation) {
-      spdlog::info("generation {} ended ({}); waiting for the next", target.generation,
-                   connected.message());
-      continue;
-    }
-    Fail(connected);
-    break;
+    GenerationEnded(target, RunGeneration(target));
   }
   absl::Status result;
   finished_->store(true);
   {
     absl::MutexLock lock(&mu_);
-    result = fatal_;
-    stop_ = true;
-    if (communicator_ != nullptr) communicator_->Abort("worker exiting");
+    result = core_.exit_status();
+    Apply(core_.RequestStop("worker exiting"));
   }
   heartbeat.join();
   lease_watch.join();

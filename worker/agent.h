@@ -1,5 +1,7 @@
-// The worker process's life: join the coordinator, keep the lease alive, build the data path
-// for each generation of the world, self-check it, and leave cleanly when told to.
+// The worker process's life: the I/O shell around WorkerCore (common/worker_core.h), which
+// decides the protocol. It sends the core's calls over gRPC on its threads (the heartbeat
+// chain, the coordinator's lease watch, the generations), and builds, self-checks and trains
+// the data path of each generation the core hands it.
 #pragma once
 
 #include <atomic>
@@ -15,6 +17,7 @@
 #include "common/control_types.h"
 #include "common/job_spec.h"
 #include "common/manifest.h"
+#include "common/worker_core.h"
 #include "worker/coordinator_client.h"
 #include "worker/data_path.h"
 #include "worker/dataplane/communicator.h"
@@ -71,22 +74,12 @@ class WorkerAgent {
   void RequestStop(const std::string& reason);
 
  private:
-  struct WorldSnapshot {
-    int64_t generation = 0;
-    int rank = -1;
-    int world_size = 0;
-    v1::JobState state = v1::JOB_STATE_UNSPECIFIED;
-    bool running = false;
-    v1::RendezvousScope scope;
-  };
-
-  absl::Status JoinWithRetry();
-  void HeartbeatLoop();
-  // Applies a world seen in a join or heartbeat reply.
-  void UpdateWorld(const v1::WorldView& world, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // One generation of `world` for this rank: Connect, Check, Train. Aborted if the generation
-  // moved on.
-  absl::Status RunGeneration(const WorldSnapshot& world);
+  // Joins (again), from the core's `step`; the step after it: kHeartbeat once joined, kEnd.
+  WorkerStep Join(WorkerStep step);
+  // The core's join and heartbeat chain, and after it the isolated standby's probes.
+  void HeartbeatLoop(WorkerStep step);
+  // One generation for this rank: Connect, Check, Train. Aborted if the generation moved on.
+  absl::Status RunGeneration(const GenerationAssignment& generation);
   // What connecting a generation yields.
   struct Connected {
     std::optional<JobConfig> job;  // the coordinator's, as it was when connecting
@@ -94,40 +87,35 @@ class WorkerAgent {
   };
   // Rendezvous: publishes this rank's host and snapshot server, probes the peers, creates the
   // communicator (communicator_) and collects what the peers published.
-  absl::StatusOr<Connected> Connect(const WorldSnapshot& world);
+  absl::StatusOr<Connected> Connect(const GenerationAssignment& generation);
   // Self-checks the communicator and reports the outcome to the coordinator.
-  absl::Status Check(const WorldSnapshot& world);
+  absl::Status Check(const GenerationAssignment& generation);
   // Trains the job on the checked communicator (training_), or without a job applies the plan
   // of options_.manifest.
-  absl::Status Train(const WorldSnapshot& world, const Connected& connected);
+  absl::Status Train(const GenerationAssignment& generation, const Connected& connected);
   // Registers the manifest, applies the plan, and after the first iteration the rebuilt one.
   absl::Status ApplyPlan();
+  // After a generation ended: what the core makes of it, and the coordinator asked whether it
+  // is still this worker's where the core needs to know.
+  void GenerationEnded(const GenerationAssignment& generation, const absl::Status& status);
   // Tells the coordinator which snapshot shards this worker now holds and dropped; if it cannot,
   // everything held is told again before the next heartbeat.
   void ReportHeld(const std::vector<SnapshotShard>& held, const std::vector<std::string>& dropped);
   // After the coordinator was away (it may have restarted and lost what it knew): everything
   // this worker holds, told again before its next heartbeat.
   void ReportAllHeldIfNeeded();
-  // Tells the coordinator that the data path of `world`'s generation failed with `why`, and the
-  // peers this rank could not reach, so that it ends the generation (a failed self-check does);
-  // nothing if it is over already.
-  void ReportGenerationFailed(const WorldSnapshot& world, const absl::Status& why);
-  // Probes every peer of `world` (their addresses from the rendezvous store) before the data
-  // path connects: Unavailable, with the peers it could not reach in link_faults_, if any.
-  absl::Status ProbePeers(const WorldSnapshot& world, RendezvousClient& rendezvous);
-  // The coordinator answered a call sent at `sent_at`: the lease runs from there.
-  void NoteContact(absl::Time sent_at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Stops training once the coordinator has not answered for a lease: by then it counts this
-  // worker dead (if it is there at all), so whatever this rank trains can never be committed,
-  // and a world that replaced it may be training already.
+  // Probes every peer of `generation` (their addresses from the rendezvous store) before the
+  // data path connects: Unavailable, with the peers it could not reach in link_faults_, if any.
+  absl::Status ProbePeers(const GenerationAssignment& generation, RendezvousClient& rendezvous);
+  // Stops training once the coordinator has not answered for a lease (WorkerCore::LeaseExpiry).
   void CoordinatorLeaseWatch();
-  // Whether `generation` is still this worker's, asked of the coordinator now (a heartbeat that
-  // does not wait): right after a long SIGSTOP the heartbeat thread may not have heard yet that
-  // the worker was declared dead and the world moved on. While the coordinator does not answer
-  // it asks again, until it does or the heartbeat thread gives up on it.
-  bool GenerationStillMine(int64_t generation);
-  void SetStop(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Fail(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Carries out what the core decided that needs no call: aborts the data path of ended
+  // generations, and a stop. The caller sends step.report_failure (SendFailureReport).
+  void Apply(const WorkerStep& step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Logs a world the core learned from a reply, if it changed.
+  void LogWorld(const World& before, int rank_before) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendFailureReport(const std::optional<SelfCheckReport>& report);
+  bool Ended() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return core_.ended(); }
   void Leave();
 
   const WorkerOptions options_;
@@ -136,38 +124,23 @@ class WorkerAgent {
   const uint64_t incarnation_;
 
   absl::Mutex mu_;
-  WorldSnapshot world_ ABSL_GUARDED_BY(mu_);
-  absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(1);
-  absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(10);  // the coordinator's
-  // When the last call the coordinator answered was sent; whether it has been silent for a
-  // lease since (training stopped), and how many times it came back after that.
-  absl::Time last_contact_ ABSL_GUARDED_BY(mu_);
-  bool cut_off_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t contact_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  // The protocol: what the coordinator said, and what to do about it.
+  WorkerCore core_ ABSL_GUARDED_BY(mu_);
+  std::string job_name_ ABSL_GUARDED_BY(mu_);  // names the rendezvous scope of a generation
   // The peers this rank could not connect to at the generation it connects (its probe).
   std::vector<PeerFault> link_faults_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::string stop_reason_ ABSL_GUARDED_BY(mu_);
-  absl::Status fatal_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Communicator> communicator_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<RendezvousClient> rendezvous_ ABSL_GUARDED_BY(mu_);  // while connecting
   int64_t rendezvous_generation_ ABSL_GUARDED_BY(mu_) = 0;            // the one it connects
   std::optional<JobConfig> job_ ABSL_GUARDED_BY(mu_);  // from the coordinator, at join
-  std::atomic<bool> stop_requested_{false};             // stop_, for the training loop
+  std::atomic<bool> stop_requested_{false};  // the core ended, for the training loop
   // Probes the peers (at a rendezvous; as an isolated standby); a stop cancels its probes.
   PeerProber prober_;
-  // The coordinator's orders for the step boundaries of the world's generation.
-  StepOrders orders_ ABSL_GUARDED_BY(mu_);
-  // The generation in which training paused for a re-formation (0: not paused): heartbeats
-  // say so, and the coordinator ends that generation.
-  int64_t paused_generation_ ABSL_GUARDED_BY(mu_) = 0;
-  v1::TrainingStart start_ ABSL_GUARDED_BY(mu_);         // where this generation's training starts
   int64_t communicator_generation_ ABSL_GUARDED_BY(mu_) = 0;
   // What this process holds of the job's snapshots (its own shards and its buddies'), across
   // generations, and the server its peers read them from.
   SnapshotStore snapshots_;
   std::unique_ptr<SnapshotServer> snapshot_server_;
-  bool report_all_held_ ABSL_GUARDED_BY(mu_) = false;
   // Set when the generation being trained ends (or a stop): cancels reads from peers.
   std::atomic<bool> generation_over_{false};
   // What this rank's training is doing, for the coordinator's progress lease.

@@ -59,15 +59,15 @@ absl::StatusOr<std::vector<PeerFault>> PeerProber::ProbeRanks(KeyValueStore& sto
   return faults;
 }
 
-std::vector<PeerProbe> PeerProber::ProbeMembers(const v1::HeartbeatResponse& reply) {
+std::vector<PeerProbe> PeerProber::ProbeMembers(const std::vector<PeerProbe>& members) {
   std::vector<std::string> addresses;
-  for (const v1::PeerProbe& target : reply.probe()) addresses.push_back(target.address());
+  for (const PeerProbe& member : members) addresses.push_back(member.address);
   const std::vector<ConnectProbe> probes = Probe(addresses);
   std::vector<PeerProbe> probed;
   int reached = 0;
-  for (int i = 0; i < reply.probe_size(); ++i) {
-    probed.push_back(PeerProbe{reply.probe(i).worker_id(), reply.probe(i).address(),
-                               probes[i].reachable, probes[i].detail});
+  for (size_t i = 0; i < members.size(); ++i) {
+    probed.push_back(PeerProbe{members[i].worker_id, members[i].address, probes[i].reachable,
+                               probes[i].detail});
     reached += probes[i].reachable ? 1 : 0;
   }
   spdlog::info("isolated standby: reached {} of the {} members of the world", reached,

@@ -13,7 +13,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/control_types.h"
-#include "shard/v1/coordinator.pb.h"
 #include "worker/dataplane/key_value_store.h"
 #include "worker/dataplane/snapshot_peer.h"
 
@@ -33,7 +32,7 @@ class PeerProber {
                                                     int world_size, const std::string& address,
                                                     absl::Duration wait);
   // An isolated standby's probe of the members its last heartbeat reply named.
-  std::vector<PeerProbe> ProbeMembers(const v1::HeartbeatResponse& reply);
+  std::vector<PeerProbe> ProbeMembers(const std::vector<PeerProbe>& members);
 
  private:
   const absl::Duration max_timeout_;

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "common/job_spec.h"
 #include "common/step_boundary.h"
+#include "common/worker_core.h"
 #include "server/coordinator_core.h"
 #include "server/membership_log.h"
 #include "tests/sim/sim_store.h"
@@ -98,6 +99,8 @@ struct Group {
   std::string restored_from;
 };
 
+// One worker's process: the shipped protocol (WorkerCore) and what the simulation fakes
+// around it (the process, its data path, the snapshots it holds).
 struct Worker {
   std::string id;
   uint64_t incarnation = 0;
@@ -109,31 +112,18 @@ struct Worker {
   bool training_stalled = false;
   bool exited = false;
   std::string exit_reason;
-  bool joined = false;
-  int64_t known_generation = 0;
-  JobState known_state = JobState::kForming;
+  // worker/agent.cc's protocol, the same class: a new one for every process.
+  std::unique_ptr<WorkerCore> core;
   std::vector<PeerProbe> probed;  // an isolated standby's probe, sent with its next heartbeat
-  // A failed generation the coordinator could not be told of (it was away): told again once it
-  // answers while still at that generation (worker/agent.cc Run(), contact_epoch_).
-  std::optional<SelfCheckReport> untold_failure;
-  int rank = -1;
-  int world_size = 0;
-  absl::Duration interval = kLease / 4;
-  StepOrders orders;
-  TrainingStartPoint start;
-  int64_t paused_generation = 0;
-  int64_t attempted_generation = 0;
   std::optional<Session> session;
   bool trained = false;
   bool leaving = false;
-  absl::Time last_contact;
-  absl::Time join_started;
-  absl::Duration backoff;
+  bool failure_injected = false;  // its training failed with an error on purpose
+  absl::Time lease_check;  // when the lease watch looks next (worker/agent.cc)
   std::vector<std::function<void()>> deferred;  // events that came while stopped
   // The snapshot shards this process holds in memory (its own and its buddies'), by snapshot id
   // and rank, the newest two snapshots (worker/dataplane/snapshot_store.h).
   std::map<std::string, std::map<int, SnapshotShard>> held;
-  bool report_all_held = false;  // the coordinator was away: tell it everything before a heartbeat
 };
 
 class Simulation {
@@ -188,11 +178,18 @@ class Simulation {
   void Stop(int index, absl::Duration for_how_long);
   void Resume(int index);
   void Exit(Worker& worker, const std::string& reason, bool error);
+  // The calls of WorkerCore's chains, and what the worker does with each step it returns.
   void Join(int index);
   void Heartbeat(int index);
-  void UpdateWorld(int index, const World& world, int rank);
-  // Leaves and exits; `failed`: the process exits with an error (its training failed).
-  void Leave(int index, const std::string& reason, bool failed);
+  void AskStillMine(int index);
+  void Apply(int index, const WorkerStep& step);
+  // A reply's world, before the core sees it: never older than what the worker knew when it
+  // sent the request (replies on its two chains may overtake one another).
+  void CheckToldWorld(const Worker& worker, const World& world, int64_t known_at_send);
+  void ScheduleLeaseCheck(int index);
+  void SendFailureReport(int index, const SelfCheckReport& report);
+  // The process ends as its core decided: leaves if the core says so, and exits.
+  void End(int index);
   void TryConnect(int index);
   // `unreachable`: the peers it reports it could not reach.
   void FailSession(int index, const absl::Status& status,
@@ -203,10 +200,6 @@ class Simulation {
   }
   // Cuts the links of `links` for `how_long`; collectives across them time out.
   void Partition(const std::vector<std::pair<int, int>>& links, absl::Duration how_long);
-  // worker/agent.cc GenerationStillMine(): before an error of `generation` ends the process, the
-  // worker asks the coordinator (a heartbeat that does not wait) whether that generation is still
-  // its own, again while the coordinator does not answer; it exits only if so.
-  void ExitUnlessMovedOn(int index, int64_t generation, const std::string& reason);
   // FailSession later, if the worker's session is still of `generation` by then.
   void FailSessionLater(int index, int64_t generation, absl::Duration delay, absl::Status status);
   void OnConnected(int index);
@@ -434,10 +427,13 @@ void Simulation::StartProcess(int index) {
   worker.incarnation = incarnation;
   worker.process = process;
   worker.alive = true;
-  worker.join_started = now_;
-  worker.backoff = absl::Milliseconds(100);
+  worker.core = std::make_unique<WorkerCore>(WorkerCoreOptions{
+      .worker_id = id,
+      .incarnation = incarnation,
+      .coordinator = "coordinator:7000",
+      .coordinator_timeout = kCoordinatorTimeout});
   Log(absl::StrCat(id, " starts (incarnation ", incarnation, ")"));
-  Join(index);
+  Apply(index, worker.core->Start(now_));
 }
 
 void Simulation::Exit(Worker& worker, const std::string& reason, bool error) {
@@ -502,6 +498,73 @@ void Simulation::Resume(int index) {
   }
 }
 
+void Simulation::Apply(int index, const WorkerStep& step) {
+  Worker& worker = *workers_[index];
+  if (!worker.alive) return;
+  // The agent aborts the communicator (or cancels the rendezvous) of an ended generation.
+  if (step.abort_below > 0 && worker.session.has_value() &&
+      worker.session->generation < step.abort_below) {
+    FailSession(index, absl::AbortedError(step.abort_reason));
+  }
+  if (step.report_failure.has_value()) SendFailureReport(index, *step.report_failure);
+  // An isolated standby connects to every member it was given
+  // (worker/peer_probe.cc PeerProber::ProbeMembers).
+  for (PeerProbe probe : step.probe) {
+    for (int peer = 0; peer < static_cast<int>(workers_.size()); ++peer) {
+      if (workers_[peer]->id != probe.worker_id) continue;
+      probe.reachable = workers_[peer]->alive && !workers_[peer]->stopped && !Cut(index, peer);
+      if (!probe.reachable) probe.detail = "timed out";
+    }
+    worker.probed.push_back(std::move(probe));
+  }
+  switch (step.next) {
+    case WorkerNext::kWait:
+      break;
+    case WorkerNext::kJoin:
+      ForWorker(index, step.wait, [this, index](Worker&) { Join(index); });
+      break;
+    case WorkerNext::kHeartbeat:
+      ForWorker(index, step.wait, [this, index](Worker&) { Heartbeat(index); });
+      break;
+    case WorkerNext::kAskStillMine:
+      ForWorker(index, step.wait, [this, index](Worker&) { AskStillMine(index); });
+      break;
+    case WorkerNext::kEnd:
+      End(index);
+      return;
+  }
+  ScheduleLeaseCheck(index);
+  TryConnect(index);
+}
+
+void Simulation::ScheduleLeaseCheck(int index) {
+  Worker& worker = *workers_[index];
+  const absl::Time expiry = worker.core->LeaseExpiry();
+  if (expiry == absl::InfiniteFuture() || expiry == worker.lease_check) return;
+  worker.lease_check = expiry;
+  // worker/agent.cc CoordinatorLeaseWatch(): a rank the coordinator has not answered for a
+  // lease stops training (it counts as dead there, and may have been replaced).
+  ForWorker(index, std::max(expiry - now_, absl::ZeroDuration()), [this, index](Worker& w) {
+    const WorkerStep step = w.core->OnLeaseCheck(now_);
+    if (step.abort_below > 0) Log(absl::StrCat(w.id, ": ", step.abort_reason));
+    Apply(index, step);
+  });
+}
+
+void Simulation::CheckToldWorld(const Worker& worker, const World& world,
+                                int64_t known_at_send) {
+  const World& known = worker.core->world();
+  if (world.generation != known.generation || world.state != known.state) {
+    Log(absl::StrCat(worker.id, " learns generation ", world.generation, " (",
+                     JobStateName(world.state), ")"));
+  }
+  if (world.generation < known_at_send) {
+    failure_.Set(absl::StrCat(worker.id, " was told generation ", world.generation,
+                              " after generation ", known_at_send));
+  }
+  max_generation_told_ = std::max(max_generation_told_, world.generation);
+}
+
 void Simulation::Join(int index) {
   Worker& w = *workers_[index];
   JoinParams params;
@@ -514,48 +577,28 @@ void Simulation::Join(int index) {
   for (const auto& [id, shards] : w.held) {
     for (const auto& [rank, shard] : shards) params.holdings.push_back(shard);
   }
-  auto retry = [this, index](Worker& worker, const std::string& why, bool refused) {
-    if (!refused && now_ - worker.join_started > kCoordinatorTimeout) {
-      Exit(worker, absl::StrCat("cannot reach the coordinator: ", why), true);
-      return;
-    }
-    const absl::Duration backoff = worker.backoff;
-    worker.backoff = std::min(2 * worker.backoff, absl::Seconds(refused ? 5 : 2));
-    ForWorker(index, backoff, [this, index](Worker&) { Join(index); });
-  };
+  const absl::Time sent = now_;
+  const int64_t known = workers_[index]->core->world().generation;
   Call(
       index,
-      [this, params, retry, index](CoordinatorCore& core, Deliver deliver) {
-        core.Join(params, now_, [this, deliver, retry, index](absl::StatusOr<JoinReply> reply) {
-          deliver([this, reply, retry, index](Worker& worker) {
-            if (reply.ok()) {
-              worker.joined = true;
-              worker.interval = reply->heartbeat_interval;
-              worker.start = reply->start;
-              worker.last_contact = now_;
-              worker.backoff = absl::ZeroDuration();
-              UpdateWorld(index, reply->outcome.world, reply->outcome.rank);
-              Heartbeat(index);
-            } else if (absl::IsResourceExhausted(reply.status()) ||
-                       absl::IsAlreadyExists(reply.status())) {
-              retry(worker, std::string(reply.status().message()), true);
-            } else if (absl::IsFailedPrecondition(reply.status()) &&
-                       absl::StrContains(reply.status().message(), "is stopping")) {
-              Exit(worker, std::string(reply.status().message()), false);
-            } else {
-              Exit(worker, absl::StrCat("join refused: ", reply.status().ToString()), true);
-            }
+      [this, params, index, sent, known](CoordinatorCore& core, Deliver deliver) {
+        core.Join(params, now_, [this, deliver, index, sent,
+                                known](absl::StatusOr<JoinReply> reply) {
+          deliver([this, reply, index, sent, known](Worker& worker) {
+            if (reply.ok()) CheckToldWorld(worker, reply->outcome.world, known);
+            Apply(index, worker.core->OnJoinReply(reply, sent, now_));
           });
         });
       },
-      [retry](Worker& worker) { retry(worker, "unavailable", false); });
+      [this, index, sent](Worker& worker) {
+        Apply(index, worker.core->OnJoinReply(absl::UnavailableError("unavailable"), sent, now_));
+      });
 }
 
 void Simulation::Heartbeat(int index) {
   Worker& w = *workers_[index];
-  if (w.report_all_held) {
+  if (w.core->TakeReportAllHeld()) {
     // worker/agent.cc: after losing the coordinator, everything held is told again first.
-    w.report_all_held = false;
     std::vector<SnapshotShard> all;
     for (const auto& [id, shards] : w.held) {
       for (const auto& [rank, shard] : shards) all.push_back(shard);
@@ -565,151 +608,118 @@ void Simulation::Heartbeat(int index) {
       return;
     }
   }
-  HeartbeatParams params;
-  params.worker_id = w.id;
-  params.incarnation = w.incarnation;
-  params.known_generation = w.known_generation;
-  params.known_state = w.known_state;
-  params.wait = w.interval;
-  params.paused_generation = w.paused_generation;
-  params.probed = std::move(w.probed);
-  w.probed.clear();
   // worker/dataplane/training_activity.h: what its training does, for the progress lease.
+  TrainingActivity activity;
   if (const Group* group = GroupOf(w); group != nullptr && group->started && !group->over &&
                                        w.session->phase == Session::Phase::kTraining) {
-    params.activity.generation = group->generation;
-    params.activity.step = group->step;
-    params.activity.since_step = now_ - group->last_step_at;
+    activity.generation = group->generation;
+    activity.step = group->step;
+    activity.since_step = now_ - group->last_step_at;
     if (group->halted_at.has_value() && !w.training_stalled) {
-      params.activity.waiting = std::max(now_ - *group->halted_at, absl::Nanoseconds(1));
+      activity.waiting = std::max(now_ - *group->halted_at, absl::Nanoseconds(1));
     }
   }
-  auto unavailable = [this, index](Worker& worker) {
-    if (now_ - worker.last_contact > kCoordinatorTimeout) {
-      Exit(worker, "lost the coordinator", true);
-      return;
-    }
-    worker.report_all_held = true;
-    worker.backoff =
-        std::min(std::max(2 * worker.backoff, absl::Milliseconds(50)), worker.interval);
-    ForWorker(index, worker.backoff, [this, index](Worker&) { Heartbeat(index); });
-  };
+  const HeartbeatParams params = w.core->NextHeartbeat(activity, std::move(w.probed));
+  w.probed.clear();
   // The lease runs from when the coordinator heard the request: the worker counts from when it
   // sent it.
   const absl::Time sent = now_;
+  const int64_t known = workers_[index]->core->world().generation;
   Call(
       index,
-      [this, params, index, sent](CoordinatorCore& core, Deliver deliver) {
-        core.Heartbeat(params, now_, [this, deliver, index,
-                                      sent](absl::StatusOr<HeartbeatReply> reply) {
-          deliver([this, reply, index, sent](Worker& worker) {
-            if (reply.ok()) {
-              worker.last_contact = std::max(worker.last_contact, sent);
-              worker.backoff = absl::ZeroDuration();
-              worker.orders = reply->orders;
-              worker.start = reply->start;
-              UpdateWorld(index, reply->outcome.world, reply->outcome.rank);
-              if (worker.untold_failure.has_value()) {
-                const SelfCheckReport untold = *std::move(worker.untold_failure);
-                worker.untold_failure.reset();
-                if (untold.generation == worker.known_generation &&
-                    untold.incarnation == worker.incarnation) {
-                  Call(
-                      index,
-                      [this, untold](CoordinatorCore& core, Deliver deliver) {
-                        core.ReportSelfCheck(untold, now_, [deliver](absl::Status) {
-                          deliver([](Worker&) {});
-                        });
-                      },
-                      [untold](Worker& w) { w.untold_failure = untold; });
+      [this, params, index, sent, known](CoordinatorCore& core, Deliver deliver) {
+        core.Heartbeat(params, now_, [this, deliver, index, sent,
+                                      known](absl::StatusOr<HeartbeatReply> reply) {
+          deliver([this, reply, index, sent, known](Worker& worker) {
+            if (reply.ok()) CheckToldWorld(worker, reply->outcome.world, known);
+            const WorkerStep step = worker.core->OnHeartbeatReply(reply, sent, now_);
+            if (worker.core->taken_out() &&
+                absl::StrContains(reply.status().message(), "was evicted")) {
+              // Its supervisor starts it again, as Kubernetes restarts a container that
+              // exited (seed 8462: evicted just as the faults stopped, nobody replaced it).
+              const uint64_t exited = worker.process + 1;  // the process number once it exits
+              After(Uniform(absl::Milliseconds(200), absl::Seconds(2)), [this, index, exited] {
+                if (workers_[index]->process == exited && !workers_[index]->alive) {
+                  StartProcess(index);
                 }
-              }
-              // An isolated standby connects to every member it was given
-              // (worker/peer_probe.cc PeerProber::ProbeMembers).
-              for (PeerProbe probe : reply->outcome.probe) {
-                for (int peer = 0; peer < static_cast<int>(workers_.size()); ++peer) {
-                  if (workers_[peer]->id != probe.worker_id) continue;
-                  probe.reachable = workers_[peer]->alive && !workers_[peer]->stopped &&
-                                    !Cut(index, peer);
-                  if (!probe.reachable) probe.detail = "timed out";
-                }
-                worker.probed.push_back(std::move(probe));
-              }
-              if (reply->outcome.stop) {
-                if (!worker.leaving) Leave(index, "told to leave", /*failed=*/false);
-                return;
-              }
-              Heartbeat(index);
-            } else if (absl::IsNotFound(reply.status())) {
-              // Declared dead while it was away: join again (the agent keeps its incarnation).
-              worker.joined = false;
-              worker.join_started = now_;
-              worker.backoff = absl::Milliseconds(100);
-              Join(index);
-            } else if (absl::IsFailedPrecondition(reply.status())) {
-              // Taken over by a newer process, or evicted as stuck.
-              Exit(worker, std::string(reply.status().message()), false);
-              if (absl::StrContains(reply.status().message(), "was evicted")) {
-                // Its supervisor starts it again, as Kubernetes restarts a container that
-                // exited (seed 8462: evicted just as the faults stopped, nobody replaced it).
-                const uint64_t process = worker.process;
-                After(Uniform(absl::Milliseconds(200), absl::Seconds(2)), [this, index, process] {
-                  if (workers_[index]->process == process && !workers_[index]->alive) {
-                    StartProcess(index);
-                  }
-                });
-              }
-            } else {
-              Exit(worker, absl::StrCat("heartbeat: ", reply.status().ToString()), true);
+              });
             }
+            Apply(index, step);
           });
         });
       },
-      unavailable);
+      [this, index, sent](Worker& worker) {
+        Apply(index,
+              worker.core->OnHeartbeatReply(absl::UnavailableError("unavailable"), sent, now_));
+      });
 }
 
-void Simulation::UpdateWorld(int index, const World& world, int rank) {
-  Worker& worker = *workers_[index];
-  if (world.generation != worker.known_generation || world.state != worker.known_state) {
-    Log(absl::StrCat(worker.id, " learns generation ", world.generation, " (",
-                     JobStateName(world.state), "), rank ", rank));
-  }
-  if (world.generation < worker.known_generation) {
-    failure_.Set(absl::StrCat(worker.id, " was told generation ", world.generation,
-                              " after generation ", worker.known_generation));
-  }
-  max_generation_told_ = std::max(max_generation_told_, world.generation);
-  const bool moved = world.generation != worker.known_generation;
-  worker.known_generation = world.generation;
-  worker.known_state = world.state;
-  worker.rank = rank;
-  worker.world_size = world.world_size;
-  if (moved && worker.session.has_value() && worker.session->generation < world.generation &&
-      worker.session->phase != Session::Phase::kDone &&
-      worker.session->phase != Session::Phase::kFailed) {
-    // The agent aborts the communicator (or cancels the rendezvous) of an ended generation.
-    FailSession(index, absl::AbortedError("the generation ended"));
-  }
-  TryConnect(index);
+void Simulation::AskStillMine(int index) {
+  const HeartbeatParams params = workers_[index]->core->StillMineRequest();
+  const absl::Time sent = now_;
+  const int64_t known = workers_[index]->core->world().generation;
+  Call(
+      index,
+      [this, params, index, sent, known](CoordinatorCore& core, Deliver deliver) {
+        core.Heartbeat(params, now_, [this, deliver, index, sent,
+                                      known](absl::StatusOr<HeartbeatReply> reply) {
+          deliver([this, reply, index, sent, known](Worker& worker) {
+            if (reply.ok()) CheckToldWorld(worker, reply->outcome.world, known);
+            Apply(index, worker.core->OnStillMineReply(reply, sent, now_));
+          });
+        });
+      },
+      [this, index, sent](Worker& worker) {
+        Apply(index,
+              worker.core->OnStillMineReply(absl::UnavailableError("unavailable"), sent, now_));
+      });
 }
 
-void Simulation::Leave(int index, const std::string& reason, bool failed) {
+void Simulation::SendFailureReport(int index, const SelfCheckReport& report) {
+  Call(
+      index,
+      [this, report](CoordinatorCore& core, Deliver deliver) {
+        core.ReportSelfCheck(report, now_, [deliver, report](absl::Status sent) {
+          deliver([report, sent](Worker& w) { w.core->OnFailureReported(report, sent); });
+        });
+      },
+      [report](Worker& w) {
+        w.core->OnFailureReported(report, absl::UnavailableError("unavailable"));
+      });
+}
+
+void Simulation::End(int index) {
   Worker& worker = *workers_[index];
+  if (worker.leaving) return;
   worker.leaving = true;
   if (worker.session.has_value() && worker.session->phase != Session::Phase::kDone) {
     FailSession(index, absl::CancelledError("stopping"));
   }
-  if (failed) ++failed_leaves_sent_;
-  const LeaveParams params{worker.id, worker.incarnation, reason, failed};
+  const absl::Status exit = worker.core->exit_status();
+  // Errors the worker exits with on purpose: its training failed (injected), or a newer process
+  // took it over, or it was evicted as stuck. Any other is a bug the seed found.
+  const bool error = !exit.ok() && !worker.failure_injected && !worker.core->taken_out();
+  const std::string reason = exit.ok() ? worker.core->stop_reason() : exit.ToString();
+  const std::optional<LeaveParams> leave = worker.core->LeaveRequest();
+  if (!leave.has_value()) {
+    Exit(worker, reason, error);
+    return;
+  }
+  if (leave->failed) ++failed_leaves_sent_;
   Call(
       index,
-      [this, params](CoordinatorCore& core, Deliver deliver) {
-        core.Leave(params, now_, [this, deliver, failed = params.failed](absl::Status left) {
-          if (failed && left.ok()) ++failed_leaves_acked_;
-          deliver([this](Worker& worker) { Exit(worker, "left", false); });
-        });
+      [this, params = *leave, reason, error](CoordinatorCore& core, Deliver deliver) {
+        core.Leave(params, now_,
+                   [this, deliver, failed = params.failed, reason, error](absl::Status left) {
+                     if (failed && left.ok()) ++failed_leaves_acked_;
+                     deliver([this, reason, error](Worker& worker) {
+                       Exit(worker, absl::StrCat("left: ", reason), error);
+                     });
+                   });
       },
-      [this](Worker& worker) { Exit(worker, "left (the coordinator did not answer)", false); });
+      [this, reason, error](Worker& worker) {
+        Exit(worker, absl::StrCat("left (the coordinator did not answer): ", reason), error);
+      });
 }
 
 Group* Simulation::GroupOf(const Worker& worker) {
@@ -721,22 +731,19 @@ Group* Simulation::GroupOf(const Worker& worker) {
 void Simulation::TryConnect(int index) {
   Worker& worker = *workers_[index];
   if (!worker.alive || worker.leaving) return;
-  if (!Trains(worker.known_state) || worker.rank < 0 ||
-      worker.known_generation <= worker.attempted_generation) {
-    return;
-  }
+  // One generation at a time, as the agent's thread runs them.
   if (worker.session.has_value() && worker.session->phase != Session::Phase::kDone &&
       worker.session->phase != Session::Phase::kFailed &&
       worker.session->phase != Session::Phase::kPaused) {
     return;
   }
+  const std::optional<GenerationAssignment> target = worker.core->TakeGeneration();
+  if (!target.has_value()) return;
   Session session;
-  session.generation = worker.known_generation;
-  session.rank = worker.rank;
-  session.size = worker.world_size;
+  session.generation = target->generation;
+  session.rank = target->rank;
+  session.size = target->world_size;
   worker.session = session;
-  worker.attempted_generation = session.generation;
-  worker.paused_generation = 0;
   Log(absl::StrCat(worker.id, " connects as rank ", session.rank, " of ", session.size,
                    " at generation ", session.generation));
   // Gloo's rendezvous through the coordinator's store: publish, then wait for every peer.
@@ -892,7 +899,7 @@ void Simulation::OnConnected(int index) {
                 // Every rank is ready: restore where the coordinator says and start stepping.
                 std::set<std::string> starts;
                 for (const auto& [rank, member] : group.members) {
-                  starts.insert(workers_[member]->start.checkpoint_id);
+                  starts.insert(workers_[member]->core->start().checkpoint_id);
                 }
                 if (starts.size() != 1) {
                   failure_.Set(absl::StrCat("the ranks of generation ", generation,
@@ -900,7 +907,7 @@ void Simulation::OnConnected(int index) {
                                             absl::StrJoin(starts, ", ")));
                   return;
                 }
-                const TrainingStartPoint start = workers_[index]->start;
+                const TrainingStartPoint start = workers_[index]->core->start();
                 group.restored_from = start.checkpoint_id;
                 if (start.checkpoint_id.empty()) {
                   group.step = 0;
@@ -1030,14 +1037,6 @@ void Simulation::Step(int64_t generation) {
       return;
     }
   }
-  // worker/agent.cc CoordinatorLeaseWatch(): a rank the coordinator has not answered for a
-  // lease stops training (it counts as dead there, and may have been replaced).
-  for (const auto& [rank, index] : group.members) {
-    if (now_ - workers_[index]->last_contact > kLease) {
-      FailSession(index, absl::AbortedError("the coordinator has not answered for a lease"));
-      return;
-    }
-  }
   // A cut link between two members: their collective fails after the link timeout, the rank
   // that sends across it blaming its peer.
   for (const auto& [rank, index] : group.members) {
@@ -1143,7 +1142,7 @@ void Simulation::Step(int64_t generation) {
     for (const auto& [rank, index] : group.members) {
       posted.snapshots_busy =
           posted.snapshots_busy || workers_[index]->session->snapshot_work > 0;
-      const StepOrders& known = workers_[index]->orders;
+      const StepOrders& known = workers_[index]->core->orders();
       if (known.generation != generation) continue;
       posted.orders.save_request = std::max(posted.orders.save_request, known.save_request);
       posted.orders.pause_request = std::max(posted.orders.pause_request, known.pause_request);
@@ -1249,7 +1248,7 @@ void Simulation::WritesDone(int index) {
   if (session.pause_after_writes && session.snapshot_work == 0 &&
       session.phase == Session::Phase::kTraining) {
     session.phase = Session::Phase::kPaused;
-    worker.paused_generation = session.generation;
+    worker.core->OnPaused(session.generation);
   }
   if (session.done_after_writes && session.phase == Session::Phase::kTraining) {
     session.phase = Session::Phase::kDone;
@@ -1307,7 +1306,7 @@ void Simulation::ReportHeld(int index, std::vector<SnapshotShard> held,
         deliver(then);
       },
       [then](Worker& w) {
-        w.report_all_held = true;
+        w.core->OnHeldReportFailed();
         then(w);
       });
 }
@@ -1409,35 +1408,6 @@ void Simulation::FailSessionLater(int index, int64_t generation, absl::Duration 
   });
 }
 
-void Simulation::ExitUnlessMovedOn(int index, int64_t generation, const std::string& reason) {
-  const Worker& worker = *workers_[index];
-  // A heartbeat that does not wait.
-  HeartbeatParams params;
-  params.worker_id = worker.id;
-  params.incarnation = worker.incarnation;
-  params.known_generation = generation;
-  params.known_state = worker.known_state;
-  params.paused_generation = worker.paused_generation;
-  Call(
-      index,
-      [this, params, generation, reason](CoordinatorCore& core, Deliver deliver) {
-        core.Heartbeat(params, now_, [this, deliver, generation,
-                                      reason](absl::StatusOr<HeartbeatReply> beat) {
-          const bool mine = !absl::IsNotFound(beat.status()) &&
-                            (!beat.ok() || beat->outcome.world.generation == generation);
-          deliver([this, mine, generation, reason](Worker& w) {
-            if (mine && w.known_generation == generation) Exit(w, reason, true);
-          });
-        });
-      },
-      [this, index, generation, reason](Worker& w) {
-        if (w.known_generation != generation) return;
-        ForWorker(index, absl::Milliseconds(100), [this, index, generation, reason](Worker&) {
-          ExitUnlessMovedOn(index, generation, reason);
-        });
-      });
-}
-
 void Simulation::FailSession(int index, const absl::Status& status,
                              std::vector<PeerFault> unreachable) {
   Worker& worker = *workers_[index];
@@ -1456,33 +1426,12 @@ void Simulation::FailSession(int index, const absl::Status& status,
                        absl::UnavailableError("a peer left the collective"));
     }
   }
-  if (was_paused || absl::IsCancelled(status)) return;
-  Log(absl::StrCat(worker.id, " generation ", generation, " failed: ", status.ToString()));
-  // worker/agent.cc Run(): a real error ends the process; a failed data path (a peer gone, the
-  // generation over, the coordinator away) is reported as a failed self-check, and the worker
-  // waits for the next generation for as long as the coordinator answers.
-  const bool transient = absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
-  if (!absl::IsAborted(status) && !transient) {
-    if (worker.known_generation == generation) {
-      ExitUnlessMovedOn(index, generation,
-                        absl::StrCat("generation ", generation, " failed: ", status.ToString()));
-    }
-    return;
+  if (was_paused) return;  // its training ended well; the world moves on without it
+  if (!absl::IsCancelled(status)) {
+    Log(absl::StrCat(worker.id, " generation ", generation, " failed: ", status.ToString()));
   }
-  if (worker.known_generation != generation) return;
-  const std::string id = worker.id;
-  const uint64_t incarnation = worker.incarnation;
-  const std::string detail(status.message());
-  Call(
-      index,
-      [this, report = SelfCheckReport{id, incarnation, generation, false, detail,
-                                      std::move(unreachable)}](CoordinatorCore& core,
-                                                               Deliver deliver) {
-        core.ReportSelfCheck(report, now_, [deliver](absl::Status) { deliver([](Worker&) {}); });
-      },
-      [id, incarnation, generation, detail](Worker& w) {
-        w.untold_failure = SelfCheckReport{id, incarnation, generation, false, detail, {}};
-      });
+  // worker/agent.cc: what the end of the generation means is the core's to decide.
+  Apply(index, worker.core->OnGenerationEnded(generation, status, std::move(unreachable)));
 }
 
 // --- Faults and operators -----------------------------------------------------------------------
@@ -1498,7 +1447,7 @@ void Simulation::Fault() {
   if (inject_failures_ && std::bernoulli_distribution(0.1)(failure_rng_)) {
     std::vector<int> members;
     for (int index : running) {
-      if (workers_[index]->joined && !workers_[index]->leaving) members.push_back(index);
+      if (workers_[index]->core->member() && !workers_[index]->leaving) members.push_back(index);
     }
     if (!members.empty()) {
       FailTraining(members[std::uniform_int_distribution<size_t>(0, members.size() - 1)(
@@ -1572,8 +1521,10 @@ void Simulation::Fault() {
 
 void Simulation::FailTraining(int index) {
   ++result_.worker_failures;
-  Log(absl::StrCat(workers_[index]->id, "'s training fails with an error: it leaves and exits"));
-  Leave(index, "training failed (simulated)", /*failed=*/true);
+  Worker& worker = *workers_[index];
+  Log(absl::StrCat(worker.id, "'s training fails with an error: it leaves and exits"));
+  worker.failure_injected = true;
+  Apply(index, worker.core->Fail(absl::InternalError("training failed (simulated)")));
   // The pod restarts with the same id.
   After(Uniform(absl::Milliseconds(1), absl::Seconds(3)), [this, index] {
     if (!workers_[index]->alive) StartProcess(index);
@@ -1828,14 +1779,15 @@ std::string Simulation::Describe() {
   }
   for (const auto& worker : workers_) {
     absl::StrAppend(&text, "  ", worker->id, worker->alive ? "" : " (gone)",
-                    worker->stopped ? " (stopped)" : "", " gen ", worker->known_generation,
-                    " rank ", worker->rank, worker->trained ? " trained" : "",
+                    worker->stopped ? " (stopped)" : "", " gen ",
+                    worker->core ? worker->core->world().generation : 0, " rank ",
+                    worker->core ? worker->core->rank() : -1, worker->trained ? " trained" : "",
                     worker->session.has_value()
                         ? absl::StrCat(" session g", worker->session->generation, " phase ",
                                        static_cast<int>(worker->session->phase))
                         : "",
-                    worker->paused_generation > 0
-                        ? absl::StrCat(" paused@g", worker->paused_generation)
+                    worker->core && worker->core->paused_generation() > 0
+                        ? absl::StrCat(" paused@g", worker->core->paused_generation())
                         : "",
                     worker->exited ? absl::StrCat(" exited: ", worker->exit_reason) : "", "\n");
   }

@@ -187,15 +187,39 @@ TEST(ControlConvertTest, WorkerReportsRoundTrip) {
   EXPECT_EQ(FromProto(ToProto(beat)), beat);
 }
 
-TEST(ControlConvertTest, OrdersBelongToTheGenerationOfTheReplysWorld) {
-  v1::HeartbeatResponse response;
+TEST(ControlConvertTest, JoinAndHeartbeatRepliesRoundTrip) {
   World world;
+  world.state = JobState::kReshaping;
   world.generation = 8;
-  *response.mutable_world() = ToProto(world, "job");
-  SetOrders(StepOrders{8, 5, 5}, &response);
-  EXPECT_EQ(OrdersOf(response), (StepOrders{8, 5, 5}));
-  SetOrders(StepOrders{8, 4, 6, /*pause_in_memory=*/true}, &response);
-  EXPECT_EQ(OrdersOf(response), (StepOrders{8, 4, 6, true}));
+  world.world_size = 3;
+  world.expected_world_size = 4;
+  world.ranks = 3;
+  world.min_world_size = 2;
+  world.standby = 1;
+  world.transition = "folding in a standby";
+  const TrainingStartPoint start{"step-00000040-g7", "/ckpt/step-00000040-g7", 40, false};
+  const JoinReply joined{JoinOutcome{2, world}, absl::Seconds(10), absl::Milliseconds(2500), start};
+  const v1::JoinResponse join_response = ToProto(joined, "job");
+  EXPECT_EQ(join_response.world().scope().job(), "job");
+  EXPECT_EQ(join_response.generation(), 8);
+  EXPECT_EQ(FromProto(join_response), joined);
+
+  HeartbeatReply beat;
+  beat.outcome.world = world;
+  beat.outcome.rank = -1;
+  beat.outcome.stop = true;
+  beat.outcome.stop_reason = "drained";
+  beat.outcome.probe = {PeerProbe{"w1", "10.0.0.1:7000", false, ""}};
+  beat.orders = StepOrders{8, 4, 6, /*pause_in_memory=*/true};
+  beat.start = TrainingStartPoint{"snap-40", "", 40, true};
+  EXPECT_EQ(FromProto(ToProto(beat, "job")), beat);
+}
+
+TEST(ControlConvertTest, OrdersBelongToTheGenerationOfTheReplysWorld) {
+  HeartbeatReply beat;
+  beat.outcome.world.generation = 8;
+  beat.orders = StepOrders{3, 5, 5};  // the orders' own generation is not on the wire
+  EXPECT_EQ(FromProto(ToProto(beat, "job")).orders, (StepOrders{8, 5, 5}));
 }
 
 TEST(ControlConvertTest, StatusAndProgressRoundTrip) {
