@@ -1,8 +1,9 @@
 // A deterministic simulation of the control plane, in the style of FoundationDB's and
 // TigerBeetle's: the real coordinator (CoordinatorCore and its managers: world, elastic, plan,
-// checkpoints, rendezvous, journal) driven by a simulated clock and network, simulated workers
-// that follow shard-worker's protocol (join, heartbeat, rendezvous, self-check, plan, train in
-// lockstep, checkpoint, pause, leave), and faults: workers killed, stopped and resumed,
+// checkpoints, rendezvous, journal) and the real worker protocol (one WorkerCore per worker
+// process: join, heartbeat, the lease, what a generation's end means, leave) driven by a
+// simulated clock and network, a simulated data path (rendezvous, self-check, plan, train in
+// lockstep, checkpoint, pause), and faults: workers killed, stopped and resumed,
 // restarted or replaced at once or late, the coordinator crashed (losing what it had not
 // fsynced) and restarted on its state, and operators resizing, draining, saving, restoring and
 // stopping. One seed decides everything; a failing seed replays exactly.
