@@ -79,12 +79,22 @@ void WorkerAgent::Apply(const WorkerStep& step) {
   if (rendezvous_ != nullptr && rendezvous_generation_ < step.abort_below) rendezvous_->Cancel();
 }
 
-void WorkerAgent::LogWorld(const World& before, int rank_before) {
+absl::StatusOr<HeartbeatReply> WorkerAgent::Heartbeat(const v1::HeartbeatRequest& request) {
+  absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(request);
+  if (!beat.ok()) return beat.status();
+  return FromProto(*beat);
+}
+
+WorkerStep WorkerAgent::Feed(absl::FunctionRef<WorkerStep()> event) {
+  const World before = core_.world();
+  const int rank_before = core_.rank();
+  const WorkerStep step = event();
+  Apply(step);
   const World& world = core_.world();
   const int rank = core_.rank();
   if (world.generation == before.generation && rank == rank_before &&
       world.state == before.state) {
-    return;
+    return step;
   }
   SetLogContext(absl::StrCat("worker=", options_.worker_id,
                              rank >= 0 ? absl::StrCat(" rank=", rank) : std::string(" standby"),
@@ -94,6 +104,7 @@ void WorkerAgent::LogWorld(const World& before, int rank_before) {
                world.expected_world_size,
                rank < 0 ? "; this worker is a standby, folded in at the next checkpoint boundary"
                         : "");
+  return step;
 }
 
 WorkerStep WorkerAgent::Join(WorkerStep step) {
@@ -122,11 +133,11 @@ WorkerStep WorkerAgent::Join(WorkerStep step) {
     const absl::Time sent_at = absl::Now();
     absl::StatusOr<v1::JoinResponse> joined = client_->Join(request);
     absl::MutexLock lock(&mu_);
-    const World before = core_.world();
-    const int rank_before = core_.rank();
-    step = core_.OnJoinReply(joined.ok() ? absl::StatusOr<JoinReply>(FromProto(*joined))
-                                         : absl::StatusOr<JoinReply>(joined.status()),
-                             sent_at, absl::Now());
+    step = Feed([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return core_.OnJoinReply(joined.ok() ? absl::StatusOr<JoinReply>(FromProto(*joined))
+                                           : absl::StatusOr<JoinReply>(joined.status()),
+                               sent_at, absl::Now());
+    });
     if (joined.ok() && step.next == WorkerNext::kHeartbeat) {
       job_name_ = joined->job();
       if (joined->has_job_spec() && !job_.has_value()) {
@@ -135,18 +146,17 @@ WorkerStep WorkerAgent::Join(WorkerStep step) {
           step = core_.Fail(absl::Status(
               job.status().code(), absl::StrCat("the coordinator's job spec is not usable here: ",
                                                 job.status().message())));
+          Apply(step);
         } else {
           job_ = std::move(*job);
         }
       }
-      LogWorld(before, rank_before);
       spdlog::info("joined job '{}' as rank {} (lease {}ms)", joined->job(), joined->rank(),
                    joined->lease_ms());
     } else if (step.next == WorkerNext::kJoin) {
       spdlog::warn("{}; asking again in {}", joined.status().message(),
                    absl::FormatDuration(step.wait));
     }
-    Apply(step);
   }
   return step;
 }
@@ -175,18 +185,14 @@ void WorkerAgent::HeartbeatLoop(WorkerStep step) {
       request = ToProto(core_.NextHeartbeat(activity_.Read(), std::move(probed)));
     }
     const absl::Time sent_at = absl::Now();
-    absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(request);
+    const absl::StatusOr<HeartbeatReply> beat = Heartbeat(request);
     {
       absl::MutexLock lock(&mu_);
-      const World before = core_.world();
-      const int rank_before = core_.rank();
-      step = core_.OnHeartbeatReply(beat.ok() ? absl::StatusOr<HeartbeatReply>(FromProto(*beat))
-                                              : absl::StatusOr<HeartbeatReply>(beat.status()),
-                                    sent_at, absl::Now());
-      LogWorld(before, rank_before);
-      Apply(step);
-      if (beat.ok() && beat->order().kind() == v1::ORDER_KIND_STOP) {
-        spdlog::info("coordinator ordered a stop: {}", beat->order().reason());
+      step = Feed([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return core_.OnHeartbeatReply(beat, sent_at, absl::Now());
+      });
+      if (beat.ok() && beat->outcome.stop) {
+        spdlog::info("coordinator ordered a stop: {}", beat->outcome.stop_reason);
       } else if (step.next == WorkerNext::kJoin) {
         spdlog::warn("{}; joining again", beat.status().message());
       } else if (step.next == WorkerNext::kHeartbeat && !beat.ok()) {
@@ -450,16 +456,12 @@ void WorkerAgent::GenerationEnded(const GenerationAssignment& generation,
       params = core_.StillMineRequest();
     }
     const absl::Time sent_at = absl::Now();
-    absl::StatusOr<v1::HeartbeatResponse> beat = client_->Heartbeat(ToProto(params));
+    const absl::StatusOr<HeartbeatReply> beat = Heartbeat(ToProto(params));
     {
       absl::MutexLock lock(&mu_);
-      const World before = core_.world();
-      const int rank_before = core_.rank();
-      step = core_.OnStillMineReply(beat.ok() ? absl::StatusOr<HeartbeatReply>(FromProto(*beat))
-                                              : absl::StatusOr<HeartbeatReply>(beat.status()),
-                                    sent_at, absl::Now());
-      LogWorld(before, rank_before);
-      Apply(step);
+      step = Feed([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return core_.OnStillMineReply(beat, sent_at, absl::Now());
+      });
     }
     SendFailureReport(step.report_failure);
     if (step.next == WorkerNext::kWait) {

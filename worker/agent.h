@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -112,8 +113,11 @@ class WorkerAgent {
   // Carries out what the core decided that needs no call: aborts the data path of ended
   // generations, and a stop. The caller sends step.report_failure (SendFailureReport).
   void Apply(const WorkerStep& step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Logs a world the core learned from a reply, if it changed.
-  void LogWorld(const World& before, int rank_before) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Feeds the core an event (`event` calls one of its On... methods), applies the step it
+  // returns and logs the world if the event changed it.
+  WorkerStep Feed(absl::FunctionRef<WorkerStep()> event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A heartbeat, its reply in domain terms.
+  absl::StatusOr<HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request);
   void SendFailureReport(const std::optional<SelfCheckReport>& report);
   bool Ended() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return core_.ended(); }
   void Leave();

@@ -179,6 +179,13 @@ class Simulation {
   void Resume(int index);
   void Exit(Worker& worker, const std::string& reason, bool error);
   // The calls of WorkerCore's chains, and what the worker does with each step it returns.
+  // Exchange sends one: `send` runs on the coordinator, and its reply (Unavailable when the
+  // coordinator is down or dies holding the call) goes to `answer` in the worker's process,
+  // with when it was sent; the step `answer` returns is applied.
+  template <typename Reply>
+  void Exchange(int index,
+                std::function<void(CoordinatorCore&, Callback<absl::StatusOr<Reply>>)> send,
+                std::function<WorkerStep(Worker&, const absl::StatusOr<Reply>&, absl::Time)> answer);
   void Join(int index);
   void Heartbeat(int index);
   void AskStillMine(int index);
@@ -577,21 +584,34 @@ void Simulation::Join(int index) {
   for (const auto& [id, shards] : w.held) {
     for (const auto& [rank, shard] : shards) params.holdings.push_back(shard);
   }
+  Exchange<JoinReply>(
+      index,
+      [this, params](CoordinatorCore& core, Callback<absl::StatusOr<JoinReply>> done) {
+        core.Join(params, now_, std::move(done));
+      },
+      [this](Worker& worker, const absl::StatusOr<JoinReply>& reply, absl::Time sent) {
+        return worker.core->OnJoinReply(reply, sent, now_);
+      });
+}
+
+template <typename Reply>
+void Simulation::Exchange(
+    int index, std::function<void(CoordinatorCore&, Callback<absl::StatusOr<Reply>>)> send,
+    std::function<WorkerStep(Worker&, const absl::StatusOr<Reply>&, absl::Time)> answer) {
   const absl::Time sent = now_;
   const int64_t known = workers_[index]->core->world().generation;
   Call(
       index,
-      [this, params, index, sent, known](CoordinatorCore& core, Deliver deliver) {
-        core.Join(params, now_, [this, deliver, index, sent,
-                                known](absl::StatusOr<JoinReply> reply) {
-          deliver([this, reply, index, sent, known](Worker& worker) {
+      [this, send, answer, index, sent, known](CoordinatorCore& core, Deliver deliver) {
+        send(core, [this, deliver, answer, index, sent, known](absl::StatusOr<Reply> reply) {
+          deliver([this, reply, answer, index, sent, known](Worker& worker) {
             if (reply.ok()) CheckToldWorld(worker, reply->outcome.world, known);
-            Apply(index, worker.core->OnJoinReply(reply, sent, now_));
+            Apply(index, answer(worker, reply, sent));
           });
         });
       },
-      [this, index, sent](Worker& worker) {
-        Apply(index, worker.core->OnJoinReply(absl::UnavailableError("unavailable"), sent, now_));
+      [this, answer, index, sent](Worker& worker) {
+        Apply(index, answer(worker, absl::UnavailableError("unavailable"), sent));
       });
 }
 
@@ -623,55 +643,37 @@ void Simulation::Heartbeat(int index) {
   w.probed.clear();
   // The lease runs from when the coordinator heard the request: the worker counts from when it
   // sent it.
-  const absl::Time sent = now_;
-  const int64_t known = workers_[index]->core->world().generation;
-  Call(
+  Exchange<HeartbeatReply>(
       index,
-      [this, params, index, sent, known](CoordinatorCore& core, Deliver deliver) {
-        core.Heartbeat(params, now_, [this, deliver, index, sent,
-                                      known](absl::StatusOr<HeartbeatReply> reply) {
-          deliver([this, reply, index, sent, known](Worker& worker) {
-            if (reply.ok()) CheckToldWorld(worker, reply->outcome.world, known);
-            const WorkerStep step = worker.core->OnHeartbeatReply(reply, sent, now_);
-            if (worker.core->taken_out() &&
-                absl::StrContains(reply.status().message(), "was evicted")) {
-              // Its supervisor starts it again, as Kubernetes restarts a container that
-              // exited (seed 8462: evicted just as the faults stopped, nobody replaced it).
-              const uint64_t exited = worker.process + 1;  // the process number once it exits
-              After(Uniform(absl::Milliseconds(200), absl::Seconds(2)), [this, index, exited] {
-                if (workers_[index]->process == exited && !workers_[index]->alive) {
-                  StartProcess(index);
-                }
-              });
-            }
-            Apply(index, step);
-          });
-        });
+      [this, params](CoordinatorCore& core, Callback<absl::StatusOr<HeartbeatReply>> done) {
+        core.Heartbeat(params, now_, std::move(done));
       },
-      [this, index, sent](Worker& worker) {
-        Apply(index,
-              worker.core->OnHeartbeatReply(absl::UnavailableError("unavailable"), sent, now_));
+      [this, index](Worker& worker, const absl::StatusOr<HeartbeatReply>& reply, absl::Time sent) {
+        const WorkerStep step = worker.core->OnHeartbeatReply(reply, sent, now_);
+        if (worker.core->taken_out() &&
+            absl::StrContains(reply.status().message(), "was evicted")) {
+          // Its supervisor starts it again, as Kubernetes restarts a container that exited
+          // (seed 8462: evicted just as the faults stopped, nobody replaced it).
+          const uint64_t exited = worker.process + 1;  // the process number once it exits
+          After(Uniform(absl::Milliseconds(200), absl::Seconds(2)), [this, index, exited] {
+            if (workers_[index]->process == exited && !workers_[index]->alive) {
+              StartProcess(index);
+            }
+          });
+        }
+        return step;
       });
 }
 
 void Simulation::AskStillMine(int index) {
   const HeartbeatParams params = workers_[index]->core->StillMineRequest();
-  const absl::Time sent = now_;
-  const int64_t known = workers_[index]->core->world().generation;
-  Call(
+  Exchange<HeartbeatReply>(
       index,
-      [this, params, index, sent, known](CoordinatorCore& core, Deliver deliver) {
-        core.Heartbeat(params, now_, [this, deliver, index, sent,
-                                      known](absl::StatusOr<HeartbeatReply> reply) {
-          deliver([this, reply, index, sent, known](Worker& worker) {
-            if (reply.ok()) CheckToldWorld(worker, reply->outcome.world, known);
-            Apply(index, worker.core->OnStillMineReply(reply, sent, now_));
-          });
-        });
+      [this, params](CoordinatorCore& core, Callback<absl::StatusOr<HeartbeatReply>> done) {
+        core.Heartbeat(params, now_, std::move(done));
       },
-      [this, index, sent](Worker& worker) {
-        Apply(index,
-              worker.core->OnStillMineReply(absl::UnavailableError("unavailable"), sent, now_));
+      [this](Worker& worker, const absl::StatusOr<HeartbeatReply>& reply, absl::Time sent) {
+        return worker.core->OnStillMineReply(reply, sent, now_);
       });
 }
 
