@@ -14,7 +14,6 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "common/checkpoint.h"
 #include "common/control_types.h"
 #include "common/job_spec.h"
 #include "common/snapshot.h"
@@ -22,7 +21,6 @@
 #include "worker/dataplane/communicator.h"
 #include "worker/dataplane/device.h"
 #include "worker/dataplane/plan_provider.h"
-#include "worker/dataplane/snapshot_fetch.h"
 #include "worker/dataplane/snapshot_store.h"
 #include "worker/dataplane/training_activity.h"
 #include "worker/dataplane/training_session.h"
@@ -89,16 +87,6 @@ class GenerationTraining {
   absl::StatusOr<End> Train(const JobConfig& job, const Generation& generation);
 
  private:
-  // Reads the memory restore point of `generation` from its holders.
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenMemoryRestore(int64_t generation,
-                                                                      SnapshotReadStats* stats);
-  // Tells the coordinator how the restore of `generation` went (TrainerOptions::on_restored),
-  // and returns what the training makes of it.
-  absl::Status ReportRestore(const Generation& generation, const SnapshotReadStats& read_stats,
-                             const absl::Status& restored, absl::Duration took,
-                             const RestoreTimings& timings);
-  // Tells the coordinator about a checkpoint shard this rank saved (or could not).
-  void ReportCheckpoint(const Generation& generation, const SavedShard& saved);
   // Reports the finished training, waiting for a coordinator that is restarting.
   absl::Status ReportDone(const TrainResult& result);
 

@@ -16,7 +16,6 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "common/checkpoint.h"
 #include "common/mlp.h"
 #include "common/mlp_data.h"
@@ -123,7 +122,20 @@ enum class Backend {
 struct RankRun {
   absl::Status status;
   TrainResult result;
-  std::vector<StepRecord> steps;  // on_step's records, in order
+  std::vector<StepRecord> steps;  // OnStep's records, in order
+};
+
+// Records a rank's steps into its RankRun, and hands its checkpoint shards to `checkpoints`.
+class RankObserver : public TrainingObserver {
+ public:
+  RankObserver(RankRun& run, SavedShardCollector& checkpoints)
+      : run_(run), checkpoints_(checkpoints) {}
+  void OnStep(const StepRecord& record) override { run_.steps.push_back(record); }
+  void OnCheckpoint(const SavedShard& shard) override { checkpoints_.OnCheckpoint(shard); }
+
+ private:
+  RankRun& run_;
+  SavedShardCollector& checkpoints_;
 };
 
 struct Training {
@@ -136,7 +148,7 @@ struct Training {
 Training Train(const JobConfig& job, Backend backend, const std::string& restore_dir = "") {
   Training run;
   run.ranks.resize(job.world_size);
-  absl::Mutex mu;
+  SavedShardCollector checkpoints;
   InProcessWorld world(job.world_size);
   std::vector<std::thread> threads;
   for (int rank = 0; rank < job.world_size; ++rank) {
@@ -174,18 +186,15 @@ Training Train(const JobConfig& job, Backend backend, const std::string& restore
       TrainerOptions options;
       options.device = gpu.get();  // null: the host
       options.restore_dir = restore_dir;
-      options.on_step = [&mine](const StepRecord& record) { mine.steps.push_back(record); };
-      options.on_checkpoint = [&](const SavedShard& shard) {
-        if (!shard.skipped.empty()) return;  // a periodic save skipped: nothing to commit
-        absl::MutexLock lock(&mu);
-        run.saved[shard.id].push_back(shard);
-      };
+      RankObserver observer(mine, checkpoints);
+      options.observer = &observer;
       absl::StatusOr<TrainResult> trained = TrainMlp(job, *communicator, plans, options);
       if (!trained.ok()) return fail(trained.status());
       mine.result = *trained;
     });
   }
   for (std::thread& t : threads) t.join();
+  run.saved = checkpoints.Take();
   return run;
 }
 
@@ -352,7 +361,9 @@ TEST(GpuEngineTest, NcclWorldOfOneTrainsLikeTheCpu) {
   gpu_run.ranks.resize(1);
   TrainerOptions options;
   options.device = gpu.get();
-  options.on_step = [&](const StepRecord& record) { gpu_run.ranks[0].steps.push_back(record); };
+  SavedShardCollector checkpoints;  // the job saves none
+  RankObserver observer(gpu_run.ranks[0], checkpoints);
+  options.observer = &observer;
   SHARD_ASSERT_OK_AND_ASSIGN(gpu_run.ranks[0].result, TrainMlp(gpu_job, *comm, plans, options));
   SHARD_EXPECT_OK(comm->Synchronize());
 

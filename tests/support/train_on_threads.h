@@ -6,12 +6,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "common/checkpoint.h"
 #include "common/job_spec.h"
 #include "gtest/gtest.h"
@@ -60,14 +60,48 @@ struct RankThreadsOptions {
   std::vector<TrainResult>* results = nullptr;
   // The plans' gradient order (a memory snapshot's, say) when there is no restore_dir.
   std::vector<int> gradient_order;
-  // Anything else a rank's trainer needs (snapshots, another restore source), by rank.
+  // Anything else a rank's trainer needs (snapshots, another restore source, an observer), by
+  // rank. The checkpoints are committed whatever observer it sets.
   std::function<void(int rank, TrainerOptions*)> configure;
+};
+
+// A rank's observer in TrainMlpOnThreads: the one the test gave it (none: every default), with
+// the checkpoint shards handed to the run's collector besides.
+class CommittingObserver : public TrainingObserver {
+ public:
+  CommittingObserver(TrainingObserver* test, SavedShardCollector& checkpoints)
+      : test_(test != nullptr ? *test : unobserved_), checkpoints_(checkpoints) {}
+
+  void OnStep(const StepRecord& record) override { test_.OnStep(record); }
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenRestore() override {
+    return test_.OpenRestore();
+  }
+  absl::Status OnRestored(const absl::Status& outcome, absl::Duration took,
+                          const RestoreTimings& timings) override {
+    return test_.OnRestored(outcome, took, timings);
+  }
+  void OnSnapshot(const SnapshotShard& shard, const std::vector<std::string>& dropped) override {
+    test_.OnSnapshot(shard, dropped);
+  }
+  void OnSnapshotPushFailed(const SnapshotShard& shard, const std::string& buddy,
+                            const absl::Status& why) override {
+    test_.OnSnapshotPushFailed(shard, buddy, why);
+  }
+  StepOrders Orders() override { return test_.Orders(); }
+  void OnCheckpoint(const SavedShard& shard) override {
+    test_.OnCheckpoint(shard);
+    checkpoints_.OnCheckpoint(shard);
+  }
+
+ private:
+  TrainingObserver unobserved_;  // declared first: test_ may refer to it
+  TrainingObserver& test_;
+  SavedShardCollector& checkpoints_;
 };
 
 // Every rank must succeed.
 inline void TrainMlpOnThreads(const JobConfig& job, const RankThreadsOptions& run) {
-  absl::Mutex mu;
-  SavedShards saved;
+  SavedShardCollector checkpoints;
   InProcessKeyValueStore store;
   std::vector<absl::StatusOr<TrainResult>> trained(job.world_size,
                                                    absl::UnknownError("not run"));
@@ -103,12 +137,9 @@ inline void TrainMlpOnThreads(const JobConfig& job, const RankThreadsOptions& ru
         options.consolidate_to_rank = job.world_size - 1;
         options.consolidate_path = run.consolidate_path;
       }
-      options.on_checkpoint = [&](const SavedShard& shard) {
-        if (!shard.skipped.empty()) return;  // a periodic save skipped: nothing to commit
-        absl::MutexLock lock(&mu);
-        saved[shard.id].push_back(shard);
-      };
       if (run.configure) run.configure(rank, &options);
+      CommittingObserver observer(options.observer, checkpoints);
+      options.observer = &observer;
       trained[rank] = TrainMlp(job, **communicator, plans, options);
     });
   }
@@ -118,7 +149,7 @@ inline void TrainMlpOnThreads(const JobConfig& job, const RankThreadsOptions& ru
     run.results->clear();
     for (absl::StatusOr<TrainResult>& rank : trained) run.results->push_back(*std::move(rank));
   }
-  ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, saved));
+  ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, checkpoints.Take()));
 }
 
 inline void TrainMlpOnThreads(const JobConfig& job, const std::string& restore_dir,

@@ -6,6 +6,7 @@
 // is reported at its boundary with the global loss of the step before (the step training pauses
 // after with its own), bit for bit the loss an undisturbed run reports for that step.
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -33,12 +34,33 @@ JobConfig Job(const std::string& name) {
 
 struct RankLog {
   int orders_polled = 0;             // boundaries this rank reached
-  std::vector<StepRecord> reported;  // on_step, in call order
+  std::vector<StepRecord> reported;  // OnStep, in call order
   std::vector<std::pair<int64_t, int64_t>> saved;  // (step, request) of each checkpoint shard
 };
 
-// Trains `job` on threads; `orders(rank, boundary)` is what rank `rank` knows at its
-// `boundary`-th step boundary (1-based).
+using KnownOrders = std::function<StepOrders(int rank, int boundary)>;
+
+// A rank's observer: answers its polls for orders with `orders` and logs the rest into `log`
+// (its checkpoint shards, which the writer thread reports, under `mu`).
+class RankObserver : public TrainingObserver {
+ public:
+  RankObserver(int rank, const KnownOrders& orders, RankLog& log, absl::Mutex& mu)
+      : rank_(rank), orders_(orders), log_(log), mu_(mu) {}
+
+  StepOrders Orders() override { return orders_(rank_, ++log_.orders_polled); }
+  void OnStep(const StepRecord& record) override { log_.reported.push_back(record); }
+  void OnCheckpoint(const SavedShard& shard) override {
+    absl::MutexLock lock(&mu_);
+    log_.saved.emplace_back(shard.step, shard.request);
+  }
+
+ private:
+  const int rank_;
+  const KnownOrders& orders_;
+  RankLog& log_;
+  absl::Mutex& mu_;
+};
+
 // The global loss of each step (by step) that `log`'s records carry.
 std::map<int64_t, double> LossesByStep(const RankLog& log) {
   std::map<int64_t, double> losses;
@@ -48,29 +70,22 @@ std::map<int64_t, double> LossesByStep(const RankLog& log) {
   return losses;
 }
 
-std::vector<RankLog> Train(const JobConfig& job,
-                           const std::function<StepOrders(int rank, int boundary)>& orders,
+// Trains `job` on threads; `orders(rank, boundary)` is what rank `rank` knows at its
+// `boundary`-th step boundary (1-based).
+std::vector<RankLog> Train(const JobConfig& job, const KnownOrders& orders,
                            std::vector<TrainResult>* results) {
   if (!std::filesystem::exists(job.data_path)) {
     EXPECT_TRUE(GenerateMlpData(kWidths, 96, 4, job.data_path).ok());
   }
   std::vector<RankLog> logs(job.world_size);
   absl::Mutex mu;
+  std::vector<RankObserver> observers;
+  for (int rank = 0; rank < job.world_size; ++rank) {
+    observers.emplace_back(rank, orders, logs[rank], mu);
+  }
   RankThreadsOptions run;
   run.results = results;
-  run.configure = [&](int rank, TrainerOptions* trainer) {
-    RankLog& log = logs[rank];
-    trainer->orders = [&log, &orders, rank] { return orders(rank, ++log.orders_polled); };
-    trainer->on_step = [&log](const StepRecord& record) { log.reported.push_back(record); };
-    trainer->on_checkpoint = [&, &log = logs[rank], committing = trainer->on_checkpoint](
-                                 const SavedShard& saved) {
-      {
-        absl::MutexLock lock(&mu);
-        log.saved.emplace_back(saved.step, saved.request);
-      }
-      committing(saved);
-    };
-  };
+  run.configure = [&](int rank, TrainerOptions* trainer) { trainer->observer = &observers[rank]; };
   TrainMlpOnThreads(job, run);
   return logs;
 }

@@ -162,8 +162,7 @@ JobConfig Job(const std::string& root) {
 // consolidating parameters and optimizer state into output_dir/consolidated.safetensors. Plays
 // the coordinator's part for checkpoints: commits each once every rank's shard is on disk.
 void Train(const JobConfig& job, Device* device, const std::string& restore_dir) {
-  absl::Mutex mu;
-  SavedShards saved;
+  SavedShardCollector checkpoints;
   const std::vector<absl::Status> results =
       RunRanks(job.world_size, [&](int /*rank*/, Communicator& communicator) -> absl::Status {
         PlanOptions plan = PlanOptionsForJob(job);
@@ -178,15 +177,11 @@ void Train(const JobConfig& job, Device* device, const std::string& restore_dir)
         options.restore_dir = restore_dir;
         options.consolidate_to_rank = 0;
         options.consolidate_path = job.output_dir + "/consolidated.safetensors";
-        options.on_checkpoint = [&](const SavedShard& shard) {
-          if (!shard.skipped.empty()) return;  // a periodic save skipped: nothing to commit
-          absl::MutexLock lock(&mu);
-          saved[shard.id].push_back(shard);
-        };
+        options.observer = &checkpoints;
         return TrainMlp(job, communicator, plans, options).status();
       });
   for (const absl::Status& status : results) SHARD_ASSERT_OK(status);
-  ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, saved));
+  ASSERT_NO_FATAL_FAILURE(CommitSavedCheckpoints(job, checkpoints.Take()));
 }
 
 // Every tensor of a safetensors file.

@@ -58,6 +58,40 @@ struct WorkerMemory {
   }
 };
 
+// Tells a rank's worker which snapshot shards of its own it holds.
+class NotesHeldSnapshots : public TrainingObserver {
+ public:
+  explicit NotesHeldSnapshots(WorkerMemory& worker) : worker_(worker) {}
+  void OnSnapshot(const SnapshotShard& shard, const std::vector<std::string>&) override {
+    worker_.Note(shard);
+  }
+
+ private:
+  WorkerMemory& worker_;
+};
+
+// Restores a rank from the memory snapshot `manifest` describes, its shards read from `holders`
+// (or `local`, the rank's worker's own store), counted in `stats`.
+class RestoresFromMemory : public TrainingObserver {
+ public:
+  RestoresFromMemory(const CheckpointManifest& manifest,
+                     const std::vector<std::vector<SnapshotHolderAddress>>& holders,
+                     const SnapshotStore* local, SnapshotReadStats& stats)
+      : manifest_(manifest), holders_(holders), local_(local), stats_(stats) {}
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenRestore() override {
+    return CheckpointReader::Open(
+        manifest_,
+        SnapshotShards(manifest_.id, holders_, local_, absl::Seconds(30), nullptr, &stats_),
+        "memory snapshot " + manifest_.id);
+  }
+
+ private:
+  const CheckpointManifest& manifest_;
+  const std::vector<std::vector<SnapshotHolderAddress>>& holders_;
+  const SnapshotStore* const local_;
+  SnapshotReadStats& stats_;
+};
+
 TEST(MemoryRestoreTest, ASnapshotInThePeersMemoryRestoresOnAnyWorldSizeAsItsDiskCheckpointDoes) {
   const std::string data = ::testing::TempDir() + "/shard-memory-restore-test-data.safetensors";
   if (!std::filesystem::exists(data)) SHARD_ASSERT_OK(GenerateMlpData(kWidths, 300, 4, data));
@@ -71,6 +105,8 @@ TEST(MemoryRestoreTest, ASnapshotInThePeersMemoryRestoresOnAnyWorldSizeAsItsDisk
     workers.push_back(std::make_unique<WorkerMemory>(absl::StrCat("w", rank)));
     hosts.push_back("127.0.0.1");
   }
+  std::vector<NotesHeldSnapshots> noting;
+  for (const auto& worker : workers) noting.emplace_back(*worker);
   std::vector<TrainResult> results;
   RankThreadsOptions run;
   run.results = &results;
@@ -79,10 +115,7 @@ TEST(MemoryRestoreTest, ASnapshotInThePeersMemoryRestoresOnAnyWorldSizeAsItsDisk
     for (int buddy : SnapshotBuddies(hosts, rank, trained.snapshot_replicas)) {
       options->snapshot_buddies.push_back(workers[buddy]->server->address());
     }
-    options->on_snapshot = [&, rank](const SnapshotShard& shard,
-                                      const std::vector<std::string>&) {
-      workers[rank]->Note(shard);
-    };
+    options->observer = &noting[rank];
   };
   ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(trained, run));
   for (const TrainResult& result : results) EXPECT_EQ(result.snapshots_taken, 2);
@@ -124,17 +157,18 @@ TEST(MemoryRestoreTest, ASnapshotInThePeersMemoryRestoresOnAnyWorldSizeAsItsDisk
   for (int world : {3, 2, 4}) {
     SCOPED_TRACE(absl::StrCat("restored on ", world, " ranks"));
     SnapshotReadStats stats;
+    std::vector<RestoresFromMemory> restoring;
+    for (int rank = 0; rank < world; ++rank) {
+      const SnapshotStore* local =
+          rank < 3 ? &workers[survivors[rank]]->store : &newcomer.store;
+      restoring.emplace_back(manifest, holders, local, stats);
+    }
     JobConfig from_memory = Job(Root(absl::StrCat("memory-", world)), world);
     RankThreadsOptions memory_run;
     memory_run.gradient_order = shards[0].plan.gradient_order;
     memory_run.configure = [&](int rank, TrainerOptions* options) {
-      const SnapshotStore* local =
-          rank < 3 ? &workers[survivors[rank]]->store : &newcomer.store;
-      options->open_restore = [&, local]() -> absl::StatusOr<std::unique_ptr<CheckpointReader>> {
-        return CheckpointReader::Open(
-            manifest, SnapshotShards(id, holders, local, absl::Seconds(30), nullptr, &stats),
-            "memory snapshot " + id);
-      };
+      options->restore_from_observer = true;
+      options->observer = &restoring[rank];
     };
     ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(from_memory, memory_run));
     EXPECT_GT(stats.bytes_from_peers.load(), 0u) << "rank 2's state came over the network";

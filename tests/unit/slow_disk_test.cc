@@ -117,6 +117,25 @@ struct SlowRun {
   std::vector<std::string> skipped;  // what rank 0 reported
 };
 
+// Notes the skipped saves a rank reports into `run` (under `mu`: from the writer thread, and
+// rank 0's from another).
+class SkippedSaves : public TrainingObserver {
+ public:
+  SkippedSaves(int rank, SlowRun& run, absl::Mutex& mu) : rank_(rank), run_(run), mu_(mu) {}
+
+  void OnCheckpoint(const SavedShard& saved) override {
+    if (saved.skipped.empty()) return;
+    EXPECT_EQ(rank_, 0) << "only rank 0 reports a skipped save";
+    absl::MutexLock lock(&mu_);
+    run_.skipped.push_back(saved.skipped);
+  }
+
+ private:
+  const int rank_;
+  SlowRun& run_;
+  absl::Mutex& mu_;
+};
+
 // Trains `job` on threads with every shard write taking at least 200 ms.
 SlowRun TrainOnASlowDisk(const JobConfig& job) {
   if (!std::filesystem::exists(job.data_path)) {
@@ -125,18 +144,12 @@ SlowRun TrainOnASlowDisk(const JobConfig& job) {
   ScopedEnv slow("SHARD_SLOW_WRITE_MS", "200");
   SlowRun run;
   absl::Mutex mu;
+  std::vector<SkippedSaves> observers;
+  for (int rank = 0; rank < job.world_size; ++rank) observers.emplace_back(rank, run, mu);
   RankThreadsOptions options;
   options.results = &run.results;
   options.configure = [&](int rank, TrainerOptions* trainer) {
-    trainer->on_checkpoint = [&, rank, committing = trainer->on_checkpoint](
-                                 const SavedShard& saved) {
-      if (!saved.skipped.empty()) {
-        EXPECT_EQ(rank, 0) << "only rank 0 reports a skipped save";
-        absl::MutexLock lock(&mu);
-        run.skipped.push_back(saved.skipped);
-      }
-      committing(saved);
-    };
+    trainer->observer = &observers[rank];
   };
   TrainMlpOnThreads(job, options);
   return run;

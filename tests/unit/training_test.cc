@@ -1,6 +1,7 @@
 // Data-parallel training against a plain, unsharded single-process run of the same MLP: every
 // ZeRO stage, both shard modes, 2 and 4 ranks (threads over real loopback TCP), Adam and SGD
 // with momentum.
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 
@@ -295,18 +296,21 @@ TEST(TrainingTest, UpdatingDuringBackwardChangesNoBit) {
           job.grad_clip_norm = clip;
           job.overlap_update = overlap_update;
           job.output_dir += overlap_update ? "-update-overlapped" : "-update-after";
-          absl::Mutex mu;
-          int overlapped_steps = 0;
+          // Every rank's steps that updated during backward.
+          struct OverlappedSteps : TrainingObserver {
+            void OnStep(const StepRecord& record) override {
+              if (record.timings.update_overlapped) ++count;
+            }
+            std::atomic<int> count{0};
+          } overlapped_steps;
           RankThreadsOptions run;
           run.configure = [&](int, TrainerOptions* options) {
-            options->on_step = [&](const StepRecord& record) {
-              absl::MutexLock lock(&mu);
-              if (record.timings.update_overlapped) ++overlapped_steps;
-            };
+            options->observer = &overlapped_steps;
           };
           ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(job, run));
           const int expected = overlap_update && clip == 0 ? 3 * (job.steps - 1) : 0;
-          EXPECT_EQ(overlapped_steps, expected) << "steps updated during backward, 3 ranks";
+          EXPECT_EQ(overlapped_steps.count.load(), expected)
+              << "steps updated during backward, 3 ranks";
           outputs.push_back(ReadOutput(job.output_dir + "/final.safetensors"));
         }
         EXPECT_EQ(MaxDifference(outputs[1], outputs[0]), 0.0);

@@ -56,6 +56,13 @@ bool HoldsOptimizerState(const SafetensorsReader& file, const Manifest& manifest
   return true;
 }
 
+// The observer of a session that nobody observes: every method's default. Stateless, so one
+// serves every session.
+TrainingObserver& Unobserved() {
+  static TrainingObserver nobody;
+  return nobody;
+}
+
 }  // namespace
 
 TrainingSession::TrainingSession(const JobConfig& job, Communicator& communicator, Device& device,
@@ -64,9 +71,8 @@ TrainingSession::TrainingSession(const JobConfig& job, Communicator& communicato
       communicator_(communicator),
       device_(device),
       options_(options),
-      saver_([on_checkpoint = options.on_checkpoint](const SavedShard& saved) {
-        if (on_checkpoint) on_checkpoint(saved);
-      }) {}
+      observer_(options.observer != nullptr ? *options.observer : Unobserved()),
+      saver_([&observer = observer_](const SavedShard& saved) { observer.OnCheckpoint(saved); }) {}
 
 absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
     const JobConfig& job, Manifest manifest, Communicator& communicator, PlanProvider& plans,
@@ -107,25 +113,33 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
     SHARD_RETURN_IF_ERROR(session->CheckSameOptimizer());
   }
   if (options.snapshots != nullptr && job.snapshot_every > 0) {
+    TrainingObserver& observer = session->observer_;
     session->snapshotter_ = std::make_unique<Snapshotter>(
         options.snapshots, options.snapshot_buddies,
-        Snapshotter::Callbacks{options.on_snapshot, options.on_snapshot_push_failed});
+        Snapshotter::Callbacks{
+            [&observer](const SnapshotShard& shard, const std::vector<std::string>& dropped) {
+              observer.OnSnapshot(shard, dropped);
+            },
+            [&observer](const SnapshotShard& shard, const std::string& buddy,
+                        const absl::Status& why) {
+              observer.OnSnapshotPushFailed(shard, buddy, why);
+            }});
   }
-  if (options.open_restore || !options.restore_dir.empty()) {
+  if (options.restore_from_observer || !options.restore_dir.empty()) {
     StallPoint("before-restore");
     const absl::Time start = absl::Now();
     RestoreTimings timings;
-    absl::Status restored = [&]() -> absl::Status {
+    const absl::Status restored = [&]() -> absl::Status {
       SHARD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> checkpoint,
-                             options.open_restore ? options.open_restore()
-                                                  : CheckpointReader::Open(options.restore_dir));
+                             options.restore_from_observer
+                                 ? session->observer_.OpenRestore()
+                                 : CheckpointReader::Open(options.restore_dir));
       SHARD_RETURN_IF_ERROR(session->engine_->Restore(*checkpoint, &timings));
       SHARD_RETURN_IF_ERROR(session->ReadRestoredExtras(*checkpoint));
       session->next_step_ = checkpoint->manifest().step;
       return absl::OkStatus();
     }();
-    if (options.on_restored) restored = options.on_restored(restored, absl::Now() - start, timings);
-    SHARD_RETURN_IF_ERROR(restored);
+    SHARD_RETURN_IF_ERROR(session->observer_.OnRestored(restored, absl::Now() - start, timings));
     session->restored_ = true;
   }
   session->result_.start_step = session->next_step_;
@@ -281,7 +295,7 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
   // step of a run, or the one it pauses after, waits for it: its own loss is reported.
   SHARD_RETURN_IF_ERROR(Post(step + 1, loss_share));
   if (boundary.pause || finished()) SHARD_RETURN_IF_ERROR(SettlePosted(&record).status());
-  if (options_.on_step) options_.on_step(record);
+  observer_.OnStep(record);
   if (boundary.pause) {
     // What the world re-forms from must be reported first: the snapshot held (and replicated),
     // or the checkpoint's shard on disk.
@@ -306,7 +320,7 @@ absl::Status TrainingSession::Post(int64_t step, double loss_share) {
   // flight, and every rank's loss share in a slot of its own (the other ranks put the smallest
   // int64 there, so the max is the owner's bits), added up in rank order when it is settled,
   // the same on every rank.
-  StepOrders known = options_.orders ? options_.orders() : StepOrders{};
+  StepOrders known = observer_.Orders();
   if (known.generation != options_.generation) known = StepOrders{};
   auto values = std::make_shared<std::vector<int64_t>>(kPostedOrderValues + communicator_.size(),
                                                        std::numeric_limits<int64_t>::min());

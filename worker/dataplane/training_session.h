@@ -77,50 +77,83 @@ struct TrainResult {
   int snapshots_taken = 0;
 };
 
+// What a training session tells whoever runs it, and the little it asks of them (the
+// coordinator's orders, a checkpoint to restore that is not on disk). Every method has a default
+// that does nothing, so an observer overrides only what it needs. The session calls it from the
+// threads each method names: an observer that shares state between them guards it.
+class TrainingObserver {
+ public:
+  virtual ~TrainingObserver() = default;
+
+  // After every step (e.g. to log and report to the coordinator), on the training thread; see
+  // StepRecord::loss.
+  virtual void OnStep(const StepRecord& /*record*/) {}
+
+  // Opens the checkpoint training restores from when TrainerOptions::restore_from_observer is
+  // set (a memory snapshot's holders, say), on the training thread before the first step.
+  virtual absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenRestore() {
+    return absl::UnimplementedError("this training's observer opens no checkpoint to restore");
+  }
+  // Called with the restore's outcome, how long it took and where the time went (on success), on
+  // the training thread; what it returns is the outcome (e.g. a failed read of a memory snapshot
+  // becomes the end of the generation, not of the process).
+  virtual absl::Status OnRestored(const absl::Status& outcome, absl::Duration /*took*/,
+                                  const RestoreTimings& /*timings*/) {
+    return outcome;
+  }
+
+  // On the snapshot thread, once this rank holds its own shard of a snapshot (and dropped the
+  // snapshots `dropped`).
+  virtual void OnSnapshot(const SnapshotShard& /*shard*/,
+                          const std::vector<std::string>& /*dropped*/) {}
+  // On the snapshot thread, when a buddy did not take a replica (it is gone, or slow): the
+  // snapshot has one copy fewer.
+  virtual void OnSnapshotPushFailed(const SnapshotShard& /*shard*/, const std::string& /*buddy*/,
+                                    const absl::Status& /*why*/) {}
+
+  // The orders from the coordinator this rank knows of now (common/control_types.h), polled on
+  // the training thread at every step boundary; only orders of TrainerOptions::generation count.
+  // All ranks save at the boundary after the first at which any of them knows a request newer
+  // than the last one saved, and pause after a pausing one (they agree one step ahead, through
+  // one small all-reduce per step that runs while the next step computes;
+  // common/step_boundary.h decides). A pause returns with TrainResult::paused_at: the world is
+  // about to re-form and restore that checkpoint. Periodic saves need no orders.
+  virtual StepOrders Orders() { return StepOrders{}; }
+
+  // From the writer thread when this rank's shard of a checkpoint is on disk (or failed), and on
+  // rank 0 from another thread when a periodic save was skipped (SavedShard::skipped).
+  virtual void OnCheckpoint(const SavedShard& /*saved*/) {}
+};
+
 struct TrainerOptions {
   // Where the model, its buffers and the update run (not owned; null: the host); the
   // communicator's buffers must be its memory. The job's precision must be one it runs.
   Device* device = nullptr;
-  // Called after every step (e.g. to log and report to the coordinator); see StepRecord::loss.
-  std::function<void(const StepRecord&)> on_step;
+  // Told about steps, restores, snapshots and checkpoints, and asked for orders (not owned;
+  // null: nobody observes, and there are no orders).
+  TrainingObserver* observer = nullptr;
   // Polled between steps; training stops with Cancelled once it is set.
   const std::atomic<bool>* stop = nullptr;
 
   // Checkpoints (see common/checkpoint.h). Restore from this committed checkpoint directory
   // before training: training continues with the step after the checkpoint's.
   std::string restore_dir;
-  // Or from the checkpoint this opens (a memory snapshot's holders, say), if set.
-  std::function<absl::StatusOr<std::unique_ptr<CheckpointReader>>()> open_restore;
-  // Called with the restore's outcome, how long it took and where the time went (on success);
-  // what it returns is the outcome (e.g. a failed read of a memory snapshot becomes the end of
-  // the generation, not of the process).
-  std::function<absl::Status(const absl::Status&, absl::Duration, const RestoreTimings&)>
-      on_restored;
+  // Or, when set, from the checkpoint the observer opens (TrainingObserver::OpenRestore). Not a
+  // question for the observer: the session must know before it opens anything whether it
+  // restores (the "before-restore" stall point of common/fault.h, the restore's duration).
+  bool restore_from_observer = false;
   // A restore gathers the parameters during its reads, not after them
   // (EngineOptions::gather_during_reads; the worker decides with GatherDuringReadsPays).
   bool gather_during_reads = false;
   // In-memory snapshots (the job's snapshot.every_steps; common/snapshot.h): the worker's store
   // (null: this rank takes none) and the snapshot servers of this rank's buddies in this
-  // generation, nearest first. `on_snapshot` runs on the snapshot thread once this rank holds its
-  // own shard of a snapshot; `on_snapshot_push_failed` when a buddy did not take a replica.
+  // generation, nearest first.
   SnapshotStore* snapshots = nullptr;
   std::vector<std::string> snapshot_buddies;
-  std::function<void(const SnapshotShard&, const std::vector<std::string>& dropped)> on_snapshot;
-  std::function<void(const SnapshotShard&, const std::string& buddy, const absl::Status&)>
-      on_snapshot_push_failed;
-  // The orders from the coordinator this rank knows of now (common/control_types.h), polled at
-  // every step boundary; only orders of `generation` count. All ranks save at the boundary
-  // after the first at which any of them knows a request newer than the last one saved, and
-  // pause after a pausing one (they agree one step ahead, through one small all-reduce per step
-  // that runs while the next step computes; common/step_boundary.h decides). A pause returns with TrainResult::paused_at: the world is about
-  // to re-form and restore that checkpoint. Periodic saves need no orders.
-  std::function<StepOrders()> orders;
+  // This training's generation: it names the snapshots, and only its orders count.
   int64_t generation = 0;
   // Appended to checkpoint ids (e.g. "g7"), so that a restored run never reuses an id.
   std::string checkpoint_tag;
-  // Called from the writer thread when this rank's shard is on disk (or failed), and on rank 0
-  // from another thread when a periodic save was skipped (SavedShard::skipped).
-  std::function<void(const SavedShard&)> on_checkpoint;
   // After the last step: consolidate parameters and optimizer state onto this rank, which
   // writes them to `consolidate_path` (Engine::ConsolidateStateDict). -1: no.
   int consolidate_to_rank = -1;
@@ -132,7 +165,8 @@ class TrainingSession {
   enum class Boundary { kContinue, kPaused, kFinished };
 
   // Creates the engine for `manifest` with the job's optimizer, stage and clipping (and loss
-  // scaling for fp16), and restores `options.restore_dir` if it is set.
+  // scaling for fp16), and restores `options.restore_dir` if it is set (or the observer's
+  // checkpoint, options.restore_from_observer).
   static absl::StatusOr<std::unique_ptr<TrainingSession>> Create(const JobConfig& job,
                                                                  Manifest manifest,
                                                                  Communicator& communicator,
@@ -146,7 +180,7 @@ class TrainingSession {
   Communicator& communicator() { return communicator_; }
   Device& device() { return device_; }
   const JobConfig& job() const { return job_; }
-  // Whether training starts from options.restore_dir.
+  // Whether training starts from a checkpoint (options.restore_dir, or the observer's).
   bool restored() const { return restored_; }
   // Steps done so far: the 0-based index of the step to run next.
   int64_t next_step() const { return next_step_; }
@@ -163,9 +197,9 @@ class TrainingSession {
 
   // The boundary after engine().Step(): `loss_share` is this rank's share of the global batch's
   // mean loss (the ranks' shares are summed), `started` when the step began. Reports the step
-  // (options.on_step; the global loss it carries is the step before's, agreed while this step
-  // computed, except at the last step of a run or the one it pauses after), saves when a
-  // checkpoint is due or asked for, and says whether training goes on, paused for a
+  // (TrainingObserver::OnStep; the global loss it carries is the step before's, agreed while
+  // this step computed, except at the last step of a run or the one it pauses after), saves when
+  // a checkpoint is due or asked for, and says whether training goes on, paused for a
   // re-formation, or did its last step.
   absl::StatusOr<Boundary> EndStep(double loss_share, const StepTimings& timings,
                                    absl::Time started);
@@ -205,7 +239,7 @@ class TrainingSession {
   };
   absl::Status Post(int64_t step, double loss_share);
   absl::StatusOr<PostedAgreement> SettlePosted(StepRecord* record);
-  // Tells the coordinator (through options.on_checkpoint) that the periodic checkpoint of
+  // Tells the coordinator (through TrainingObserver::OnCheckpoint) that the periodic checkpoint of
   // `step` was skipped while the one of step `writing` was still being written.
   void ReportSkippedSave(int64_t step, int64_t writing, absl::Duration waited);
   // A training script's own optimizer: FailedPrecondition unless every rank declared the same
@@ -218,6 +252,7 @@ class TrainingSession {
   Communicator& communicator_;
   Device& device_;
   const TrainerOptions options_;
+  TrainingObserver& observer_;  // options_.observer, or one that does nothing
   std::unique_ptr<Engine> engine_;
   CheckpointSaver saver_;
   std::unique_ptr<Snapshotter> snapshotter_;  // with a snapshot store
