@@ -105,6 +105,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples", "torch")
 BUILD = os.path.abspath(os.environ.get("SHARD_BUILD_DIR", os.path.join(ROOT, "build")))
 BIN = os.path.join(BUILD, "bin")
+BENCH = os.path.abspath(__file__)  # every worker process runs this file
+# The process harness shared with tests/ and scripts/ (tests/support is no package: its
+# directory goes on the import path, found from this file so that the bench runs from anywhere).
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
+from shard_processes import ONE_THREAD, Processes, ProcessError, wait_all  # noqa: E402
 
 # A model with "widths" is examples/torch/mlp.py's Mlp of those widths, trained on a
 # `shardctl data generate` file whose labels come from a teacher MLP of "teacher" widths; the
@@ -207,7 +212,6 @@ def step_over_compute_target(config, device):
 
 
 LOSS_CHECK_STEPS = 3
-THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,74 +475,14 @@ class Clock:
 # Driver: runs the configurations as processes and prints the table.
 # ---------------------------------------------------------------------------------------------
 
-class Runner:
-    """Starts processes in one run directory; every process is killed by pid at the end."""
-
-    def __init__(self, directory, timeout):
-        self.dir = directory
-        self.timeout = timeout
-        self.procs = []
-
-    def start(self, argv, log_name, env=None):
-        log = open(os.path.join(self.dir, log_name), "w")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, **THREAD_ENV, **(env or {})))
-        log.close()
-        proc.log_name = log_name
-        self.procs.append(proc)
-        return proc
-
-    def wait(self, procs, deadline, what):
-        """Waits for every process to exit 0; the first failure or the deadline kills them all
-        (a rank whose peer died would otherwise sit in a collective until its timeout)."""
-        pending = list(procs)
-        while pending:
-            for proc in list(pending):
-                code = proc.poll()
-                if code is None:
-                    continue
-                pending.remove(proc)
-                if code != 0:
-                    self.kill_all()
-                    raise RunFailed(f"{what}: {proc.log_name} exited {code}\n"
-                                    f"{self.tail(proc.log_name)}")
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(p.log_name for p in pending)
-                self.kill_all()
-                raise RunFailed(f"{what}: {names} still running after {self.timeout:g}s\n"
-                                f"{self.tail(pending[0].log_name)}")
-            if pending:
-                time.sleep(0.1)
-
-    def tail(self, name, lines=15):
-        try:
-            with open(os.path.join(self.dir, name)) as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
-
-    def kill_all(self):
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()  # SIGKILL to this pid
-                proc.wait()
-        self.procs = []
-
-
 class RunFailed(Exception):
     pass
 
 
-def worker_argv(model, mode, steps, warmup, data, result, extra=()):
-    return [sys.executable, os.path.abspath(__file__), "worker", "--mode", mode, "--model", model,
-            "--steps", str(steps), "--warmup", str(warmup), "--data", data or "",
-            "--result", result, *extra]
-
-
-def python_env():
-    path = os.path.join(BUILD, "python")
-    old = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": path + (os.pathsep + old if old else "")}
+def worker_args(model, mode, steps, warmup, data, result, extra=()):
+    """The arguments of this file for a worker process."""
+    return ["worker", "--mode", mode, "--model", model, "--steps", str(steps), "--warmup",
+            str(warmup), "--data", data or "", "--result", result, *extra]
 
 
 def read_result(prefix, what):
@@ -549,24 +493,15 @@ def read_result(prefix, what):
         return json.load(f)
 
 
-def start_coordinator(runner, run_dir, job, deadline, what):
-    """A shard-coordinator for `job` (a dict) in `run_dir`; returns it and its port."""
-    rel = os.path.relpath(run_dir, runner.dir)
+def start_coordinator(processes, run_dir, job, deadline, what):
+    """A shard-coordinator for `job` (a dict) in `run_dir`, serving."""
     job_path = os.path.join(run_dir, "job.json")
     with open(job_path, "w") as f:
         json.dump(job, f)
-    port_file = os.path.join(run_dir, "port")
-    coordinator = runner.start(
-        [os.path.join(BIN, "shard-coordinator"), "--job", job_path, "--listen",
-         "127.0.0.1:0", "--port-file", port_file, "--state-dir",
-         os.path.join(run_dir, "state")], f"{rel}/coordinator.log")
-    while not (os.path.exists(port_file) and open(port_file).read().strip()):
-        if coordinator.poll() is not None or time.monotonic() > deadline:
-            runner.kill_all()
-            raise RunFailed(f"{what}: the coordinator did not start\n"
-                            f"{runner.tail(coordinator.log_name)}")
-        time.sleep(0.05)
-    return coordinator, int(open(port_file).read())
+    return processes.start_coordinator(job=job_path, state_dir=os.path.join(run_dir, "state"),
+                                       name=f"{what} coordinator",
+                                       log=os.path.join(run_dir, "coordinator.log"),
+                                       timeout=deadline - time.monotonic())
 
 
 def transport_in_log(path):
@@ -578,7 +513,7 @@ def transport_in_log(path):
     return "tcp" if name == "gloo" else name
 
 
-def run_builtin_worker(runner, run_dir, model, steps, warmup, data, device, bf16, deadline,
+def run_builtin_worker(processes, run_dir, model, steps, warmup, data, device, bf16, deadline,
                        what):
     """shard-worker's built-in MLP of the model's widths on `device`: its own steps/s over steps
     2-N from its log (the worker prints no per-step split)."""
@@ -588,63 +523,64 @@ def run_builtin_worker(runner, run_dir, model, steps, warmup, data, device, bf16
            "globalBatch": spec["global_batch"], "steps": warmup + steps + 1, "zeroStage": 2,
            "precision": "bf16" if bf16 else "fp32", "checkpoint": {"everySteps": 0},
            "outputDir": os.path.join(run_dir, "out")}
-    coordinator, port = start_coordinator(runner, run_dir, job, deadline, what)
-    rel = os.path.relpath(run_dir, runner.dir)
-    worker = runner.start([os.path.join(BIN, "shard-worker"), "--coordinator",
-                           f"127.0.0.1:{port}", "--id", "w0", "--device", device],
-                          f"{rel}/worker.log")
-    runner.wait([worker, coordinator], deadline, what)
-    log_path = os.path.join(runner.dir, rel, "worker.log")
-    with open(log_path) as f:
-        finished = [line for line in f if "training finished" in line]
+    coordinator = start_coordinator(processes, run_dir, job, deadline, what)
+    worker = processes.start_worker("w0", coordinator.address, "--device", device,
+                                    name=f"{what} worker",
+                                    log=os.path.join(run_dir, "worker.log"))
+    wait_all([worker, coordinator], deadline - time.monotonic())
+    finished = [line for line in worker.log().splitlines() if "training finished" in line]
     match = re.search(r"loss ([0-9.e+-]+) -> ([0-9.e+-]+), ([0-9.]+) steps/s", "".join(finished))
     if not match:
-        raise RunFailed(f"{what}: the worker reported no steps/s\n{runner.tail(worker.log_name)}")
+        raise RunFailed(f"{what}: the worker reported no steps/s\n{worker.tail()}")
     rate = float(match.group(3))
     nan = float("nan")
     return {"steps_per_second": rate, "ms_per_step": 1000.0 / rate, "compute_ms": nan,
             "step_ms": nan, "rest_ms": nan, "losses": [float(match.group(1))], "torch": None,
-            "transport": transport_in_log(log_path)}
+            "transport": transport_in_log(worker.log_path)}
 
 
-def run_config(runner, model, config, world, steps, warmup, data, tag, device="cpu", bf16=False):
-    """One run of `config` (a key of the configuration lists) at `world` ranks: rank 0's result,
-    with the transport its ranks exchanged data over."""
-    run_dir = os.path.join(runner.dir, tag)
+def run_config(processes, timeout, model, config, world, steps, warmup, data, tag, device="cpu",
+               bf16=False):
+    """One run of `config` (a key of the configuration lists) at `world` ranks, all its processes
+    within `timeout` seconds: rank 0's result, with the transport its ranks exchanged data
+    over."""
+    run_dir = os.path.join(processes.dir, tag)
     os.makedirs(run_dir)
     result = os.path.join(run_dir, "result")
-    deadline = time.monotonic() + runner.timeout
-    env = python_env()
+    deadline = time.monotonic() + timeout
     what = f"{model} {config}"
-    rel = os.path.relpath(run_dir, runner.dir)
     target = ["--device", device] + (["--bf16"] if bf16 else [])
     if config == "worker1":
-        result = run_builtin_worker(runner, run_dir, model, steps, warmup, data, device, bf16,
+        result = run_builtin_worker(processes, run_dir, model, steps, warmup, data, device, bf16,
                                     deadline, what)
-        runner.kill_all()
+        processes.stop()
         return result
     own = ["--own-optimizer"] if config in ("plainopt", "shard1opt") else []
     transport = "-"  # one process: nothing exchanged
     if config in ("plain", "plainopt"):
-        proc = runner.start(worker_argv(model, "plain", steps, warmup, data, result,
-                                        target + own), f"{rel}/plain.log", env)
-        runner.wait([proc], deadline, what)
+        proc = processes.start_python(
+            what, [BENCH, *worker_args(model, "plain", steps, warmup, data, result, target + own)],
+            log=os.path.join(run_dir, "plain.log"))
+        wait_all([proc], deadline - time.monotonic())
     elif config == "fsdp1":
-        proc = runner.start(worker_argv(model, "fsdp", steps, warmup, data, result,
-                                        target + ["--store", os.path.join(run_dir, "store")]),
-                            f"{rel}/fsdp.log", env)
-        runner.wait([proc], deadline, what)
+        proc = processes.start_python(
+            what, [BENCH, *worker_args(model, "fsdp", steps, warmup, data, result,
+                                       target + ["--store", os.path.join(run_dir, "store")])],
+            log=os.path.join(run_dir, "fsdp.log"))
+        wait_all([proc], deadline - time.monotonic())
         transport = "nccl"
     elif config in ("ddp2", "ddp2bv"):
         ddp_extra = ["--zero-bucket-view"] if config == "ddp2bv" else []
         store = os.path.join(run_dir, "store")
-        procs = [runner.start(worker_argv(model, "ddp", steps, warmup, data, result,
-                                          ["--rank", str(r), "--world", "2", "--store", store,
-                                           *ddp_extra]),
-                              f"{rel}/ddp{r}.log", dict(env, GLOO_SOCKET_IFNAME="lo",
-                                                          MASTER_ADDR="127.0.0.1"))
-                 for r in range(2)]
-        runner.wait(procs, deadline, what)
+        procs = [processes.start_python(
+            f"{what} rank {r}",
+            [BENCH, *worker_args(model, "ddp", steps, warmup, data, result,
+                                 ["--rank", str(r), "--world", "2", "--store", store,
+                                  *ddp_extra])],
+            log=os.path.join(run_dir, f"ddp{r}.log"),
+            env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})
+            for r in range(2)]
+        wait_all(procs, deadline - time.monotonic())
         transport = "gloo tcp"
     else:
         spec = MODELS[model]
@@ -655,17 +591,17 @@ def run_config(runner, model, config, world, steps, warmup, data, tag, device="c
                "checkpoint": {"everySteps": 0}, "outputDir": os.path.join(run_dir, "out")}
         if spec.get("clip"):
             job["gradClipNorm"] = spec["clip"]
-        coordinator, port = start_coordinator(runner, run_dir, job, deadline, what)
-        workers = [runner.start(worker_argv(model, "shard", steps, warmup, data, result,
-                                            ["--world", str(world), *target, *own]),
-                                f"{rel}/w{i}.log",
-                                dict(env, SHARD_COORDINATOR=f"127.0.0.1:{port}",
-                                     SHARD_ID=f"w{i}",
-                                     SHARD_TRANSPORT="tcp" if config == "shard2tcp" else "auto"))
-                   for i in range(world)]
-        runner.wait(workers + [coordinator], deadline, what)
-        transport = transport_in_log(os.path.join(run_dir, "w0.log"))
-    runner.kill_all()
+        coordinator = start_coordinator(processes, run_dir, job, deadline, what)
+        workers = [processes.start_worker(
+            f"w{i}", coordinator.address,
+            *worker_args(model, "shard", steps, warmup, data, result,
+                         ["--world", str(world), *target, *own]),
+            script=BENCH, name=f"{what} w{i}", log=os.path.join(run_dir, f"w{i}.log"),
+            env={"SHARD_TRANSPORT": "tcp" if config == "shard2tcp" else "auto"})
+            for i in range(world)]
+        wait_all(workers + [coordinator], deadline - time.monotonic())
+        transport = transport_in_log(workers[0].log_path)
+    processes.stop()
     return dict(read_result(result, what), transport=transport)
 
 
@@ -718,10 +654,11 @@ def driver_main(args):
             print(f"torch_bench: {BIN}/{binary} is missing: run scripts/build.sh", file=sys.stderr)
             return 1
     run_dir = tempfile.mkdtemp(prefix="shard-bench-torch.")
-    runner = Runner(run_dir, args.timeout)
+    # One compute thread in every process, as the table says.
+    processes = Processes(run_dir, BUILD, env=dict(os.environ, **ONE_THREAD))
 
     def cleanup():
-        runner.kill_all()
+        processes.stop()
         if not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
     atexit.register(cleanup)
@@ -756,15 +693,16 @@ def driver_main(args):
             runs = {key: [] for key, _, _ in configs}
             for repeat in range(args.repeats):
                 for key, label, world in configs:
-                    r = run_config(runner, model, key, world, steps, warmup, data.get(model, ""),
-                                   f"{model}-{key}-{repeat}", args.device, args.bf16)
+                    r = run_config(processes, args.timeout, model, key, world, steps, warmup,
+                                   data.get(model, ""), f"{model}-{key}-{repeat}", args.device,
+                                   args.bf16)
                     runs[key].append(r)
                     log(f"{model:12s} {label:28s} repeat {repeat + 1}/{args.repeats}: "
                         f"{r['steps_per_second']:.2f} steps/s ({r['ms_per_step']:.1f} ms/step: "
                         f"fwd+bwd {r['compute_ms']:.1f}, step {r['step_ms']:.1f}, "
                         f"rest {r['rest_ms']:.1f})")
             results[model] = {"steps": steps, "warmup": warmup, "runs": runs}
-    except RunFailed as failure:
+    except (RunFailed, ProcessError) as failure:
         log(f"torch_bench: {failure}")
         if args.keep:
             log(f"torch_bench: logs kept in {run_dir}")

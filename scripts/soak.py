@@ -39,9 +39,10 @@ hangs, time lost per fault, steps, checkpoints verified, the reference compariso
 It reads the coordinator's history only through shardctl, never from the state directory's
 files (see Soak.inspect_state for the end of a finished job, whose coordinator has exited).
 
-Every process it starts is tracked by pid and killed on every exit path (and, through
-PR_SET_PDEATHSIG, if this script itself is killed). Everything lives in one temporary
-directory, kept on failure or with --keep. Only the Python standard library is used.
+Every process it starts is tracked by pid (tests/support/shard_processes.py) and stopped on
+every exit path (and killed through PR_SET_PDEATHSIG if this script itself is killed).
+Everything lives in one temporary directory, kept on failure or with --keep. Only the Python
+standard library is used.
 
     scripts/soak.sh [--seed S] [--kills 20] [--coordinator-kills 3] [--stops N] [--resizes N]
                     [--drains N] [--partitions N] [--workers 4] [--steps N]
@@ -74,9 +75,13 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Test hosts made of network namespaces, for --partitions (docs/faults.md).
+# Test hosts made of network namespaces, for --partitions (docs/faults.md), and the process
+# harness shared with tests/ and bench/. Neither folder is a package: their directories go on the
+# import path, found from this file so that the soak runs from anywhere.
 sys.path.insert(0, os.path.join(ROOT, "tests", "faults"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 import hosts as fault_hosts  # noqa: E402
+from shard_processes import Processes, ProcessError  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,19 +113,6 @@ def log_line_time(line):
         return datetime.datetime.strptime(line[:23], "%Y-%m-%dT%H:%M:%S.%f").timestamp()
     except ValueError:
         return None
-
-
-def read_text(path):
-    try:
-        with open(path, "r", errors="replace") as handle:
-            return handle.read()
-    except OSError:
-        return ""
-
-
-def tail(path, lines):
-    text = read_text(path).splitlines()
-    return "\n".join(text[-lines:])
 
 
 def median_max(values):
@@ -279,70 +271,6 @@ def make_schedule(args, rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# Processes
-
-
-class Proc:
-    def __init__(self, name, kind, argv, log_path, env, cwd, netns=None):
-        self.name, self.kind, self.log_path = name, kind, log_path
-        self.argv = argv
-        self.log_file = open(log_path, "w")
-        prefix = []
-        # Dies with this script even if it is SIGKILLed (the signal goes when the thread that
-        # started it ends: every process is started from the main thread).
-        if shutil.which("setpriv"):
-            prefix = ["setpriv", "--pdeathsig", "KILL", "--"]
-        if netns is not None:
-            # On a test host; `ip netns exec` execs the program in place (same pid).
-            prefix += ["ip", "netns", "exec", netns]
-        self.popen = subprocess.Popen(prefix + argv, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, env=env, cwd=cwd,
-                                      start_new_session=True)
-        self.pid = self.popen.pid
-        self.killed = False  # by this script, on purpose
-        self.stopped = False
-        self.returncode = None
-
-    def alive(self):
-        return self.poll() is None
-
-    def poll(self):
-        if self.returncode is None:
-            code = self.popen.poll()
-            if code is not None:
-                self.returncode = code
-                self.log_file.close()
-        return self.returncode
-
-    def signal(self, sig):
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def wait(self, timeout):
-        try:
-            self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-        return self.poll()
-
-    def log(self):
-        return read_text(self.log_path)
-
-
-class Worker(Proc):
-    def __init__(self, worker_id, incarnation, *rest, host=None, netns=None):
-        super().__init__(f"{worker_id}#{incarnation}", "worker", *rest, netns=netns)
-        self.id = worker_id
-        self.incarnation = incarnation
-        self.host = host  # the test host it runs on (--partitions), else None
-        self.leaving = False  # drained: on its way out
-        self.resolved = False  # its exit (or kill) has been accounted for
-
-
-# ----------------------------------------------------------------------------------------------
 # The coordinator's metrics, polled in the background
 
 
@@ -440,8 +368,8 @@ class Soak:
         self.deadline = self.start_time + args.duration
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SHARD_")}
         self.env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-        self.procs = []
-        self.workers = []  # every Worker ever started
+        self.processes = Processes(self.dir, args.build_dir, env=self.env)
+        self.workers = []  # every worker process ever started (see start_worker)
         self.coordinator = None
         self.coordinator_starts = 0
         self.port = 0
@@ -488,10 +416,13 @@ class Soak:
     def path(self, *parts):
         return os.path.join(self.dir, *parts)
 
-    def start(self, cls, *args, **kwargs):
-        proc = cls(*args, **kwargs)
-        self.procs.append(proc)
-        return proc
+    def prefix(self, host=None):
+        """What runs a program of the soak: it dies with this script even if the script is
+        SIGKILLed (PR_SET_PDEATHSIG; the signal goes when the thread that started it ends:
+        every process is started from the main thread), and with `host` (--partitions) it runs
+        on that test host. Both exec the program in place, so its pid is the one signalled."""
+        prefix = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+        return prefix + (self.hosts.argv(host, []) if host is not None else [])
 
     def shardctl(self, *argv, timeout=15, port=None):
         """shardctl against the coordinator (or the one on `port` on this machine's loopback);
@@ -617,34 +548,23 @@ class Soak:
         job = self.write_job("job-inspect", self.args.workers, self.args.min_workers, 0,
                              os.path.join(work, "out"), os.path.join(work, "checkpoints"),
                              self.args.keep_last)
-        port_file = os.path.join(work, "port")
-        argv = [os.path.join(self.bin, "shard-coordinator"), "--listen", "127.0.0.1:0",
-                "--port-file", port_file, "--job", job, "--state-dir", state,
-                "--lease", "60s", "--reform-grace", "60s"]
-        log = os.path.join(work, "coordinator.log")
         started_ms = time.time() * 1000
-        coordinator = self.start(Proc, "inspect-coordinator", "coordinator", argv, log, self.env,
-                                 work)
         try:
-            port = 0
-            give_up = time.time() + 20
-            while time.time() < give_up and coordinator.alive() and port == 0:
-                try:
-                    with open(port_file) as handle:
-                        port = int(handle.read().strip() or 0)
-                except (OSError, ValueError):
-                    time.sleep(0.05)
-            if port == 0:
-                self.failures.append("could not read the history: a coordinator on a copy of "
-                                     "the state did not start:\n" + tail(log, 10))
-                return None, None, []
-            events = self.read_events(port=port)
-            catalog = self.read_catalog(port=port)
+            coordinator = self.processes.start_coordinator(
+                "--lease", "60s", "--reform-grace", "60s", job=job, state_dir=state,
+                name="inspect-coordinator", log=os.path.join(work, "coordinator.log"),
+                timeout=20, cwd=work, prefix=self.prefix())
+        except ProcessError as error:
+            self.failures.append("could not read the history: a coordinator on a copy of the "
+                                 f"state did not start: {error}")
+            return None, None, []
+        try:
+            events = self.read_events(port=coordinator.port)
+            catalog = self.read_catalog(port=coordinator.port)
         finally:
-            coordinator.signal(signal.SIGKILL)
-            coordinator.wait(5)
+            coordinator.kill()
         forgotten = re.findall(r"checkpoint (\S+) is in the catalog but (\S+) has no manifest",
-                               read_text(log))
+                               coordinator.log())
         if events is None or catalog is None:
             self.failures.append("could not read the history: shardctl events/checkpoint list "
                                  "did not answer")
@@ -654,39 +574,21 @@ class Soak:
         return events, catalog, forgotten
 
     def start_coordinator(self):
-        """Starts the coordinator on self.port (0 the first time) and waits for its port file;
+        """Starts the coordinator on self.port (0 the first time) and waits for it to serve;
         False if it did not come up (the port taken, ...)."""
         self.coordinator_starts += 1
-        port_file = self.path("coordinator.port")
-        if os.path.exists(port_file):
-            os.remove(port_file)
-        argv = [os.path.join(self.bin, "shard-coordinator"),
-                "--listen", f"{self.address}:{self.port}", "--port-file", port_file,
-                "--metrics-listen", f"{self.address}:{self.metrics_port}"] + self.coordinator_args
-        log = self.path(f"coordinator-{self.coordinator_starts}.log")
-        self.coordinator = self.start(Proc, "coordinator", "coordinator", argv, log, self.env,
-                                      self.dir, netns=self.hosts.ns("coord") if self.hosts
-                                      else None)
-        give_up = time.time() + 20
-        while time.time() < give_up:
-            if self.coordinator.poll() is not None:
-                break
-            try:
-                with open(port_file) as handle:
-                    port = int(handle.read().strip() or 0)
-                if port > 0:
-                    self.port = port
-                    self.last_action = time.time()
-                    return True
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.05)
-        if self.coordinator.poll() is None:
-            self.coordinator.signal(signal.SIGKILL)
-            self.coordinator.wait(5)
-        self.notes.append(f"coordinator start {self.coordinator_starts} failed:\n"
-                          + tail(log, 10))
-        return False
+        try:
+            self.coordinator = self.processes.start_coordinator(
+                "--metrics-listen", f"{self.address}:{self.metrics_port}", *self.coordinator_args,
+                job=self.job, state_dir=self.path("state"), listen=f"{self.address}:{self.port}",
+                log=f"coordinator-{self.coordinator_starts}.log", timeout=20, cwd=self.dir,
+                prefix=self.prefix("coord" if self.hosts else None))
+        except ProcessError as error:
+            self.notes.append(f"coordinator start {self.coordinator_starts} failed: {error}")
+            return False
+        self.port = self.coordinator.port
+        self.last_action = time.time()
+        return True
 
     def worker_host(self):
         """The worker host with the fewest live workers (the first such): a replacement takes
@@ -701,15 +603,20 @@ class Soak:
         n = self.incarnations.get(worker_id, 0) + 1
         self.incarnations[worker_id] = n
         host = self.worker_host()
-        argv = [os.path.join(self.bin, "shard-worker"), "--coordinator",
-                f"{self.address}:{self.port}", "--id", worker_id, "--compute-threads", "1"]
+        flags = ["--compute-threads", "1"]
         if host is not None:
-            argv += ["--host", self.hosts.addr(host)]
-        argv += self.args.worker_arg
-        log = self.path("workers", f"{worker_id}-{n}.log")
-        env = dict(self.env, SHARD_SLOW_STEP_MS=str(STEP_FLOOR_MS))
-        worker = self.start(Worker, worker_id, n, argv, log, env, self.dir, host=host,
-                            netns=self.hosts.ns(host) if host else None)
+            flags += ["--host", self.hosts.addr(host)]
+        worker = self.processes.start_worker(
+            worker_id, f"{self.address}:{self.port}", *flags, *self.args.worker_arg,
+            name=f"{worker_id}#{n}", log=os.path.join("workers", f"{worker_id}-{n}.log"),
+            env={"SHARD_SLOW_STEP_MS": str(STEP_FLOOR_MS)}, cwd=self.dir,
+            prefix=self.prefix(host))
+        # What the soak keeps of each worker beside its process:
+        worker.id = worker_id
+        worker.host = host  # the test host it runs on (--partitions), else None
+        worker.stopped = False  # SIGSTOPped (and not yet resolved)
+        worker.leaving = False  # drained: on its way out
+        worker.resolved = False  # its exit (or kill) has been accounted for
         self.workers.append(worker)
         self.last_action = time.time()
         return worker
@@ -722,14 +629,6 @@ class Soak:
     def live_workers(self):
         """Worker processes running (SIGSTOPped ones included) that this script did not kill."""
         return [w for w in self.workers if w.alive() and not w.killed]
-
-    def kill_everything(self):
-        for proc in self.procs:
-            if proc.alive():
-                proc.signal(signal.SIGKILL)
-        for proc in self.procs:
-            if proc.returncode is None:
-                proc.wait(5)
 
     # -- the main loop's pump: due actions, exits, the hang detector, the deadline ------------
 
@@ -864,8 +763,7 @@ class Soak:
             raise SoakFailure(f"shardctl data generate failed: {err}")
         self.job = self.write_job("job", self.args.workers, self.args.min_workers, self.args.every,
                                   self.path("out"), self.path("checkpoints"), self.args.keep_last)
-        self.coordinator_args = ["--job", self.job, "--state-dir", self.path("state"),
-                                 "--lease", duration_flag(self.args.lease),
+        self.coordinator_args = ["--lease", duration_flag(self.args.lease),
                                  "--reform-grace", duration_flag(self.args.grace)]
         if self.args.partitions:
             # A host for the coordinator and one per worker slot (a host may hold two workers
@@ -937,9 +835,7 @@ class Soak:
         return f"rank {rank}" if rank else "standby"
 
     def kill_worker(self, worker):
-        worker.killed = True
-        worker.signal(signal.SIGKILL)
-        worker.wait(5)
+        worker.kill()
 
     def inject_partition(self, fault):
         """Drops every packet between hosts (iptables in their namespaces) and heals after
@@ -1056,9 +952,7 @@ class Soak:
             if not self.coordinator.alive():
                 fault.skipped = "the coordinator is not running"
                 return
-            self.coordinator.killed = True
-            self.coordinator.signal(signal.SIGKILL)
-            self.coordinator.wait(5)
+            self.coordinator.kill()
             fault.what = f"SIGKILL the coordinator; restart after {fault.down_for:.1f}s"
             self.say(f"fault {fault.index}: {fault.what} (step {step}, {fault.timing})")
             self.sleep(fault.down_for, "the coordinator is down")
@@ -1199,7 +1093,7 @@ class Soak:
         code = self.coordinator.wait(30)
         if code != 0 or "training finished (" not in self.coordinator.log():
             raise SoakFailure(f"the coordinator exited with status {code} without finishing the "
-                              f"job:\n{tail(self.coordinator.log_path, 20)}")
+                              f"job:\n{self.coordinator.tail(20)}")
 
     def wait_for_the_end(self):
         self.say("every fault injected; waiting for the job to finish")
@@ -1235,7 +1129,7 @@ class Soak:
             print(self.hosts.faults().rstrip())
         if self.coordinator is not None:
             print(f"---- {os.path.relpath(self.coordinator.log_path, self.dir)} (last 30 lines)")
-            print(tail(self.coordinator.log_path, 30))
+            print(self.coordinator.tail(30))
         for worker in self.workers:
             state = "running" if worker.alive() else f"exited {worker.returncode}"
             if worker.killed:
@@ -1244,7 +1138,7 @@ class Soak:
                 state += ", SIGSTOPped"
             lines = 12 if worker.alive() else 3
             print(f"---- {os.path.relpath(worker.log_path, self.dir)} ({state}; last {lines} lines)")
-            print(tail(worker.log_path, lines))
+            print(worker.tail(lines))
         print("====", flush=True)
 
     # -- checks at the end ---------------------------------------------------------------------
@@ -1307,31 +1201,21 @@ class Soak:
         finished and wrote `out_file`."""
         run_dir = self.path(label)
         os.makedirs(run_dir, exist_ok=True)
-        port_file = os.path.join(run_dir, "port")
-        argv = [os.path.join(self.bin, "shard-coordinator"), "--listen", "127.0.0.1:0",
-                "--port-file", port_file, "--job", job, "--state-dir", state_dir,
-                "--lease", duration_flag(max(self.args.lease, 2.0)), "--reform-grace", "5s"] + extra
         started = time.time()
-        coordinator = self.start(Proc, f"{label}-coordinator", "coordinator", argv,
-                                 os.path.join(run_dir, "coordinator.log"), self.env, run_dir)
-        port = 0
-        give_up = time.time() + 20
-        while time.time() < give_up and coordinator.alive() and port == 0:
-            try:
-                with open(port_file) as handle:
-                    port = int(handle.read().strip() or 0)
-            except (OSError, ValueError):
-                time.sleep(0.05)
-        if port == 0:
-            self.failures.append(f"{label}: the coordinator did not start:\n"
-                                 + tail(coordinator.log_path, 10))
+        try:
+            coordinator = self.processes.start_coordinator(
+                "--lease", duration_flag(max(self.args.lease, 2.0)), "--reform-grace", "5s",
+                *extra, job=job, state_dir=state_dir, name=f"{label}-coordinator",
+                log=os.path.join(run_dir, "coordinator.log"), timeout=20, cwd=run_dir,
+                prefix=self.prefix())
+        except ProcessError as error:
+            self.failures.append(f"{label}: the coordinator did not start: {error}")
             return None
-        workers = []
-        for i in range(world):
-            argv = [os.path.join(self.bin, "shard-worker"), "--coordinator", f"127.0.0.1:{port}",
-                    "--id", f"{label}{i}", "--compute-threads", "1"]
-            workers.append(self.start(Proc, f"{label}{i}", "worker", argv,
-                                      os.path.join(run_dir, f"{label}{i}.log"), self.env, run_dir))
+        workers = [self.processes.start_worker(f"{label}{i}", coordinator.address,
+                                               "--compute-threads", "1",
+                                               log=os.path.join(run_dir, f"{label}{i}.log"),
+                                               cwd=run_dir, prefix=self.prefix())
+                   for i in range(world)]
         budget = max(10.0, self.deadline - time.time())
         code = coordinator.wait(budget)
         if code is None:
@@ -1342,7 +1226,7 @@ class Soak:
                 worker.signal(signal.SIGKILL)
         if code != 0 or not os.path.exists(out_file):
             self.failures.append(f"{label}: the coordinator exited {code}:\n"
-                                 + tail(coordinator.log_path, 10))
+                                 + coordinator.tail(10))
             return None
         return time.time() - started
 
@@ -1718,7 +1602,7 @@ def main():
             if soak.final_events is None and soak.coordinator is not None \
                     and soak.coordinator.alive():
                 soak.read_events(tries=1)  # for the report, while the coordinator still answers
-            soak.kill_everything()
+            soak.processes.stop()
             if soak.hosts is not None:
                 soak.hosts.down()  # the namespaces, and anything still running in them
             if soak.disk_mounted:

@@ -239,8 +239,8 @@ job.finish()
 @pytest.fixture
 def cluster(tmp_path):
     c = Cluster(str(tmp_path))
-    yield c
-    c.stop()
+    with c.processes:
+        yield c
 
 
 def start_training(cluster, loop, gate_step=-1, **job):

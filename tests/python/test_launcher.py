@@ -6,6 +6,7 @@ Run by ctest (python_torch) with SHARD_BUILD_DIR and PYTHONPATH=build/python; by
     SHARD_BUILD_DIR=build PYTHONPATH=build/python /usr/bin/python3 -m pytest tests/python
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import pytest
 from shard.safetensors import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_torch import BIN, ROOT, wait_for  # noqa: E402  (the processes' harness)
+from test_torch import BIN, BUILD, ONE_THREAD, ROOT, Processes, wait_for  # noqa: E402
 from test_torch import TRANSFORMER_ARGS as TINY  # noqa: E402
 
 TRANSFORMER = os.path.join(ROOT, "examples", "torch", "transformer.py")
@@ -34,14 +35,35 @@ def alive(pid):
         return False
 
 
+def kill_launched(logs):
+    """SIGKILLs every process the launcher's processes.json (in `logs`) lists as running; none
+    before it is written. Only while the launcher runs: the pids it lists as running are then
+    its children (at worst zombies), so none of them can belong to another process yet."""
+    try:
+        with open(os.path.join(logs, "processes.json")) as f:
+            processes = json.load(f)
+        pids = [rank["pid"] for rank in processes["ranks"] if rank["state"] == "running"]
+        if processes["coordinator"] and processes["coordinator"]["running"]:
+            pids.append(processes["coordinator"]["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not written, or half written: stopping the launcher stops its children
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 class Launch:
-    """One `python3 -m shard.run` in `tmp`, its output in a file; at the end the launcher and
-    every process its processes.json lists as running are killed by pid."""
+    """One `python3 -m shard.run` in `tmp`, its output in a file; at the end every process its
+    processes.json lists as running is killed by pid, and the launcher is stopped."""
 
     def __init__(self, tmp):
         self.tmp = tmp
         self.logs = os.path.join(tmp, "logs")
-        self.output = os.path.join(tmp, "launcher.out")
+        # No SHARD_COORDINATOR_BIN: the launcher finds the build tree's shard-coordinator
+        # next to the package it runs from.
+        env = dict(os.environ, **ONE_THREAD)
+        env.pop("SHARD_COORDINATOR_BIN", None)
+        self.started = Processes(tmp, BUILD, env=env)
         self.proc = None
 
     def write_job(self, steps):
@@ -59,18 +81,11 @@ class Launch:
         return path
 
     def start(self, *argv):
-        # No SHARD_COORDINATOR_BIN: the launcher finds the build tree's shard-coordinator
-        # next to the package it runs from.
-        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-        env.pop("SHARD_COORDINATOR_BIN", None)
-        with open(self.output, "w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "shard.run", "--log-dir", self.logs, *argv],
-                env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.proc = self.started.start_python(
+            "launcher", ["-m", "shard.run", "--log-dir", self.logs, *argv], log="launcher.out")
 
     def text(self):
-        with open(self.output) as f:
-            return f.read()
+        return self.proc.log()
 
     def processes(self):
         """The launcher's processes.json, or None before it is written."""
@@ -95,27 +110,12 @@ class Launch:
         return json.loads(answer.stdout) if answer.returncode == 0 else None
 
     def wait(self):
-        try:
-            return self.proc.wait(timeout=DEADLINE)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the launcher did not exit within {DEADLINE}s:\n" + self.text())
+        return self.proc.exit_code(DEADLINE)
 
     def kill_everything(self):
-        # While the launcher runs, the pids it lists as running are its children (at worst
-        # zombies), so none of them can belong to another process yet.
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        processes = self.processes() or {"coordinator": None, "ranks": []}
-        pids = [rank["pid"] for rank in processes["ranks"] if rank["state"] == "running"]
-        if processes["coordinator"] and processes["coordinator"]["running"]:
-            pids.append(processes["coordinator"]["pid"])
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.kill()
-        self.proc.wait()
+        if self.proc is not None and self.proc.alive():
+            kill_launched(self.logs)
+        self.started.stop()
 
 
 @pytest.fixture
@@ -196,7 +196,7 @@ def test_ctrl_c_stops_everything_the_launcher_started(launch):
     pids = [rank["pid"] for rank in processes["ranks"]] + [processes["coordinator"]["pid"]]
     assert all(alive(pid) for pid in pids), processes
     interrupted = time.monotonic()
-    launch.proc.send_signal(signal.SIGINT)
+    launch.proc.signal(signal.SIGINT)
     wait_for(lambda: launch.proc.poll() is not None and not any(alive(p) for p in pids), 10,
              "the launcher and everything it started to exit after SIGINT")
     took = time.monotonic() - interrupted

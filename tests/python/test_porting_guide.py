@@ -23,9 +23,7 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -35,7 +33,8 @@ import shard
 from shard.safetensors import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_torch import ROOT, max_relative_difference  # noqa: E402
+from test_launcher import kill_launched  # noqa: E402
+from test_torch import BUILD, ONE_THREAD, ROOT, Processes, max_relative_difference  # noqa: E402
 
 GUIDE = os.path.join(ROOT, "docs", "torch.md")
 BLOCKS = {"train_ddp.py": "python", "train_shard.py": "python", "job.json": "json"}
@@ -71,7 +70,7 @@ def environment():
     # The processes run in folders of their own: they import the package this test imports, by
     # an absolute path (PYTHONPATH=build/python by hand is relative to the repository).
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(shard.__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+    env = dict(os.environ, **ONE_THREAD,
                PYTHONPATH=os.pathsep.join(filter(None, [package_root,
                                                         os.environ.get("PYTHONPATH")])))
     env.pop("SHARD_COORDINATOR_BIN", None)
@@ -84,68 +83,25 @@ def free_port():
         return s.getsockname()[1]
 
 
-class Processes:
-    """What the test starts, each in a session of its own; at the end every one still running is
-    killed by pid, and so is every process the launcher's processes.json lists as running (the
-    coordinator and the ranks it started)."""
+class GuideProcesses(Processes):
+    """What the test starts, in `tmp` with environment()'s variables; at the end every process
+    the launcher's processes.json lists as running (the coordinator and the ranks it started) is
+    killed by pid as well."""
 
-    def __init__(self):
-        self.procs = []
+    def __init__(self, tmp):
+        super().__init__(tmp, BUILD, env=environment())
         self.launcher_logs = None
 
-    def start(self, argv, cwd, env, output):
-        with open(output, "w") as out:
-            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        proc.output = output
-        self.procs.append(proc)
-        return proc
-
-    def wait(self, proc):
-        """The exit status of `proc`, and its output; fails the test after DEADLINE seconds."""
-        try:
-            code = proc.wait(timeout=DEADLINE)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{proc.args} did not exit within {DEADLINE}s:\n"
-                                 + output_of(proc)) from None
-        return code, output_of(proc)
-
-    def kill_everything(self):
-        # While the launcher runs, the pids it lists as running are its children (at worst
-        # zombies), so none of them can belong to another process yet: read them first.
-        pids = []
-        listed = os.path.join(self.launcher_logs or "", "processes.json")
-        if self.launcher_logs and os.path.exists(listed) and any(
-                p.poll() is None for p in self.procs):
-            try:
-                with open(listed) as f:
-                    processes = json.load(f)
-                pids += [rank["pid"] for rank in processes["ranks"] if rank["state"] == "running"]
-                if processes["coordinator"] and processes["coordinator"]["running"]:
-                    pids.append(processes["coordinator"]["pid"])
-            except (OSError, ValueError, KeyError, TypeError):
-                pass  # half written: the launcher's own kill below still stops its children
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
-def output_of(proc):
-    with open(proc.output, errors="replace") as f:
-        return f.read()
+    def stop(self):
+        if self.launcher_logs and any(proc.alive() for proc in self.started):
+            kill_launched(self.launcher_logs)
+        super().stop()
 
 
 @pytest.fixture
-def processes():
-    started = Processes()
-    yield started
-    started.kill_everything()
+def processes(tmp_path):
+    with GuideProcesses(str(tmp_path)) as started:
+        yield started
 
 
 def run_shard(processes, folder, blocks):
@@ -154,12 +110,13 @@ def run_shard(processes, folder, blocks):
     write(folder, "train_shard.py", blocks["train_shard.py"])
     processes.launcher_logs = os.path.join(folder, "logs")
     launcher = processes.start(
+        "launcher",
         [sys.executable, "-m", "shard.run", "--standalone", "--job", "job.json",
          "--nproc-per-node", str(WORLD), "--coordinator-arg=--lease=1s",
          "--device", "cpu",  # as the DDP script, also on a machine with GPUs
          "--log-dir", processes.launcher_logs, "train_shard.py"],
-        cwd=folder, env=environment(), output=os.path.join(folder, "launcher.out"))
-    code, output = processes.wait(launcher)
+        cwd=folder, log=os.path.join(folder, "launcher.out"))
+    code, output = launcher.exit_code(DEADLINE), launcher.log()
     assert code == 0, f"shard.run exited with {code}:\n{output}"
     export = os.path.join(folder, "out", "final.safetensors")
     assert f"parameters written to {export}" in output, output
@@ -173,12 +130,13 @@ def run_ddp(processes, folder, blocks):
         port = free_port()
         ranks = []
         for rank in range(WORLD):
-            env = dict(environment(), RANK=str(rank), LOCAL_RANK=str(rank),
-                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            ranks.append(processes.start([sys.executable, script], cwd=folder, env=env,
-                                         output=os.path.join(folder, f"rank{rank}-{attempt}.out")))
-        results = [processes.wait(proc) for proc in ranks]
+            env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                       LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+            ranks.append(processes.start(f"rank{rank}", [sys.executable, script], cwd=folder,
+                                         env=env,
+                                         log=os.path.join(folder, f"rank{rank}-{attempt}.out")))
+        results = [(proc.exit_code(DEADLINE), proc.log()) for proc in ranks]
         if all(code == 0 for code, _ in results):
             break
         outputs = "\n".join(f"--- rank {r} exited with {code}:\n{output}"

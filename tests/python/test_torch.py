@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,11 @@ BIN = os.path.join(BUILD, "bin")
 EXAMPLE = os.path.join(ROOT, "examples", "torch", "mlp.py")
 sys.path.insert(0, os.path.dirname(EXAMPLE))
 from mlp import Mlp  # noqa: E402  (the example's model, for the reference)
+# The process harness shared with bench/ and scripts/ (the other files here take it from this
+# one). tests/support is no package: its directory goes on the import path, found from this file,
+# since this file is imported by pytest and by the workers it starts (ddp_reference.py, ...).
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
+from shard_processes import ONE_THREAD, Processes, read_text  # noqa: E402
 
 WIDTHS = [16, 32, 8]
 SAMPLES = 512
@@ -41,11 +45,12 @@ def wait_for(predicate, seconds, what):
 
 
 class Cluster:
-    """A coordinator and its workers in `tmp`; every process is killed by pid at the end."""
+    """A coordinator and its workers in `tmp` (shard_processes: each with its log there, every
+    one stopped by pid at the end)."""
 
     def __init__(self, tmp):
         self.tmp = tmp
-        self.procs = []
+        self.processes = Processes(tmp, BUILD)
         self.coordinator = None
         self.port = None
 
@@ -64,58 +69,30 @@ class Cluster:
         return path
 
     def start_coordinator(self, job, *extra, log_name="coordinator.log", state="state"):
-        port_file = os.path.join(self.tmp, "port")
-        if os.path.exists(port_file):
-            os.remove(port_file)
-        log = open(os.path.join(self.tmp, log_name), "w")
-        self.coordinator = subprocess.Popen(
-            [os.path.join(BIN, "shard-coordinator"), "--job", job, "--listen", "127.0.0.1:0",
-             "--port-file", port_file, "--state-dir", os.path.join(self.tmp, state),
-             "--lease", "1s", "--reform-grace", "1s", *extra],
-            stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(self.coordinator)
-        def serving():
-            if self.coordinator.poll() is not None:
-                raise AssertionError("the coordinator exited: " + self.log(log_name))
-            return os.path.exists(port_file) and open(port_file).read().strip()
-
-        wait_for(serving, 30, "the coordinator's port")
-        self.port = int(open(port_file).read())
+        self.coordinator = self.processes.start_coordinator(
+            "--lease", "1s", "--reform-grace", "1s", *extra, job=job,
+            state_dir=os.path.join(self.tmp, state), log=log_name)
+        self.port = self.coordinator.port
 
     def start_worker(self, worker_id, script=EXAMPLE, args=None, env=None):
-        env = dict(os.environ, SHARD_COORDINATOR=f"127.0.0.1:{self.port}", SHARD_ID=worker_id,
-                   OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **(env or {}))
-        argv = [sys.executable, script]
-        argv += args if args is not None else ["--data", self.data, "--widths",
-                                               ",".join(map(str, WIDTHS)), "--seed", "5"]
-        log = open(os.path.join(self.tmp, f"{worker_id}.log"), "w")
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        proc.log_path = log.name
-        self.procs.append(proc)
-        return proc
+        args = args if args is not None else ["--data", self.data, "--widths",
+                                              ",".join(map(str, WIDTHS)), "--seed", "5"]
+        return self.processes.start_worker(worker_id, self.coordinator.address, *args,
+                                           script=script, env={**ONE_THREAD, **(env or {})})
 
     def log(self, proc_or_name):
-        name = proc_or_name if isinstance(proc_or_name, str) else proc_or_name.log_path
-        path = name if os.path.isabs(name) else os.path.join(self.tmp, name)
-        with open(path) as f:
-            return f.read()
+        """The log of a process, or the log file of that name in `tmp`."""
+        if isinstance(proc_or_name, str):
+            return read_text(os.path.join(self.tmp, proc_or_name))
+        return proc_or_name.log()
 
     def wait(self, proc):
-        try:
-            return proc.wait(timeout=DEADLINE)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"process {proc.args} did not exit within {DEADLINE}s")
+        return proc.exit_code(DEADLINE)
 
     def shardctl(self, *argv):
         return subprocess.run([os.path.join(BIN, "shardctl"), "--coordinator",
                                f"127.0.0.1:{self.port}", *argv],
                               capture_output=True, text=True, timeout=60)
-
-    def stop(self):
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture
@@ -127,8 +104,8 @@ def cluster(tmp_path):
          "--samples", str(SAMPLES), "--seed", "3", "--out", c.data],
         capture_output=True, text=True, timeout=60)
     assert generated.returncode == 0, generated.stdout + generated.stderr
-    yield c
-    c.stop()
+    with c.processes:
+        yield c
 
 
 OPTIMIZERS = {  # the job spec's optimizer and torch's, with the same hyper-parameters
@@ -258,17 +235,13 @@ def ddp_reference(cluster, config, world):
     """The parameters torch DDP + ZeroRedundancyOptimizer reach on `world` processes."""
     out = os.path.join(cluster.tmp, "ddp.safetensors")
     store = os.path.join(cluster.tmp, "ddp-store")
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
-                                                            "ddp_reference.py"),
-                               "--rank", str(r), "--world", str(world), "--store", store,
-                               "--config", json.dumps(config), "--out", out],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    cluster.procs.extend(procs)
+    procs = [cluster.processes.start_python(
+        f"ddp{r}", [os.path.join(os.path.dirname(__file__), "ddp_reference.py"), "--rank", str(r),
+                    "--world", str(world), "--store", store, "--config", json.dumps(config),
+                    "--out", out], env=ONE_THREAD)
+        for r in range(world)]
     for proc in procs:
-        output, _ = proc.communicate(timeout=DEADLINE)
-        assert proc.returncode == 0, output
+        assert cluster.wait(proc) == 0, proc.log()
     return load_file(out)
 
 
@@ -551,8 +524,7 @@ def test_a_killed_worker_is_survived_and_the_result_equals_uninterrupted_trainin
 
     wait_for(committed, 60, "a committed checkpoint")
     victim = workers[1]
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
+    victim.kill()
     survivors = [workers[0], workers[2]]
     for worker in survivors:
         assert cluster.wait(worker) == 0, cluster.log(worker)
@@ -589,8 +561,7 @@ def test_a_killed_worker_is_recovered_from_memory_with_no_checkpoint_on_disk(clu
                 json.loads(status.stdout)["progress"]["last_snapshot_step"] >= 20)
 
     wait_for(snapshot_taken, 60, "a snapshot in memory")
-    workers[1].send_signal(signal.SIGKILL)
-    workers[1].wait()
+    workers[1].kill()
     survivors = [workers[0], workers[2]]
     for worker in survivors:
         assert cluster.wait(worker) == 0, cluster.log(worker)

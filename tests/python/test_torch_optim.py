@@ -10,7 +10,6 @@ Run by ctest (python_torch) with SHARD_BUILD_DIR and PYTHONPATH=build/python; by
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 
@@ -149,8 +148,7 @@ def test_a_killed_worker_is_survived_and_training_ends_equal_to_torch(cluster, s
                 else progress["last_checkpoint_step"] or 0) >= 30
 
     wait_for(progressed, 60, f"a {source} restore point at step 30")
-    workers[1].send_signal(signal.SIGKILL)
-    workers[1].wait()
+    workers[1].kill()
     for worker in (workers[0], workers[2]):
         assert cluster.wait(worker) == 0, cluster.log(worker)
     log = cluster.log(workers[0])
