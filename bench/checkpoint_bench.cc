@@ -47,6 +47,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "bench/harness.h"
 #include "common/checkpoint.h"
 #include "common/cli.h"
 #include "worker/dataplane/engine.h"
@@ -73,7 +74,7 @@ void OnRanks(int world, const std::function<void(int)>& body) {
   for (std::thread& t : threads) t.join();
 }
 
-// The disk's own write figure for `streams` files written (then fsynced) in parallel, in 8 MiB
+// Milliseconds for the disk to write `streams` files (then fsync them) in parallel, in 8 MiB
 // pieces, `bytes` in all: the same concurrency as W ranks saving.
 double RawWrite(const std::string& dir, uint64_t bytes, int streams) {
   const uint64_t per_stream = bytes / streams;
@@ -90,15 +91,15 @@ double RawWrite(const std::string& dir, uint64_t bytes, int streams) {
     ::fsync(out);
     ::close(out);
   });
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
   for (int s = 0; s < streams; ++s) std::filesystem::remove(absl::StrCat(dir, "/raw-", s, ".bin"));
-  return bytes / seconds / 1e9;
+  return ms;
 }
 
-// The disk's own read figure for `files`, read in parallel as `dd iflag=nocache` would: 8 MiB
+// Milliseconds for the disk to read `files` in parallel as `dd iflag=nocache` would: 8 MiB
 // read()s into one page-aligned buffer each, each piece dropped from the page cache once read
 // (as the checkpoint reader drops it), the files dropped from it first.
-double RawRead(const std::vector<std::string>& files, uint64_t bytes) {
+double RawRead(const std::vector<std::string>& files) {
   for (const std::string& file : files) DropFromPageCache(file);
   const absl::Time start = absl::Now();
   OnRanks(static_cast<int>(files.size()), [&](int s) {
@@ -111,13 +112,13 @@ double RawRead(const std::vector<std::string>& files, uint64_t bytes) {
     }
     ::close(in);
   });
-  return bytes / absl::ToDoubleSeconds(absl::Now() - start) / 1e9;
+  return absl::ToDoubleMilliseconds(absl::Now() - start);
 }
 
 // The same files read around the page cache (O_DIRECT), 8 reads of 8 MiB in flight per file
-// (there is no readahead): the disk's figure when no processor copies what it reads. Absent
-// where the file system refuses O_DIRECT, at the open or at a read.
-std::optional<double> RawDirectRead(const std::vector<std::string>& files, uint64_t bytes) {
+// (there is no readahead), in milliseconds: the disk's figure when no processor copies what it
+// reads. Absent where the file system refuses O_DIRECT, at the open or at a read.
+std::optional<double> RawDirectRead(const std::vector<std::string>& files) {
   constexpr size_t kPiece = 8 << 20;
   constexpr int kInFlight = 8;
   std::vector<int> fds;
@@ -140,10 +141,10 @@ std::optional<double> RawDirectRead(const std::vector<std::string>& files, uint6
       }
     });
   });
-  const double gbps = bytes / absl::ToDoubleSeconds(absl::Now() - start) / 1e9;
+  const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
   for (int fd : fds) ::close(fd);
   if (refused) return std::nullopt;
-  return gbps;
+  return ms;
 }
 
 // Values for every element, as training leaves them: the engine's buffers are written (its
@@ -204,8 +205,8 @@ void Check(const absl::Status& status, const std::string& what) {
   std::exit(1);
 }
 
-// Seconds for every rank at once to run `read` on its own reader of the checkpoint in `path`,
-// dropped from the page cache first.
+// Milliseconds for every rank at once to run `read` on its own reader of the checkpoint in
+// `path`, dropped from the page cache first.
 double TimeCheckpointReads(const std::string& path, int world,
                            const std::function<void(int, CheckpointReader&)>& read) {
   DropDirectory(path);
@@ -215,7 +216,7 @@ double TimeCheckpointReads(const std::string& path, int world,
     Check(reader.status(), "opening the checkpoint");
     read(r, **reader);
   });
-  return absl::ToDoubleSeconds(absl::Now() - start);
+  return absl::ToDoubleMilliseconds(absl::Now() - start);
 }
 
 }  // namespace
@@ -230,6 +231,7 @@ int main(int argc, char** argv) {
   std::string dir = "/tmp/shard-bench-checkpoint";
   std::string worlds = "1,2,4";
   int repeats = 3;
+  shard::bench::Output output;
   app.add_option("--gib", gib, "checkpoint size in GiB (parameters and Adam state)")
       ->capture_default_str();
   app.add_option("--dir", dir, "scratch directory on the disk to measure")->capture_default_str();
@@ -245,6 +247,7 @@ int main(int argc, char** argv) {
                  "or as a worker chooses (auto: during, where this process has 2 cores per rank)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "on", "off"}));
+  shard::bench::AddOutputOptions(app, &output);
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
 
   // Four parameters; parameters plus exp_avg and exp_avg_sq make `gib` GiB.
@@ -259,28 +262,29 @@ int main(int argc, char** argv) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   const uint64_t bytes = static_cast<uint64_t>(rows) * 4096 * 4 * 4 * 3;
-  std::printf("# checkpoint of %.2f GiB (4 x [%lld, 4096] f32 with Adam state); raw_write: as "
-              "many files written in parallel (+ fsync) as there are ranks;\n"
-              "# raw_read: the checkpoint's shard files read in parallel as dd would; read: "
-              "every rank reads and verifies what it owns; restore: Engine::Restore, with the "
-              "parameters' all-gather; ratios to raw_read: read, then restore;\n"
-              "# raw_direct: the same files read with O_DIRECT, 8 reads of 8 MiB in flight each "
-              "(- where the file system refuses O_DIRECT); ratio: restore against it;\n"
-              "# gather_ms: the restore's all-gather left after its reads; ratio: restore against "
-              "raw_read then that remainder; gather: during the reads or after them "
-              "(--gather-during-reads)\n",
-              bytes / 1073741824.0, static_cast<long long>(rows));
-  std::printf("%6s %9s %9s %8s %9s %9s %9s %8s %8s %10s %8s %9s %8s %9s %10s %8s %7s\n",
-              "ranks", "save", "raw_write", "ratio", "read", "restore", "raw_read", "ratio",
-              "ratio", "raw_direct", "ratio", "gather_ms", "ratio", "pause_ms", "memcpy_ms",
-              "ratio", "gather");
+  shard::bench::Report report("shard-bench-checkpoint", output);
+  report.Note(absl::StrFormat(
+      "checkpoint of %.2f GiB (4 x [%lld, 4096] f32 with Adam state), best of %d repeats; GB/s "
+      "count checkpoint bytes", bytes / 1073741824.0, static_cast<long long>(rows), repeats));
+  report.Note("raw_write: as many files written in parallel (+ fsync) as there are ranks; save: "
+              "every rank copies its state (the pause) and writes its shard, then the commit");
+  report.Note("raw_read: the checkpoint's shard files read in parallel as dd would (dd), and "
+              "with O_DIRECT, 8 reads of 8 MiB in flight each (O_DIRECT; none where the file "
+              "system refuses it); read: every rank reads and verifies what it owns");
+  report.Note("restore: Engine::Restore, with the parameters' all-gather during the reads or "
+              "after them (--gather-during-reads); gather_ms: the all-gather left after its "
+              "reads; raw_read dd + gather: the raw read followed by that remainder");
+  report.Note("pause: the slowest rank's copy of its state; memcpy: every rank copying the same "
+              "bytes between warm buffers at once");
   for (absl::string_view text : absl::StrSplit(worlds, ',')) {
     int world = 0;
     if (!absl::SimpleAtoi(text, &world) || world < 1) return 2;
     const bool gather_during_reads =
         gather == "auto" ? shard::GatherDuringReadsPays(world) : gather == "on";
-    double raw_write = 0, raw_read = 0, raw_direct = 0, pause = 1e30, copy = 1e30;
-    double best_save_s = 1e30, best_read_s = 1e30, best_restore_s = 1e30, gather_s = 0;
+    // Milliseconds per repeat: the best of each is the figure.
+    std::vector<double> raw_write_ms, raw_read_ms, raw_direct_ms, save_ms, read_ms, restore_ms,
+        pause_ms, copy_ms;
+    double best_restore_ms = 1e30, gather_ms = 0;
     for (int repeat = 0; repeat < repeats; ++repeat) {
       auto ranks = shard::MakeRanks(model, world, order, gather_during_reads);
       // The state as training leaves it (see PatternSource).
@@ -292,17 +296,17 @@ int main(int argc, char** argv) {
       });
       // The raw write is taken with the engines' memory allocated, as it is during the save
       // (free memory sets the kernel's dirty-page limits and so how writes are throttled).
-      raw_write = std::max(raw_write, shard::RawWrite(dir, bytes, world));
+      raw_write_ms.push_back(shard::RawWrite(dir, bytes, world));
       const std::string id = absl::StrCat("step-", world);
       const std::string path = shard::CheckpointDirectory(dir, "bench", id);
       std::vector<std::string> shard_files;
       for (int r = 0; r < world; ++r) {
         shard_files.push_back(absl::StrCat(path, "/", shard::ShardFileName(r, world)));
       }
-      auto read_raw = [&] { raw_read = std::max(raw_read, shard::RawRead(shard_files, bytes)); };
+      auto read_raw = [&] { raw_read_ms.push_back(shard::RawRead(shard_files)); };
       auto read_raw_direct = [&] {
-        if (std::optional<double> gbps = shard::RawDirectRead(shard_files, bytes)) {
-          raw_direct = std::max(raw_direct, *gbps);
+        if (std::optional<double> ms = shard::RawDirectRead(shard_files)) {
+          raw_direct_ms.push_back(*ms);
         }
       };
       // Save: each rank copies its owned state (the pause) into its snapshot buffer (kept from an
@@ -313,8 +317,8 @@ int main(int argc, char** argv) {
       // overlapping phases made the pause 1.07-1.68x the copy, 1.09-1.34x apart). The save's
       // time still includes that wait.
       std::vector<shard::ShardRecord> records(world);
-      std::vector<double> pause_ms(world);
-      std::vector<double> copy_ms(world);
+      std::vector<double> rank_pause_ms(world);
+      std::vector<double> rank_copy_ms(world);
       std::vector<std::vector<char>> snapshots(world);
       // Page-aligned, as the engine's arrays are (CpuDevice::Allocate).
       std::vector<shard::AlignedBuffer> copies;
@@ -329,7 +333,7 @@ int main(int argc, char** argv) {
       shard::OnRanks(world, [&](int r) {
         const absl::Time pause_start = absl::Now();
         shard::Check(ranks->engines[r]->CopyOwnedState(&snapshots[r]), "copying the state");
-        pause_ms[r] = absl::ToDoubleMilliseconds(absl::Now() - pause_start);
+        rank_pause_ms[r] = absl::ToDoubleMilliseconds(absl::Now() - pause_start);
         copied.arrive_and_wait();
         auto writer = shard::ShardWriter::Create(path, r, world);
         shard::Check(writer.status(), "creating the shard");
@@ -344,12 +348,12 @@ int main(int argc, char** argv) {
                                                     {"exp_avg", "exp_avg_sq"}, records);
       shard::Check(manifest.status(), "making the manifest");
       shard::Check(shard::CommitCheckpoint(path, *manifest), "committing");
-      const double save_s = absl::ToDoubleSeconds(absl::Now() - start);
+      save_ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
       // The reference: every rank copying the same bytes between warm buffers at once.
       shard::OnRanks(world, [&](int r) {
         const absl::Time copy_start = absl::Now();
         std::memcpy(copies[r].data(), snapshots[r].data(), snapshots[r].size());
-        copy_ms[r] = absl::ToDoubleMilliseconds(absl::Now() - copy_start);
+        rank_copy_ms[r] = absl::ToDoubleMilliseconds(absl::Now() - copy_start);
       });
       ranks.reset();
       auto restored = shard::MakeRanks(model, world, order, gather_during_reads);
@@ -357,9 +361,8 @@ int main(int argc, char** argv) {
       // Read: every rank reads and verifies what it owns (on the same world size, its own
       // shard: parameters, then each state, piece by piece, as Engine::Restore reads them)
       // into a warm buffer laid out as the shard.
-      double read_s = 0;
       auto read_checked = [&] {
-        read_s = shard::TimeCheckpointReads(
+        read_ms.push_back(shard::TimeCheckpointReads(
             path, world, [&](int r, shard::CheckpointReader& reader) {
               const shard::ShardLayout layout =
                   shard::MakeShardLayout(model, restored->engines[r]->plan(), r, 2);
@@ -372,16 +375,15 @@ int main(int argc, char** argv) {
                                "reading the checkpoint");
                 }
               }
-            });
+            }));
       };
       // Restore on the same number of ranks from the disk.
-      double restore_s = 0;
       std::vector<shard::RestoreTimings> timings(world);
       auto restore = [&] {
-        restore_s = shard::TimeCheckpointReads(
+        restore_ms.push_back(shard::TimeCheckpointReads(
             path, world, [&](int r, shard::CheckpointReader& reader) {
               shard::Check(restored->engines[r]->Restore(reader, &timings[r]), "restoring");
-            });
+            }));
       };
       // The four reads take turns going first, so that none is always the one right after
       // the save's writes: with the raw read first in even repeats and the checked read first
@@ -398,35 +400,52 @@ int main(int argc, char** argv) {
           return 1;
         }
       }
-      pause = std::min(pause, *std::max_element(pause_ms.begin(), pause_ms.end()));
-      copy = std::min(copy, *std::max_element(copy_ms.begin(), copy_ms.end()));
-      best_save_s = std::min(best_save_s, save_s);
-      best_read_s = std::min(best_read_s, read_s);
-      if (restore_s < best_restore_s) {
-        best_restore_s = restore_s;
-        gather_s = std::min_element(timings.begin(), timings.end(),
-                                    [](const shard::RestoreTimings& a,
-                                       const shard::RestoreTimings& b) {
-                                      return a.gather_ms < b.gather_ms;
-                                    })->gather_ms / 1e3;
+      pause_ms.push_back(*std::max_element(rank_pause_ms.begin(), rank_pause_ms.end()));
+      copy_ms.push_back(*std::max_element(rank_copy_ms.begin(), rank_copy_ms.end()));
+      if (restore_ms.back() < best_restore_ms) {
+        best_restore_ms = restore_ms.back();
+        gather_ms = std::min_element(timings.begin(), timings.end(),
+                                     [](const shard::RestoreTimings& a,
+                                        const shard::RestoreTimings& b) {
+                                       return a.gather_ms < b.gather_ms;
+                                     })->gather_ms;
       }
       std::filesystem::remove_all(path);
     }
-    const double save_gbps = bytes / best_save_s / 1e9;
-    const double read_gbps = bytes / best_read_s / 1e9;
-    const double restore_gbps = bytes / best_restore_s / 1e9;
-    const double floor_s = bytes / (raw_read * 1e9) + gather_s;
-    const std::string direct =
-        raw_direct > 0 ? absl::StrFormat("%10.2f %7.2fx", raw_direct, restore_gbps / raw_direct)
-                       : absl::StrFormat("%10s %8s", "-", "-");
-    std::printf(
-        "%6d %9.2f %9.2f %7.2fx %9.2f %9.2f %9.2f %7.2fx %7.2fx %s %9.1f %7.2fx %9.1f %10.1f "
-        "%7.2fx %7s\n",
-        world, save_gbps, raw_write, save_gbps / raw_write, read_gbps, restore_gbps, raw_read,
-        read_gbps / raw_read, restore_gbps / raw_read, direct.c_str(), gather_s * 1e3,
-        floor_s / best_restore_s, pause, copy, pause / copy,
-        gather_during_reads ? "during" : "after");
+    auto record = [&](std::string op, std::string impl, uint64_t counted_bytes,
+                      std::vector<double> samples) {
+      return shard::bench::Record({.op = std::move(op),
+                                   .impl = std::move(impl),
+                                   .bytes = static_cast<int64_t>(counted_bytes),
+                                   .ranks = world,
+                                   .stat = shard::bench::Statistic::kBest},
+                                  shard::bench::Summarize(std::move(samples)));
+    };
+    const shard::bench::Record raw_write = record("raw_write", "fsync", bytes, raw_write_ms);
+    const shard::bench::Record raw_read = record("raw_read", "dd", bytes, raw_read_ms);
+    const shard::bench::Record raw_direct = record("raw_read", "O_DIRECT", bytes, raw_direct_ms);
+    const double raw_read_gbps = *raw_read.algbw_gbps();
+    const double raw_direct_gbps = raw_direct.algbw_gbps().value_or(0);
+    report.Add(raw_write);
+    report.Add(record("save", "engine", bytes, save_ms)
+                   .Compare("algbw_gbps", "raw_write", *raw_write.algbw_gbps()));
+    report.Add(raw_read);
+    if (raw_direct.stats().samples > 0) report.Add(raw_direct);
+    report.Add(record("read", "checked", bytes, read_ms)
+                   .Compare("algbw_gbps", "raw_read dd", raw_read_gbps));
+    // The floor of a restore: the raw read, then what is left of the gather.
+    const double floor_gbps = bytes / (bytes / raw_read_gbps * 1e-6 + gather_ms) / 1e6;
+    report.Add(record("restore", gather_during_reads ? "gather during" : "gather after", bytes,
+                      restore_ms)
+                   .Extra("gather_ms", gather_ms)
+                   .Compare("algbw_gbps", "raw_read dd", raw_read_gbps)
+                   .Compare("algbw_gbps", "raw_read O_DIRECT", raw_direct_gbps)
+                   .Compare("algbw_gbps", "raw_read dd + gather", floor_gbps));
+    const shard::bench::Record memcpy_record = record("memcpy", "every rank", 0, copy_ms);
+    report.Add(memcpy_record);
+    report.Add(record("pause", "copy state", 0, pause_ms)
+                   .Compare("time_ms", "memcpy", memcpy_record.time_ms()));
   }
   std::filesystem::remove_all(dir);
-  return 0;
+  return report.Finish() ? 0 : 1;
 }

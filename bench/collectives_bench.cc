@@ -3,21 +3,18 @@
 // the TCP communicator's very connections, one thread's memcpy and the loopback TCP limit, all
 // measured in the same run, reported like nccl-tests (GB = 1e9 bytes; busbw = algbw x factor).
 //
-// Ranks are real processes: the parent forks them before any thread exists, and they meet
-// through a file-per-key rendezvous store in a private temporary directory (each communicator
-// under its own key prefix). Results are checked while measuring: inputs are small integers
-// (exact in f32, so every summation order gives the same bits) and the outputs of the timed
-// iterations are compared with the closed form; mismatching elements are counted in #wrong.
-#include <fcntl.h>
+// Ranks are real processes: this program started again (tests/support/process.h) with the
+// run's own flags and hidden ones that make it a rank; they meet through a file-per-key
+// rendezvous store in a private temporary directory (each communicator under its own key
+// prefix), and rank 0 writes what they measured there for the first process, which reports it
+// (bench/harness.h). Results are checked while measuring: inputs are small integers (exact in
+// f32, so every summation order gives the same bits) and the outputs of the timed iterations
+// are compared with the closed form; mismatching elements are counted in #wrong.
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/types.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,8 +25,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -39,14 +36,14 @@
 #include "absl/algorithm/container.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/harness.h"
 #include "common/bus_bandwidth.h"
 #include "common/cli.h"
 #include "common/dtype.h"
@@ -55,6 +52,8 @@
 #include "gloo/allreduce.h"
 #include "gloo/context.h"
 #include "gloo/math.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/process.h"
 #include "worker/dataplane/gloo_communicator.h"
 #include "worker/dataplane/key_value_store.h"
 #include "worker/dataplane/shm_communicator.h"
@@ -63,11 +62,11 @@ namespace shard {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using testing::Process;
 
 // What is measured: our shared-memory communicator, our TCP rings, raw Gloo's collectives.
 enum class Impl { kShm, kTcp, kGloo };
 constexpr Impl kAllImpls[] = {Impl::kShm, Impl::kTcp, Impl::kGloo};
-constexpr int kImplCount = 3;
 
 struct Flags {
   int ranks = 2;
@@ -87,6 +86,12 @@ struct Flags {
   uint64_t loopback_bytes = 512 << 20;
   int loopback_trials = 3;
   std::string timeout = "60s";
+  // Given (hidden flags) to the processes the first one starts: a rank, or the far side of the
+  // loopback pair, and where it writes what it measured.
+  int rank = -1;
+  int loopback_port = 0;
+  std::string store;    // the rendezvous directory
+  std::string results;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -137,52 +142,10 @@ class DirectoryKeyValueStore : public KeyValueStore {
   std::string dir_;
 };
 
+
 // ---------------------------------------------------------------------------------------------
-// Processes.
-
-// Waits for every child; after the first one that fails, kills the others (they would only
-// wait for it until their timeout). Returns true if all exited with status 0.
-bool WaitForChildren(std::vector<pid_t> pids, absl::string_view what) {
-  bool ok = true;
-  while (!pids.empty()) {
-    int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, 0);
-    if (pid < 0) {
-      if (errno == EINTR) continue;
-      std::fprintf(stderr, "shard-bench-collectives: waitpid: %s\n", std::strerror(errno));
-      return false;
-    }
-    auto it = std::find(pids.begin(), pids.end(), pid);
-    if (it == pids.end()) continue;
-    pids.erase(it);
-    const bool exited_ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    if (exited_ok) continue;
-    if (WIFSIGNALED(status)) {
-      std::fprintf(stderr, "shard-bench-collectives: %s process (pid %d) killed by %s\n",
-                   std::string(what).c_str(), pid, strsignal(WTERMSIG(status)));
-    } else {
-      std::fprintf(stderr, "shard-bench-collectives: %s process (pid %d) exited with %d\n",
-                   std::string(what).c_str(), pid, WEXITSTATUS(status));
-    }
-    if (ok) {
-      for (pid_t other : pids) ::kill(other, SIGTERM);
-    }
-    ok = false;
-  }
-  return ok;
-}
-
-// In a child: die with the parent, so an interrupted run leaves no ranks behind.
-void DieWithParent(pid_t parent) {
-  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (::getppid() != parent) std::_Exit(1);
-}
-
-[[noreturn]] void ExitChild(int code) {
-  std::fflush(stdout);
-  std::fflush(stderr);
-  std::_Exit(code);
-}
+// Loopback TCP: two processes, one 127.0.0.1 connection, each side sending and receiving
+// `bytes` at the same time (full duplex). Per-direction bandwidth = bytes / time.
 
 // ---------------------------------------------------------------------------------------------
 // Loopback TCP: two processes, one 127.0.0.1 connection, each side sending and receiving
@@ -215,11 +178,13 @@ absl::Status RecvAll(int fd, char* data, size_t bytes) {
   return absl::OkStatus();
 }
 
-// One side of the loopback pair; writes each trial's seconds (double) to `result_fd`.
-absl::Status LoopbackPeer(int fd, uint64_t bytes, int trials, int result_fd) {
+
+// One side of the loopback pair: each trial's seconds.
+absl::StatusOr<std::vector<double>> LoopbackPeer(int fd, uint64_t bytes, int trials) {
   constexpr size_t kChunk = size_t{64} << 20;
   std::vector<char> out(kChunk, 'x');
   std::vector<char> in(kChunk, 0);
+  std::vector<double> seconds;
   for (int t = 0; t < trials; ++t) {
     // Start together: each side says it is ready and waits for the other.
     char token = 's';
@@ -241,19 +206,51 @@ absl::Status LoopbackPeer(int fd, uint64_t bytes, int trials, int result_fd) {
       left -= n;
     }
     sender.join();
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
     if (!sent.ok()) return sent;
     if (!received.ok()) return received;
-    if (::write(result_fd, &seconds, sizeof(seconds)) != sizeof(seconds)) {
-      return absl::InternalError(absl::StrCat("write result: ", std::strerror(errno)));
-    }
   }
-  return absl::OkStatus();
+  return seconds;
 }
 
-// Forks the two peers; returns the best (over trials) per-direction GB/s, a trial's time being
-// the slower side's.
-absl::StatusOr<double> MeasureLoopbackTcp(uint64_t bytes, int trials) {
+// The far side, in a process of its own: connects to the first process's listener and writes
+// each trial's seconds to --results, one a line. Returns the exit code.
+int RunLoopbackPeer(const Flags& flags) {
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(flags.loopback_port));
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    std::fprintf(stderr, "loopback peer: cannot connect: %s\n", std::strerror(errno));
+    return 1;
+  }
+  absl::StatusOr<std::vector<double>> seconds =
+      LoopbackPeer(fd, flags.loopback_bytes, flags.loopback_trials);
+  ::close(fd);
+  if (!seconds.ok()) {
+    std::fprintf(stderr, "loopback peer: %s\n", std::string(seconds.status().message()).c_str());
+    return 1;
+  }
+  std::ofstream out(flags.results);
+  for (double s : *seconds) out << absl::StrFormat("%.17g\n", s);
+  out.close();
+  return out ? 0 : 1;
+}
+
+// `run` (this program and the run's own arguments) with `extra` ones after them.
+std::vector<std::string> Again(const std::vector<std::string>& run,
+                               const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = run;
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
+// Milliseconds of each trial, the slower side's: this process is one side of the connection, a
+// process it starts (this program again) the other; their files go to `dir`.
+absl::StatusOr<std::vector<double>> MeasureLoopbackTcp(const Flags& flags,
+                                                       const std::vector<std::string>& run,
+                                                       const std::string& dir) {
   const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (listener < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
   sockaddr_in address{};
@@ -268,106 +265,43 @@ absl::StatusOr<double> MeasureLoopbackTcp(uint64_t bytes, int trials) {
     ::close(listener);
     return absl::InternalError(absl::StrCat("cannot listen on 127.0.0.1: ", error));
   }
-  const pid_t parent = ::getpid();
-  std::vector<pid_t> pids;
-  std::vector<int> result_fds;
-  for (int side = 0; side < 2; ++side) {
-    int pipe_fds[2] = {-1, -1};
-    std::fflush(stdout);
-    std::fflush(stderr);
-    const pid_t pid = ::pipe(pipe_fds) == 0 ? ::fork() : -1;
-    if (pid < 0) {
-      const std::string error = std::strerror(errno);
-      for (int fd : {pipe_fds[0], pipe_fds[1], listener}) {
-        if (fd >= 0) ::close(fd);
-      }
-      for (int fd : result_fds) ::close(fd);
-      for (pid_t other : pids) ::kill(other, SIGTERM);
-      WaitForChildren(pids, "loopback");
-      return absl::InternalError(absl::StrCat("cannot start a loopback peer: ", error));
-    }
-    if (pid == 0) {
-      DieWithParent(parent);
-      ::close(pipe_fds[0]);
-      int fd = -1;
-      if (side == 0) {
-        fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-      } else {
-        fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (fd >= 0 &&
-            ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-          ::close(fd);
-          fd = -1;
-        }
-      }
-      ::close(listener);
-      if (fd < 0) {
-        std::fprintf(stderr, "loopback peer %d: cannot connect: %s\n", side,
-                     std::strerror(errno));
-        ExitChild(1);
-      }
-      absl::Status measured = LoopbackPeer(fd, bytes, trials, pipe_fds[1]);
-      if (!measured.ok()) {
-        std::fprintf(stderr, "loopback peer %d: %s\n", side,
-                     std::string(measured.message()).c_str());
-        ExitChild(1);
-      }
-      ExitChild(0);
-    }
-    ::close(pipe_fds[1]);
-    pids.push_back(pid);
-    result_fds.push_back(pipe_fds[0]);
+  const std::string results = dir + "/loopback";
+  absl::StatusOr<Process> peer = Process::Start(
+      Again(run, {"--loopback-peer", absl::StrCat(ntohs(address.sin_port)), "--results", results}),
+      dir + "/loopback.log");
+  if (!peer.ok()) {
+    ::close(listener);
+    return peer.status();
   }
+  // Accept, unless the peer ends (or the connect timeout passes) first.
+  const absl::Time give_up = absl::Now() + ParsedDuration(flags.timeout);
+  pollfd ready = {listener, POLLIN, 0};
+  while (::poll(&ready, 1, 50) <= 0 && !peer->Exited() && absl::Now() < give_up) {
+  }
+  const int fd =
+      (ready.revents & POLLIN) ? ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC) : -1;
   ::close(listener);
-  const bool ok = WaitForChildren(pids, "loopback");
-  std::vector<double> slowest(trials, 0.0);
-  bool complete = ok;
-  for (int fd : result_fds) {
-    for (int t = 0; t < trials; ++t) {
-      double seconds = 0;
-      if (::read(fd, &seconds, sizeof(seconds)) != sizeof(seconds)) {
-        complete = false;
-        break;
-      }
-      slowest[t] = std::max(slowest[t], seconds);
-    }
-    ::close(fd);
+  if (fd < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("the loopback peer did not connect; its log:\n", peer->Log()));
   }
-  if (!complete) return absl::UnavailableError("a loopback peer failed");
-  const double best = *std::min_element(slowest.begin(), slowest.end());
-  return AlgorithmBandwidthGBps(static_cast<double>(bytes), best);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Memory copy: one thread, `bytes` from one buffer to another (both touched beforehand), the
-// best of `trials`; GB/s = bytes copied / time.
-
-double MeasureMemcpyGBps(uint64_t bytes, int trials) {
-  std::vector<char> from(bytes, 1);
-  std::vector<char> to(bytes, 0);
-  double best = std::numeric_limits<double>::infinity();
-  for (int t = 0; t < trials; ++t) {
-    const Clock::time_point start = Clock::now();
-    std::memcpy(to.data(), from.data(), bytes);
-    // The copy's result must count as used.
-    asm volatile("" : : "r"(to.data()) : "memory");
-    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
+  absl::StatusOr<std::vector<double>> mine =
+      LoopbackPeer(fd, flags.loopback_bytes, flags.loopback_trials);
+  ::close(fd);
+  const std::optional<int> exit_code = peer->Wait(ParsedDuration(flags.timeout));
+  if (!mine.ok()) return mine.status();
+  std::vector<double> theirs;
+  std::ifstream in(results);
+  for (double s = 0; in >> s;) theirs.push_back(s);
+  if (exit_code != 0 || theirs.size() != mine->size()) {
+    return absl::UnavailableError(
+        absl::StrCat("the loopback peer failed; its log:\n", peer->Log()));
   }
-  return AlgorithmBandwidthGBps(static_cast<double>(bytes), best);
-}
-
-// The first "model name" of /proc/cpuinfo.
-std::string CpuName() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line)) {
-    if (!absl::StartsWith(line, "model name")) continue;
-    const size_t colon = line.find(':');
-    if (colon != std::string::npos) {
-      return std::string(absl::StripAsciiWhitespace(line.substr(colon + 1)));
-    }
+  std::vector<double> slower_ms;
+  for (size_t t = 0; t < theirs.size(); ++t) {
+    slower_ms.push_back(std::max((*mine)[t], theirs[t]) * 1e3);
   }
-  return "unknown CPU";
+  return slower_ms;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -534,7 +468,7 @@ absl::StatusOr<Impl> ParseImpl(absl::string_view name) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The harness, run by every rank.
+// Measuring, on every rank.
 
 struct Measurement {
   double seconds = 0;  // per iteration: max over ranks of each rank's mean
@@ -599,74 +533,14 @@ std::vector<uint64_t> MessageSizes(const Flags& flags) {
   return sizes;
 }
 
-// Per collective and impl (indexed by Impl).
-struct Summary {
-  double busbw_sum[kImplCount] = {};
-  int rows[kImplCount] = {};
-  std::optional<double> busbw_largest[kImplCount];
-};
 
-// "-" where either side was not measured.
-std::string Ratio(std::optional<double> numerator, std::optional<double> denominator) {
-  if (!numerator.has_value() || !denominator.has_value() || *denominator <= 0) return "-";
-  return absl::StrFormat("%.2f", *numerator / *denominator);
-}
-
-std::string Target(bool met) { return met ? "met" : "NOT met"; }
-
-// The closing lines of one collective, at the largest size: shm against memcpy, TCP and Gloo;
-// our TCP ring against loopback TCP and Gloo.
-void PrintSummary(const CollectiveTest& test, const Summary& sum, uint64_t largest,
-                  double memcpy_gbps, std::optional<double> loopback_gbps) {
-  const std::string name(CollectiveName(test.collective()));
-  const auto& at = sum.busbw_largest;
-  const auto shm = static_cast<int>(Impl::kShm);
-  const auto tcp = static_cast<int>(Impl::kTcp);
-  const auto gloo = static_cast<int>(Impl::kGloo);
-  std::vector<std::string> averages;
-  for (Impl impl : kAllImpls) {
-    const int i = static_cast<int>(impl);
-    if (sum.rows[i] > 0) {
-      averages.push_back(
-          absl::StrFormat("%s %.3f", ImplName(impl), sum.busbw_sum[i] / sum.rows[i]));
-    }
-  }
-  std::printf("# %s: avg busbw %s GB/s\n", name.c_str(), absl::StrJoin(averages, ", ").c_str());
-  if (at[shm].has_value()) {
-    const double x = *at[shm] / memcpy_gbps;
-    std::printf(
-        "# %s at %llu B: shm busbw %.3f GB/s = %.2fx memcpy (%.3f GB/s) [target >= 0.5x "
-        "memcpy: %s]; shm/tcp %s, shm/gloo %s\n",
-        name.c_str(), static_cast<unsigned long long>(largest), *at[shm], x, memcpy_gbps,
-        Target(x >= 0.5).c_str(), Ratio(at[shm], at[tcp]).c_str(),
-        Ratio(at[shm], at[gloo]).c_str());
-  }
-  if (at[tcp].has_value()) {
-    std::string loopback = "loopback TCP not measured";
-    if (loopback_gbps.has_value()) {
-      const double x = *at[tcp] / *loopback_gbps;
-      loopback = absl::StrFormat("%.2fx loopback TCP per direction (%.3f GB/s)", x,
-                                 *loopback_gbps);
-      if (test.collective() == Collective::kAllReduce) {
-        absl::StrAppend(&loopback, " [target >= 0.70x: ", Target(x >= 0.7), "]");
-      }
-    }
-    std::string versus_gloo = "tcp/gloo -";
-    if (at[gloo].has_value()) {
-      versus_gloo = absl::StrCat("tcp/gloo ", Ratio(at[tcp], at[gloo]),
-                                 " [target >= 1: ", Target(*at[tcp] >= *at[gloo]), "]");
-    }
-    std::printf("# %s at %llu B: tcp busbw %.3f GB/s = %s; %s\n", name.c_str(),
-                static_cast<unsigned long long>(largest), *at[tcp], loopback.c_str(),
-                versus_gloo.c_str());
-  }
-}
-
-// Returns the process exit code.
-int RunRank(int rank, const Flags& flags, const std::string& store_dir, double memcpy_gbps,
-            std::optional<double> loopback_gbps) {
-  const bool print = rank == 0;
-  DirectoryKeyValueStore store(store_dir);
+// A rank, in a process of its own: every size, collective and impl measured with the other
+// ranks; rank 0 writes each size and collective's measurements to --results as one JSON line
+// (flushed, the first process reads them as they come). Returns the exit code: 1 if a
+// collective failed or any element was wrong.
+int RunRank(const Flags& flags) {
+  const int rank = flags.rank;
+  DirectoryKeyValueStore store(flags.store);
   GlooOptions options;
   options.rank = rank;
   options.size = flags.ranks;
@@ -700,71 +574,193 @@ int RunRank(int rank, const Flags& flags, const std::string& store_dir, double m
   }
   const auto timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(options.timeout));
 
-  if (print) {
-    std::printf("#\n# %12s %14s %5s %15s %6s %11s %12s %12s %8s\n", "size(B)", "count(elems)",
-                "type", "collective", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
-                "#wrong");
-    std::fflush(stdout);
-  }
+  std::ofstream results;
+  if (rank == 0) results.open(flags.results);
   std::vector<std::unique_ptr<CollectiveTest>> tests;
   for (Collective c : flags.collectives) tests.push_back(MakeTest(c));
-  std::vector<Summary> summaries(tests.size());
   int64_t total_wrong = 0;
   const std::vector<uint64_t> sizes = MessageSizes(flags);
   for (size_t s = 0; s < sizes.size(); ++s) {
-    for (size_t t = 0; t < tests.size(); ++t) {
-      const CollectiveTest& test = *tests[t];
-      const size_t send_count = test.SendCount(sizes[s], flags.ranks);
+    for (const std::unique_ptr<CollectiveTest>& test : tests) {
+      const size_t send_count = test->SendCount(sizes[s], flags.ranks);
       Buffers buffers;
       buffers.send.resize(send_count);
       for (size_t i = 0; i < send_count; ++i) buffers.send[i] = InputValue(rank, i);
-      buffers.recv.resize(test.RecvCount(send_count, flags.ranks));
-      const size_t count = test.MessageCount(send_count, flags.ranks);
-      const double bytes = static_cast<double>(count * sizeof(float));
-      const std::string row_start = absl::StrFormat(
-          "  %12.0f %14zu %5s %15s", bytes, count, DataTypeName(DataType::kFloat32),
-          CollectiveName(test.collective()));
+      buffers.recv.resize(test->RecvCount(send_count, flags.ranks));
+      const size_t count = test->MessageCount(send_count, flags.ranks);
+      nlohmann::json measured = nlohmann::json::array();
       for (Impl impl : flags.impls) {
-        if (impl == Impl::kGloo && !test.has_gloo()) {
-          if (print) {
-            std::printf("%s %6s %11s %12s %12s %8s\n", row_start.c_str(), "gloo", "-", "-", "-",
-                        "-");
-          }
-          continue;
-        }
-        absl::StatusOr<Measurement> m = Measure(comms, test, impl, buffers, flags, timeout);
+        if (impl == Impl::kGloo && !test->has_gloo()) continue;
+        absl::StatusOr<Measurement> m = Measure(comms, *test, impl, buffers, flags, timeout);
         if (!m.ok()) {
-          std::fprintf(stderr, "rank %d: %s %s at %.0f B: %s\n", rank,
-                       std::string(CollectiveName(test.collective())).c_str(),
-                       std::string(ImplName(impl)).c_str(), bytes,
+          std::fprintf(stderr, "rank %d: %s %s at %zu B: %s\n", rank,
+                       std::string(CollectiveName(test->collective())).c_str(),
+                       std::string(ImplName(impl)).c_str(), count * sizeof(float),
                        std::string(m.status().message()).c_str());
           return 1;
         }
-        const double algbw = AlgorithmBandwidthGBps(bytes, m->seconds);
-        const double busbw = BusBandwidthGBps(test.collective(), flags.ranks, bytes, m->seconds);
-        const int i = static_cast<int>(impl);
-        summaries[t].busbw_sum[i] += busbw;
-        summaries[t].rows[i] += 1;
-        if (s + 1 == sizes.size()) summaries[t].busbw_largest[i] = busbw;
         total_wrong += m->wrong;
-        if (print) {
-          std::printf("%s %6s %11.1f %12.3f %12.3f %8lld\n", row_start.c_str(),
-                      std::string(ImplName(impl)).c_str(), m->seconds * 1e6, algbw, busbw,
-                      static_cast<long long>(m->wrong));
-          std::fflush(stdout);
-        }
+        measured.push_back(
+            {{"impl", std::string(ImplName(impl))}, {"seconds", m->seconds}, {"wrong", m->wrong}});
+      }
+      if (rank == 0) {
+        results << nlohmann::json{{"collective", std::string(CollectiveName(test->collective()))},
+                                  {"count", count},
+                                  {"largest", s + 1 == sizes.size()},
+                                  {"measured", measured}}
+                       .dump()
+                << std::endl;
       }
     }
   }
-  if (print) {
-    std::printf("#\n");
-    for (size_t t = 0; t < tests.size(); ++t) {
-      PrintSummary(*tests[t], summaries[t], sizes.back(), memcpy_gbps, loopback_gbps);
-    }
-    std::printf("# total #wrong: %lld\n", static_cast<long long>(total_wrong));
-    std::fflush(stdout);
-  }
   return total_wrong == 0 ? 0 : 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The first process: the limits, the ranks, the report.
+
+// What rank 0 wrote, reported as it comes: a record per impl, and at the largest size each
+// impl's busbw against the limits measured in the same run and against the other impls.
+class Results {
+ public:
+  Results(bench::Report* report, const Flags& flags, double memcpy_gbps,
+          std::optional<double> loopback_gbps)
+      : report_(report),
+        flags_(flags),
+        memcpy_gbps_(memcpy_gbps),
+        loopback_gbps_(loopback_gbps) {}
+
+  // Reports the whole lines written to `path` since the last call.
+  void Read(const std::string& path) {
+    std::ifstream in(path);
+    in.seekg(static_cast<std::streamoff>(consumed_));
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t end = text.rfind('\n');
+    if (end == std::string::npos) return;
+    consumed_ += end + 1;
+    for (absl::string_view line : absl::StrSplit(text.substr(0, end), '\n')) {
+      Add(nlohmann::json::parse(line));
+    }
+  }
+
+  // The closing notes: each collective's average busbw per impl, and every wrong element.
+  void Close() {
+    for (Collective c : flags_.collectives) {
+      std::vector<std::string> averages;
+      for (Impl impl : flags_.impls) {
+        const auto it = busbw_.find({c, impl});
+        if (it == busbw_.end()) continue;
+        averages.push_back(absl::StrFormat("%s %.3f", ImplName(impl),
+                                           it->second.first / it->second.second));
+      }
+      if (averages.empty()) continue;  // the ranks failed before measuring it
+      report_->Note(absl::StrFormat("%s: avg busbw %s GB/s", CollectiveName(c),
+                                    absl::StrJoin(averages, ", ")));
+    }
+    report_->Note(absl::StrCat("total #wrong: ", wrong_));
+  }
+
+ private:
+  void Add(const nlohmann::json& line) {
+    const Collective c = *ParseCollective(line["collective"].get<std::string>());
+    const int64_t count = line["count"].get<int64_t>();
+    std::map<Impl, bench::Record> records;
+    for (const nlohmann::json& m : line["measured"]) {
+      const Impl impl = *ParseImpl(m["impl"].get<std::string>());
+      bench::Record record({.op = std::string(CollectiveName(c)),
+                            .impl = std::string(ImplName(impl)),
+                            .bytes = count * static_cast<int64_t>(sizeof(float)),
+                            .count = count,
+                            .dtype = std::string(DataTypeName(DataType::kFloat32)),
+                            .ranks = flags_.ranks,
+                            .warmup = flags_.warmup,
+                            .iters = flags_.iters,
+                            .stat = bench::Statistic::kMean,
+                            .bus_factor = BusBandwidthFactor(c, flags_.ranks)},
+                           bench::Summarize({m["seconds"].get<double>() * 1e3}));
+      record.Wrong(m["wrong"].get<int64_t>());
+      wrong_ += m["wrong"].get<int64_t>();
+      auto& [sum, rows] = busbw_[{c, impl}];
+      sum += record.busbw_gbps().value_or(0);
+      rows += 1;
+      records.emplace(impl, std::move(record));
+    }
+    if (line["largest"].get<bool>()) Compare(c, records);
+    for (const auto& [impl, record] : records) report_->Add(record);
+  }
+
+  // shm busbw >= 0.5x memcpy; tcp busbw >= raw Gloo's, and tcp all-reduce >= 0.7x loopback TCP.
+  void Compare(Collective c, std::map<Impl, bench::Record>& records) {
+    auto busbw = [&](Impl impl) {
+      const auto it = records.find(impl);
+      return it == records.end() ? 0.0 : it->second.busbw_gbps().value_or(0);
+    };
+    if (auto shm = records.find(Impl::kShm); shm != records.end()) {
+      shm->second.Compare("busbw_gbps", "memcpy", memcpy_gbps_, bench::AtLeast(0.5))
+          .Compare("busbw_gbps", "tcp", busbw(Impl::kTcp))
+          .Compare("busbw_gbps", "gloo", busbw(Impl::kGloo));
+    }
+    if (auto tcp = records.find(Impl::kTcp); tcp != records.end()) {
+      const bench::Target loopback_target =
+          c == Collective::kAllReduce ? bench::AtLeast(0.7) : bench::Target{};
+      tcp->second
+          .Compare("busbw_gbps", "loopback TCP", loopback_gbps_.value_or(0), loopback_target)
+          .Compare("busbw_gbps", "gloo", busbw(Impl::kGloo), bench::AtLeast(1));
+    }
+  }
+
+  bench::Report* report_;
+  const Flags& flags_;
+  const double memcpy_gbps_;
+  const std::optional<double> loopback_gbps_;
+  size_t consumed_ = 0;
+  std::map<std::pair<Collective, Impl>, std::pair<double, int>> busbw_;  // sum, rows
+  int64_t wrong_ = 0;
+};
+
+// Starts the ranks (this program again, `run`, logging to `dir`), reports what they measure as
+// they go, and waits for them all; after the first one that fails, stops the others (they would
+// only wait for it until their timeout). Returns whether all exited with status 0.
+bool RunRanks(const Flags& flags, const std::vector<std::string>& run, const std::string& dir,
+              Results& results) {
+  const std::string path = dir + "/results";
+  std::vector<Process> ranks;
+  for (int rank = 0; rank < flags.ranks; ++rank) {
+    absl::StatusOr<Process> started = Process::Start(
+        Again(run, {"--rank", absl::StrCat(rank), "--store", dir, "--results", path}),
+        absl::StrCat(dir, "/rank-", rank, ".log"));
+    if (!started.ok()) {
+      std::fprintf(stderr, "shard-bench-collectives: %s\n",
+                   std::string(started.status().message()).c_str());
+      return false;  // the ranks started so far are killed with their Process
+    }
+    ranks.push_back(*std::move(started));
+  }
+  bool ok = true;
+  std::vector<bool> reported(ranks.size(), false);
+  for (bool running = true; running;) {
+    results.Read(path);
+    running = false;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      if (!ranks[r].Exited()) {
+        running = true;
+        continue;
+      }
+      const int code = *ranks[r].Wait(absl::ZeroDuration());
+      if (code == 0 || reported[r]) continue;
+      reported[r] = true;
+      std::fprintf(stderr, "shard-bench-collectives: rank %zu (pid %d) exited with %d%s\n", r,
+                   ranks[r].pid(), code,
+                   ok ? absl::StrCat("; its log:\n", ranks[r].Log()).c_str() : "");
+      if (ok) {
+        for (Process& other : ranks) other.Signal(SIGTERM);
+      }
+      ok = false;
+    }
+    if (running) absl::SleepFor(absl::Milliseconds(20));
+  }
+  results.Read(path);
+  return ok;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -837,6 +833,13 @@ int Main(int argc, char** argv) {
   app.add_option("--loopback-trials", flags.loopback_trials, "loopback TCP trials (best kept)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
+  // What the first process gives the ones it starts.
+  app.add_option("--rank", flags.rank)->group("");
+  app.add_option("--store", flags.store)->group("");
+  app.add_option("--results", flags.results)->group("");
+  app.add_option("--loopback-peer", flags.loopback_port)->group("");
+  bench::Output output;
+  bench::AddOutputOptions(app, &output);
   if (std::optional<int> exit_code = ParseCommandLine(app, argc, argv)) return *exit_code;
 
   for (const std::string& name : flags.collective_names) {
@@ -873,76 +876,76 @@ int Main(int argc, char** argv) {
     return 2;
   }
 
-  std::printf(
-      "# shard-bench-collectives: %d ranks (processes) on 127.0.0.1, f32 sum, out-of-place, "
-      "warmup %d, iters %d, impls %s, tcp segment_bytes %llu, shm slot_bytes %llu x depth %d\n",
+  if (flags.loopback_port > 0) return RunLoopbackPeer(flags);
+  if (flags.rank >= 0) return RunRank(flags);
+
+  // The ranks and the loopback peer are this program again, with the run's own arguments.
+  std::vector<std::string> run = {std::filesystem::read_symlink("/proc/self/exe").string()};
+  run.insert(run.end(), argv + 1, argv + argc);
+  bench::Report report("shard-bench-collectives", output);
+  report.Note(absl::StrFormat(
+      "%d ranks (processes) on 127.0.0.1, f32 sum, out-of-place, warmup %d, iters %d, impls %s, "
+      "tcp segment_bytes %llu, shm slot_bytes %llu x depth %d",
       flags.ranks, flags.warmup, flags.iters,
       absl::StrJoin(flags.impls, ",",
-                    [](std::string* out, Impl impl) { absl::StrAppend(out, ImplName(impl)); })
-          .c_str(),
+                    [](std::string* out, Impl impl) { absl::StrAppend(out, ImplName(impl)); }),
       static_cast<unsigned long long>(flags.segment_bytes),
-      static_cast<unsigned long long>(flags.shm_slot_bytes), ShmOptions().depth);
-  std::printf("# CPU: %s, %u logical CPUs\n", CpuName().c_str(),
-              std::thread::hardware_concurrency());
-  const double memcpy_gbps = MeasureMemcpyGBps(flags.max_bytes, flags.memcpy_trials);
-  std::printf("# memcpy, one thread: %.3f GB/s (%llu B, best of %d)\n", memcpy_gbps,
-              static_cast<unsigned long long>(flags.max_bytes), flags.memcpy_trials);
-  std::optional<double> loopback_gbps;
+      static_cast<unsigned long long>(flags.shm_slot_bytes), ShmOptions().depth));
+  report.Note("time: the slowest rank's mean over the timed iterations; size(B): the buffer the "
+              "bandwidth is about (all-reduce: the buffer; reduce-scatter: the scattered input; "
+              "all-gather: the gathered output); gloo has no reduce-scatter here; at the largest "
+              "size, busbw against one thread's memcpy, loopback TCP per direction and the "
+              "other impls");
+  // One thread copying the largest size between two buffers touched beforehand.
+  std::vector<char> from(flags.max_bytes, 1);
+  std::vector<char> to(flags.max_bytes, 0);
+  const bench::Record memcpy_record(
+      {.op = "memcpy",
+       .impl = "1 thread",
+       .bytes = static_cast<int64_t>(flags.max_bytes),
+       .stat = bench::Statistic::kBest},
+      bench::Summarize(bench::TimeRuns(0, flags.memcpy_trials, [&] {
+        std::memcpy(to.data(), from.data(), flags.max_bytes);
+        // The copy's result must count as used.
+        asm volatile("" : : "r"(to.data()) : "memory");
+      })));
+  from = {};
+  to = {};
+  report.Add(memcpy_record);
+
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp",
+                                 "/shard-bench-collectives.XXXXXX");
+  if (::mkdtemp(dir.data()) == nullptr) {
+    std::fprintf(stderr, "shard-bench-collectives: cannot create a temporary directory %s: %s\n",
+                 dir.c_str(), std::strerror(errno));
+    return 1;
+  }
   bool ok = true;
+  std::optional<double> loopback_gbps;
   if (!flags.skip_loopback) {
-    absl::StatusOr<double> measured =
-        MeasureLoopbackTcp(flags.loopback_bytes, flags.loopback_trials);
+    absl::StatusOr<std::vector<double>> measured = MeasureLoopbackTcp(flags, run, dir);
     if (measured.ok()) {
-      loopback_gbps = *measured;
-      std::printf(
-          "# loopback TCP, full duplex on one 127.0.0.1 connection: %.3f GB/s per direction "
-          "(%llu B each way, best of %d)\n",
-          *measured, static_cast<unsigned long long>(flags.loopback_bytes),
-          flags.loopback_trials);
+      const bench::Record loopback({.op = "loopback_tcp",
+                                    .impl = "per direction",
+                                    .bytes = static_cast<int64_t>(flags.loopback_bytes),
+                                    .ranks = 2,
+                                    .stat = bench::Statistic::kBest},
+                                   bench::Summarize(*measured));
+      loopback_gbps = loopback.algbw_gbps();
+      report.Add(loopback);
     } else {
       std::fprintf(stderr, "shard-bench-collectives: loopback TCP: %s\n",
                    std::string(measured.status().message()).c_str());
       ok = false;
     }
   }
-  std::fflush(stdout);
-
-  const char* tmp = std::getenv("TMPDIR");
-  std::string pattern = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp",
-                                     "/shard-bench-collectives.XXXXXX");
-  std::vector<char> dir_buffer(pattern.begin(), pattern.end());
-  dir_buffer.push_back('\0');
-  if (::mkdtemp(dir_buffer.data()) == nullptr) {
-    std::fprintf(stderr, "shard-bench-collectives: cannot create a temporary directory %s: %s\n",
-                 pattern.c_str(), std::strerror(errno));
-    return 1;
-  }
-  const std::string store_dir = dir_buffer.data();
-
-  const pid_t parent = ::getpid();
-  std::vector<pid_t> pids;
-  for (int rank = 0; rank < flags.ranks; ++rank) {
-    std::fflush(stdout);
-    std::fflush(stderr);
-    const pid_t pid = ::fork();
-    if (pid < 0) {
-      std::fprintf(stderr, "shard-bench-collectives: fork: %s\n", std::strerror(errno));
-      for (pid_t other : pids) ::kill(other, SIGTERM);
-      WaitForChildren(pids, "rank");
-      ok = false;
-      pids.clear();
-      break;
-    }
-    if (pid == 0) {
-      DieWithParent(parent);
-      ExitChild(RunRank(rank, flags, store_dir, memcpy_gbps, loopback_gbps));
-    }
-    pids.push_back(pid);
-  }
-  if (!pids.empty() && !WaitForChildren(pids, "rank")) ok = false;
+  Results results(&report, flags, *memcpy_record.algbw_gbps(), loopback_gbps);
+  if (!RunRanks(flags, run, dir, results)) ok = false;
+  results.Close();
   std::error_code ignored;
-  std::filesystem::remove_all(store_dir, ignored);
-  return ok ? 0 : 1;
+  std::filesystem::remove_all(dir, ignored);
+  return report.Finish() && ok ? 0 : 1;
 }
 
 }  // namespace

@@ -34,10 +34,7 @@
 // filesystem and device that hold it are printed. The client runs on the same machine as the
 // coordinator and competes with it for the cores: CPU-seconds are the robust figures, wall
 // times and rates are a lower bound for a coordinator with the machine to itself.
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -72,6 +69,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/harness.h"
 #include "common/cli.h"
 #include "common/dtype.h"
 #include "common/files.h"
@@ -82,11 +80,11 @@
 #include "grpcpp/security/credentials.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "nlohmann/json.hpp"
 #include "proto/control_convert.h"
 #include "proto/unary_call.h"
 #include "shard/v1/coordinator.grpc.pb.h"
 #include "shard/v1/job.pb.h"
+#include "tests/support/process.h"
 
 namespace shard {
 namespace {
@@ -145,115 +143,71 @@ int64_t StatusKib(pid_t pid, absl::string_view key) {
   return -1;
 }
 
-std::string Tail(const std::string& path, size_t bytes) {
-  std::ifstream in(path);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+std::string Tail(const std::string& text, size_t bytes) {
   return text.size() <= bytes ? text : text.substr(text.size() - bytes);
 }
 
+// How a process that Process::Wait saw end ended.
+std::string Ended(int exit_code) {
+  return exit_code > 128 ? absl::StrCat("was killed by signal ", exit_code - 128)
+                         : absl::StrCat("exited with status ", exit_code);
+}
+
 // The running coordinator's pid, -1 when there is none: what a SIGINT/SIGTERM of this benchmark
-// kills before it exits (PR_SET_PDEATHSIG covers the benchmark dying of anything else).
+// kills before it exits (its Process kills it on every other way out, and it gets SIGKILL if
+// this process dies of anything else).
 std::atomic<pid_t> running_coordinator{-1};
 
-// A shard-coordinator child process. Stopped (SIGTERM, then SIGKILL) when destroyed, so every
-// error path of the benchmark cleans it up; it also gets SIGKILL if this process dies first.
-class CoordinatorProcess {
- public:
-  static absl::StatusOr<std::unique_ptr<CoordinatorProcess>> Start(
-      const std::string& binary, const std::vector<std::string>& args,
-      const std::string& port_file, const std::string& log_file, absl::Duration timeout) {
-    if (::access(binary.c_str(), X_OK) != 0) {
-      return absl::NotFoundError(absl::StrCat(
-          "no shard-coordinator binary at ", binary,
-          "; build it (scripts/build.sh --target shard-coordinator) or pass --coordinator-binary"));
-    }
-    std::vector<std::string> argv_storage = {binary};
-    argv_storage.insert(argv_storage.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (std::string& arg : argv_storage) argv.push_back(arg.data());
-    argv.push_back(nullptr);
-    const pid_t parent = ::getpid();
-    const pid_t pid = ::fork();
-    if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
-    if (pid == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(1);
-      const int log = ::open(log_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (log >= 0) {
-        ::dup2(log, STDOUT_FILENO);
-        ::dup2(log, STDERR_FILENO);
-        ::close(log);
-      }
-      ::execv(binary.c_str(), argv.data());
-      std::fprintf(stderr, "exec %s: %s\n", binary.c_str(), std::strerror(errno));
-      ::_exit(127);
-    }
-    running_coordinator.store(pid);
-    auto process = std::unique_ptr<CoordinatorProcess>(new CoordinatorProcess(pid, log_file));
-    const absl::Time give_up = absl::Now() + timeout;
-    while (true) {
-      std::ifstream in(port_file);
-      if (int port = 0; in >> port && port > 0) {
-        process->port_ = port;
-        return process;
-      }
-      if (std::optional<std::string> ended = process->Reap(/*block=*/false)) {
-        return absl::UnavailableError(absl::StrCat("shard-coordinator ", *ended,
-                                                   " before serving; its log ends with:\n",
-                                                   Tail(log_file, 2000)));
-      }
-      if (absl::Now() > give_up) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "shard-coordinator did not write its port to ", port_file, " within ",
-            absl::FormatDuration(timeout), "; its log ends with:\n", Tail(log_file, 2000)));
-      }
-      absl::SleepFor(absl::Milliseconds(10));
-    }
+// Starts shard-coordinator `binary` with `args`, logging to `log_file`, and waits until it has
+// written its port to `port_file`.
+absl::StatusOr<testing::Process> StartCoordinator(const std::string& binary,
+                                                  const std::vector<std::string>& args,
+                                                  const std::string& port_file,
+                                                  const std::string& log_file, int* port,
+                                                  absl::Duration timeout) {
+  if (::access(binary.c_str(), X_OK) != 0) {
+    return absl::NotFoundError(absl::StrCat(
+        "no shard-coordinator binary at ", binary,
+        "; build it (scripts/build.sh --target shard-coordinator) or pass --coordinator-binary"));
   }
-
-  ~CoordinatorProcess() { Stop(absl::Seconds(10)); }
-  CoordinatorProcess(const CoordinatorProcess&) = delete;
-  CoordinatorProcess& operator=(const CoordinatorProcess&) = delete;
-
-  pid_t pid() const { return pid_; }
-  int port() const { return port_; }
-  bool running() { return pid_ > 0 && !Reap(/*block=*/false).has_value(); }
-
-  // SIGTERM (the coordinator asks its workers to stop and exits once none is live), then
-  // SIGKILL if it has not exited within `grace`. Says how it ended.
-  std::string Stop(absl::Duration grace) {
-    if (pid_ <= 0) return ended_;
-    ::kill(pid_, SIGTERM);
-    const absl::Time give_up = absl::Now() + grace;
-    while (absl::Now() < give_up) {
-      if (std::optional<std::string> ended = Reap(/*block=*/false)) return *ended;
-      absl::SleepFor(absl::Milliseconds(20));
+  std::vector<std::string> argv = {binary};
+  argv.insert(argv.end(), args.begin(), args.end());
+  absl::StatusOr<testing::Process> process = testing::Process::Start(argv, log_file);
+  if (!process.ok()) return process.status();
+  running_coordinator.store(process->pid());
+  const absl::Time give_up = absl::Now() + timeout;
+  while (true) {
+    std::ifstream in(port_file);
+    if (in >> *port && *port > 0) return process;
+    if (process->Exited()) {
+      running_coordinator.store(-1);
+      return absl::UnavailableError(absl::StrCat(
+          "shard-coordinator ", Ended(*process->Wait(absl::ZeroDuration())),
+          " before serving; its log ends with:\n", Tail(process->Log(), 2000)));
     }
-    ::kill(pid_, SIGKILL);
-    return Reap(/*block=*/true).value_or("killed") + " (SIGKILL after SIGTERM)";
+    if (absl::Now() > give_up) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "shard-coordinator did not write its port to ", port_file, " within ",
+          absl::FormatDuration(timeout), "; its log ends with:\n", Tail(process->Log(), 2000)));
+    }
+    absl::SleepFor(absl::Milliseconds(10));
   }
+}
 
- private:
-  CoordinatorProcess(pid_t pid, std::string log_file) : pid_(pid), log_file_(std::move(log_file)) {}
-
-  // How the child ended, once it has (reaped); nullopt while it runs.
-  std::optional<std::string> Reap(bool block) {
-    if (pid_ <= 0) return ended_;
-    int status = 0;
-    const pid_t reaped = ::waitpid(pid_, &status, block ? 0 : WNOHANG);
-    if (reaped != pid_) return std::nullopt;
-    running_coordinator.store(-1);
-    pid_ = -1;
-    ended_ = WIFEXITED(status) ? absl::StrCat("exited with status ", WEXITSTATUS(status))
-                               : absl::StrCat("was killed by signal ", WTERMSIG(status));
-    return ended_;
+// SIGTERM (the coordinator asks its workers to stop and exits once none is live), then SIGKILL
+// if it has not exited within `grace`. Says how it ended.
+std::string StopCoordinator(testing::Process& coordinator, absl::Duration grace) {
+  coordinator.Signal(SIGTERM);
+  std::optional<int> exit_code = coordinator.Wait(grace);
+  std::string how;
+  if (!exit_code.has_value()) {
+    coordinator.Signal(SIGKILL);
+    exit_code = coordinator.Wait(absl::Seconds(10));
+    how = " (SIGKILL after SIGTERM)";
   }
-
-  pid_t pid_;
-  std::string log_file_;
-  int port_ = 0;
-  std::string ended_;
-};
+  running_coordinator.store(-1);
+  return (exit_code.has_value() ? Ended(*exit_code) : "did not end") + how;
+}
 
 // Idle CPU seconds of the whole machine, all cores (idle + iowait on the first line of
 // /proc/stat). Busy time is derived from it: with a tickless kernel the idle time is exact while
@@ -288,23 +242,6 @@ Usage Sample(pid_t coordinator) {
 // Measurements
 // ---------------------------------------------------------------------------------------------
 
-struct Percentiles {
-  double p50 = 0, p99 = 0, max = 0;
-};
-
-Percentiles PercentilesOf(std::vector<float> values) {
-  Percentiles out;
-  if (values.empty()) return out;
-  std::sort(values.begin(), values.end());
-  auto at = [&](double q) {
-    return values[std::min(values.size() - 1, static_cast<size_t>(q * values.size()))];
-  };
-  out.p50 = at(0.50);
-  out.p99 = at(0.99);
-  out.max = values.back();
-  return out;
-}
-
 // The answers of one phase's calls. Thread-safe: gRPC's callback threads record into it.
 class Recorder {
  public:
@@ -323,10 +260,8 @@ class Recorder {
     if (world_moved) ++world_moved_;
   }
 
-  void Error(const grpc::Status& status, const std::string& worker_id, absl::Time sent,
-             absl::Time answered) {
+  void Error(const grpc::Status& status, const std::string& worker_id) {
     absl::MutexLock lock(&mu_);
-    error_latency_ms_.push_back(static_cast<float>(absl::ToDoubleMilliseconds(answered - sent)));
     ++errors_;
     ++codes_[status.error_code()];
     if (first_error_.empty()) {
@@ -354,8 +289,7 @@ class Recorder {
 
   struct Summary {
     int64_t ok = 0, ok_in_window = 0, errors = 0, lost = 0, late = 0, world_moved = 0;
-    Percentiles latency_ms;
-    Percentiles error_latency_ms;
+    bench::Stats latency;
     double max_gap_ms = 0;
     std::string first_error;
     std::map<int, int64_t> codes;
@@ -369,8 +303,7 @@ class Recorder {
     s.lost = lost_;
     s.late = late_;
     s.world_moved = world_moved_;
-    s.latency_ms = PercentilesOf(latency_ms_);
-    s.error_latency_ms = PercentilesOf(error_latency_ms_);
+    s.latency = bench::Summarize(std::vector<double>(latency_ms_.begin(), latency_ms_.end()));
     s.max_gap_ms = absl::ToDoubleMilliseconds(max_gap_);
     s.first_error = first_error_;
     s.codes = codes_;
@@ -381,7 +314,6 @@ class Recorder {
   mutable absl::Mutex mu_;
   absl::Time window_end_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   std::vector<float> latency_ms_ ABSL_GUARDED_BY(mu_);
-  std::vector<float> error_latency_ms_ ABSL_GUARDED_BY(mu_);
   int64_t ok_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t ok_in_window_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t errors_ ABSL_GUARDED_BY(mu_) = 0;
@@ -847,7 +779,7 @@ class Bench {
         last_join_answer_ = std::max(last_join_answer_, now);
       }
       if (!status.ok()) {
-        joins_.Error(status, worker.id, sent, now);
+        joins_.Error(status, worker.id);
         EndChain(chains);
         return;
       }
@@ -895,7 +827,7 @@ class Bench {
     const absl::Time now = absl::Now();
     SimWorker& worker = fleet_->worker(w);
     if (!status.ok()) {
-      phase->calls.Error(status, worker.id, sent, now);
+      phase->calls.Error(status, worker.id);
       if (IsLoss(status)) {
         // Declared dead or taken over: shard-worker would join again, bumping the
         // generation. The benchmark counts it as a failure and stops this worker.
@@ -1024,31 +956,48 @@ class Bench {
 
 // CPU use over a window: CPU-seconds and percent of one core for the coordinator and for this
 // client, and how busy the whole machine was (percent of all its cores).
-nlohmann::json CpuJson(const Usage& before, const Usage& after) {
+struct CpuUse {
+  double wall_s = 0;
+  double coordinator_cpu_s = 0;
+  double coordinator_core_percent = 0;
+  double client_cpu_s = 0;
+  double client_core_percent = 0;
+  double machine_percent = 0;
+};
+
+CpuUse CpuOver(const Usage& before, const Usage& after) {
   const double wall = std::max(1e-9, absl::ToDoubleSeconds(after.at - before.at));
   const double coordinator = after.coordinator_cpu_s - before.coordinator_cpu_s;
   const double client = after.client_cpu_s - before.client_cpu_s;
   const double idle = after.machine_idle_s - before.machine_idle_s;
   const double cores = std::max(1u, std::thread::hardware_concurrency());
-  return {{"wall_s", wall},
-          {"coordinator_cpu_s", coordinator},
-          {"coordinator_core_percent", 100 * coordinator / wall},
-          {"client_cpu_s", client},
-          {"client_core_percent", 100 * client / wall},
-          {"machine_percent", std::max(0.0, 100 * (1 - idle / (wall * cores)))}};
+  return {.wall_s = wall,
+          .coordinator_cpu_s = coordinator,
+          .coordinator_core_percent = 100 * coordinator / wall,
+          .client_cpu_s = client,
+          .client_core_percent = 100 * client / wall,
+          .machine_percent = std::max(0.0, 100 * (1 - idle / (wall * cores)))};
 }
 
-nlohmann::json LatencyJson(const Percentiles& p) {
-  return {{"p50_ms", p.p50}, {"p99_ms", p.p99}, {"max_ms", p.max}};
+// A record's extras for the CPU used while it was measured.
+void AddCpu(bench::Record& record, const CpuUse& cpu) {
+  record.Extra("wall_s", cpu.wall_s)
+      .Extra("coordinator_cpu_s", cpu.coordinator_cpu_s)
+      .Extra("coordinator_core_percent", cpu.coordinator_core_percent)
+      .Extra("client_cpu_s", cpu.client_cpu_s)
+      .Extra("client_core_percent", cpu.client_core_percent)
+      .Extra("machine_percent", cpu.machine_percent);
 }
 
-std::string Codes(const std::map<int, int64_t>& codes) {
+// A record's note for the first error of its calls, with every error code's count.
+std::string FirstError(const Recorder::Summary& calls) {
+  if (calls.first_error.empty()) return "";
   std::vector<std::string> parts;
-  for (const auto& [code, count] : codes) {
+  for (const auto& [code, count] : calls.codes) {
     parts.push_back(absl::StrCat(count, " x ", absl::StatusCodeToString(
                                                    static_cast<absl::StatusCode>(code))));
   }
-  return absl::StrJoin(parts, ", ");
+  return absl::StrCat("first error: ", calls.first_error, " (", absl::StrJoin(parts, ", "), ")");
 }
 
 // The machine's load averages over 1, 5 and 15 minutes (the first three fields of /proc/loadavg):
@@ -1086,7 +1035,7 @@ struct Setup {
   std::string log_level;     // the coordinator's
   std::string scratch;       // holds the job, the state directory, the port file and the log
   std::vector<std::string> modes;
-  bool json = false;
+  bench::Output output;
 };
 
 // The job the coordinator runs. Only a job spec sets min_world_size, here N-1 so that the
@@ -1122,66 +1071,62 @@ absl::StatusOr<std::string> WriteJob(const std::string& dir, int workers) {
   return path;
 }
 
-// One figure against the product issue's target.
-struct Target {
-  std::string what;
-  std::string measured;
-  std::string target;
-  bool met = false;
-};
-
-// Runs the benchmark against a coordinator it starts and stops; prints the results. Returns
+// Runs the benchmark against a coordinator it starts and stops; reports the results. Returns
 // whether every check passed.
 absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
   const std::string state_dir = setup.scratch + "/state";
   const std::string port_file = setup.scratch + "/port";
   const std::string load_before = LoadAverage();
   SHARD_ASSIGN_OR_RETURN(const std::string job, WriteJob(setup.scratch, options.workers));
-  absl::StatusOr<std::unique_ptr<CoordinatorProcess>> coordinator = CoordinatorProcess::Start(
-      setup.binary,
-      {"--listen", "127.0.0.1:0", "--port-file", port_file, "--job", job, "--lease", setup.lease,
-       "--reform-grace", setup.reform_grace, "--state-dir", state_dir, "--log-level",
-       setup.log_level},
-      port_file, setup.scratch + "/coordinator.log", absl::Seconds(30));
-  if (!coordinator.ok()) return coordinator.status();
-  const pid_t pid = (*coordinator)->pid();
-  Fleet fleet(options, absl::StrCat("127.0.0.1:", (*coordinator)->port()));
+  int port = 0;
+  SHARD_ASSIGN_OR_RETURN(
+      testing::Process coordinator,
+      StartCoordinator(setup.binary,
+                       {"--listen", "127.0.0.1:0", "--port-file", port_file, "--job", job,
+                        "--lease", setup.lease, "--reform-grace", setup.reform_grace,
+                        "--state-dir", state_dir, "--log-level", setup.log_level},
+                       port_file, setup.scratch + "/coordinator.log", &port, absl::Seconds(30)));
+  const pid_t pid = coordinator.pid();
+  Fleet fleet(options, absl::StrCat("127.0.0.1:", port));
   SHARD_RETURN_IF_ERROR(fleet.Connect(absl::Seconds(10)));
-  const bool text = !setup.json;
   const Filesystem filesystem = FilesystemOf(state_dir);
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const int n = options.workers;
-  if (text) {
-    std::printf("# %d simulated workers on %d gRPC channels from one client process against "
-                "shard-coordinator pid %d (job of %d workers, min_world_size %d; lease %s, "
-                "heartbeat interval %lld ms, reform grace %s)\n",
-                n, options.channels, pid, n, n - 1, setup.lease.c_str(),
-                static_cast<long long>(fleet.interval_ms()), setup.reform_grace.c_str());
-    std::printf("# state dir %s on %s%s; joins %s\n", state_dir.c_str(),
-                filesystem.Describe().c_str(),
-                filesystem.type == "tmpfs" ? " (NOT a disk: the targets are for disk-backed state)"
-                                           : "",
-                options.join_rate > 0 ? absl::StrCat(options.join_rate, "/s").c_str()
-                                      : "all at once");
-    std::printf("# load average before (1, 5, 15 min): %s; client and coordinator share this "
-                "machine's %u cores: CPU-seconds are the robust figures, wall times and rates a "
-                "lower bound\n", load_before.c_str(), cores);
-    std::fflush(stdout);
-  }
-  nlohmann::json out = {{"workers", n},
-                        {"channels", options.channels},
-                        {"lease_ms", absl::ToInt64Milliseconds(options.lease)},
-                        {"reform_grace", setup.reform_grace},
-                        {"heartbeat_interval_ms", fleet.interval_ms()},
-                        {"join_rate", options.join_rate},
-                        {"state_dir", state_dir},
-                        {"state_dir_filesystem", {{"type", filesystem.type},
-                                                  {"device", filesystem.device},
-                                                  {"mount", filesystem.mount}}},
-                        {"cores", cores},
-                        {"loadavg_before", load_before}};
+  bench::Report report("shard-bench-control-plane", setup.output);
+  report.Note(absl::StrFormat(
+      "%d simulated workers on %d gRPC channels from one client process against "
+      "shard-coordinator pid %d (job of %d workers, min_world_size %d; lease %s, heartbeat "
+      "interval %lld ms, reform grace %s)",
+      n, options.channels, pid, n, n - 1, setup.lease, static_cast<long long>(fleet.interval_ms()),
+      setup.reform_grace));
+  report.Note(absl::StrCat(
+      "state dir ", state_dir, " on ", filesystem.Describe(),
+      filesystem.type == "tmpfs" ? " (NOT a disk: the targets are for disk-backed state)" : "",
+      "; joins ", options.join_rate > 0 ? absl::StrCat(options.join_rate, "/s") : "all at once"));
+  report.Note(absl::StrFormat(
+      "load average before (1, 5, 15 min): %s; client and coordinator share this machine's %u "
+      "cores: CPU-seconds are the robust figures, wall times and rates a lower bound",
+      load_before, cores));
+  report.Note("formation: first join sent -> a reply shows the world RUNNING with every worker "
+              "(its time), -> every worker has seen it; join: each join's latency; heartbeat: "
+              "each answered heartbeat's latency per phase (longpoll as shard-worker; paced, "
+              "saturate: --modes); reformation: the victim's lease expiry -> every survivor has "
+              "seen the re-formed world; extras: the coordinator's CPU and the calls' counts");
+  report.Set("setup", {{"workers", n},
+                       {"channels", options.channels},
+                       {"lease_ms", absl::ToInt64Milliseconds(options.lease)},
+                       {"reform_grace", setup.reform_grace},
+                       {"heartbeat_interval_ms", fleet.interval_ms()},
+                       {"join_rate", options.join_rate},
+                       {"state_dir", state_dir},
+                       {"state_dir_filesystem", {{"type", filesystem.type},
+                                                 {"device", filesystem.device},
+                                                 {"mount", filesystem.mount}}},
+                       {"cores", cores},
+                       {"loadavg_before", load_before}});
   std::vector<std::string> failures;
-  std::vector<Target> targets;
+  const std::string joins =
+      options.join_rate > 0 ? absl::StrCat(options.join_rate, " joins/s") : "joins at once";
 
   // Formation.
   Bench bench(options, &fleet, pid);
@@ -1191,65 +1136,33 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
       formed_files.count("membership.log") > 0 ? formed_files.at("membership.log") : -1;
   const double joins_per_s =
       formed.last_join_ms > 0 ? formed.joins_ok / formed.last_join_ms * 1e3 : 0;
-  const nlohmann::json form_cpu = CpuJson(formed.before, formed.after);
-  out["formation"] = {{"formed", formed.formed},
-                      {"generation", formed.generation},
-                      {"join_to_world_formed_ms", formed.formed_ms},
-                      {"join_to_all_informed_ms", formed.all_informed_ms},
-                      {"workers_informed", formed.informed},
-                      {"joins_ok", formed.joins_ok},
-                      {"join_errors", formed.joins.errors},
-                      {"last_join_answered_ms", formed.last_join_ms},
-                      {"joins_per_s", joins_per_s},
-                      {"join_latency", LatencyJson(formed.joins.latency_ms)},
-                      {"heartbeats_ok", formed.heartbeats.ok},
-                      {"heartbeat_errors", formed.heartbeats.errors},
-                      {"workers_lost", formed.heartbeats.lost},
-                      {"cpu", form_cpu},
-                      {"journal_bytes", journal_bytes},
-                      {"state_files", formed_files}};
-  if (!formed.joins.first_error.empty()) {
-    out["formation"]["first_join_error"] = formed.joins.first_error;
+  bench::Record formation({.op = "formation", .impl = joins, .count = n, .ranks = n},
+                          bench::Summarize({formed.formed_ms}));
+  formation.Extra("generation", static_cast<double>(formed.generation))
+      .Extra("join_to_all_informed_ms", formed.all_informed_ms)
+      .Extra("workers_informed", formed.informed)
+      .Extra("heartbeats_ok", static_cast<double>(formed.heartbeats.ok))
+      .Extra("heartbeat_errors", static_cast<double>(formed.heartbeats.errors))
+      .Extra("workers_lost", static_cast<double>(formed.heartbeats.lost))
+      .Extra("journal_bytes", static_cast<double>(journal_bytes))
+      .Note(FirstError(formed.heartbeats));
+  AddCpu(formation, CpuOver(formed.before, formed.after));
+  // The issue's two points (1,000 in 1 s, 10,000 in 10 s) as a rule: 1 s per 1,000, at least 1 s.
+  const int form_target_ms = std::max(1000, n);
+  if (formed.formed) {
+    formation.Compare("time_ms", absl::StrCat("target ", form_target_ms, " ms (1 s per 1,000)"),
+                      form_target_ms, bench::Below(1));
   }
-  if (!formed.heartbeats.first_error.empty()) {
-    out["formation"]["first_heartbeat_error"] = formed.heartbeats.first_error;
-  }
-  if (text) {
-    std::printf("\nformation: %d joins sent %s, then shard-worker's long-poll heartbeats\n", n,
-                options.join_rate > 0 ? absl::StrCat("at ", options.join_rate, "/s").c_str()
-                                      : "at once");
-    std::printf("  join-to-world-formed      %9.1f ms  (first join sent -> a reply shows RUNNING "
-                "with %d workers)\n", formed.formed_ms, n);
-    std::printf("  join-to-all-informed      %9.1f ms  (-> every worker has seen it: %d/%d)\n",
-                formed.all_informed_ms, formed.informed, n);
-    std::printf("  generation formed at      %9lld     (must be the first, 1)\n",
-                static_cast<long long>(formed.generation));
-    std::printf("  joins                     %9d ok, %lld errors, %.0f joins/s; latency p50 %.1f "
-                "ms, p99 %.1f ms, max %.1f ms\n",
-                formed.joins_ok, static_cast<long long>(formed.joins.errors), joins_per_s,
-                formed.joins.latency_ms.p50, formed.joins.latency_ms.p99,
-                formed.joins.latency_ms.max);
-    std::printf("  heartbeats while forming  %9lld ok, %lld errors, %lld workers lost\n",
-                static_cast<long long>(formed.heartbeats.ok),
-                static_cast<long long>(formed.heartbeats.errors),
-                static_cast<long long>(formed.heartbeats.lost));
-    std::printf("  CPU over %.2f s           coordinator %.3f s (%.0f%% of a core), client %.0f%% "
-                "of a core, machine %.0f%% of %u cores\n",
-                form_cpu["wall_s"].get<double>(), form_cpu["coordinator_cpu_s"].get<double>(),
-                form_cpu["coordinator_core_percent"].get<double>(),
-                form_cpu["client_core_percent"].get<double>(),
-                form_cpu["machine_percent"].get<double>(), cores);
-    std::printf("  state dir once formed     %s (bytes)\n", Describe(formed_files).c_str());
-    if (!formed.joins.first_error.empty()) {
-      std::printf("  first join error: %s (%s)\n", formed.joins.first_error.c_str(),
-                  Codes(formed.joins.codes).c_str());
-    }
-    if (!formed.heartbeats.first_error.empty()) {
-      std::printf("  first heartbeat error: %s (%s)\n", formed.heartbeats.first_error.c_str(),
-                  Codes(formed.heartbeats.codes).c_str());
-    }
-    std::fflush(stdout);
-  }
+  report.Add(formation);
+  report.Add(bench::Record({.op = "join", .impl = joins, .count = n, .ranks = n},
+                           formed.joins.latency)
+                 .Extra("joins_ok", formed.joins_ok)
+                 .Extra("join_errors", static_cast<double>(formed.joins.errors))
+                 .Extra("joins_per_s", joins_per_s)
+                 .Extra("last_join_answered_ms", formed.last_join_ms)
+                 .Note(FirstError(formed.joins)));
+  report.Note(absl::StrCat("state dir once formed (bytes): ", Describe(formed_files)));
+  report.Set("state_files_formed", formed_files);
   if (!formed.formed || formed.informed != n) {
     failures.push_back(absl::StrCat("the world did not form: ", formed.joins_ok, "/", n,
                                     " joins answered, ", formed.informed,
@@ -1264,78 +1177,52 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
                                     " workers lost (declared dead or taken over: NOT_FOUND or "
                                     "FAILED_PRECONDITION on heartbeat)"));
   }
-  // The issue's two points (1,000 in 1 s, 10,000 in 10 s) as a rule: 1 s per 1,000, at least 1 s.
-  const int form_target_ms = std::max(1000, n);
-  targets.push_back({absl::StrCat("formation of ", n, " workers: join-to-world-formed"),
-                     absl::StrFormat("%.0f ms", formed.formed_ms),
-                     absl::StrCat("< ", form_target_ms, " ms (1 s per 1,000)"),
-                     formed.formed && formed.formed_ms < form_target_ms});
 
   // Heartbeats: the steady long-polls, then the extra phases asked for.
-  nlohmann::json rows = nlohmann::json::array();
   double steady_core_fraction = NAN;
-  double steady_projected_percent = NAN;
+  // What N real workers need: one heartbeat each per interval, against the measured capacity.
+  const double needed = n * 1e3 / static_cast<double>(fleet.interval_ms());
   if (failures.empty()) {
-    if (text) {
-      std::printf("\n%-9s %6s %9s %11s %7s %7s %7s %6s %6s %7s %5s %9s %7s %7s %8s\n", "phase",
-                  "secs", "answered", "heartbeat/s", "p50_ms", "p99_ms", "max_ms", "errors",
-                  "moved", "max_gap", "late", "coord_cpu", "coord%", "client%", "machine%");
-      std::fflush(stdout);
-    }
     std::vector<std::string> modes = {"longpoll"};
     modes.insert(modes.end(), setup.modes.begin(), setup.modes.end());
     for (const std::string& mode : modes) {
       Phase* phase = mode == "longpoll" ? bench.Steady() : bench.Run(mode);
       const Recorder::Summary s = phase->calls.Summarize();
-      const nlohmann::json cpu = CpuJson(phase->before, phase->after);
-      const double rate = s.ok_in_window / cpu["wall_s"].get<double>();
+      const CpuUse cpu = CpuOver(phase->before, phase->after);
+      const double rate = s.ok_in_window / cpu.wall_s;
       // The coordinator's CPU per answered heartbeat (its fixed housekeeping included), and
       // what one heartbeat per worker per interval would cost at that price. After formation
       // the long-polls come in herds (every worker was told at once), so a window holds a whole
       // number of herds; this projection does not depend on where the window falls.
       const double cpu_per_heartbeat_s =
-          s.ok > 0 ? cpu["coordinator_cpu_s"].get<double>() / static_cast<double>(s.ok) : NAN;
+          s.ok > 0 ? cpu.coordinator_cpu_s / static_cast<double>(s.ok) : NAN;
       const double projected_core_percent =
           100 * cpu_per_heartbeat_s * n * 1e3 / static_cast<double>(fleet.interval_ms());
+      bench::Record record({.op = "heartbeat", .impl = mode, .count = n, .ranks = n}, s.latency);
+      record.Extra("answered", static_cast<double>(s.ok))
+          .Extra("heartbeats_per_s", rate)
+          .Extra("errors", static_cast<double>(s.errors))
+          .Extra("workers_lost", static_cast<double>(s.lost))
+          .Extra("world_moved", static_cast<double>(s.world_moved))
+          .Extra("max_gap_ms", s.max_gap_ms)
+          .Extra("late", static_cast<double>(s.late));
+      AddCpu(record, cpu);
+      record.Extra("coordinator_cpu_us_per_heartbeat", 1e6 * cpu_per_heartbeat_s)
+          .Extra("coordinator_core_percent_at_one_per_interval", projected_core_percent)
+          .Extra("coordinator_rss_mib", StatusKib(pid, "VmRSS") / 1024.0)
+          .Note(FirstError(s));
       if (mode == "longpoll") {
-        steady_core_fraction = cpu["coordinator_core_percent"].get<double>() / 100;
-        steady_projected_percent = projected_core_percent;
+        steady_core_fraction = cpu.coordinator_core_percent / 100;
+        record.Compare("coordinator_core_percent",
+                       options.lease == absl::Seconds(10)
+                           ? "target 50% (10,000 at a 10s lease)"
+                           : "target 50% (stated for a 10s lease)",
+                       50, bench::Below(1));
       }
-      rows.push_back({{"mode", mode},
-                      {"answered", s.ok},
-                      {"heartbeats_per_s", rate},
-                      {"latency", LatencyJson(s.latency_ms)},
-                      {"errors", s.errors},
-                      {"workers_lost", s.lost},
-                      {"world_moved", s.world_moved},
-                      {"max_gap_ms", s.max_gap_ms},
-                      {"late", s.late},
-                      {"cpu", cpu},
-                      {"coordinator_cpu_us_per_heartbeat", 1e6 * cpu_per_heartbeat_s},
-                      {"coordinator_core_percent_at_one_per_interval", projected_core_percent},
-                      {"coordinator_rss_mib", StatusKib(pid, "VmRSS") / 1024.0}});
-      if (!s.first_error.empty()) rows.back()["first_error"] = s.first_error;
-      if (text) {
-        std::printf("%-9s %6.1f %9lld %11.0f %7.2f %7.2f %7.1f %6lld %6lld %7.0f %5lld %9.3f "
-                    "%6.1f%% %6.1f%% %7.0f%%\n",
-                    mode.c_str(), cpu["wall_s"].get<double>(), static_cast<long long>(s.ok), rate,
-                    s.latency_ms.p50, s.latency_ms.p99, s.latency_ms.max,
-                    static_cast<long long>(s.errors), static_cast<long long>(s.world_moved),
-                    s.max_gap_ms, static_cast<long long>(s.late),
-                    cpu["coordinator_cpu_s"].get<double>(),
-                    cpu["coordinator_core_percent"].get<double>(),
-                    cpu["client_core_percent"].get<double>(),
-                    cpu["machine_percent"].get<double>());
-        std::printf("          coordinator %.1f us per answered heartbeat: %.1f%% of a core at one "
-                    "heartbeat per worker per %lld ms\n",
-                    1e6 * cpu_per_heartbeat_s, projected_core_percent,
-                    static_cast<long long>(fleet.interval_ms()));
-        if (!s.first_error.empty()) {
-          std::printf("          first error: %s (%s)\n", s.first_error.c_str(),
-                      Codes(s.codes).c_str());
-        }
-        std::fflush(stdout);
+      if (mode == "saturate") {
+        record.Compare("heartbeats_per_s", "needed: one per worker per interval", needed);
       }
+      report.Add(record);
       if (s.errors > 0 || s.world_moved > 0) {
         failures.push_back(absl::StrCat(mode, ": ", s.errors, " errors (", s.lost,
                                         " workers lost), ", s.world_moved,
@@ -1346,47 +1233,21 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
                                         " ms between answered heartbeats, more than the lease"));
       }
     }
-    targets.push_back({absl::StrCat(n, " workers long-polling at a ", setup.lease,
-                                    " lease: coordinator CPU"),
-                       absl::StrFormat("%.1f%% of a core (%.1f%% at 1/interval)",
-                                       100 * steady_core_fraction, steady_projected_percent),
-                       options.lease == absl::Seconds(10) ? "< 50% (10,000 at a 10s lease)"
-                                                          : "< 50% (stated for a 10s lease)",
-                       steady_core_fraction < 0.5});
-  }
-  out["phases"] = rows;
-  // What N real workers need: one heartbeat each per interval, against the measured capacity.
-  const double needed = n * 1e3 / static_cast<double>(fleet.interval_ms());
-  out["heartbeats_needed_per_s"] = needed;
-  for (const nlohmann::json& row : rows) {
-    if (row["mode"] != "saturate") continue;
-    const double capacity = row["heartbeats_per_s"].get<double>();
-    out["saturate_headroom"] = capacity / needed;
-    if (text) {
-      std::printf("%d workers need %.0f heartbeats/s (one per %lld ms interval); saturate answered "
-                  "%.0f/s: %.1fx that\n",
-                  n, needed, static_cast<long long>(fleet.interval_ms()), capacity,
-                  capacity / needed);
-    }
   }
 
   // Re-formation after one death.
   std::optional<ReformResult> reform;
-  int64_t reformed_generation = -1;
   if (failures.empty()) {
-    if (text) {
-      std::printf("\nre-formation: one worker stops heartbeating; the survivors re-form after "
-                  "the lease and the grace (%s)\n", setup.reform_grace.c_str());
-      std::fflush(stdout);
-    }
+    report.Note(absl::StrCat("reformation: one worker stops heartbeating; the survivors re-form "
+                             "after the lease and the grace (", setup.reform_grace, ")"));
     reform = bench.Reform();
-    const nlohmann::json cpu = CpuJson(reform->at_expiry, reform->at_reformed);
+    const CpuUse cpu = CpuOver(reform->at_expiry, reform->at_reformed);
     // Not net of the steady rate: the re-formation's answers take the place of the held polls'
     // expiry answers over the window rather than adding to them, so subtracting the steady rate
     // would take away work that did not happen (it goes negative once contention stretches the
     // window). The raw figure is an upper bound; the steady rate over the window is context.
-    const double raw_cpu_s = cpu["coordinator_cpu_s"].get<double>();
-    const double steady_cpu_s = steady_core_fraction * cpu["wall_s"].get<double>();
+    const double steady_cpu_s = steady_core_fraction * cpu.wall_s;
+    int64_t reformed_generation = -1;
     if (reform->generations.size() == 1) reformed_generation = reform->generations.begin()->first;
     // The coordinator's own account, to the millisecond: when it declared the victim dead and
     // when the survivors' world formed.
@@ -1404,47 +1265,25 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
     } else {
       failures.push_back(std::string(events.status().message()));
     }
-    out["reformation"] = {{"reformed", reform->reformed},
-                          {"victim", reform->victim},
-                          {"victim_rank", reform->victim_rank},
-                          {"survivors_informed", reform->survivors},
-                          {"generation", reformed_generation},
-                          {"expiry_to_all_informed_ms", reform->expiry_to_reformed_ms},
-                          {"coordinator_dead_event_after_expiry_ms", dead_ms},
-                          {"coordinator_world_formed_event_after_expiry_ms", world_formed_ms},
-                          {"coordinator_cpu_s", raw_cpu_s},
-                          {"steady_rate_cpu_s_over_window", steady_cpu_s},
-                          {"cpu", cpu},
-                          {"heartbeats_ok", reform->heartbeats.ok},
-                          {"heartbeat_errors", reform->heartbeats.errors},
-                          {"workers_lost", reform->heartbeats.lost},
-                          {"max_gap_ms", reform->heartbeats.max_gap_ms}};
-    if (text) {
-      std::printf("  victim                    %s (rank %d)\n", reform->victim.c_str(),
-                  reform->victim_rank);
-      std::printf("  lease expiry -> all told  %9.1f ms  (-> all %d/%d survivors have seen "
-                  "RUNNING with %d workers at generation %lld; includes the grace)\n",
-                  reform->expiry_to_reformed_ms, reform->survivors, n - 1, n - 1,
-                  static_cast<long long>(reformed_generation));
-      std::printf("  the coordinator's events  declared dead at expiry + %.0f ms, world formed "
-                  "at + %.0f ms\n", dead_ms, world_formed_ms);
-      std::printf("  coordinator CPU           %.3f s from expiry to all told (the steady long-poll "
-                  "rate, %.1f%% of a core, would be %.3f s over those %.0f ms); client %.0f%% of "
-                  "a core, machine %.0f%% of %u cores\n",
-                  raw_cpu_s, 100 * steady_core_fraction, steady_cpu_s,
-                  1e3 * cpu["wall_s"].get<double>(), cpu["client_core_percent"].get<double>(),
-                  cpu["machine_percent"].get<double>(), cores);
-      std::printf("  heartbeats                %lld ok, %lld errors, %lld workers lost, longest "
-                  "gap %.0f ms\n",
-                  static_cast<long long>(reform->heartbeats.ok),
-                  static_cast<long long>(reform->heartbeats.errors),
-                  static_cast<long long>(reform->heartbeats.lost), reform->heartbeats.max_gap_ms);
-      if (!reform->heartbeats.first_error.empty()) {
-        std::printf("  first heartbeat error: %s (%s)\n", reform->heartbeats.first_error.c_str(),
-                    Codes(reform->heartbeats.codes).c_str());
-      }
-      std::fflush(stdout);
+    bench::Record record({.op = "reformation", .impl = "one death", .count = n - 1, .ranks = n},
+                         bench::Summarize({reform->expiry_to_reformed_ms}));
+    record.Extra("survivors_informed", reform->survivors)
+        .Extra("generation", static_cast<double>(reformed_generation))
+        .Extra("coordinator_dead_event_after_expiry_ms", dead_ms)
+        .Extra("coordinator_world_formed_event_after_expiry_ms", world_formed_ms)
+        .Extra("steady_rate_cpu_s_over_window", steady_cpu_s);
+    AddCpu(record, cpu);
+    record.Extra("heartbeats_ok", static_cast<double>(reform->heartbeats.ok))
+        .Extra("heartbeat_errors", static_cast<double>(reform->heartbeats.errors))
+        .Extra("workers_lost", static_cast<double>(reform->heartbeats.lost))
+        .Extra("max_gap_ms", reform->heartbeats.max_gap_ms)
+        .Note(absl::StrCat("victim ", reform->victim, " (rank ", reform->victim_rank, ")",
+                           reform->heartbeats.first_error.empty() ? "" : "; ",
+                           FirstError(reform->heartbeats)));
+    if (reform->reformed) {
+      record.Compare("coordinator_cpu_s", "target 1 s", 1, bench::Below(1));
     }
+    report.Add(record);
     if (!reform->reformed) {
       failures.push_back(absl::StrCat("re-formation: ", reform->survivors, "/", n - 1,
                                       " survivors saw the world RUNNING with ", n - 1,
@@ -1467,11 +1306,6 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
       failures.push_back(absl::StrCat("re-formation: a worker went ", reform->heartbeats.max_gap_ms,
                                       " ms between answered heartbeats, more than the lease"));
     }
-    targets.push_back({absl::StrCat("re-forming ", n - 1, " survivors after one death: "
-                                    "coordinator CPU"),
-                       absl::StrFormat("%.3f s (%.0f ms wall)", raw_cpu_s,
-                                       reform->expiry_to_reformed_ms),
-                       "< 1 s", reform->reformed && raw_cpu_s < 1});
   }
   bench.Finish();
 
@@ -1482,7 +1316,6 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
   const int64_t expect_generation = reform.has_value() ? formed.generation + 1 : formed.generation;
   absl::Duration status_took;
   absl::StatusOr<v1::GetStatusResponse> status = fleet.GetStatus(&status_took);
-  nlohmann::json check;
   if (status.ok()) {
     int members = 0, dead = 0, departed = 0;
     int64_t oldest_ms = 0;
@@ -1495,14 +1328,20 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
       }
       if (worker.state() == v1::WORKER_STATE_DEAD) ++dead;
     }
-    check = {{"state", v1::JobState_Name(status->world().state())},
-             {"generation", status->world().generation()},
-             {"world_size", status->world().world_size()},
-             {"live_members", members},
-             {"dead", dead},
-             {"departed", departed},
-             {"oldest_heartbeat_ms_ago", oldest_ms},
-             {"get_status_ms", absl::ToDoubleMilliseconds(status_took)}};
+    report.Set("check", {{"state", v1::JobState_Name(status->world().state())},
+                         {"generation", status->world().generation()},
+                         {"world_size", status->world().world_size()},
+                         {"live_members", members},
+                         {"dead", dead},
+                         {"departed", departed},
+                         {"oldest_heartbeat_ms_ago", oldest_ms},
+                         {"get_status_ms", absl::ToDoubleMilliseconds(status_took)}});
+    report.Note(absl::StrFormat(
+        "GetStatus (%.1f ms): %s at generation %lld with %d workers, %d live, %d dead, %d "
+        "departed, oldest heartbeat %lld ms ago",
+        absl::ToDoubleMilliseconds(status_took), v1::JobState_Name(status->world().state()),
+        static_cast<long long>(status->world().generation()), status->world().world_size(),
+        members, dead, departed, static_cast<long long>(oldest_ms)));
     if (members != expect_members || dead != expect_dead || departed != expect_dead ||
         status->world().world_size() != expect_members) {
       failures.push_back(absl::StrCat("GetStatus: ", members, " live members (world size ",
@@ -1517,62 +1356,35 @@ absl::StatusOr<bool> Benchmark(const Options& options, const Setup& setup) {
                                       " at generation ", status->world().generation(),
                                       "; expected RUNNING at ", expect_generation));
     }
-    if (text) {
-      std::printf("\nGetStatus (%.1f ms): %s at generation %lld with %d workers, %d live, %d "
-                  "dead, %d departed, oldest heartbeat %lld ms ago\n",
-                  absl::ToDoubleMilliseconds(status_took),
-                  v1::JobState_Name(status->world().state()).c_str(),
-                  static_cast<long long>(status->world().generation()),
-                  status->world().world_size(), members, dead, departed,
-                  static_cast<long long>(oldest_ms));
-    }
   } else {
     failures.push_back(std::string(status.status().message()));
   }
-  out["check"] = check;
 
   const int64_t hwm_kib = StatusKib(pid, "VmHWM");
   const double total_cpu = CpuSeconds(pid).value_or(NAN);
   const std::map<std::string, int64_t> final_files = FilesIn(state_dir);
   const std::string load_after = LoadAverage();
-  if (!(*coordinator)->running()) failures.push_back("the coordinator exited during the run");
-  out["coordinator"] = {
-      {"peak_rss_mib", hwm_kib / 1024.0}, {"cpu_s_total", total_cpu}, {"state_files", final_files}};
-  out["loadavg_after"] = load_after;
-  nlohmann::json target_rows = nlohmann::json::array();
-  for (const Target& target : targets) {
-    target_rows.push_back({{"what", target.what},
-                           {"measured", target.measured},
-                           {"target", target.target},
-                           {"met", target.met}});
-  }
-  out["targets"] = target_rows;
+  if (coordinator.Exited()) failures.push_back("the coordinator exited during the run");
+  report.Set("coordinator", {{"peak_rss_mib", hwm_kib / 1024.0},
+                             {"cpu_s_total", total_cpu},
+                             {"state_files", final_files}});
+  report.Set("loadavg_after", load_after);
+  report.Note(absl::StrFormat("coordinator: peak RSS (VmHWM) %.1f MiB, %.2f CPU-seconds in all; "
+                              "state dir %s (bytes)",
+                              hwm_kib / 1024.0, total_cpu, Describe(final_files)));
+  report.Note(absl::StrCat("load average after (1, 5, 15 min): ", load_after));
   const bool passed = failures.empty();
-  out["passed"] = passed;
-  out["failures"] = failures;
-  if (text) {
-    std::printf("coordinator: peak RSS (VmHWM) %.1f MiB, %.2f CPU-seconds in all; state dir %s "
-                "(bytes)\n", hwm_kib / 1024.0, total_cpu, Describe(final_files).c_str());
-    std::printf("load average after (1, 5, 15 min): %s\n", load_after.c_str());
-    std::printf("\ntargets (the product issue, on disk-backed state):\n");
-    for (const Target& target : targets) {
-      std::printf("  %-72s %-34s %-32s %s\n", target.what.c_str(), target.measured.c_str(),
-                  target.target.c_str(), target.met ? "met" : "MISSED");
-    }
-    std::printf("\n%s\n", passed ? "PASS" : "FAIL");
-    for (const std::string& failure : failures) std::printf("  %s\n", failure.c_str());
-  } else {
-    std::printf("%s\n", out.dump(2).c_str());
-  }
-  std::fflush(stdout);
+  report.Set("passed", passed);
+  report.Set("failures", failures);
+  report.Note(passed ? "PASS" : "FAIL");
+  for (const std::string& failure : failures) report.Note(absl::StrCat("  ", failure));
   // SIGTERM: the coordinator stops the job and exits once no worker is live; the simulated
   // workers no longer heartbeat, so that is when their leases run out.
   const absl::Time stopping = absl::Now();
-  const std::string ended = (*coordinator)->Stop(options.lease + absl::Seconds(5));
-  if (text) {
-    std::printf("coordinator %s %.1f s after SIGTERM\n", ended.c_str(),
-                absl::ToDoubleSeconds(absl::Now() - stopping));
-  }
+  const std::string ended = StopCoordinator(coordinator, options.lease + absl::Seconds(5));
+  report.Note(absl::StrFormat("coordinator %s %.1f s after SIGTERM", ended,
+                              absl::ToDoubleSeconds(absl::Now() - stopping)));
+  if (!report.Finish()) return absl::InternalError("cannot write the results");
   return passed;
 }
 
@@ -1652,7 +1464,7 @@ int main(int argc, char** argv) {
   app.add_option("--coordinator-log-level", setup.log_level, "the coordinator's --log-level")
       ->capture_default_str();
   app.add_flag("--keep", keep, "keep the job, the state directory and the coordinator's log");
-  app.add_flag("--json", setup.json, "print the results as one JSON object instead of tables");
+  shard::bench::AddOutputOptions(app, &setup.output);
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
   options.lease = shard::ParsedDuration(setup.lease);
   options.rpc_timeout = shard::ParsedDuration(rpc_timeout);

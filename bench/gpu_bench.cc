@@ -9,13 +9,16 @@
 //     stream's point of view (ordered after it, then the compute stream ordered after it), at
 //     a small size (what one call costs) and large ones against the copy. One GPU cannot show
 //     NCCL's bandwidth between GPUs: at world size 1 an out-of-place collective is a copy.
-// Timed with CUDA events around each repetition after warm-up; medians.
+// Timed with CUDA events around each repetition after warm-up; medians. GB/s count the bytes
+// read and written, as the copy's.
 #include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
+#include "bench/harness.h"
 #include "common/cli.h"
 #include "common/mlp.h"
 #include "worker/gpu/cuda_check.h"
@@ -40,41 +43,39 @@ T Check(absl::StatusOr<T> value) {
   return std::move(value).value();
 }
 
-// Median milliseconds of `run` over `iters` repetitions after `warmup`, each between two events
-// on `stream`.
-double MedianMs(cudaStream_t stream, int warmup, int iters, const std::function<void()>& run) {
+// The milliseconds of `run` over `iters` repetitions after `warmup`, each between two events on
+// `stream`.
+bench::Stats EventTimes(cudaStream_t stream, int warmup, int iters,
+                        const std::function<void()>& run) {
   CudaEvent start = Check(CudaEvent::Create(true));
   CudaEvent stop = Check(CudaEvent::Create(true));
-  for (int i = 0; i < warmup; ++i) run();
-  std::vector<float> times;
-  for (int i = 0; i < iters; ++i) {
+  return bench::Summarize(bench::CollectRuns(warmup, iters, [&] {
     Check(CudaStatus(cudaEventRecord(start.get(), stream), "cudaEventRecord"));
     run();
     Check(CudaStatus(cudaEventRecord(stop.get(), stream), "cudaEventRecord"));
     Check(CudaStatus(cudaEventSynchronize(stop.get()), "cudaEventSynchronize"));
     float ms = 0;
     Check(CudaStatus(cudaEventElapsedTime(&ms, start.get(), stop.get()), "cudaEventElapsedTime"));
-    times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+    return static_cast<double>(ms);
+  }));
 }
 
-double CopyGbps(cudaStream_t stream, int64_t bytes, int iters) {
+bench::Record CopyRecord(cudaStream_t stream, int64_t bytes, int iters) {
   DeviceBuffer src = Check(DeviceBuffer::Allocate(bytes));
   DeviceBuffer dst = Check(DeviceBuffer::Allocate(bytes));
   Check(FillUniform(src.as<float>(), bytes / 4, 1, -1.0f, 1.0f, stream));
-  const double ms = MedianMs(stream, 3, iters, [&] {
-    Check(CudaStatus(cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice,
-                                     stream),
-                     "cudaMemcpyAsync"));
-  });
-  return 2.0 * bytes / (ms * 1e-3) / 1e9;
+  return bench::Record({.op = "copy", .impl = "device to device", .bytes = 2 * bytes,
+                        .warmup = 3},
+                       EventTimes(stream, 3, iters, [&] {
+                         Check(CudaStatus(cudaMemcpyAsync(dst.data(), src.data(), bytes,
+                                                          cudaMemcpyDeviceToDevice, stream),
+                                          "cudaMemcpyAsync"));
+                       }));
 }
 
 // NCCL rows: every collective the engine uses, out of place, on `bytes` of fp32 each.
-void NcclRows(cudaStream_t stream, const std::vector<int64_t>& sizes, int iters,
-              double copy_gbps) {
+void NcclRows(bench::Report& report, cudaStream_t stream, const std::vector<int64_t>& sizes,
+              int iters, double copy_gbps) {
   // At world size 1 rank 0 only publishes the unique id; nobody fetches it.
   const IdExchange exchange{
       [](const std::string&, const std::string&) { return absl::OkStatus(); },
@@ -90,41 +91,42 @@ void NcclRows(cudaStream_t stream, const std::vector<int64_t>& sizes, int iters,
   DeviceBuffer recv = Check(DeviceBuffer::Allocate(largest));
   Check(FillUniform(send.as<float>(), largest / 4, 3, -1.0f, 1.0f, stream));
   const std::pair<const char*, std::function<absl::Status(size_t)>> collectives[] = {
-      {"all-reduce", [&](size_t n) {
+      {"all_reduce", [&](size_t n) {
          return nccl->AllReduce(send.data(), recv.data(), n, DataType::kFloat32, ReduceOp::kSum);
        }},
-      {"reduce-scatter", [&](size_t n) {
+      {"reduce_scatter", [&](size_t n) {
          return nccl->ReduceScatter(send.data(), recv.data(), n, DataType::kFloat32,
                                     ReduceOp::kSum);
        }},
-      {"all-gather",
+      {"all_gather",
        [&](size_t n) { return nccl->AllGather(send.data(), recv.data(), n, DataType::kFloat32); }},
       {"broadcast", [&](size_t n) { return nccl->Broadcast(recv.data(), n, DataType::kFloat32, 0); }},
   };
   for (const auto& [name, collective] : collectives) {
+    // In place (broadcast) NCCL moves nothing at world size 1: only its time is worth a row.
+    const bool in_place = std::string(name) == "broadcast";
     for (int64_t bytes : sizes) {
       const size_t count = static_cast<size_t>(bytes / 4);
-      const double ms = MedianMs(stream, 3, iters, [&] {
-        Check(collective(count));
-        Check(nccl->OrderComputeAfterCollectives());
-      });
-      // Read + write, as the copy is counted. In place (broadcast) NCCL moves nothing at world
-      // size 1: only its time is worth a row.
-      const double gbps = 2.0 * bytes / (ms * 1e-3) / 1e9;
-      if (std::string(name) == "broadcast") {
-        std::printf("| nccl %s (in place) | %lld | %.4f | - | - |\n", name,
-                    static_cast<long long>(bytes), ms);
-      } else {
-        std::printf("| nccl %s | %lld | %.4f | %.0f | %.2f |\n", name,
-                    static_cast<long long>(bytes), ms, gbps, gbps / copy_gbps);
-      }
+      // Read + write, as the copy is counted.
+      bench::Record record({.op = name,
+                            .impl = in_place ? "nccl in place" : "nccl",
+                            .bytes = in_place ? 0 : 2 * bytes,
+                            .count = static_cast<int64_t>(count),
+                            .dtype = "f32",
+                            .ranks = 1,
+                            .warmup = 3},
+                           EventTimes(stream, 3, iters, [&] {
+                             Check(collective(count));
+                             Check(nccl->OrderComputeAfterCollectives());
+                           }));
+      report.Add(record.Compare("algbw_gbps", "copy", copy_gbps));
     }
   }
 }
 
 // One Adam row: `elements` parameters as tensors of `tensor_elements` each.
-void AdamRow(cudaStream_t stream, int64_t elements, int64_t tensor_elements, DataType model,
-             int iters, double copy_gbps) {
+void AdamRow(bench::Report& report, cudaStream_t stream, int64_t elements,
+             int64_t tensor_elements, DataType model, int iters, double copy_gbps) {
   DeviceBuffer param = Check(DeviceBuffer::Allocate(elements * sizeof(float)));
   DeviceBuffer grad = Check(DeviceBuffer::Allocate(elements * sizeof(float)));
   DeviceBuffer m = Check(DeviceBuffer::Allocate(elements * sizeof(float)));
@@ -149,17 +151,21 @@ void AdamRow(cudaStream_t stream, int64_t elements, int64_t tensor_elements, Dat
   const TensorList list = Check(TensorList::Create(slots, model, stream));
   const FusedOptimizer adam(OptimizerConfig{});
   int64_t step = 0;
-  const double ms =
-      MedianMs(stream, 3, iters, [&] { Check(adam.Step(++step, list, stream)); });
-  const double bytes = elements * (28.0 + (copies ? 2.0 : 0.0));
-  const double gbps = bytes / (ms * 1e-3) / 1e9;
-  std::printf("| adam | %lld | %lld | %s | %.3f | %.0f | %.2f |\n",
-              static_cast<long long>(elements), static_cast<long long>(slots.size()),
-              copies ? DataTypeName(model).data() : "-", ms, gbps, gbps / copy_gbps);
+  std::string impl = std::to_string(slots.size()) + (slots.size() == 1 ? " tensor" : " tensors");
+  if (copies) impl += " +" + std::string(DataTypeName(model));
+  bench::Record record({.op = "adam",
+                        .impl = impl,
+                        .bytes = elements * (copies ? 30 : 28),
+                        .count = elements,
+                        .dtype = "f32",
+                        .warmup = 3},
+                       EventTimes(stream, 3, iters,
+                                  [&] { Check(adam.Step(++step, list, stream)); }));
+  report.Add(record.Compare("algbw_gbps", "copy", copy_gbps));
 }
 
-void MlpRow(cudaStream_t stream, const std::vector<int64_t>& widths, int64_t batch,
-            DataType precision, bool tf32, int iters) {
+void MlpRow(bench::Report& report, cudaStream_t stream, const std::vector<int64_t>& widths,
+            int64_t batch, DataType precision, bool tf32, int iters) {
   std::vector<int64_t> sizes;
   int64_t total = 0;
   double flops = 0;
@@ -209,15 +215,19 @@ void MlpRow(cudaStream_t stream, const std::vector<int64_t>& widths, int64_t bat
       widths, batch, stream, {.precision = precision, .allow_tf32 = tf32}));
   const FusedOptimizer adam(OptimizerConfig{});
   int64_t step = 0;
-  const double ms = MedianMs(stream, 20, iters, [&] {
-    Check(mlp->Forward(params, x.as<float>(), y.as<int64_t>(), batch));
-    Check(mlp->Backward(params, grad_views, 1.0f / batch, [](int) {}));
-    Check(adam.Step(++step, list, stream));
-  });
+  bench::Record record({.op = "mlp_step",
+                        .impl = std::string(DataTypeName(precision)) + (tf32 ? " tf32" : ""),
+                        .count = batch,
+                        .dtype = std::string(DataTypeName(precision)),
+                        .warmup = 20},
+                       EventTimes(stream, 20, iters, [&] {
+                         Check(mlp->Forward(params, x.as<float>(), y.as<int64_t>(), batch));
+                         Check(mlp->Backward(params, grad_views, 1.0f / batch, [](int) {}));
+                         Check(adam.Step(++step, list, stream));
+                       }));
   Check(mlp->Loss().status());  // every step's kernels ran without error
-  std::printf("| mlp | %s%s | %lld | %.3f | %.0f | %.1f |\n", DataTypeName(precision).data(),
-              tf32 ? " (tf32)" : "", static_cast<long long>(batch), ms, 1e3 / ms,
-              flops / (ms * 1e-3) / 1e12);
+  const double ms = record.time_ms();
+  report.Add(record.Extra("steps_per_s", 1e3 / ms).Extra("tflops", flops / (ms * 1e-3) / 1e12));
 }
 
 }  // namespace
@@ -249,6 +259,8 @@ int main(int argc, char** argv) {
   app.add_option("--nccl-bytes", nccl_bytes, "bytes per NCCL collective (world size 1)")
       ->delimiter(',')
       ->capture_default_str();
+  shard::bench::Output output;
+  shard::bench::AddOutputOptions(app, &output);
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
 
   using shard::Check;
@@ -261,29 +273,28 @@ int main(int argc, char** argv) {
   cudaDeviceProp props;
   Check(shard::CudaStatus(cudaGetDeviceProperties(&props, 0), "cudaGetDeviceProperties"));
   const shard::CudaStream stream = Check(shard::CudaStream::Create());
-  const double copy_gbps = shard::CopyGbps(stream.get(), copy_bytes, iters);
-  std::printf("# %s, %d SMs, %.1f GiB; device-to-device copy of %lld bytes: %.0f GB/s "
-              "(read + write); medians of %d\n",
-              props.name, props.multiProcessorCount,
-              props.totalGlobalMem / double(int64_t{1} << 30),
-              static_cast<long long>(copy_bytes), copy_gbps, iters);
-  std::printf("| kernel | elements | tensors | model copy | ms | GB/s | vs copy |\n");
-  std::printf("|---|---|---|---|---|---|---|\n");
+  shard::bench::Report report("shard-bench-gpu", output);
+  report.Note(absl::StrFormat(
+      "GPU 0: %s, %d SMs, %.1f GiB; medians of %d (MLP steps: %d); size(B) and GB/s: the bytes "
+      "read and written, as the copy's; an NCCL broadcast at world size 1 moves nothing (its "
+      "time alone)",
+      props.name, props.multiProcessorCount, props.totalGlobalMem / double(int64_t{1} << 30),
+      iters, mlp_iters));
+  const shard::bench::Record copy = shard::CopyRecord(stream.get(), copy_bytes, iters);
+  report.Add(copy);
+  const double copy_gbps = *copy.algbw_gbps();
   for (int64_t elements : adam_elements) {
-    shard::AdamRow(stream.get(), elements, elements, shard::DataType::kFloat32, iters, copy_gbps);
-    shard::AdamRow(stream.get(), elements, tensor_elements, shard::DataType::kFloat32, iters,
+    shard::AdamRow(report, stream.get(), elements, elements, shard::DataType::kFloat32, iters,
                    copy_gbps);
-    shard::AdamRow(stream.get(), elements, tensor_elements, shard::DataType::kBFloat16, iters,
-                   copy_gbps);
+    shard::AdamRow(report, stream.get(), elements, tensor_elements, shard::DataType::kFloat32,
+                   iters, copy_gbps);
+    shard::AdamRow(report, stream.get(), elements, tensor_elements, shard::DataType::kBFloat16,
+                   iters, copy_gbps);
   }
-  std::printf("\n| model | precision | batch | ms/step | steps/s | TFLOP/s |\n");
-  std::printf("|---|---|---|---|---|---|\n");
-  shard::MlpRow(stream.get(), widths, batch, shard::DataType::kFloat32, false, mlp_iters);
-  shard::MlpRow(stream.get(), widths, batch, shard::DataType::kFloat32, true, mlp_iters);
-  shard::MlpRow(stream.get(), widths, batch, shard::DataType::kBFloat16, false, mlp_iters);
-  shard::MlpRow(stream.get(), widths, batch, shard::DataType::kFloat16, false, mlp_iters);
-  std::printf("\n| collective (world size 1) | bytes | ms | GB/s (read + write) | vs copy |\n");
-  std::printf("|---|---|---|---|---|\n");
-  shard::NcclRows(stream.get(), nccl_bytes, iters, copy_gbps);
-  return 0;
+  shard::MlpRow(report, stream.get(), widths, batch, shard::DataType::kFloat32, false, mlp_iters);
+  shard::MlpRow(report, stream.get(), widths, batch, shard::DataType::kFloat32, true, mlp_iters);
+  shard::MlpRow(report, stream.get(), widths, batch, shard::DataType::kBFloat16, false, mlp_iters);
+  shard::MlpRow(report, stream.get(), widths, batch, shard::DataType::kFloat16, false, mlp_iters);
+  shard::NcclRows(report, stream.get(), nccl_bytes, iters, copy_gbps);
+  return report.Finish() ? 0 : 1;
 }

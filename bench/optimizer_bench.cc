@@ -7,24 +7,10 @@
 #include <cstring>
 #include <vector>
 
-#include "absl/time/clock.h"
+#include "absl/strings/str_format.h"
+#include "bench/harness.h"
 #include "common/cli.h"
 #include "worker/dataplane/optimizer.h"
-
-namespace {
-
-template <typename Fn>
-double BestSeconds(int repeats, Fn&& fn) {
-  double best = 1e30;
-  for (int i = 0; i < repeats; ++i) {
-    const absl::Time start = absl::Now();
-    fn();
-    best = std::min(best, absl::ToDoubleSeconds(absl::Now() - start));
-  }
-  return best;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"shard-bench-optimizer: CPU optimizer updates (one thread) in GB/s against a "
@@ -32,25 +18,44 @@ int main(int argc, char** argv) {
                "shard-bench-optimizer"};
   int64_t elements = int64_t{1} << 25;
   int repeats = 5;
+  shard::bench::Output output;
   app.add_option("--elements", elements, "elements per update")->capture_default_str();
   app.add_option("--repeats", repeats, "best of this many")->capture_default_str();
+  shard::bench::AddOutputOptions(app, &output);
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
 
   std::vector<float> param(elements, 0.5f), grad(elements, 0.01f), m(elements, 0.0f),
       v(elements, 0.0f), copy(elements);
-  // The better of memcpy and a plain copy loop: the machine's copy bandwidth.
-  const double copy_s = std::min(
-      BestSeconds(repeats, [&] { std::memcpy(copy.data(), param.data(), elements * sizeof(float)); }),
-      BestSeconds(repeats, [&] { std::copy(param.begin(), param.end(), copy.begin()); }));
-  const double copy_gbps = 2.0 * elements * sizeof(float) / copy_s / 1e9;
-  std::printf("# %lld elements, best of %d; memory copy %.2f GB/s (read + write)\n",
-              static_cast<long long>(elements), repeats, copy_gbps);
-  std::printf("%-10s %10s %12s %10s\n", "optimizer", "time_ms", "GB/s", "vs_copy");
+  shard::bench::Report report("shard-bench-optimizer", output);
+  report.Note(absl::StrFormat("%lld f32 elements, best of %d; size(B): the bytes read and "
+                              "written; the memory copy is the better of memcpy and a copy loop",
+                              static_cast<long long>(elements), repeats));
+  // A copy reads and writes every byte it copies.
+  const shard::bench::Descriptor copy_what = {.op = "memcpy",
+                                              .impl = "1 thread",
+                                              .bytes = 2 * elements * 4,
+                                              .count = elements,
+                                              .dtype = "f32",
+                                              .stat = shard::bench::Statistic::kBest};
+  shard::bench::Descriptor loop_what = copy_what;
+  loop_what.op = "copy_loop";
+  const shard::bench::Record memcpy_record(
+      copy_what, shard::bench::Summarize(shard::bench::TimeRuns(0, repeats, [&] {
+        std::memcpy(copy.data(), param.data(), elements * sizeof(float));
+      })));
+  const shard::bench::Record loop_record(
+      loop_what, shard::bench::Summarize(shard::bench::TimeRuns(0, repeats, [&] {
+        std::copy(param.begin(), param.end(), copy.begin());
+      })));
+  report.Add(memcpy_record);
+  report.Add(loop_record);
+  // The better of the two: the machine's copy bandwidth.
+  const double copy_gbps = std::max(*memcpy_record.algbw_gbps(), *loop_record.algbw_gbps());
   struct Case {
     const char* name;
     shard::OptimizerKind kind;
     double momentum;
-    double bytes_per_element;
+    int64_t bytes_per_element;
   };
   for (const Case& c : {Case{"adam", shard::OptimizerKind::kAdam, 0, 28},
                         Case{"adamw", shard::OptimizerKind::kAdamW, 0, 28},
@@ -62,11 +67,18 @@ int main(int argc, char** argv) {
     shard::OptimizerKernel kernel(config);
     float* state[2] = {m.data(), v.data()};
     int64_t step = 0;
-    const double seconds = BestSeconds(repeats, [&] {
-      kernel.Update(++step, param.data(), grad.data(), state, elements);
-    });
-    const double gbps = c.bytes_per_element * elements / seconds / 1e9;
-    std::printf("%-10s %10.2f %12.2f %9.2fx\n", c.name, seconds * 1e3, gbps, gbps / copy_gbps);
+    shard::bench::Record record(
+        {.op = c.name,
+         .impl = "1 thread",
+         .bytes = c.bytes_per_element * elements,
+         .count = elements,
+         .dtype = "f32",
+         .stat = shard::bench::Statistic::kBest},
+        shard::bench::Summarize(shard::bench::TimeRuns(0, repeats, [&] {
+          kernel.Update(++step, param.data(), grad.data(), state, elements);
+        })));
+    record.Compare("algbw_gbps", "memory copy", copy_gbps);
+    report.Add(record);
   }
-  return 0;
+  return report.Finish() ? 0 : 1;
 }

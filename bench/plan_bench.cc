@@ -6,10 +6,11 @@
 #include <cstdio>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
+#include "bench/harness.h"
 #include "common/cli.h"
 #include "common/plan.h"
 
@@ -50,6 +51,7 @@ int main(int argc, char** argv) {
   std::string world_sizes = "8,64,1024";
   int repeats = 11;
   double bucket_cap_mb = 25;
+  shard::bench::Output output;
   app.add_option("--world-sizes", world_sizes, "comma-separated")->capture_default_str();
   app.add_option("--repeats", repeats, "runs per configuration")
       ->capture_default_str()
@@ -57,15 +59,17 @@ int main(int argc, char** argv) {
   app.add_option("--bucket-cap-mb", bucket_cap_mb, "bucket cap in MiB")
       ->capture_default_str()
       ->check(shard::MebibytesValidator());
+  shard::bench::AddOutputOptions(app, &output);
   if (std::optional<int> exit_code = shard::ParseCommandLine(app, argc, argv)) return *exit_code;
 
+  constexpr double kTargetMs = 50;
   const shard::Manifest manifest = Llama70B();
   int64_t total = 0;
   for (const shard::ParamSpec& p : manifest.params) total += p.numel();
-  std::printf("# manifest: %zu parameters, %.2f billion elements (bf16)\n", manifest.params.size(),
-              total / 1e9);
-  std::printf("# %6s %6s %8s %10s %12s %10s %10s\n", "ranks", "mode", "buckets", "ranges",
-              "imbalance", "median_ms", "max_ms");
+  shard::bench::Report report("shard-bench-plan", output);
+  report.Note(absl::StrFormat("manifest: %zu parameters, %.2f billion elements (bf16); "
+                              "extras: the plan's buckets, ranges and imbalance",
+                              manifest.params.size(), total / 1e9));
   double worst = 0;
   for (absl::string_view text : absl::StrSplit(world_sizes, ',')) {
     int world = 0;
@@ -78,26 +82,31 @@ int main(int argc, char** argv) {
       options.world_size = world;
       options.mode = mode;
       options.bucket_cap_bytes = shard::MebibytesToBytes(bucket_cap_mb);
-      std::vector<double> ms;
       absl::StatusOr<shard::Plan> plan;
-      for (int i = 0; i < repeats; ++i) {
-        const absl::Time start = absl::Now();
-        plan = shard::MakePlan(manifest, options);
-        ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
-        if (!plan.ok()) {
-          std::fprintf(stderr, "shard-bench-plan: %s\n", std::string(plan.status().message()).c_str());
-          return 1;
-        }
+      const std::vector<double> ms =
+          shard::bench::TimeRuns(0, repeats, [&] { plan = shard::MakePlan(manifest, options); });
+      if (!plan.ok()) {
+        std::fprintf(stderr, "shard-bench-plan: %s\n",
+                     std::string(plan.status().message()).c_str());
+        return 1;
       }
-      std::sort(ms.begin(), ms.end());
       size_t ranges = 0;
       for (const shard::RankOwnership& r : plan->ranks) ranges += r.ranges.size();
-      std::printf("  %6d %6s %8zu %10zu %12.6f %10.2f %10.2f\n", world,
-                  std::string(shard::ShardModeName(mode)).c_str(), plan->buckets.size(), ranges,
-                  plan->imbalance, ms[ms.size() / 2], ms.back());
-      worst = std::max(worst, ms[ms.size() / 2]);
+      shard::bench::Record record({.op = "plan",
+                                   .impl = std::string(shard::ShardModeName(mode)),
+                                   .count = total,
+                                   .dtype = "bf16",
+                                   .ranks = world},
+                                  shard::bench::Summarize(ms));
+      record.Extra("buckets", static_cast<double>(plan->buckets.size()))
+          .Extra("ranges", static_cast<double>(ranges))
+          .Extra("imbalance", plan->imbalance)
+          .Compare("time_ms", "target 50 ms", kTargetMs, shard::bench::Below(1));
+      report.Add(record);
+      worst = std::max(worst, record.time_ms());
     }
   }
-  std::printf("# slowest median %.2f ms; target < 50 ms: %s\n", worst, worst < 50 ? "met" : "MISSED");
-  return 0;
+  report.Note(absl::StrFormat("slowest median %.2f ms; target < %.0f ms: %s", worst, kTargetMs,
+                              worst < kTargetMs ? "met" : "MISSED"));
+  return report.Finish() ? 0 : 1;
 }

@@ -16,7 +16,6 @@
 // plan applied) to their first step.
 #include <signal.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -25,14 +24,15 @@
 #include <string>
 #include <vector>
 
-#include "CLI/CLI.hpp"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/harness.h"
 #include "common/cli.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/cluster.h"
@@ -244,11 +244,11 @@ absl::StatusOr<Trial> RunTrial(const Flags& flags, const std::string& source, in
   return trial;
 }
 
-double Median(const std::vector<Trial>& trials, double Trial::*field) {
+// Every trial's `field`, in trial order.
+std::vector<double> Samples(const std::vector<Trial>& trials, double Trial::*field) {
   std::vector<double> values;
   for (const Trial& trial : trials) values.push_back(trial.*field);
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
+  return values;
 }
 
 int Main(int argc, char** argv) {
@@ -258,9 +258,11 @@ int Main(int argc, char** argv) {
       "snapshots) and from disk (the latest checkpoint) in the same run, from real coordinator "
       "and worker processes on 127.0.0.1 training an MLP: detect (vs the lease), abort of the "
       "survivors, re-form (detect + grace), resume (restore + one step), the restore itself and "
-      "the steps lost, beside a cold start of the same job. Prints every trial and the medians.",
+      "the steps lost, beside a cold start of the same job. Prints the medians over the trials "
+      "(every trial's figures in the JSON).",
       "shard-bench-recovery"};
   Flags flags;
+  bench::Output output;
   app.add_option("--workers", flags.workers, "workers at the start (one is lost)")
       ->capture_default_str()
       ->check(CLI::Range(2, 16));
@@ -294,18 +296,21 @@ int Main(int argc, char** argv) {
   app.add_option("--samples", flags.samples, "samples in the generated data set")
       ->capture_default_str()
       ->check(CLI::Range(256, 1 << 20));
+  bench::AddOutputOptions(app, &output);
   if (std::optional<int> exit_code = ParseCommandLine(app, argc, argv)) return *exit_code;
 
-  std::printf("%d CPU workers, MLP %s (%.1f MB of job state), SIG%s one past step %d; from "
-              "memory: a snapshot every %d steps, 1 replica, no checkpoints; from disk: a "
-              "checkpoint every %d steps, no snapshots; lease %s, reform grace %s; times in ms "
-              "from the signal\n",
-              flags.workers, flags.widths.c_str(), StateBytes(flags.widths) / 1e6,
-              flags.signal == "kill" ? "KILL" : "STOP", flags.kill_at, flags.snapshot_every,
-              flags.every, flags.lease.c_str(), flags.grace.c_str());
-  std::printf("%-6s %-6s %8s %8s %8s %8s %8s %6s | %14s %11s  %s\n", "source", "trial",
-              "detect", "abort", "re-form", "resume", "restore", "lost", "re-form->step",
-              "cold start", "restored");
+  bench::Report report("shard-bench-recovery", output);
+  report.Note(absl::StrFormat(
+      "%d CPU workers, MLP %s (%.1f MB of job state), SIG%s one past step %d; from memory: a "
+      "snapshot every %d steps, 1 replica, no checkpoints; from disk: a checkpoint every %d "
+      "steps, no snapshots; lease %s, reform grace %s",
+      flags.workers, flags.widths, StateBytes(flags.widths) / 1e6,
+      flags.signal == "kill" ? "KILL" : "STOP", flags.kill_at, flags.snapshot_every, flags.every,
+      flags.lease, flags.grace));
+  report.Note("ms from the signal: detect (declared dead), abort (the last survivor waits for the "
+              "next generation), re_form, resume (training again); restore: the restore itself "
+              "(slowest rank); restart: re-formed -> first step; cold_start: the first run's "
+              "world formed -> first step");
   std::map<std::string, std::vector<Trial>> trials;
   for (int i = 0; i < flags.trials; ++i) {
     for (const std::string& source : flags.sources) {
@@ -315,40 +320,49 @@ int Main(int argc, char** argv) {
                      std::string(trial.status().message()).c_str());
         return 1;
       }
-      std::printf("%-6s %-6d %8.0f %8.0f %8.0f %8.0f %8.0f %6.0f | %14.0f %11.0f  %s\n",
-                  source.c_str(), i, trial->detect_ms, trial->abort_ms, trial->reform_ms,
-                  trial->resume_ms, trial->restore_ms, trial->steps_lost, trial->restart_ms,
-                  trial->cold_start_ms, trial->restored.c_str());
-      std::fflush(stdout);
+      // A trial takes a while: say how far the run is (the records come once all are done).
+      std::fprintf(stderr, "shard-bench-recovery: %s trial %d of %d: training again %.0f ms "
+                   "after the signal\n", source.c_str(), i + 1, flags.trials, trial->resume_ms);
       trials[source].push_back(*trial);
     }
   }
   const double lease_ms = Milliseconds(ParsedDuration(flags.lease));
   const double grace_ms = Milliseconds(ParsedDuration(flags.grace));
+  auto record = [&](const std::string& source, const std::string& op, double Trial::*field) {
+    return bench::Record({.op = op, .impl = source, .ranks = flags.workers},
+                         bench::Summarize(Samples(trials[source], field)));
+  };
   for (const std::string& source : flags.sources) {
-    auto median = [&](double Trial::*field) { return Median(trials[source], field); };
-    std::printf("%-6s %-6s %8.0f %8.0f %8.0f %8.0f %8.0f %6.0f | %14.0f %11.0f\n",
-                source.c_str(), "median", median(&Trial::detect_ms), median(&Trial::abort_ms),
-                median(&Trial::reform_ms), median(&Trial::resume_ms), median(&Trial::restore_ms),
-                median(&Trial::steps_lost), median(&Trial::restart_ms),
-                median(&Trial::cold_start_ms));
-    std::printf("%s: detect = %.2fx the lease; re-form - detect - grace = %.0f ms; restart after "
-                "re-form = %.2fx a cold start of the same job\n",
-                source.c_str(), median(&Trial::detect_ms) / lease_ms,
-                median(&Trial::reform_ms) - median(&Trial::detect_ms) - grace_ms,
-                median(&Trial::restart_ms) / median(&Trial::cold_start_ms));
-  }
-  if (trials.count("memory") > 0 && trials.count("disk") > 0) {
-    auto median_of = [&](const std::string& source, double Trial::*field) {
-      return Median(trials[source], field);
+    // Memory against disk, where the run measured both (0: not compared).
+    auto disk_ms = [&](const std::string& op, double Trial::*field) {
+      return source == "memory" && trials.count("disk") > 0 ? record("disk", op, field).time_ms()
+                                                              : 0.0;
     };
-    std::printf("memory vs disk (medians): kill -> training again %.2fx, restore %.2fx, steps "
-                "lost %.0f vs %.0f\n",
-                median_of("memory", &Trial::resume_ms) / median_of("disk", &Trial::resume_ms),
-                median_of("memory", &Trial::restore_ms) / median_of("disk", &Trial::restore_ms),
-                median_of("memory", &Trial::steps_lost), median_of("disk", &Trial::steps_lost));
+    bench::Record detect = record(source, "detect", &Trial::detect_ms);
+    report.Add(detect.Compare("time_ms", "lease " + flags.lease, lease_ms));
+    report.Add(record(source, "abort", &Trial::abort_ms));
+    bench::Record reform = record(source, "re_form", &Trial::reform_ms);
+    report.Add(reform.Extra("after_detect_and_grace_ms",
+                            reform.time_ms() - detect.time_ms() - grace_ms));
+    report.Add(record(source, "resume", &Trial::resume_ms)
+                   .Compare("time_ms", "disk", disk_ms("resume", &Trial::resume_ms)));
+    std::vector<std::string> restored;
+    for (const Trial& trial : trials[source]) {
+      restored.push_back(absl::StrCat(trial.restored, ", ", trial.steps_lost, " steps lost"));
+    }
+    // Summarize's median is any samples' median, steps as well as milliseconds.
+    const double steps_lost =
+        bench::Summarize(Samples(trials[source], &Trial::steps_lost)).median_ms;
+    report.Add(record(source, "restore", &Trial::restore_ms)
+                   .Extra("steps_lost", steps_lost)
+                   .Compare("time_ms", "disk", disk_ms("restore", &Trial::restore_ms))
+                   .Note(absl::StrJoin(restored, "; ")));
+    const bench::Record cold = record(source, "cold_start", &Trial::cold_start_ms);
+    report.Add(record(source, "restart", &Trial::restart_ms)
+                   .Compare("time_ms", "cold_start", cold.time_ms()));
+    report.Add(cold);
   }
-  return 0;
+  return report.Finish() ? 0 : 1;
 }
 
 }  // namespace

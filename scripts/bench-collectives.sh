@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
 # Builds shard-bench-collectives and reports all-reduce / reduce-scatter / all-gather bus
 # bandwidth through our shared-memory communicator (shm) and our TCP rings (tcp) beside raw Gloo,
-# one thread's memcpy and loopback TCP, for 2 and 4 ranks (nccl-tests columns; the header names
-# the CPU). Extra arguments go to every run, e.g.:
+# one thread's memcpy and loopback TCP, for 2 and 4 ranks (nccl-tests columns; the Machine line
+# names the CPU). Extra arguments go to every run, e.g.:
 #   scripts/bench-collectives.sh --iters 10 --segment-bytes 4MiB --collectives all_reduce
 #   scripts/bench-collectives.sh --impls shm,tcp --shm-slot-bytes 4MiB
+# `--json-dir DIR` (first) writes each run's records to DIR/collectives-<ranks>-ranks.json.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+json_dir=
+if [ "${1:-}" = --json-dir ]; then
+  json_dir=${2:?--json-dir needs a directory}
+  shift 2
+  mkdir -p "$json_dir"
+fi
 scripts/setup.sh
 scripts/build.sh --target shard-bench-collectives
 
 status=0
 for ranks in 2 4; do
-  "${SHARD_BUILD_DIR:-build}/bin/shard-bench-collectives" --ranks "${ranks}" "$@" || status=1
+  json=()
+  [ -z "$json_dir" ] || json=(--json "$json_dir/collectives-${ranks}-ranks.json")
+  "${SHARD_BUILD_DIR:-build}/bin/shard-bench-collectives" --ranks "${ranks}" "${json[@]}" "$@" \
+    || status=1
   echo
 done
 exit "${status}"

@@ -2,7 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -25,12 +25,8 @@ std::string BinaryPath(const std::string& name) { return absl::StrCat(SHARD_BIN_
 
 absl::StatusOr<Process> Process::Start(std::vector<std::string> argv, std::string log_path,
                                        const std::vector<std::string>& env) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_APPEND, 0644);
-  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  // Everything the child uses is made before the fork: between fork and exec it makes system
+  // calls only (another thread may have held the allocator's lock at the fork).
   std::vector<char*> args;
   for (std::string& arg : argv) args.push_back(arg.data());
   args.push_back(nullptr);
@@ -39,11 +35,48 @@ absl::StatusOr<Process> Process::Start(std::vector<std::string> argv, std::strin
   std::vector<char*> envp;
   for (std::string& entry : environment) envp.push_back(entry.data());
   envp.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) {
-    return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": ", std::strerror(rc)));
+  // The child writes errno here if it cannot start the program; exec closes it, so the parent
+  // reads nothing once the program runs.
+  int failure[2];
+  if (::pipe2(failure, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": pipe: ",
+                                            std::strerror(errno)));
+  }
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    int error = ESRCH;  // the starting thread ended before the line above
+    if (::getppid() == parent) {
+      const int in = ::open("/dev/null", O_RDONLY);
+      const int log = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      if (in >= 0 && log >= 0 && ::dup2(in, STDIN_FILENO) >= 0 &&
+          ::dup2(log, STDOUT_FILENO) >= 0 && ::dup2(log, STDERR_FILENO) >= 0) {
+        if (in > STDERR_FILENO) ::close(in);
+        if (log > STDERR_FILENO) ::close(log);
+        ::execve(args[0], args.data(), envp.data());
+      }
+      error = errno;
+    }
+    [[maybe_unused]] const ssize_t written = ::write(failure[1], &error, sizeof(error));
+    ::_exit(127);
+  }
+  const int fork_error = errno;
+  ::close(failure[1]);
+  if (pid < 0) {
+    ::close(failure[0]);
+    return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": fork: ",
+                                            std::strerror(fork_error)));
+  }
+  int error = 0;
+  ssize_t got = 0;
+  do {
+    got = ::read(failure[0], &error, sizeof(error));
+  } while (got < 0 && errno == EINTR);
+  ::close(failure[0]);
+  if (got == sizeof(error)) {
+    ::waitpid(pid, nullptr, 0);
+    return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": ", std::strerror(error)));
   }
   return Process(pid, std::move(log_path));
 }

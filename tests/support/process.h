@@ -1,5 +1,5 @@
-// Real processes of our binaries for integration tests: started with posix_spawn, output to a
-// log file, killed by pid, waited for with a deadline.
+// Real processes of our binaries for integration tests and benchmarks: output to a log file,
+// killed by pid, waited for with a deadline, and never outliving the thread that started them.
 #pragma once
 
 #include <sys/types.h>
@@ -20,7 +20,9 @@ std::string BinaryPath(const std::string& name);
 class Process {
  public:
   // Starts `argv[0]` (a path) with stdout and stderr appended to `log_path`, and `env`
-  // ("KEY=VALUE") added to this process's environment.
+  // ("KEY=VALUE") added to this process's environment. It gets SIGKILL if the thread that
+  // started it ends first (PR_SET_PDEATHSIG), so that a crashed test or a killed benchmark
+  // leaves none running: start processes from a thread that outlives them.
   static absl::StatusOr<Process> Start(std::vector<std::string> argv, std::string log_path,
                                        const std::vector<std::string>& env = {});
 
