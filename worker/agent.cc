@@ -1,15 +1,12 @@
 #include "worker/agent.h"
 
-#include <algorithm>
 #include <future>
 #include <random>
 #include <thread>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "common/backoff.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "proto/control_convert.h"
