@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+import time
 
 import torch
 
@@ -129,6 +130,22 @@ def peak_memory(run):
     return result, status("VmHWM") - before
 
 
+def hold_at_gates(job, step, gates):
+    """Holds the step at each gate of the config not yet passed whose world size is this world's
+    and whose step it has reached, until the test opens it (creates its file): the test then acts
+    on a job that is known to be at that point and not past it."""
+    for gate in gates:
+        if gate.get("passed") or job.world_size != gate["world"] or step < gate["step"]:
+            continue
+        print(f"at the gate of step {gate['step']} in a world of {gate['world']}", flush=True)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate["file"]):
+            if time.monotonic() > deadline:
+                sys.exit(f"the gate {gate['file']} did not open within 60 s")
+            time.sleep(0.01)
+        gate["passed"] = True
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
@@ -151,7 +168,9 @@ def main():
         schedule.load_state_dict(resumed["schedule"])
     job.checkpoint_extras["schedule"] = schedule
     offset = config.get("offset", 0)
+    gates = config.get("gates", [])
     for step in job.steps():
+        hold_at_gates(job, step, gates)
         idx = job.batch_indices(step + offset, len(inputs)).to(job.device)
         loss = torch.nn.functional.cross_entropy(model(inputs[idx]), targets[idx])
         loss.backward()

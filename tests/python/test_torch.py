@@ -36,10 +36,12 @@ DEADLINE = 120  # seconds any one process may take: a hang fails the test instea
 
 
 def wait_for(predicate, seconds, what):
+    """The first true value `predicate()` returns within `seconds`."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if predicate():
-            return
+        value = predicate()
+        if value:
+            return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {seconds}s waiting for {what}")
 

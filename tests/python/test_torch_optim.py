@@ -165,33 +165,45 @@ def test_a_killed_worker_is_survived_and_training_ends_equal_to_torch(cluster, s
 def test_resize_and_drain_move_the_optimizers_state_and_training_ends_equal_to_torch(cluster,
                                                                                     stage):
     # Three ranks, resized to two by the operator, then one of them drained: the optimizer's
-    # state moves through memory snapshots each time.
+    # state moves through memory snapshots each time. The workers hold at a gate (optim_worker.py)
+    # until each request is in, so that neither lands after the last step however slow the
+    # machine.
     steps = 300
-    config = config_of(cluster, "AdamW")
+    resized_gate = {"world": 3, "step": 20, "file": os.path.join(cluster.tmp, "resize-asked")}
+    drained_gate = {"world": 2, "step": 80, "file": os.path.join(cluster.tmp, "drain-asked")}
+    config = config_of(cluster, "AdamW", gates=[resized_gate, drained_gate])
     cluster.start_coordinator(cluster.write_job(world=3, min_world=1, steps=steps,
                                                 snapshot_every=10, optimizer={"name": "torch"},
                                                 zeroStage=stage))
     workers = [cluster.start_worker(f"w{i}", script=WORKER, args=["--config", json.dumps(config)])
                for i in range(3)]
 
-    def status():
+    def ranked_at(world, step):
+        """The ids of the ranked workers once `world` of them run at `step` or past it."""
         answer = cluster.shardctl("status", "--json")
-        return json.loads(answer.stdout) if answer.returncode == 0 else None
+        if answer.returncode != 0:
+            return None
+        now = json.loads(answer.stdout)
+        ranked = [w["id"] for w in now["workers"] if w["rank"] >= 0]
+        at = now["world_size"] == world and (now["progress"]["step"] or 0) >= step
+        return ranked if at and len(ranked) == world else None
 
-    def at(world, step):
-        now = status()
-        return (now is not None and now["world_size"] == world and
-                (now["progress"]["step"] or 0) >= step)
+    def open_gate(gate):
+        with open(gate["file"], "w"):
+            pass
 
-    wait_for(lambda: at(3, 20), 60, "step 20 on three ranks")
+    wait_for(lambda: ranked_at(3, 20), 60, "step 20 on three ranks")
     resized = cluster.shardctl("resize", "--world-size", "2", "--no-wait")
     assert resized.returncode == 0, resized.stdout + resized.stderr
-    wait_for(lambda: at(2, 80), 60, "step 80 on two ranks")
-    ranked = [w["id"] for w in status()["workers"] if w["rank"] >= 0]
+    open_gate(resized_gate)
+    ranked = wait_for(lambda: ranked_at(2, 80), 60, "step 80 on two ranks")
     drained = cluster.shardctl("drain", ranked[-1], "--no-wait")
     assert drained.returncode == 0, drained.stdout + drained.stderr
+    open_gate(drained_gate)
     for worker in workers:
         assert cluster.wait(worker) == 0, cluster.log(worker)
+        assert "at the gate of step 20 in a world of 3" in cluster.log(worker)
+    assert sum("at the gate of step 80 in a world of 2" in cluster.log(w) for w in workers) == 2
     events = cluster.log("coordinator.log").lower()
     assert "resiz" in events and "drain" in events, events
     model, _ = reference(config, steps)
