@@ -638,6 +638,25 @@ std::vector<std::string> ExpireLeases(Membership& membership, const MembershipRu
   return dead;
 }
 
+void ResizeFormingWorld(Membership& membership, int size, absl::Time now, Change* change) {
+  const int from = membership.ranks();
+  std::vector<std::string> keep;  // the holders, in rank order, as many as the new size takes
+  for (const std::string& id : membership.holders()) {
+    if (id.empty()) continue;
+    if (static_cast<int>(keep.size()) < size) {
+      keep.push_back(id);
+    } else {
+      membership.MakeStandby(*membership.Mutable(id), now);
+    }
+  }
+  membership.Renumber(keep, size);
+  change->events.push_back(
+      MakeEvent(v1::MEMBERSHIP_EVENT_KIND_RESIZED, "", -1,
+                absl::StrCat("the forming world goes from ", from, " to ", size, " ranks"), now));
+  PromoteStandbys(membership, now, change);
+  MarkFormedIfComplete(membership, now, change);
+}
+
 void Stop(Membership& membership, JobEvent why, const std::string& reason, absl::Time now,
           Change* change) {
   if (membership.stop_requested()) return;

@@ -218,6 +218,11 @@ absl::Status Leave(Membership& membership, const MembershipRules& rules,
 // re-forms with the survivors. Returns the dead.
 std::vector<std::string> ExpireLeases(Membership& membership, const MembershipRules& rules,
                                       absl::Time now, Change* change);
+// An operator's resize of a world that has not formed in this run: the forming world has `size`
+// ranks at once (as a coordinator restarted on its state would make it), holders beyond them
+// wait as standbys, waiting standbys take free ranks, and the world forms once every rank is
+// held. (A world that has formed is reshaped at a step boundary instead: reshape.h.)
+void ResizeFormingWorld(Membership& membership, int size, absl::Time now, Change* change);
 // Stops the job: `why` is kStopRequested (an operator, a signal), kTrainingFinished or
 // kJobFailed; the first stop's kind and reason stay.
 void Stop(Membership& membership, JobEvent why, const std::string& reason, absl::Time now,

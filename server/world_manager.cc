@@ -525,6 +525,9 @@ absl::Status WorldManager::SetTarget(int world_size, absl::Time now) {
                                        absl::StrCat("target world size ", from, " -> ", world_size),
                                        now));
     spdlog::info("resize requested: target world size {} -> {}", from, world_size);
+    // A world that has not formed has nothing to save or pause: it takes the new size now, and
+    // does not wait for joins the operator no longer asks for (simulation seed 1285).
+    if (!membership_.formed) ResizeFormingWorld(membership_, world_size, now, change);
     return absl::OkStatus();
   });
 }
