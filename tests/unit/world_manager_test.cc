@@ -812,6 +812,50 @@ TEST_F(ElasticWorldTest, AWorldMadeWholeByARestartGivesALostRankToAStandby) {
   EXPECT_EQ(world->world().state, JobState::kRunning);
 }
 
+// An operator's resize of a world still forming takes effect at once: it has nothing to save or
+// pause, and it must not wait for joins the operator no longer asks for (simulation seed 1285
+// under reshape-and-restart: resized to 4 before anyone joined, it waited for a fifth worker).
+TEST_F(ElasticWorldTest, AResizeOfAFormingWorldFormsItWithTheWorkersItHas) {
+  WorldOptions options = Options(4, absl::Seconds(2));
+  options.min_world_size = 1;
+  auto world = Make(options);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(world->Join(Params(absl::StrCat("w", i)), now_).ok());
+  ASSERT_EQ(world->world().state, JobState::kForming);
+  const int64_t generation = world->world().generation;
+
+  ASSERT_TRUE(world->SetTarget(2, now_).ok());
+  EXPECT_EQ(world->world().state, JobState::kRunning);
+  EXPECT_EQ(world->world().ranks, 2);
+  EXPECT_EQ(world->world().generation, generation) << "nothing had connected: no new generation";
+  StatusSnapshot status = world->Status(now_);
+  EXPECT_EQ(RankOf(status, "w0"), 0);
+  EXPECT_EQ(RankOf(status, "w1"), 1);
+  EXPECT_EQ(RankOf(status, "w2"), -1) << "beyond the new size it waits as a standby";
+  EXPECT_EQ(world->world().standby, 1);
+
+  // A restarted coordinator takes back the same world.
+  auto restarted = Make(options);
+  ASSERT_TRUE(restarted->recovered());
+  EXPECT_EQ(restarted->world().state, JobState::kRunning);
+  EXPECT_EQ(restarted->world().ranks, 2);
+}
+
+TEST_F(ElasticWorldTest, AFormingWorldResizedWaitsForTheNewSizeOnly) {
+  WorldOptions options = Options(4, absl::Seconds(2));
+  options.min_world_size = 1;
+  auto world = Make(options);
+  ASSERT_TRUE(world->SetTarget(2, now_).ok());
+  ASSERT_TRUE(world->Join(Params("w0"), now_).ok());
+  ASSERT_TRUE(world->SetTarget(3, now_).ok());
+  EXPECT_EQ(world->world().state, JobState::kForming);
+  EXPECT_EQ(world->world().ranks, 3);
+  EXPECT_EQ(world->Status(now_).world.transition, "forming: waiting for 2 more of 3 workers");
+  for (const char* id : {"w1", "w2"}) ASSERT_TRUE(world->Join(Params(id), now_).ok());
+  EXPECT_EQ(world->world().state, JobState::kRunning);
+  EXPECT_EQ(world->world().ranks, 3);
+  EXPECT_EQ(world->Join(Params("w3"), now_)->rank, -1) << "the world of 3 is full: a standby";
+}
+
 // A world still forming with a free rank and a standby waiting (seed 98626: a coordinator restarted
 // after a resize took back only a standby, and three joins filled three of four ranks) gives the
 // standby the rank at the next pass, instead of waiting for a join nobody will make.
