@@ -138,9 +138,10 @@ int Events(const ElasticCommands& c, AdminClient& admin) {
 void AddElasticCommands(CLI::App& app, ElasticCommands* c) {
   c->resize = app.add_subcommand(
       "resize",
-      "change the running job's world size: the workers checkpoint at the next step boundary, "
-      "the highest ranks leave (or standbys are folded in) and training continues from that "
-      "checkpoint, losing no step; waits until the world has the new size");
+      "change the job's world size: in a running world the workers checkpoint at the next step "
+      "boundary, the highest ranks leave (or standbys are folded in) and training continues from "
+      "that checkpoint, losing no step; a world still forming takes the new size at once (and "
+      "starts if its workers fill it); waits until the world has the new size");
   c->resize->add_option("--world-size", c->world_size,
                         "the new world size (the job's min_world_size..world_size, dividing its "
                         "global batch)")

@@ -1,5 +1,6 @@
 // shard-control-plane-sim: runs the control plane's deterministic simulation (simulation.h) for
-// the seeds pinned in a file and a range of seeds, or replays one seed with a trace. Exit status
+// the seeds pinned in a file and a range of seeds, or replays one seed with a trace; each under a
+// profile (simulation.h's Profile: which scenarios the draws favour). Exit status
 // 1 if any seed broke an invariant or the liveness property (the seed and how to replay it are
 // printed), or if the time budget ended the run before every seed it was asked for had run; 2 on
 // a pinned-seed file it cannot read.
@@ -12,9 +13,9 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
-#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "common/cli.h"
@@ -23,29 +24,49 @@
 
 namespace {
 
-// The seeds of a pinned-seed file (tests/sim/pinned_seeds.txt): one a line, `#` starts a comment,
-// blank lines are skipped. nullopt, with the reason printed, on a file it cannot read or a line
-// that is not a seed.
-std::optional<std::vector<uint64_t>> ReadPinnedSeeds(const std::string& path) {
+using shard::sim::Profile;
+
+struct PinnedSeed {
+  uint64_t seed = 0;
+  Profile profile = Profile::kMixed;
+};
+
+// The seeds of a pinned-seed file (tests/sim/pinned_seeds.txt): one a line, optionally followed by
+// the profile it runs under (mixed when none), `#` starts a comment, blank lines are skipped.
+// nullopt, with the reason printed, on a file it cannot read or a line that is not a seed.
+std::optional<std::vector<PinnedSeed>> ReadPinnedSeeds(const std::string& path) {
   std::ifstream in(path);
   if (!in) {
     std::fprintf(stderr, "cannot read the pinned seeds %s\n", path.c_str());
     return std::nullopt;
   }
-  std::vector<uint64_t> seeds;
+  std::vector<PinnedSeed> seeds;
   std::string line;
   for (int number = 1; std::getline(in, line); ++number) {
-    absl::string_view text = line;
-    text = absl::StripAsciiWhitespace(text.substr(0, text.find('#')));
-    if (text.empty()) continue;
-    uint64_t seed = 0;
-    if (!absl::SimpleAtoi(text, &seed)) {
-      std::fprintf(stderr, "%s:%d: not a seed: %s\n", path.c_str(), number, line.c_str());
+    const std::string text = line.substr(0, line.find('#'));
+    const std::vector<absl::string_view> fields =
+        absl::StrSplit(text, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    if (fields.empty()) continue;
+    PinnedSeed pinned;
+    std::optional<Profile> profile =
+        fields.size() == 2 ? shard::sim::ParseProfile(fields[1]) : Profile::kMixed;
+    if (fields.size() > 2 || !absl::SimpleAtoi(fields[0], &pinned.seed) || !profile.has_value()) {
+      std::fprintf(stderr, "%s:%d: not a seed and an optional profile (%s): %s\n", path.c_str(),
+                   number, shard::sim::ProfileNames().c_str(), line.c_str());
       return std::nullopt;
     }
-    seeds.push_back(seed);
+    pinned.profile = *profile;
+    seeds.push_back(pinned);
   }
   return seeds;
+}
+
+// How to replay one seed, for a failure's message.
+std::string ReplayCommand(const PinnedSeed& seed) {
+  return absl::StrFormat("shard-control-plane-sim --seed %d%s", seed.seed,
+                         seed.profile == Profile::kMixed
+                             ? ""
+                             : " --profile " + shard::sim::ProfileName(seed.profile));
 }
 
 // What the seeds of a run added up to.
@@ -92,6 +113,7 @@ int main(int argc, char** argv) {
   std::string pinned_path;
   std::optional<uint64_t> replay;
   bool verbose = false;
+  std::string profile_name = "mixed";
   app.add_option("--first-seed", first_seed, "the first seed of the range")->capture_default_str();
   CLI::Option* seeds_option =
       app.add_option("--seeds", seeds,
@@ -108,24 +130,37 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(shard::DurationValidator());
   app.add_option("--seed", replay, "replay this one seed with a trace of every event");
+  app.add_option("--profile", profile_name,
+                 absl::StrFormat("which scenarios the draws favour, for the range and --seed (a "
+                                 "pinned seed names its own): %s. A seed replays only under the "
+                                 "profile it ran with",
+                                 shard::sim::ProfileNames()))
+      ->capture_default_str()
+      ->check([](const std::string& name) {
+        return shard::sim::ParseProfile(name).has_value()
+                   ? std::string()
+                   : absl::StrFormat("no profile %s; one of %s", name, shard::sim::ProfileNames());
+      });
   app.add_flag("--verbose", verbose, "with --seed: also the coordinator's own log");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(verbose ? spdlog::level::info : spdlog::level::off);
+  const Profile profile = *shard::sim::ParseProfile(profile_name);
 
   if (replay.has_value()) {
     const shard::sim::SimulationResult result =
-        shard::sim::RunSimulation({.seed = *replay, .verbose = true});
-    std::printf("seed %llu: %s after %lld events, %s simulated\n",
-                static_cast<unsigned long long>(*replay), result.passed ? "PASS" : "FAIL",
+        shard::sim::RunSimulation({.seed = *replay, .profile = profile, .verbose = true});
+    std::printf("seed %llu (%s): %s after %lld events, %s simulated\n",
+                static_cast<unsigned long long>(*replay), profile_name.c_str(),
+                result.passed ? "PASS" : "FAIL",
                 static_cast<long long>(result.events),
                 absl::FormatDuration(result.simulated).c_str());
     if (!result.passed) std::printf("%s\n", result.failure.c_str());
     return result.passed ? 0 : 1;
   }
 
-  std::vector<uint64_t> pinned;
+  std::vector<PinnedSeed> pinned;
   if (!pinned_path.empty()) {
-    std::optional<std::vector<uint64_t>> read = ReadPinnedSeeds(pinned_path);
+    std::optional<std::vector<PinnedSeed>> read = ReadPinnedSeeds(pinned_path);
     if (!read.has_value()) return 2;
     pinned = std::move(*read);
   }
@@ -136,25 +171,27 @@ int main(int argc, char** argv) {
   const absl::Time started = absl::Now();
   Totals totals;
   auto must_stop = [&] { return totals.failed >= kMaxFailures || absl::Now() - started >= limit; };
-  auto run_seed = [&](uint64_t seed, const char* kind) {
-    const shard::sim::SimulationResult result = shard::sim::RunSimulation({.seed = seed});
+  auto run_seed = [&](const PinnedSeed& seed, const char* kind) {
+    const shard::sim::SimulationResult result =
+        shard::sim::RunSimulation({.seed = seed.seed, .profile = seed.profile});
     totals.Add(result);
     if (!result.passed) {
-      std::printf("FAIL %sseed %llu: %s\nreplay: shard-control-plane-sim --seed %llu\n\n", kind,
-                  static_cast<unsigned long long>(seed), result.failure.c_str(),
-                  static_cast<unsigned long long>(seed));
+      std::printf("FAIL %sseed %llu (%s): %s\nreplay: %s\n\n", kind,
+                  static_cast<unsigned long long>(seed.seed),
+                  shard::sim::ProfileName(seed.profile).c_str(), result.failure.c_str(),
+                  ReplayCommand(seed).c_str());
     }
   };
 
   int64_t pinned_run = 0;
-  for (uint64_t seed : pinned) {
+  for (const PinnedSeed& seed : pinned) {
     if (must_stop()) break;
     run_seed(seed, "pinned ");
     ++pinned_run;
   }
   int64_t range_run = 0;
   for (uint64_t seed = first_seed; (!range_counted || range_run < seeds) && !must_stop(); ++seed) {
-    run_seed(seed, "");
+    run_seed({seed, profile}, "");
     ++range_run;
   }
 
@@ -167,8 +204,9 @@ int main(int argc, char** argv) {
             : absl::StrFormat("%d of %d pinned from %s", pinned_run, pinned.size(), pinned_path);
   }
   if (range_run > 0) {
-    which += absl::StrFormat("%s%d..%d", which.empty() ? "" : ", ", first_seed,
-                             first_seed + range_run - 1);
+    which += absl::StrFormat("%s%d..%d%s", which.empty() ? "" : ", ", first_seed,
+                             first_seed + range_run - 1,
+                             profile == Profile::kMixed ? "" : " under " + profile_name);
   }
   std::printf(
       "%lld seeds (%s) in %.1f s: %.1f seeds/s, %lld events, %.0f s simulated\n"

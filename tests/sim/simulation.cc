@@ -39,6 +39,46 @@ constexpr absl::Duration kProbeTimeout = absl::Seconds(2);
 constexpr absl::Duration kLinkTimeout = absl::Seconds(10);
 constexpr char kCheckpointRoot[] = "/sim/checkpoints";
 
+// How a profile draws: the share (percent) of each fault, what is left going to an operator's
+// call, and of each operator's call, what is left being a stop.
+struct Weights {
+  int kill, stop, coordinator_crash, start_gone, new_worker, partition, stall;
+  int resize, drain, save, restore;
+  absl::Duration longest_stop;
+  bool stop_as_generation_starts;  // SIGSTOP mostly a worker whose generation is starting
+  // The chance (percent) that the coordinator crashes within 2 s of an operator's resize or
+  // drain: before the reshape is journaled, or while it is in flight.
+  int crash_after_reshape;
+  // Once faults stop, workers are started up to the job's minimum world size rather than its
+  // size: the job must finish with the workers it has (re-forming with survivors), as a job
+  // whose lost pods never come back must.
+  bool heal_to_min_world;
+};
+
+const Weights& WeightsOf(Profile profile) {
+  static const Weights kMixed{
+      25, 15, 10, 10, 5, 3, 2, 35, 20, 25, 17, absl::Seconds(4), false, 0, false};
+  static const Weights kReshapeAndRestart{
+      10, 5, 25, 10, 5, 0, 0, 60, 15, 10, 14, absl::Seconds(4), false, 50, true};
+  static const Weights kStoppedWorker{
+      5, 35, 5, 10, 5, 0, 0, 10, 10, 30, 48, absl::Seconds(6), true, 0, false};
+  switch (profile) {
+    case Profile::kMixed:
+      return kMixed;
+    case Profile::kReshapeAndRestart:
+      return kReshapeAndRestart;
+    case Profile::kStoppedWorker:
+      return kStoppedWorker;
+  }
+  return kMixed;
+}
+
+constexpr std::pair<Profile, absl::string_view> kProfileNames[] = {
+    {Profile::kMixed, "mixed"},
+    {Profile::kReshapeAndRestart, "reshape-and-restart"},
+    {Profile::kStoppedWorker, "stopped-worker"},
+};
+
 // The model's parameters after `step`, as a hash chain: equal chains mean equal training.
 uint64_t Mix(uint64_t hash, int64_t step) {
   uint64_t z = hash + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(step + 1);
@@ -129,7 +169,10 @@ struct Worker {
 class Simulation {
  public:
   explicit Simulation(const SimulationOptions& options)
-      : options_(options), rng_(options.seed), failure_rng_(options.seed ^ 0x5eedfa11u) {}
+      : options_(options),
+        weights_(WeightsOf(options.profile)),
+        rng_(options.seed),
+        failure_rng_(options.seed ^ 0x5eedfa11u) {}
 
   SimulationResult Run();
 
@@ -162,6 +205,8 @@ class Simulation {
   // --- The coordinator ---
   void StartCoordinator();
   void CrashCoordinator();
+  void CrashAndRestartCoordinator();  // restarted on its state after up to 3 s
+  void MaybeCrashAfterReshape();      // as the profile's crash_after_reshape says
   void Housekeep(uint64_t coordinator);
   void ScheduleFlush();
   // Sends a request: `call` runs on the coordinator after the network delay and answers
@@ -247,6 +292,8 @@ class Simulation {
   void FailTraining(int index);
   void Operator();
   void Heal();
+  // Starts workers (those gone first, then new ones) until enough are alive.
+  void StartEnoughWorkers();
 
   // --- Properties ---
   void CheckInvariants();
@@ -255,6 +302,7 @@ class Simulation {
   std::string Describe();
 
   SimulationOptions options_;
+  const Weights& weights_;
   std::mt19937_64 rng_;
   // Draws for training failures, apart: seeds that inject none draw the same as before they
   // existed (pinned seeds keep their scenario).
@@ -316,6 +364,7 @@ class Simulation {
   int committed_ = 0;                           // checkpoints seen committed
   size_t removals_checked_ = 0;
   bool operator_stopped_ = false;
+  bool run_trained_ = false;  // a generation trained since the coordinator last started a run
   std::optional<uint64_t> final_hash_;
 };
 
@@ -350,11 +399,20 @@ void Simulation::StartCoordinator() {
     return;
   }
   core_ = std::move(*core);
+  if (!core_->recovered()) run_trained_ = false;
   const uint64_t coordinator = ++coordinator_;
   Log(absl::StrCat("coordinator up at generation ", core_->world().world().generation,
                    core_->recovered() ? (core_->kept_generation() ? " (kept)" : " (new)") : ""));
   After(kHousekeeping, [this, coordinator] { Housekeep(coordinator); });
   ScheduleFlush();
+}
+
+void Simulation::CrashAndRestartCoordinator() {
+  if (core_ == nullptr) return;
+  CrashCoordinator();
+  After(Uniform(absl::Milliseconds(100), absl::Seconds(3)), [this] {
+    if (core_ == nullptr && !failure_.failed()) StartCoordinator();
+  });
 }
 
 void Simulation::CrashCoordinator() {
@@ -985,6 +1043,7 @@ void Simulation::OnConnected(int index) {
                 }
                 group.started = true;
                 group.stepping = true;
+                run_trained_ = true;
                 // A checkpoint of the last step leaves nothing to train: the trainer ends at once.
                 After(group.step >= job_.steps ? absl::ZeroDuration() : step_time_,
                       [this, generation] { Step(generation); });
@@ -1458,8 +1517,16 @@ void Simulation::Fault() {
     After(Uniform(absl::Milliseconds(100), absl::Seconds(3)), [this] { Fault(); });
     return;
   }
+  const Weights& w = weights_;
   const int kind = Pick(100);
-  if (kind < 25 && !running.empty()) {
+  // Each kind of fault below its bound (and at or above the one before).
+  const int kill_below = w.kill, stop_below = kill_below + w.stop,
+            crash_below = stop_below + w.coordinator_crash,
+            start_gone_below = crash_below + w.start_gone,
+            new_worker_below = start_gone_below + w.new_worker,
+            partition_below = new_worker_below + w.partition,
+            stall_below = partition_below + w.stall;
+  if (kind < kill_below && !running.empty()) {
     ++result_.worker_kills;
     const int victim = running[Pick(static_cast<int>(running.size()))];
     Kill(victim, "fault");
@@ -1472,27 +1539,32 @@ void Simulation::Fault() {
               if (!workers_[index]->alive) StartProcess(index);
             });
     }
-  } else if (kind < 40 && !running.empty()) {
+  } else if (kind < stop_below && !running.empty()) {
     ++result_.worker_stops;
-    const int victim = running[Pick(static_cast<int>(running.size()))];
-    Stop(victim, Uniform(absl::Milliseconds(200), absl::Seconds(4)));
+    std::vector<int> starting;
+    if (w.stop_as_generation_starts) {
+      for (int index : running) {
+        const std::optional<Session>& session = workers_[index]->session;
+        if (session.has_value() && session->phase < Session::Phase::kTraining) {
+          starting.push_back(index);
+        }
+      }
+    }
+    const std::vector<int>& candidates = !starting.empty() && Chance(0.8) ? starting : running;
+    const int victim = candidates[Pick(static_cast<int>(candidates.size()))];
+    Stop(victim, Uniform(absl::Milliseconds(200), w.longest_stop));
     if (Chance(0.3)) {
       // The hung pod is replaced by a new one while it is stopped.
       const int index = AddWorker(absl::StrCat("w", next_worker_id_++));
       After(Uniform(absl::Milliseconds(1), absl::Seconds(3)), [this, index] { StartProcess(index); });
     }
-  } else if (kind < 50) {
-    if (core_ != nullptr) {
-      CrashCoordinator();
-      After(Uniform(absl::Milliseconds(100), absl::Seconds(3)), [this] {
-        if (core_ == nullptr && !failure_.failed()) StartCoordinator();
-      });
-    }
-  } else if (kind < 60 && !gone.empty()) {
+  } else if (kind < crash_below) {
+    CrashAndRestartCoordinator();
+  } else if (kind < start_gone_below && !gone.empty()) {
     StartProcess(gone[Pick(static_cast<int>(gone.size()))]);
-  } else if (kind < 65) {
+  } else if (kind < new_worker_below) {
     StartProcess(AddWorker(absl::StrCat("w", next_worker_id_++)));
-  } else if (kind < 68 && running.size() >= 2) {
+  } else if (kind < partition_below && running.size() >= 2) {
     // A pair, or one worker from every peer; both still reach the coordinator.
     ++result_.partitions;
     const int a = running[Pick(static_cast<int>(running.size()))];
@@ -1507,7 +1579,7 @@ void Simulation::Fault() {
       }
     }
     Partition(links, Uniform(absl::Seconds(1), absl::Seconds(20)));
-  } else if (kind < 70 && !running.empty()) {
+  } else if (kind < stall_below && !running.empty()) {
     const int victim = running[Pick(static_cast<int>(running.size()))];
     if (workers_[victim]->session.has_value() &&
         workers_[victim]->session->phase == Session::Phase::kTraining) {
@@ -1536,13 +1608,17 @@ void Simulation::FailTraining(int index) {
 void Simulation::Operator() {
   if (core_ == nullptr) return;
   ++result_.admin_calls;
+  const Weights& w = weights_;
   const int kind = Pick(100);
+  const int resize_below = w.resize, drain_below = resize_below + w.drain,
+            save_below = drain_below + w.save, restore_below = save_below + w.restore;
   const int min = job_.min_world_size;
-  if (kind < 35) {
+  if (kind < resize_below) {
     const int size = min + Pick(job_.world_size - min + 1);
     Log(absl::StrCat("operator: resize to ", size));
     core_->Resize(size, now_, [](absl::StatusOr<World>) {});
-  } else if (kind < 55) {
+    MaybeCrashAfterReshape();
+  } else if (kind < drain_below) {
     const StatusSnapshot status = core_->Status(now_);
     std::vector<std::string> holders;
     for (const WorkerSnapshot& worker : status.workers) {
@@ -1552,11 +1628,12 @@ void Simulation::Operator() {
       const std::string victim = holders[Pick(static_cast<int>(holders.size()))];
       Log(absl::StrCat("operator: drain ", victim));
       core_->Drain(victim, now_, [](absl::StatusOr<World>) {});
+      MaybeCrashAfterReshape();
     }
-  } else if (kind < 80) {
+  } else if (kind < save_below) {
     Log("operator: checkpoint save");
     (void)core_->SaveCheckpoint();
-  } else if (kind < 97) {
+  } else if (kind < restore_below) {
     const std::vector<v1::CheckpointRecord> list = core_->checkpoints()->List();
     const std::string id =
         list.empty() || Chance(0.3) ? "latest" : list[Pick(static_cast<int>(list.size()))].id();
@@ -1568,6 +1645,12 @@ void Simulation::Operator() {
     core_->Stop("operator", now_, [](World) {});
   }
   ScheduleFlush();
+}
+
+void Simulation::MaybeCrashAfterReshape() {
+  // The mixed profile draws nothing here, so that its seeds keep their scenarios.
+  if (weights_.crash_after_reshape == 0 || Pick(100) >= weights_.crash_after_reshape) return;
+  After(Uniform(absl::ZeroDuration(), absl::Seconds(2)), [this] { CrashAndRestartCoordinator(); });
 }
 
 void Simulation::Partition(const std::vector<std::pair<int, int>>& links,
@@ -1593,22 +1676,41 @@ void Simulation::Partition(const std::vector<std::pair<int, int>>& links,
 void Simulation::Heal() {
   Log("faults stop: stopped workers resume, the coordinator runs, enough workers run");
   if (core_ == nullptr) StartCoordinator();
-  int live = 0;
   for (int i = 0; i < static_cast<int>(workers_.size()); ++i) {
     if (workers_[i]->training_stalled) {
       workers_[i]->training_stalled = false;
       workers_[i]->stopped = true;  // resumed below, as a stopped worker: its group steps again
     }
     Resume(i);
-    if (workers_[i]->alive) ++live;
   }
-  for (int i = 0; i < static_cast<int>(workers_.size()) && live < job_.world_size; ++i) {
+  StartEnoughWorkers();
+  // A resumed worker may exit on what it learns then (a stop it missed): under a profile, the
+  // supervisor counts again once that has settled.
+  if (options_.profile != Profile::kMixed) {
+    After(3 * kLease, [this] { StartEnoughWorkers(); });
+  }
+}
+
+void Simulation::StartEnoughWorkers() {
+  // Under heal_to_min_world, a world that has trained in this run re-forms with the workers it
+  // has, and one that has not forms with as many as the operators' target, standbys included
+  // (a coordinator that took back no world starts a new run, and so does one restarted after an
+  // operator's stop).
+  int enough = job_.world_size;
+  if (weights_.heal_to_min_world && core_ != nullptr) {
+    enough = run_trained_ && !operator_stopped_
+                 ? job_.min_world_size
+                 : core_->Status(now_).world.expected_world_size;
+  }
+  int live = 0;
+  for (const auto& worker : workers_) live += worker->alive ? 1 : 0;
+  for (int i = 0; i < static_cast<int>(workers_.size()) && live < enough; ++i) {
     if (!workers_[i]->alive && !workers_[i]->exited) {
       StartProcess(i);
       ++live;
     }
   }
-  while (live < job_.world_size) {
+  while (live < enough) {
     StartProcess(AddWorker(absl::StrCat("w", next_worker_id_++)));
     ++live;
   }
@@ -1825,12 +1927,29 @@ SimulationResult Simulation::Run() {
   job_.snapshot_every = std::vector<int64_t>{0, 5, 10, 25}[Pick(4)];
   job_.snapshot_replicas = Pick(3);
   step_time_ = Uniform(absl::Milliseconds(10), absl::Milliseconds(40));
-  core_options_.job = job_;
   core_options_.world.lease = kLease;
   core_options_.world.reform_grace = std::vector<absl::Duration>{
       absl::ZeroDuration(), absl::Milliseconds(500), absl::Seconds(1), absl::Seconds(3)}[Pick(4)];
   core_options_.world.max_standbys = Pick(3);
   core_options_.progress.floor = absl::Seconds(2);
+  // A profile's own draws come after the mixed ones, so that profile keeps every seed as it was.
+  if (options_.profile != Profile::kMixed) {
+    core_options_.world.max_standbys = 1 + Pick(2);
+  }
+  if (options_.profile == Profile::kReshapeAndRestart && job_.world_size < 3) {
+    job_.world_size = 3 + Pick(3);  // ranks to lose and to free
+    job_.min_world_size = 1 + Pick(job_.world_size);
+    if (job_.global_batch % job_.world_size != 0 ||
+        job_.global_batch % job_.min_world_size != 0) {
+      job_.global_batch = 60;
+    }
+  }
+  if (options_.profile == Profile::kStoppedWorker) {
+    job_.checkpoint_every = 5;
+    job_.checkpoint_keep_last = 1 + Pick(2);
+    job_.snapshot_every = 0;  // restore points on disk, which retention removes
+  }
+  core_options_.job = job_;
   // A quarter of the seeds make workers' training fail; the job fails beyond the limit.
   inject_failures_ = std::bernoulli_distribution(0.25)(failure_rng_);
   if (inject_failures_) {
@@ -1841,11 +1960,14 @@ SimulationResult Simulation::Run() {
   for (int64_t step = 1; step <= job_.steps; ++step) reference_hash_ = Mix(reference_hash_, step);
 
   StartCoordinator();
-  const int initial = job_.world_size + Pick(2);
+  const int initial = job_.world_size + Pick(2) + (options_.profile == Profile::kMixed ? 0 : 1);
+  // Under kReshapeAndRestart, workers start over seconds: operators reshape worlds still forming.
+  const absl::Duration last_start = options_.profile == Profile::kReshapeAndRestart
+                                        ? absl::Seconds(6)
+                                        : absl::Milliseconds(500);
   for (int i = 0; i < initial; ++i) {
     const int index = AddWorker(absl::StrCat("w", next_worker_id_++));
-    After(Uniform(absl::ZeroDuration(), absl::Milliseconds(500)),
-          [this, index] { StartProcess(index); });
+    After(Uniform(absl::ZeroDuration(), last_start), [this, index] { StartProcess(index); });
   }
   faults_end_ = epoch_ + Uniform(absl::Seconds(5), absl::Seconds(40));
   After(Uniform(absl::Milliseconds(500), absl::Seconds(3)), [this] { Fault(); });
@@ -1902,6 +2024,26 @@ SimulationResult Simulation::Run() {
 }
 
 }  // namespace
+
+std::string ProfileName(Profile profile) {
+  for (const auto& [known, name] : kProfileNames) {
+    if (known == profile) return std::string(name);
+  }
+  return "unknown";
+}
+
+std::optional<Profile> ParseProfile(absl::string_view name) {
+  for (const auto& [profile, known] : kProfileNames) {
+    if (known == name) return profile;
+  }
+  return std::nullopt;
+}
+
+std::string ProfileNames() {
+  std::vector<absl::string_view> names;
+  for (const auto& [profile, name] : kProfileNames) names.push_back(name);
+  return absl::StrJoin(names, ", ");
+}
 
 SimulationResult RunSimulation(const SimulationOptions& options) {
   return Simulation(options).Run();
