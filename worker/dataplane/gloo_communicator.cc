@@ -1,12 +1,5 @@
 #include "worker/dataplane/gloo_communicator.h"
 
-#include <dirent.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <signal.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -27,6 +20,7 @@
 #include "gloo/transport/tcp/device.h"
 #include "gloo/transport/unbound_buffer.h"
 #include "worker/dataplane/reduce.h"
+#include "worker/dataplane/tcp_links.h"
 
 namespace shard {
 namespace {
@@ -552,87 +546,6 @@ class GlooCommunicator::Impl {
   std::vector<UnboundBuffer*> in_flight_ ABSL_GUARDED_BY(mu_);
   std::optional<PeerFault> peer_fault_ ABSL_GUARDED_BY(mu_);
 };
-
-namespace {
-
-// A peer that dies mid-transfer must fail the collective (EPIPE), not end the process: Gloo
-// writes with writev, which cannot ask for MSG_NOSIGNAL. So SIGPIPE is ignored, unless the
-// program installed a handler of its own (Python, for one, ignores it already).
-void IgnoreSigpipeUnlessHandled() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    struct sigaction current = {};
-    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
-      ::signal(SIGPIPE, SIG_IGN);
-    }
-  });
-}
-
-// The inodes of this process's sockets now.
-std::set<ino_t> OpenSockets() {
-  std::set<ino_t> sockets;
-  DIR* dir = ::opendir("/proc/self/fd");
-  if (dir == nullptr) return sockets;
-  while (const dirent* entry = ::readdir(dir)) {
-    struct stat info {};
-    if (::fstatat(::dirfd(dir), entry->d_name, &info, 0) == 0 && S_ISSOCK(info.st_mode)) {
-      sockets.insert(info.st_ino);
-    }
-  }
-  ::closedir(dir);
-  return sockets;
-}
-
-// Gloo does not expose its sockets, so the connected TCP sockets that appeared while the mesh
-// connected (`before`: the ones there already) get the link timeout: TCP_USER_TIMEOUT for data
-// left unacknowledged, keepalive for a connection that falls silent.
-void SetLinkTimeouts(const std::set<ino_t>& before, absl::Duration timeout) {
-  if (timeout <= absl::ZeroDuration()) return;
-  const int seconds = std::max<int>(1, static_cast<int>(absl::ToInt64Seconds(timeout)));
-  const int idle = std::max(1, seconds / 2);
-  const int interval = 1;
-  const int probes = std::max(1, seconds - idle);
-  const unsigned user_timeout_ms = static_cast<unsigned>(absl::ToInt64Milliseconds(timeout));
-  const int one = 1;
-  DIR* dir = ::opendir("/proc/self/fd");
-  if (dir == nullptr) return;
-  while (const dirent* entry = ::readdir(dir)) {
-    char* end = nullptr;
-    const long fd = std::strtol(entry->d_name, &end, 10);
-    if (end == entry->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
-    struct stat info {};
-    if (::fstat(static_cast<int>(fd), &info) != 0 || !S_ISSOCK(info.st_mode) ||
-        before.contains(info.st_ino)) {
-      continue;
-    }
-    int type = 0;
-    int listening = 0;
-    socklen_t length = sizeof(type);
-    sockaddr_storage peer{};
-    socklen_t peer_length = sizeof(peer);
-    if (::getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_TYPE, &type, &length) != 0 ||
-        type != SOCK_STREAM) {
-      continue;
-    }
-    length = sizeof(listening);
-    if (::getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &length) != 0 ||
-        listening != 0 ||
-        ::getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &peer_length) !=
-            0 ||
-        (peer.ss_family != AF_INET && peer.ss_family != AF_INET6)) {
-      continue;
-    }
-    const int s = static_cast<int>(fd);
-    ::setsockopt(s, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-    ::setsockopt(s, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
-    ::setsockopt(s, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
-    ::setsockopt(s, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
-    ::setsockopt(s, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
-  }
-  ::closedir(dir);
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> CreateGlooCommunicator(
     KeyValueStore* store, const GlooOptions& options) {
