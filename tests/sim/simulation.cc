@@ -42,26 +42,33 @@ constexpr char kCheckpointRoot[] = "/sim/checkpoints";
 // How a profile draws: the share (percent) of each fault, what is left going to an operator's
 // call, and of each operator's call, what is left being a stop.
 struct Weights {
-  int kill, stop, coordinator_crash, start_gone, new_worker, partition, stall;
-  int resize, drain, save, restore;
+  int kill = 0, stop = 0, coordinator_crash = 0, start_gone = 0, new_worker = 0, partition = 0,
+      stall = 0;
+  int resize = 0, drain = 0, save = 0, restore = 0;
   absl::Duration longest_stop;
-  bool stop_as_generation_starts;  // SIGSTOP mostly a worker whose generation is starting
+  bool stop_as_generation_starts = false;  // SIGSTOP mostly a worker whose generation starts
   // The chance (percent) that the coordinator crashes within 2 s of an operator's resize or
   // drain: before the reshape is journaled, or while it is in flight.
-  int crash_after_reshape;
-  // Once faults stop, workers are started up to the job's minimum world size rather than its
-  // size: the job must finish with the workers it has (re-forming with survivors), as a job
-  // whose lost pods never come back must.
-  bool heal_to_min_world;
+  int crash_after_reshape = 0;
+  // Once faults stop, workers are started up to the job's minimum world size (or the operators'
+  // target, in a run that has not trained) rather than its size: the job must finish with the
+  // workers it has, as a job whose lost pods never come back must.
+  bool heal_to_min_world = false;
 };
 
 const Weights& WeightsOf(Profile profile) {
-  static const Weights kMixed{
-      25, 15, 10, 10, 5, 3, 2, 35, 20, 25, 17, absl::Seconds(4), false, 0, false};
+  static const Weights kMixed{.kill = 25, .stop = 15, .coordinator_crash = 10, .start_gone = 10,
+                              .new_worker = 5, .partition = 3, .stall = 2,
+                              .resize = 35, .drain = 20, .save = 25, .restore = 17,
+                              .longest_stop = absl::Seconds(4)};
   static const Weights kReshapeAndRestart{
-      10, 5, 25, 10, 5, 0, 0, 60, 15, 10, 14, absl::Seconds(4), false, 50, true};
+      .kill = 10, .stop = 5, .coordinator_crash = 25, .start_gone = 10, .new_worker = 5,
+      .resize = 60, .drain = 15, .save = 10, .restore = 14,
+      .longest_stop = absl::Seconds(4), .crash_after_reshape = 50, .heal_to_min_world = true};
   static const Weights kStoppedWorker{
-      5, 35, 5, 10, 5, 0, 0, 10, 10, 30, 48, absl::Seconds(6), true, 0, false};
+      .kill = 5, .stop = 35, .coordinator_crash = 5, .start_gone = 10, .new_worker = 5,
+      .resize = 10, .drain = 10, .save = 30, .restore = 48,
+      .longest_stop = absl::Seconds(6), .stop_as_generation_starts = true};
   switch (profile) {
     case Profile::kMixed:
       return kMixed;
