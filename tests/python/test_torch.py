@@ -725,8 +725,16 @@ def test_a_generation_ended_wrongly_is_still_handed_back(cluster):
 
 END_TOO_EARLY = '''
 import ctypes
+import os
 import torch
 import shard.torch as shard
+
+
+def say(*parts):
+    # One write for the whole line: the worker's own log lines go to the same file and must
+    # not land inside it (print may write its parts separately).
+    os.write(1, (" ".join(str(part) for part in parts) + "\\n").encode())
+
 
 job = shard.join()
 job.wrap(torch.nn.Linear(4, 2))
@@ -735,9 +743,9 @@ shard.check(shard.lib.shard_generation_begin(job._handle, ctypes.byref(began),
                                              ctypes.byref(needs_init)))
 assert began.value
 code = shard.lib.shard_generation_end(job._handle, 0, b"", ctypes.byref(path))
-print("end:", code, shard.lib.shard_last_error().decode(), flush=True)
+say("end:", code, shard.lib.shard_last_error().decode())
 code = shard.lib.shard_generation_begin(job._handle, ctypes.byref(began), ctypes.byref(needs_init))
-print("begin:", code, shard.lib.shard_last_error().decode(), flush=True)
+say("begin:", code, shard.lib.shard_last_error().decode())
 job.close()
 '''
 
