@@ -26,7 +26,7 @@ namespace {
 
 using shard::sim::Profile;
 
-struct PinnedSeed {
+struct SeedUnderProfile {
   uint64_t seed = 0;
   Profile profile = Profile::kMixed;
 };
@@ -34,20 +34,20 @@ struct PinnedSeed {
 // The seeds of a pinned-seed file (tests/sim/pinned_seeds.txt): one a line, optionally followed by
 // the profile it runs under (mixed when none), `#` starts a comment, blank lines are skipped.
 // nullopt, with the reason printed, on a file it cannot read or a line that is not a seed.
-std::optional<std::vector<PinnedSeed>> ReadPinnedSeeds(const std::string& path) {
+std::optional<std::vector<SeedUnderProfile>> ReadSeedUnderProfiles(const std::string& path) {
   std::ifstream in(path);
   if (!in) {
     std::fprintf(stderr, "cannot read the pinned seeds %s\n", path.c_str());
     return std::nullopt;
   }
-  std::vector<PinnedSeed> seeds;
+  std::vector<SeedUnderProfile> seeds;
   std::string line;
   for (int number = 1; std::getline(in, line); ++number) {
     const std::string text = line.substr(0, line.find('#'));
     const std::vector<absl::string_view> fields =
         absl::StrSplit(text, absl::ByAnyChar(" \t"), absl::SkipEmpty());
     if (fields.empty()) continue;
-    PinnedSeed pinned;
+    SeedUnderProfile pinned;
     std::optional<Profile> profile =
         fields.size() == 2 ? shard::sim::ParseProfile(fields[1]) : Profile::kMixed;
     if (fields.size() > 2 || !absl::SimpleAtoi(fields[0], &pinned.seed) || !profile.has_value()) {
@@ -62,7 +62,7 @@ std::optional<std::vector<PinnedSeed>> ReadPinnedSeeds(const std::string& path) 
 }
 
 // How to replay one seed, for a failure's message.
-std::string ReplayCommand(const PinnedSeed& seed) {
+std::string ReplayCommand(const SeedUnderProfile& seed) {
   return absl::StrFormat("shard-control-plane-sim --seed %d%s", seed.seed,
                          seed.profile == Profile::kMixed
                              ? ""
@@ -158,9 +158,9 @@ int main(int argc, char** argv) {
     return result.passed ? 0 : 1;
   }
 
-  std::vector<PinnedSeed> pinned;
+  std::vector<SeedUnderProfile> pinned;
   if (!pinned_path.empty()) {
-    std::optional<std::vector<PinnedSeed>> read = ReadPinnedSeeds(pinned_path);
+    std::optional<std::vector<SeedUnderProfile>> read = ReadSeedUnderProfiles(pinned_path);
     if (!read.has_value()) return 2;
     pinned = std::move(*read);
   }
@@ -171,7 +171,7 @@ int main(int argc, char** argv) {
   const absl::Time started = absl::Now();
   Totals totals;
   auto must_stop = [&] { return totals.failed >= kMaxFailures || absl::Now() - started >= limit; };
-  auto run_seed = [&](const PinnedSeed& seed, const char* kind) {
+  auto run_seed = [&](const SeedUnderProfile& seed, const char* kind) {
     const shard::sim::SimulationResult result =
         shard::sim::RunSimulation({.seed = seed.seed, .profile = seed.profile});
     totals.Add(result);
@@ -184,7 +184,7 @@ int main(int argc, char** argv) {
   };
 
   int64_t pinned_run = 0;
-  for (const PinnedSeed& seed : pinned) {
+  for (const SeedUnderProfile& seed : pinned) {
     if (must_stop()) break;
     run_seed(seed, "pinned ");
     ++pinned_run;

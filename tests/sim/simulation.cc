@@ -54,6 +54,16 @@ struct Weights {
   // target, in a run that has not trained) rather than its size: the job must finish with the
   // workers it has, as a job whose lost pods never come back must.
   bool heal_to_min_world = false;
+  // Counts the live workers again 3 leases after faults stop: a resumed worker may exit on what
+  // it learns then (a stop it missed).
+  bool recount_after_heal = false;
+  // The job: at least one standby allowed and one worker more than the world at the start; at
+  // least this many ranks; a disk checkpoint every 5 steps, 1 or 2 kept, no snapshots. These
+  // are drawn after the mixed draws, so that the mixed profile keeps every seed as it was.
+  bool standby_at_start = false;
+  int least_world_size = 0;
+  bool frequent_disk_checkpoints = false;
+  absl::Duration last_start = absl::Milliseconds(500);  // the first workers start by then
 };
 
 const Weights& WeightsOf(Profile profile) {
@@ -64,11 +74,14 @@ const Weights& WeightsOf(Profile profile) {
   static const Weights kReshapeAndRestart{
       .kill = 10, .stop = 5, .coordinator_crash = 25, .start_gone = 10, .new_worker = 5,
       .resize = 60, .drain = 15, .save = 10, .restore = 14,
-      .longest_stop = absl::Seconds(4), .crash_after_reshape = 50, .heal_to_min_world = true};
+      .longest_stop = absl::Seconds(4), .crash_after_reshape = 50, .heal_to_min_world = true,
+      .recount_after_heal = true, .standby_at_start = true, .least_world_size = 3,
+      .last_start = absl::Seconds(6)};  // operators reshape worlds still forming
   static const Weights kStoppedWorker{
       .kill = 5, .stop = 35, .coordinator_crash = 5, .start_gone = 10, .new_worker = 5,
       .resize = 10, .drain = 10, .save = 30, .restore = 48,
-      .longest_stop = absl::Seconds(6), .stop_as_generation_starts = true};
+      .longest_stop = absl::Seconds(6), .stop_as_generation_starts = true,
+      .recount_after_heal = true, .standby_at_start = true, .frequent_disk_checkpoints = true};
   switch (profile) {
     case Profile::kMixed:
       return kMixed;
@@ -1691,11 +1704,7 @@ void Simulation::Heal() {
     Resume(i);
   }
   StartEnoughWorkers();
-  // A resumed worker may exit on what it learns then (a stop it missed): under a profile, the
-  // supervisor counts again once that has settled.
-  if (options_.profile != Profile::kMixed) {
-    After(3 * kLease, [this] { StartEnoughWorkers(); });
-  }
+  if (weights_.recount_after_heal) After(3 * kLease, [this] { StartEnoughWorkers(); });
 }
 
 void Simulation::StartEnoughWorkers() {
@@ -1939,19 +1948,16 @@ SimulationResult Simulation::Run() {
       absl::ZeroDuration(), absl::Milliseconds(500), absl::Seconds(1), absl::Seconds(3)}[Pick(4)];
   core_options_.world.max_standbys = Pick(3);
   core_options_.progress.floor = absl::Seconds(2);
-  // A profile's own draws come after the mixed ones, so that profile keeps every seed as it was.
-  if (options_.profile != Profile::kMixed) {
-    core_options_.world.max_standbys = 1 + Pick(2);
-  }
-  if (options_.profile == Profile::kReshapeAndRestart && job_.world_size < 3) {
-    job_.world_size = 3 + Pick(3);  // ranks to lose and to free
+  if (weights_.standby_at_start) core_options_.world.max_standbys = 1 + Pick(2);
+  if (job_.world_size < weights_.least_world_size) {
+    job_.world_size = weights_.least_world_size + Pick(6 - weights_.least_world_size);
     job_.min_world_size = 1 + Pick(job_.world_size);
     if (job_.global_batch % job_.world_size != 0 ||
         job_.global_batch % job_.min_world_size != 0) {
       job_.global_batch = 60;
     }
   }
-  if (options_.profile == Profile::kStoppedWorker) {
+  if (weights_.frequent_disk_checkpoints) {
     job_.checkpoint_every = 5;
     job_.checkpoint_keep_last = 1 + Pick(2);
     job_.snapshot_every = 0;  // restore points on disk, which retention removes
@@ -1967,14 +1973,10 @@ SimulationResult Simulation::Run() {
   for (int64_t step = 1; step <= job_.steps; ++step) reference_hash_ = Mix(reference_hash_, step);
 
   StartCoordinator();
-  const int initial = job_.world_size + Pick(2) + (options_.profile == Profile::kMixed ? 0 : 1);
-  // Under kReshapeAndRestart, workers start over seconds: operators reshape worlds still forming.
-  const absl::Duration last_start = options_.profile == Profile::kReshapeAndRestart
-                                        ? absl::Seconds(6)
-                                        : absl::Milliseconds(500);
+  const int initial = job_.world_size + Pick(2) + (weights_.standby_at_start ? 1 : 0);
   for (int i = 0; i < initial; ++i) {
     const int index = AddWorker(absl::StrCat("w", next_worker_id_++));
-    After(Uniform(absl::ZeroDuration(), last_start), [this, index] { StartProcess(index); });
+    After(Uniform(absl::ZeroDuration(), weights_.last_start), [this, index] { StartProcess(index); });
   }
   faults_end_ = epoch_ + Uniform(absl::Seconds(5), absl::Seconds(40));
   After(Uniform(absl::Milliseconds(500), absl::Seconds(3)), [this] { Fault(); });
