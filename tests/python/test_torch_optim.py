@@ -25,6 +25,40 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "optim_worker.
 BATCH = 24  # the Cluster's job spec's global batch
 
 
+
+def test_scalar_extras_come_back_with_the_same_bits_and_the_rest_goes_through_torch_save():
+    # A step count as Adam keeps it, and every 0-d dtype a class might keep, with values whose
+    # bits a careless text form would change.
+    from shard.optim import dumps, loads
+    scalars = {"step": torch.tensor(3.0), "third": torch.tensor(1 / 3, dtype=torch.float64),
+               "big": torch.tensor(2**62 + 1), "nan": torch.tensor(float("nan")),
+               "bf16": torch.tensor(-0.1, dtype=torch.bfloat16),
+               "half": torch.tensor(65504.0, dtype=torch.float16), "flag": torch.tensor(True),
+               "count": 7, "rate": 0.1, "on": False}
+    saved = {"whole": scalars, "present": ["exp_avg", "exp_avg_sq"]}
+    data = dumps(saved)
+    assert not data.startswith(b"PK"), "scalars should not pay for torch.save's container"
+    back = loads(data)
+    assert back["present"] == ["exp_avg", "exp_avg_sq"]
+    assert set(back["whole"]) == set(scalars)
+    for name, value in scalars.items():
+        got = back["whole"][name]
+        if isinstance(value, torch.Tensor):
+            assert got.dtype == value.dtype and got.dim() == 0, name
+            assert got.view(-1).view(torch.uint8).tolist() == \
+                value.view(-1).view(torch.uint8).tolist(), name  # the same bits, NaN included
+        else:
+            assert type(got) is type(value) and got == value, name
+    # Anything else (a per-element tensor, a tuple) is torch.save's, and still comes back.
+    for whole in ({"moment": torch.arange(4.0)}, {"betas": (0.9, 0.99)}):
+        data = dumps({"whole": whole, "present": []})
+        assert data.startswith(b"PK")
+        back = loads(data)["whole"]
+        assert list(back) == list(whole)
+        for name, value in whole.items():
+            assert (torch.equal(back[name], value) if isinstance(value, torch.Tensor)
+                    else back[name] == value)
+
 def config_of(cluster, optimizer, **extra):
     return dict(optimizer=optimizer, widths=WIDTHS, data=cluster.data, **extra)
 
