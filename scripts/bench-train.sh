@@ -14,9 +14,11 @@
 #
 #   scripts/bench-train.sh [--steps N] [--bucket-cap-mb X] [--workers "1 2 4"] [--stages "0 1 2"]
 #                          [--overlap "true false"] [--snapshot-every "0 10:1 1:1"]
-#                          [--overlap-update "true false"] [--transport "shm tcp"]
+#                          [--overlap-update "true false"] [--transport "shm tcp"] [--threads N]
 #
-# Each worker gets max(1, cores / workers) OpenBLAS threads, so every run uses the same cores.
+# Each worker gets max(1, cores / workers) OpenBLAS threads, so every run uses the same cores;
+# --threads N gives every worker N instead (--threads 1: one thread per process, so vs_1_worker
+# is what a second process on a core of its own adds).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -28,6 +30,7 @@ OVERLAPS="true false"
 SNAPSHOTS="10:1"
 UPDATES="true"
 TRANSPORTS="shm"
+THREADS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) STEPS="$2"; shift 2 ;;
@@ -38,7 +41,8 @@ while [ $# -gt 0 ]; do
     --snapshot-every) SNAPSHOTS="$2"; shift 2 ;;
     --overlap-update) UPDATES="$2"; shift 2 ;;
     --transport) TRANSPORTS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --threads) THREADS="$2"; shift 2 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench-train: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -77,7 +81,7 @@ JSON
   local coordinator=$!
   PIDS+=("$coordinator")
   for _ in $(seq 100); do [ -s "$dir/port" ] && break; sleep 0.05; done
-  local threads=$(( CORES / workers > 0 ? CORES / workers : 1 ))
+  local threads=${THREADS:-$(( CORES / workers > 0 ? CORES / workers : 1 ))}
   for i in $(seq 0 $((workers - 1))); do
     "$BIN/shard-worker" --coordinator "127.0.0.1:$(cat "$dir/port")" --id "w$i" \
       --compute-threads "$threads" --transport "$transport" >"$dir/w$i.log" 2>&1 &
@@ -94,8 +98,8 @@ JSON
     sed -E 's/.* ([0-9.]+) steps\/s over steps.* ([0-9]+)% of gradient reduction.*a step ([0-9.]+)x its.*/\1 \2 \3/'
 }
 
-printf "# medium MLP 512,1024,1024,1024,64, global batch 256, Adam, %s steps, bucket cap %s MiB, %s cores\n" \
-  "$STEPS" "$BUCKET_CAP_MB" "$CORES"
+printf "# medium MLP 512,1024,1024,1024,64, global batch 256, Adam, %s steps, bucket cap %s MiB, %s cores, %s OpenBLAS threads per worker\n" \
+  "$STEPS" "$BUCKET_CAP_MB" "$CORES" "${THREADS:-cores/workers}"
 printf "# %s\n" "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
 printf "%8s %6s %8s %7s %9s %9s %10s %10s %14s %12s %12s %10s %13s\n" workers stage overlap \
   update snapshot transport steps/s hidden step/fwd+bwd vs_1_worker vs_snapshot vs_update \
