@@ -244,6 +244,7 @@ int main(int argc, char** argv) {
   std::string plan_mode = "range";
   double bucket_cap_mb = 25;
   double first_bucket_cap_mb = 1;
+  int min_buckets = 4;
   CLI::App* plan_cmd = app.add_subcommand(
       "plan",
       "the current plan of the running job, or with --manifest a plan computed here by the "
@@ -262,6 +263,11 @@ int main(int argc, char** argv) {
                        "first bucket's cap in MiB (with --manifest)")
       ->capture_default_str()
       ->check(shard::MebibytesValidator());
+  plan_cmd->add_option("--min-buckets", min_buckets,
+                       "later buckets hold at most 1/N of the model's bytes, never less than "
+                       "the first bucket's cap; 1: the caps alone (with --manifest)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
   plan_cmd->add_flag("--json", json, "print JSON for scripts");
   CLI::App* stats_cmd = app.add_subcommand(
       "stats", "overlap status (bucket rebuild), plan acknowledgements and step statistics");
@@ -364,6 +370,7 @@ int main(int argc, char** argv) {
     options.mode = *shard::ParseShardMode(plan_mode);
     options.bucket_cap_bytes = shard::MebibytesToBytes(bucket_cap_mb);
     options.first_bucket_cap_bytes = shard::MebibytesToBytes(first_bucket_cap_mb);
+    options.min_buckets = min_buckets;
     absl::StatusOr<shard::v1::PlanSummary> plan = OfflinePlan(manifest_file, options);
     if (!plan.ok()) return Fail(plan.status());
     std::cout << (json ? shard::PlanToJson(*plan).dump(2) + "\n" : shard::PlanTable(*plan));

@@ -1,5 +1,7 @@
 #include "client/plan_view.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -55,6 +57,7 @@ nlohmann::json PlanToJson(const v1::PlanSummary& plan) {
           {"mode", Mode(spec)},
           {"bucket_cap_bytes", spec.bucket_cap_bytes()},
           {"first_bucket_cap_bytes", spec.first_bucket_cap_bytes()},
+          {"min_buckets", std::max(1, spec.min_buckets())},
           {"alignment_bytes", spec.alignment_bytes()},
           {"imbalance", plan.imbalance()},
           {"buckets", buckets},
@@ -64,11 +67,11 @@ nlohmann::json PlanToJson(const v1::PlanSummary& plan) {
 std::string PlanTable(const v1::PlanSummary& plan) {
   const v1::PlanSpec& spec = plan.spec();
   std::string out = absl::StrFormat(
-      "plan v%d (hash %s) for %d ranks, %s mode, bucket cap %s (first %s), %d buckets, "
-      "imbalance %.4f\n\n",
+      "plan v%d (hash %s) for %d ranks, %s mode, bucket cap %s (first %s, min buckets %d), "
+      "%d buckets, imbalance %.4f\n\n",
       spec.version(), spec.hash(), spec.world_size(), Mode(spec),
       HumanBytes(spec.bucket_cap_bytes()), HumanBytes(spec.first_bucket_cap_bytes()),
-      plan.buckets_size(), plan.imbalance());
+      std::max(1, spec.min_buckets()), plan.buckets_size(), plan.imbalance());
   std::vector<std::vector<std::string>> buckets = {
       {"BUCKET", "DTYPE", "NUMEL", "PADDED", "OWNER", "PARAMS"}};
   for (const v1::BucketSummary& b : plan.buckets()) {

@@ -294,6 +294,7 @@ std::string CheckpointManifestToJson(const CheckpointManifest& m) {
         {"world_size", m.plan.world_size},
         {"bucket_cap_bytes", m.plan.bucket_cap_bytes},
         {"first_bucket_cap_bytes", m.plan.first_bucket_cap_bytes},
+        {"min_buckets", m.plan.min_buckets},
         {"alignment_bytes", m.plan.alignment_bytes},
         {"gradient_order", m.plan.gradient_order},
         {"hash", m.plan_hash}}},
@@ -411,6 +412,8 @@ absl::StatusOr<CheckpointManifest> CheckpointManifestFromJson(absl::string_view 
     m.plan.world_size = Integer<int>(plan, "world_size");
     m.plan.bucket_cap_bytes = Integer<int64_t>(plan, "bucket_cap_bytes");
     m.plan.first_bucket_cap_bytes = Integer<int64_t>(plan, "first_bucket_cap_bytes");
+    // Checkpoints from before min_buckets were planned by the caps alone.
+    m.plan.min_buckets = plan.contains("min_buckets") ? Integer<int>(plan, "min_buckets") : 1;
     m.plan.alignment_bytes = Integer<int64_t>(plan, "alignment_bytes");
     for (const nlohmann::json& p : Array(plan, "gradient_order")) {
       m.plan.gradient_order.push_back(AsInteger<int>(p, "gradient_order"));

@@ -68,6 +68,7 @@ PlanOptions PlanOptionsForJob(const JobConfig& job) {
   plan.mode = job.shard_mode;
   plan.bucket_cap_bytes = job.bucket_cap_bytes;
   plan.first_bucket_cap_bytes = job.first_bucket_cap_bytes;
+  plan.min_buckets = job.min_buckets;
   return plan;
 }
 
@@ -248,6 +249,10 @@ absl::Status ValidateJobConfig(const JobConfig& job) {
   }
   if (job.bucket_cap_bytes < 1 || job.first_bucket_cap_bytes < 1) {
     return Invalid("bucket_cap_mb", "must be positive");
+  }
+  if (job.min_buckets < 1 || job.min_buckets > 1024) {
+    return Invalid("min_buckets",
+                   absl::StrCat("must be 1 (the caps alone) to 1024, got ", job.min_buckets));
   }
   if (absl::Status precision = ParsePrecision(job.precision).status(); !precision.ok()) {
     return Invalid("precision", precision.message());

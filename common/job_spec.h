@@ -98,6 +98,7 @@ struct JobConfig {
   ShardMode shard_mode = ShardMode::kRange;
   int64_t bucket_cap_bytes = int64_t{25} << 20;
   int64_t first_bucket_cap_bytes = int64_t{1} << 20;
+  int min_buckets = 4;  // PlanOptions::min_buckets
   std::string precision = "fp32";
   double grad_clip_norm = 0;
   std::string output_dir;

@@ -26,6 +26,10 @@ absl::Status ValidateOptions(const PlanOptions& options) {
   if (options.bucket_cap_bytes < 1 || options.first_bucket_cap_bytes < 1) {
     return absl::InvalidArgumentError("bucket caps must be positive");
   }
+  if (options.min_buckets < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("min buckets must be at least 1, got ", options.min_buckets));
+  }
   const int64_t a = options.alignment_bytes;
   if (a < 4 || (a & (a - 1)) != 0) {
     return absl::InvalidArgumentError(
@@ -80,8 +84,22 @@ std::vector<Bucket> PackBuckets(const Manifest& manifest, const std::vector<int>
   };
   std::map<DataType, Open> open;
   std::vector<Bucket> done;
+  // The later buckets' cap of each dtype: the job's, or a min_buckets-th of the dtype's bytes
+  // where that is less (and more than the first bucket's cap).
+  std::map<DataType, int64_t> later_cap;
+  for (int p : params) {
+    const ParamSpec& param = manifest.params[p];
+    later_cap[param.dtype] += param.numel() * static_cast<int64_t>(DataTypeSize(param.dtype));
+  }
+  for (auto& [dtype, cap] : later_cap) {
+    const int64_t share = (cap + options.min_buckets - 1) / options.min_buckets;
+    cap = options.min_buckets == 1  // exactly the plans from before min_buckets
+              ? options.bucket_cap_bytes
+              : std::min(options.bucket_cap_bytes,
+                         std::max(options.first_bucket_cap_bytes, share));
+  }
   auto limit = [&](const Open& o) {
-    return o.closed == 0 ? options.first_bucket_cap_bytes : options.bucket_cap_bytes;
+    return o.closed == 0 ? options.first_bucket_cap_bytes : later_cap.at(o.bucket.dtype);
   };
   auto close = [&](Open& o) {
     done.push_back(std::move(o.bucket));
@@ -133,6 +151,9 @@ std::string PlanHash(const Plan& plan) {
   AppendString(&canonical, ShardModeName(plan.options.mode));
   AppendInt(&canonical, plan.options.bucket_cap_bytes);
   AppendInt(&canonical, plan.options.first_bucket_cap_bytes);
+  // Only where it changes a plan, so that the plans of checkpoints from before it keep their
+  // hashes.
+  if (plan.options.min_buckets != 1) AppendInt(&canonical, plan.options.min_buckets);
   AppendInt(&canonical, plan.options.alignment_bytes);
   AppendInt(&canonical, static_cast<int64_t>(plan.options.gradient_order.size()));
   for (int p : plan.options.gradient_order) AppendInt(&canonical, p);

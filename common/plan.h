@@ -39,6 +39,10 @@ struct PlanOptions {
   ShardMode mode = ShardMode::kRange;
   int64_t bucket_cap_bytes = int64_t{25} << 20;
   int64_t first_bucket_cap_bytes = int64_t{1} << 20;
+  // Buckets after the first hold at most 1/min_buckets of the trainable bytes of their dtype
+  // (never less than the first bucket's cap), so that a model under a few caps' worth still
+  // reduces during backward instead of in one bucket at its end. 1: the caps alone decide.
+  int min_buckets = 1;
   int64_t alignment_bytes = 64;  // a power of two, at least 4
   // Indices of the trainable parameters in the order their gradients become ready; empty means
   // reverse registration order.

@@ -137,6 +137,7 @@ std::string SnapshotShardToJson(const SnapshotShard& shard) {
         {"mode", std::string(ShardModeName(shard.plan.mode))},
         {"bucket_cap_bytes", shard.plan.bucket_cap_bytes},
         {"first_bucket_cap_bytes", shard.plan.first_bucket_cap_bytes},
+        {"min_buckets", shard.plan.min_buckets},
         {"alignment_bytes", shard.plan.alignment_bytes},
         {"gradient_order", shard.plan.gradient_order},
         {"hash", shard.plan_hash}}},
@@ -176,6 +177,7 @@ absl::StatusOr<SnapshotShard> SnapshotShardFromJson(absl::string_view text) {
     shard.plan.mode = *mode;
     shard.plan.bucket_cap_bytes = Integer<int64_t>(plan, "bucket_cap_bytes");
     shard.plan.first_bucket_cap_bytes = Integer<int64_t>(plan, "first_bucket_cap_bytes");
+    shard.plan.min_buckets = plan.contains("min_buckets") ? Integer<int>(plan, "min_buckets") : 1;
     shard.plan.alignment_bytes = Integer<int64_t>(plan, "alignment_bytes");
     const nlohmann::json& order = plan.at("gradient_order");
     if (!order.is_array()) throw nlohmann::json::type_error::create(302, "gradient_order", &order);

@@ -227,6 +227,7 @@ v1::SnapshotShard ToProto(const SnapshotShard& shard) {
   plan->set_mode(ToProto(shard.plan.mode));
   plan->set_bucket_cap_bytes(shard.plan.bucket_cap_bytes);
   plan->set_first_bucket_cap_bytes(shard.plan.first_bucket_cap_bytes);
+  plan->set_min_buckets(shard.plan.min_buckets);
   plan->set_alignment_bytes(shard.plan.alignment_bytes);
   for (int param : shard.plan.gradient_order) plan->add_gradient_order(param);
   plan->set_hash(shard.plan_hash);

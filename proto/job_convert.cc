@@ -175,6 +175,7 @@ absl::StatusOr<JobConfig> JobConfigFromProto(const v1::JobSpec& spec, const std:
   job.output_dir = Resolve(spec.output_dir(), base_dir);
   if (spec.has_overlap()) job.overlap = spec.overlap();
   if (spec.has_micro_batches()) job.micro_batches = spec.micro_batches();
+  if (spec.has_min_buckets()) job.min_buckets = spec.min_buckets();
   if (spec.has_overlap_param_gather()) job.overlap_param_gather = spec.overlap_param_gather();
   if (spec.has_overlap_update()) job.overlap_update = spec.overlap_update();
   if (spec.has_prefetch()) job.prefetch = spec.prefetch();
@@ -217,6 +218,7 @@ v1::JobSpec ToProto(const JobConfig& job) {
   spec.set_output_dir(job.output_dir);
   spec.set_overlap(job.overlap);
   spec.set_micro_batches(job.micro_batches);
+  spec.set_min_buckets(job.min_buckets);
   spec.set_overlap_param_gather(job.overlap_param_gather);
   spec.set_overlap_update(job.overlap_update);
   spec.set_prefetch(job.prefetch);

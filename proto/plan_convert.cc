@@ -1,5 +1,7 @@
 #include "proto/plan_convert.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -53,6 +55,7 @@ v1::PlanSpec ToPlanSpec(const Plan& plan, int64_t version, int64_t generation) {
   spec.set_mode(ToProto(plan.options.mode));
   spec.set_bucket_cap_bytes(plan.options.bucket_cap_bytes);
   spec.set_first_bucket_cap_bytes(plan.options.first_bucket_cap_bytes);
+  spec.set_min_buckets(plan.options.min_buckets);
   spec.set_alignment_bytes(plan.options.alignment_bytes);
   for (int p : plan.options.gradient_order) spec.add_gradient_order(p);
   spec.set_manifest_hash(plan.manifest_hash);
@@ -67,6 +70,7 @@ absl::StatusOr<PlanOptions> PlanOptionsFromSpec(const v1::PlanSpec& spec) {
   options.mode = mode;
   options.bucket_cap_bytes = spec.bucket_cap_bytes();
   options.first_bucket_cap_bytes = spec.first_bucket_cap_bytes();
+  options.min_buckets = std::max(1, spec.min_buckets());
   options.alignment_bytes = spec.alignment_bytes();
   options.gradient_order.assign(spec.gradient_order().begin(), spec.gradient_order().end());
   return options;

@@ -31,6 +31,7 @@ void ApplyJob(const JobConfig& job, CoreOptions* options) {
   options->plan.mode = job.shard_mode;
   options->plan.bucket_cap_bytes = job.bucket_cap_bytes;
   options->plan.first_bucket_cap_bytes = job.first_bucket_cap_bytes;
+  options->plan.min_buckets = job.min_buckets;
 }
 
 // Decides between taking back a live job kept in the store (a restart after a crash) and

@@ -104,6 +104,7 @@ int main(int argc, char** argv) {
   std::string shard_mode = "range";
   double bucket_cap_mb = 25;
   double first_bucket_cap_mb = 1;
+  int min_buckets = 4;
   app.add_option("--shard-mode", shard_mode,
                  "optimizer-state sharding: range (equal contiguous shards of every bucket) or "
                  "param (whole parameters balanced over ranks)")
@@ -116,6 +117,12 @@ int main(int argc, char** argv) {
                  "cap of the first bucket in MiB (small, so communication starts early)")
       ->capture_default_str()
       ->check(shard::MebibytesValidator());
+  app.add_option("--min-buckets", min_buckets,
+                 "buckets after the first hold at most this fraction (1/N) of the model's bytes, "
+                 "never less than the first bucket's cap, so a small model still reduces during "
+                 "backward; 1: the caps alone decide")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
   app.add_option("--port-file", port_file,
                  "write the bound port to this file once serving (for --listen host:0)");
   app.add_option("--health-listen", options.health_listen,
@@ -204,7 +211,8 @@ int main(int argc, char** argv) {
     }
     options.job = *job;
     options.restore = restore;
-    for (const char* flag : {"--shard-mode", "--bucket-cap-mb", "--first-bucket-cap-mb"}) {
+    for (const char* flag :
+         {"--shard-mode", "--bucket-cap-mb", "--first-bucket-cap-mb", "--min-buckets"}) {
       if (app.count(flag) > 0) {
         std::fprintf(stderr, "shard-coordinator: %s comes from the job spec when --job is given\n",
                      flag);
@@ -215,6 +223,7 @@ int main(int argc, char** argv) {
     options.plan.mode = *shard::ParseShardMode(shard_mode);
     options.plan.bucket_cap_bytes = shard::MebibytesToBytes(bucket_cap_mb);
     options.plan.first_bucket_cap_bytes = shard::MebibytesToBytes(first_bucket_cap_mb);
+    options.plan.min_buckets = min_buckets;
   }
 
 

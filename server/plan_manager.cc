@@ -66,6 +66,7 @@ absl::Status PlanManager::Recover(int64_t generation) {
   options.mode = config_.mode;
   options.bucket_cap_bytes = config_.bucket_cap_bytes;
   options.first_bucket_cap_bytes = config_.first_bucket_cap_bytes;
+  options.min_buckets = config_.min_buckets;
   options.alignment_bytes = config_.alignment_bytes;
   options.gradient_order.assign(record.plan_order().begin(), record.plan_order().end());
   SHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(*manifest_, options));
@@ -117,6 +118,7 @@ absl::Status PlanManager::EnsurePlanLocked(int world_size) {
   options.mode = config_.mode;
   options.bucket_cap_bytes = config_.bucket_cap_bytes;
   options.first_bucket_cap_bytes = config_.first_bucket_cap_bytes;
+  options.min_buckets = config_.min_buckets;
   options.alignment_bytes = config_.alignment_bytes;
   if (rebuilt_order_.has_value()) options.gradient_order = *rebuilt_order_;
   SHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(*manifest_, options));

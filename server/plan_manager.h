@@ -32,6 +32,7 @@ struct PlanConfig {
   ShardMode mode = ShardMode::kRange;
   int64_t bucket_cap_bytes = int64_t{25} << 20;
   int64_t first_bucket_cap_bytes = int64_t{1} << 20;
+  int min_buckets = 1;  // PlanOptions::min_buckets
   int64_t alignment_bytes = 64;
 };
 

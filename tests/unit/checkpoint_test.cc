@@ -543,6 +543,26 @@ TEST(CheckpointTest, ImpossibleCountersInTheManifestAreRefusedNamingThem) {
   SHARD_EXPECT_OK(with("loss_scale", "0"));
 }
 
+TEST(CheckpointTest, TheManifestKeepsMinBucketsAndOneWithoutItReadsAsOne) {
+  const std::string dir = WriteCheckpoint("step-00000012", 2);
+  SHARD_ASSERT_OK_AND_ASSIGN(CheckpointManifest manifest, ReadCheckpointManifest(dir));
+  manifest.plan.min_buckets = 4;
+  const std::string json = CheckpointManifestToJson(manifest);
+  SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest parsed,
+                             CheckpointManifestFromJson(json, dir + "/manifest.json"));
+  EXPECT_EQ(parsed.plan.min_buckets, 4);
+  // Written before min_buckets: planned by the caps alone.
+  const std::string key = "\"min_buckets\"";
+  const size_t at = json.find(key);
+  ASSERT_NE(at, std::string::npos);
+  const size_t end = json.find(',', at);
+  std::string old = json;
+  old.erase(at, end + 1 - at);
+  SHARD_ASSERT_OK_AND_ASSIGN(const CheckpointManifest before,
+                             CheckpointManifestFromJson(old, dir + "/manifest.json"));
+  EXPECT_EQ(before.plan.min_buckets, 1);
+}
+
 TEST(CheckpointTest, TrainingCountersRoundTripThroughSafetensorsMetadata) {
   for (const float scale : {kOddScale, 1.0f / 3, 65536.0f, std::nextafter(65536.0f, 0.0f),
                             1e-30f, std::numeric_limits<float>::max()}) {

@@ -76,6 +76,7 @@ SnapshotShard HeldShard() {
   shard.plan.mode = ShardMode::kParam;
   shard.plan.bucket_cap_bytes = 4096;
   shard.plan.first_bucket_cap_bytes = 1024;
+  shard.plan.min_buckets = 3;
   shard.plan.alignment_bytes = 64;
   shard.plan.gradient_order = {3, 2, 1, 0};
   shard.plan_hash = "0123456789abcdef";

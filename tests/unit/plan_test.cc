@@ -225,12 +225,55 @@ TEST(PlanTest, HashesAreStableAndSensitive) {
   EXPECT_NE(ManifestHash(changed), ManifestHash(Mlp()));
 }
 
+// The MLP's 6.6 MB under the default 25 MiB cap: one bucket after the first, reduced only at the
+// end of backward, unless min_buckets splits it.
+TEST(PlanTest, MinBucketsSplitsAModelUnderTheCapAndOneKeepsThePlansFromBefore) {
+  PlanOptions options;
+  options.world_size = 4;
+  const auto caps_alone = MakePlan(Mlp(), options);
+  ASSERT_TRUE(caps_alone.ok()) << caps_alone.status();
+  ASSERT_EQ(caps_alone->buckets.size(), 2u);
+  // Hashes from before min_buckets (shardctl plan --manifest of this manifest, world sizes 4
+  // and 1): the plans of checkpoints written then must come out the same.
+  EXPECT_EQ(caps_alone->hash, "736fbd9dbecb7799");
+  options.world_size = 1;
+  EXPECT_EQ(MakePlan(Mlp(), options)->hash, "cc7a436d096492a6");
+
+  options.world_size = 4;
+  options.min_buckets = 4;
+  const auto split = MakePlan(Mlp(), options);
+  ASSERT_TRUE(split.ok()) << split.status();
+  CheckPlan(Mlp(), options, *split);
+  EXPECT_NE(split->hash, caps_alone->hash);
+  // A quarter of the bytes is 1.64 MB: the 4 MB weight stands alone, and the 2 MB one no longer
+  // shares a bucket with the 4 KB bias before it.
+  std::vector<std::vector<int>> params;
+  for (const Bucket& bucket : split->buckets) {
+    params.emplace_back();
+    for (const BucketEntry& e : bucket.entries) params.back().push_back(e.param);
+  }
+  EXPECT_EQ(params, (std::vector<std::vector<int>>{{5, 4, 3}, {2}, {1}, {0}}));
+
+  // Never below the first bucket's cap: a model of a few KiB stays in one bucket.
+  const Manifest small{{Param("w", {64, 64}), Param("b", {64})}};
+  EXPECT_EQ(MakePlan(small, options)->buckets.size(), 1u);
+  // Never above the cap.
+  options.min_buckets = 1;
+  options.bucket_cap_bytes = 1 << 20;
+  const auto capped = MakePlan(Mlp(), options);
+  options.min_buckets = 2;
+  EXPECT_EQ(MakePlan(Mlp(), options)->buckets.size(), capped->buckets.size());
+}
+
 TEST(PlanTest, InvalidOptionsAreRejected) {
   PlanOptions options;
   options.world_size = 0;
   EXPECT_EQ(MakePlan(Mlp(), options).status().code(), absl::StatusCode::kInvalidArgument);
   options.world_size = 1;
   options.alignment_bytes = 48;
+  EXPECT_EQ(MakePlan(Mlp(), options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.alignment_bytes = 64;
+  options.min_buckets = 0;
   EXPECT_EQ(MakePlan(Mlp(), options).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
@@ -246,6 +289,7 @@ TEST(PlanPropertyTest, RandomManifestsWorldSizesAndModes) {
       options.mode = mode;
       options.bucket_cap_bytes = int64_t{cap_mb(rng)} << 20;
       options.first_bucket_cap_bytes = std::min<int64_t>(options.bucket_cap_bytes, 1 << 20);
+      options.min_buckets = trial % 3 == 0 ? 1 : trial % 3 + 2;  // 1, 3 or 4
       auto plan = MakePlan(manifest, options);
       ASSERT_TRUE(plan.ok()) << plan.status();
       CheckPlan(manifest, options, *plan);

@@ -142,6 +142,7 @@ TEST(SnapshotTest, ThePeersDescriptionRoundTripsAndRefusesWhatIsMalformed) {
   shard.request = 9;
   shard.counters.loss_scale = 1024;
   shard.counters.loss_scale_growth_tracker = 12;
+  shard.plan.min_buckets = 3;
   absl::StatusOr<SnapshotShard> back = SnapshotShardFromJson(SnapshotShardToJson(shard));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, shard);
