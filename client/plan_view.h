@@ -9,8 +9,8 @@
 namespace shard {
 
 // Keys: version, hash, manifest_hash, generation, world_size, mode, bucket_cap_bytes,
-// first_bucket_cap_bytes, alignment_bytes, imbalance, buckets (each: index, dtype, params,
-// numel, padded_numel, owner), ranks (each: rank, owned_numel, owned_bytes, ranges).
+// first_bucket_cap_bytes, min_buckets, alignment_bytes, imbalance, buckets (each: index, dtype,
+// params, numel, padded_numel, owner), ranks (each: rank, owned_numel, owned_bytes, ranges).
 nlohmann::json PlanToJson(const v1::PlanSummary& plan);
 std::string PlanTable(const v1::PlanSummary& plan);
 
