@@ -71,9 +71,10 @@ def _scalar_extras(value):
         return None
     whole = {}
     for name, item in value["whole"].items():
-        if (isinstance(item, torch.Tensor) and type(item) is torch.Tensor and item.dim() == 0
-                and item.device.type == "cpu" and not item.requires_grad
-                and not item.is_complex()):
+        if not isinstance(name, str):  # JSON would hand it back as a string
+            return None
+        if (type(item) is torch.Tensor and item.dim() == 0 and item.device.type == "cpu"
+                and not item.requires_grad and not item.is_complex() and not item.is_quantized):
             whole[name] = ["tensor", str(item.dtype).replace("torch.", ""), item.item()]
         elif type(item) in (int, float, bool):
             whole[name] = ["value", item]
