@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "xxhash.h"
+#include "common/xxh3.h"
 
 namespace shard {
 namespace {

@@ -1,12 +1,11 @@
 #include "common/manifest.h"
 
-#include <xxhash.h>
-
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "common/xxh3.h"
 #include "nlohmann/json.hpp"
 
 namespace shard {
