@@ -5,7 +5,9 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -211,6 +213,12 @@ absl::Status StatusFromWire(uint32_t code, const std::string& message) {
 
 }  // namespace
 
+void YieldToTraining() {
+  // Raising one's own nice value cannot be refused; a thread that kept its priority would only
+  // replicate sooner.
+  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), kBackgroundNice);
+}
+
 absl::Duration TransferTimeout(uint64_t bytes, absl::Duration floor,
                                double min_bytes_per_second) {
   return floor + absl::Seconds(static_cast<double>(bytes) / min_bytes_per_second);
@@ -309,6 +317,7 @@ void SnapshotServer::AcceptLoop() {
     Connection& connection = connections_.emplace_back();
     connection.fd = fd;
     connection.thread = std::thread([this, &connection] {
+      YieldToTraining();
       Serve(connection.fd);
       absl::MutexLock lock(&mu_);
       ::close(connection.fd);
@@ -373,13 +382,15 @@ void SnapshotServer::Serve(int fd) {
     reply(shard.status());
     return;
   }
-  // Received and hashed one block at a time: a replica is kept only if every byte checks.
+  // Received and hashed a piece at a time, the hash reading what the receive just brought into
+  // the cache: a replica is kept only if every byte checks.
+  constexpr uint64_t kPiece = 256 << 10;
   const uint64_t total = shard->record.bytes;
   limit.deadline = absl::Now() + TransferTimeout(total, kHeaderTimeout);
   std::vector<char> buffer = store_->TakeBuffer(total);
   ShardHasher hasher;
   for (uint64_t done = 0; done < total;) {
-    const uint64_t take = std::min<uint64_t>(kCheckpointBlockBytes, total - done);
+    const uint64_t take = std::min<uint64_t>(kPiece, total - done);
     if (absl::Status received = RecvAll(fd, buffer.data() + done, take, limit); !received.ok()) {
       return;  // cut off: nothing is kept, and nobody is left to answer
     }

@@ -35,6 +35,11 @@ struct PeerCallOptions {
   const std::atomic<bool>* cancel = nullptr;   // set: the call ends with Cancelled
 };
 
+// Lowers the calling thread's priority to kBackgroundNice, so that replication takes the CPU
+// time training leaves.
+constexpr int kBackgroundNice = 10;
+void YieldToTraining();
+
 // How long moving `bytes` may take: `floor` plus the time at `min_bytes_per_second` (a peer that
 // is slower than that is as good as gone).
 absl::Duration TransferTimeout(uint64_t bytes, absl::Duration floor,

@@ -57,6 +57,7 @@ absl::Status Snapshotter::Start(SnapshotShard shard, SnapshotBytes bytes,
 }
 
 void Snapshotter::Loop() {
+  YieldToTraining();
   while (true) {
     SnapshotShard shard;
     SnapshotBytes bytes;
