@@ -1,11 +1,14 @@
 // A worker's snapshot store and the transfers between workers (worker/dataplane/snapshot_store.h,
 // snapshot_peer.h, snapshot_fetch.h): the newest snapshots kept and their buffers reused; a
 // replica pushed to a peer's server is kept only when every byte checks and only then answered;
-// one cut off half-way or garbled is never kept; ranges fetched back are the bytes sent; a
+// one cut off half-way or garbled is never kept; replication runs below training's priority;
+// ranges fetched back are the bytes sent; a
 // reader over the holders verifies what they serve and names the shard when it does not check.
 // Servers listen on 127.0.0.1 ports the kernel picks; everything runs in this process.
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -24,6 +27,7 @@
 #include "worker/dataplane/snapshot_fetch.h"
 #include "worker/dataplane/snapshot_peer.h"
 #include "worker/dataplane/snapshot_store.h"
+#include "worker/dataplane/snapshotter.h"
 
 namespace shard {
 namespace {
@@ -241,6 +245,40 @@ CheckpointManifest ManifestOf(const std::vector<SnapshotShard>& shards) {
                   false};
   manifest.tensors.push_back(CheckpointTensor{param, {{0, param.numel(), 0, 0}}});
   return manifest;
+}
+
+int CallingThreadsNice() {
+  return ::getpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)));
+}
+
+TEST(SnapshotPeerTest, ReplicationRunsAtBackgroundPriorityAndTheCallerKeepsItsOwn) {
+  const int caller_nice = CallingThreadsNice();
+  if (caller_nice >= kBackgroundNice) GTEST_SKIP() << "the test itself runs at nice " << caller_nice;
+  absl::Mutex mu;
+  std::vector<int> nice;  // of the threads that report a shard held and a replica kept
+  const auto record_nice = [&] {
+    absl::MutexLock lock(&mu);
+    nice.push_back(CallingThreadsNice());
+  };
+  SnapshotStore buddy_store;
+  std::unique_ptr<SnapshotServer> buddy = *SnapshotServer::Start(
+      "127.0.0.1", 0, &buddy_store,
+      [&](const SnapshotShard&, const std::vector<std::string>&) { record_nice(); });
+  SnapshotStore own_store;
+  Snapshotter::Callbacks callbacks;
+  callbacks.on_held = [&](const SnapshotShard&, const std::vector<std::string>&) {
+    record_nice();
+  };
+  callbacks.on_push_failed = [](const SnapshotShard&, const std::string&,
+                                const absl::Status& why) { ADD_FAILURE() << why; };
+  Snapshotter snapshotter(&own_store, {buddy->address()}, callbacks);
+  const std::vector<char> bytes = Bytes(4097, 3);
+  SHARD_ASSERT_OK(snapshotter.Start(Shard(1, 10, 0, 2, bytes), Shared(bytes), nullptr));
+  SHARD_ASSERT_OK(snapshotter.WaitIdle(nullptr));
+  absl::MutexLock lock(&mu);
+  EXPECT_THAT(nice, ElementsAre(kBackgroundNice, kBackgroundNice));  // held, then kept
+  EXPECT_EQ(CallingThreadsNice(), caller_nice);
+  ASSERT_TRUE(buddy_store.Find(SnapshotId(10, 1), 0).has_value());
 }
 
 TEST(SnapshotFetchTest, ARangeIsReadFromTheOwnStoreOrTheFirstHolderThatServesItAndVerified) {
