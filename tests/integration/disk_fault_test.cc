@@ -469,10 +469,12 @@ TEST_F(DiskFaultTest, ACorruptReplicaIsRefusedAndTheRestoreFallsBackToDiskSaying
         const nlohmann::json progress = Progress();
         return progress.is_object() && progress["last_snapshot_step"].is_number() &&
                progress["last_snapshot_step"].get<int64_t>() >
-                   cluster_->Checkpoints().back()["step"].get<int64_t>();
+                   cluster_->Checkpoints().back()["step"].get<int64_t>() &&
+               progress.value("last_snapshot_copies", 0) >= 2;
       },
       absl::Seconds(60)))
-      << "a snapshot newer than the newest checkpoint, so that the restore tries memory first";
+      << "a snapshot newer than the newest checkpoint, replicated (replication yields to "
+         "training), so that the restore tries memory first";
   workers[1].Signal(SIGKILL);
   ASSERT_EQ(workers[1].Wait(absl::Seconds(5)), 128 + SIGKILL);
   EXPECT_EQ(cluster_->coordinator().Wait(absl::Seconds(120)), 0) << cluster_->coordinator().Log();
