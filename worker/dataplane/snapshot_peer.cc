@@ -214,9 +214,14 @@ absl::Status StatusFromWire(uint32_t code, const std::string& message) {
 }  // namespace
 
 void YieldToTraining() {
-  // Raising one's own nice value cannot be refused; a thread that kept its priority would only
-  // replicate sooner.
-  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), kBackgroundNice);
+  const id_t thread = static_cast<id_t>(::syscall(SYS_gettid));
+  errno = 0;
+  const int nice = ::getpriority(PRIO_PROCESS, thread);
+  // Never above the priority the worker runs at (a root process could raise it). Raising one's
+  // own nice value cannot be refused; a thread that kept its priority would only replicate sooner.
+  if (errno == 0 && nice < kBackgroundNice) {
+    (void)::setpriority(PRIO_PROCESS, thread, kBackgroundNice);
+  }
 }
 
 absl::Duration TransferTimeout(uint64_t bytes, absl::Duration floor,

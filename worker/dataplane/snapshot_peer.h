@@ -35,8 +35,8 @@ struct PeerCallOptions {
   const std::atomic<bool>* cancel = nullptr;   // set: the call ends with Cancelled
 };
 
-// Lowers the calling thread's priority to kBackgroundNice, so that replication takes the CPU
-// time training leaves.
+// Lowers the calling thread's priority to kBackgroundNice (a thread already lower keeps its
+// own), so that replication takes the CPU time training leaves.
 constexpr int kBackgroundNice = 10;
 void YieldToTraining();
 
