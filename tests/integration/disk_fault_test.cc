@@ -452,16 +452,17 @@ TEST_F(DiskFaultTest, ASaveWrittenWhenItsGenerationEndsIsGivenUpNotWaitedFor) {
 // so, and the world falls back to the disk checkpoint, ending where a run that restored that
 // checkpoint on 2 workers ends.
 TEST_F(DiskFaultTest, ACorruptReplicaIsRefusedAndTheRestoreFallsBackToDiskSayingSo) {
-  constexpr int kSteps = 400;
+  constexpr int kSteps = 600;
   ASSERT_NO_FATAL_FAILURE(GenerateData("32,64,10"));
+  // A snapshot halfway between checkpoints, and steps slowed to 10 ms: each replicated snapshot
+  // stays the newest, and newer than the newest checkpoint, for about half a second, a window
+  // the polls below cannot miss even when replication (at nice 10) waits for a loaded machine.
   StartCoordinator(WriteJob("job", JobOptions{.widths = "32, 64, 10", .world = 3, .min = 2,
-                                              .steps = kSteps, .every = 20, .keep = 100,
-                                              .snapshot_every = 5}));
+                                              .steps = kSteps, .every = 100, .keep = 100,
+                                              .snapshot_every = 50}));
   const std::vector<std::string> ids = {"w0", "w1", "w2"};
-  // Slowed to a few hundred steps a second, so that the job is still training when the test
-  // looks for a snapshot newer than the newest checkpoint.
   std::vector<Process> workers =
-      StartWorkers(ids, {"SHARD_CORRUPT_REPLICAS=1", "SHARD_SLOW_STEP_MS=5"});
+      StartWorkers(ids, {"SHARD_CORRUPT_REPLICAS=1", "SHARD_SLOW_STEP_MS=10"});
   ASSERT_TRUE(Eventually([&] { return cluster_->Checkpoints().size() >= 2; }, absl::Seconds(60)))
       << cluster_->coordinator().Log();
   ASSERT_TRUE(Eventually(
