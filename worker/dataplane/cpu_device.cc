@@ -14,6 +14,7 @@
 #include "common/param_groups.h"
 #include "common/stream_copy.h"
 #include "worker/dataplane/optimizer.h"
+#include "worker/dataplane/reduce.h"
 
 namespace shard {
 namespace {
@@ -157,7 +158,7 @@ absl::Status CpuDevice::Zero(float* data, int64_t count) {
 }
 
 absl::Status CpuDevice::Divide(float* data, int64_t count, float divisor) {
-  for (int64_t i = 0; i < count; ++i) data[i] /= divisor;
+  DivideBuffer(data, static_cast<size_t>(count), divisor);
   return absl::OkStatus();
 }
 
