@@ -272,14 +272,20 @@ class ShmCommunicator final : public Communicator {
       const size_t esize = DataTypeSize(dtype);
       char* out = static_cast<char*>(recv);
       char* own = out + rank_ * send_count * esize;
-      if (own != send) std::memmove(own, send, send_count * esize);
-      if (size_ == 1) return absl::OkStatus();
+      const char* in = static_cast<const char*>(send);
+      if (size_ == 1) {
+        if (own != in) std::memmove(own, in, send_count * esize);
+        return absl::OkStatus();
+      }
       const size_t per_round = PieceElements(esize, 1);
       for (size_t j = 0; j < CeilDiv(send_count, per_round); ++j) {
         const size_t bytes = PieceLength(send_count, j, per_round) * esize;
         const size_t start = j * per_round * esize;
         SHARD_RETURN_IF_ERROR(AwaitSlotFree());
-        std::memcpy(Slot(rank_), own + start, bytes);
+        std::memcpy(Slot(rank_), in + start, bytes);
+        // Out of place, this rank's own piece is copied from the slot, still in cache, rather
+        // than read from memory a second time.
+        if (own != in) std::memcpy(own + start, Slot(rank_), bytes);
         Publish();
         SHARD_RETURN_IF_ERROR(AwaitEveryPeer());
         for (int p = 0; p < size_; ++p) {
