@@ -9,7 +9,8 @@ namespace {
 
 // Inlined into each of ReduceBuffers' clones, so that the AVX2 one vectorises them with AVX2.
 template <typename T, typename Op>
-[[gnu::always_inline]] inline void Apply(void* dst, const void* a, const void* b, size_t count, Op op) {
+[[gnu::always_inline]] inline void Apply(void* dst, const void* a, const void* b, size_t count,
+                                         Op op) {
   T* out = static_cast<T*>(dst);
   const T* x = static_cast<const T*>(a);
   const T* y = static_cast<const T*>(b);
@@ -17,7 +18,8 @@ template <typename T, typename Op>
 }
 
 template <typename T>
-[[gnu::always_inline]] inline void ApplyOp(ReduceOp op, void* dst, const void* a, const void* b, size_t count) {
+[[gnu::always_inline]] inline void ApplyOp(ReduceOp op, void* dst, const void* a, const void* b,
+                                           size_t count) {
   switch (op) {
     case ReduceOp::kSum: return Apply<T>(dst, a, b, count, [](T x, T y) { return x + y; });
     case ReduceOp::kMax: return Apply<T>(dst, a, b, count, [](T x, T y) { return std::max(x, y); });
@@ -26,7 +28,8 @@ template <typename T>
 }
 
 template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
-[[gnu::always_inline]] inline void ApplyOp16(ReduceOp op, void* dst, const void* a, const void* b, size_t count) {
+[[gnu::always_inline]] inline void ApplyOp16(ReduceOp op, void* dst, const void* a, const void* b,
+                                             size_t count) {
   uint16_t* out = static_cast<uint16_t*>(dst);
   const uint16_t* x = static_cast<const uint16_t*>(a);
   const uint16_t* y = static_cast<const uint16_t*>(b);
