@@ -5,7 +5,8 @@
 # behind backward, and each run's ratio to the 1-worker run measured in the same invocation.
 # --snapshot-every runs each configuration with each in-memory snapshot setting (EVERY or
 # EVERY:REPLICAS; 0 is off; the job's default is 10:1) and gives its steps/s against the first,
-# with the snapshots rank 0 took (a periodic one waits while the one before is still replicated).
+# with the snapshots rank 0 took (a periodic one waits while the one before is still replicated)
+# and max_pause, the longest step boundary rank 0 spent copying its state for one.
 # --overlap-update "true false" runs each overlapped configuration with each bucket's update
 # during backward (the job's default) and after it, and gives its steps/s against the first.
 # --transport "shm tcp" runs each multi-worker configuration over each transport (shared memory,
@@ -64,7 +65,7 @@ trap cleanup EXIT
   --out "$RUN_DIR/data.safetensors" >/dev/null
 
 # run WORKERS STAGE OVERLAP SNAPSHOT_EVERY REPLICAS UPDATE TRANSPORT -> prints
-# "steps_per_second hidden_percent step_over_forward_backward snapshots_taken"
+# "steps_per_second hidden_percent step_over_forward_backward snapshots_taken max_pause_ms"
 run() {
   local workers=$1 stage=$2 overlap=$3 snapshot_every=$4 replicas=$5 update=$6 transport=$7
   local dir="$RUN_DIR/run-$workers-$stage-$overlap-$snapshot_every-$replicas-$update-$transport"
@@ -94,16 +95,17 @@ JSON
     exit 1
   fi
   # Rank 0's summary: "... N steps/s over steps 2-M, P% of gradient reduction hidden behind
-  # backward, a step E.EEx its forward and backward, S memory snapshots taken, ..."
+  # backward, a step E.EEx its forward and backward, S memory snapshots taken, training paused
+  # at most X ms for a snapshot or checkpoint, ..."
   grep -h "parameters written to" "$dir"/w*.log |
-    sed -E 's/.* ([0-9.]+) steps\/s over steps.* ([0-9]+)% of gradient reduction.*a step ([0-9.]+)x its.*and backward, ([0-9]+) memory snapshots.*/\1 \2 \3 \4/'
+    sed -E 's/.* ([0-9.]+) steps\/s over steps.* ([0-9]+)% of gradient reduction.*a step ([0-9.]+)x its.*and backward, ([0-9]+) memory snapshots taken, training paused at most ([0-9.]+) ms.*/\1 \2 \3 \4 \5/'
 }
 
 printf "# medium MLP 512,1024,1024,1024,64, global batch 256, Adam, %s steps, bucket cap %s MiB, %s cores, %s OpenBLAS threads per worker\n" \
   "$STEPS" "$BUCKET_CAP_MB" "$CORES" "${THREADS:-cores/workers}"
 printf "# %s\n" "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
-printf "%8s %6s %8s %7s %9s %9s %10s %10s %14s %10s %12s %12s %10s %13s\n" workers stage \
-  overlap update snapshot transport steps/s hidden step/fwd+bwd snapshots vs_1_worker \
+printf "%8s %6s %8s %7s %9s %9s %10s %10s %14s %10s %10s %12s %12s %10s %13s\n" workers stage \
+  overlap update snapshot transport steps/s hidden step/fwd+bwd snapshots max_pause vs_1_worker \
   vs_snapshot vs_update vs_transport
 baseline=""
 for workers in $WORKER_COUNTS; do
@@ -126,7 +128,7 @@ for workers in $WORKER_COUNTS; do
           [ "$workers" = 1 ] && transports=${TRANSPORTS%% *}
           first_transport=""
           for transport in $transports; do
-            read -r rate hidden efficiency taken < <(
+            read -r rate hidden efficiency taken pause < <(
               run "$workers" "$stage" "$overlap" "$every" "$replicas" "$update" "$transport")
             [ -z "$baseline" ] && baseline=$rate
             [ -z "$first" ] && first=$rate
@@ -134,9 +136,9 @@ for workers in $WORKER_COUNTS; do
             [ -z "$first_transport" ] && first_transport=$rate
             awk -v w="$workers" -v s="$stage" -v o="$overlap" -v u="$update" \
               -v n="$every:$replicas" -v t="$transport" -v r="$rate" -v h="$hidden" \
-              -v e="$efficiency" -v k="$taken" -v b="$baseline" -v f="$first" -v g="$first_update" \
+              -v e="$efficiency" -v k="$taken" -v p="$pause" -v b="$baseline" -v f="$first" -v g="$first_update" \
               -v x="$first_transport" \
-              'BEGIN { printf "%8s %6s %8s %7s %9s %9s %10s %9s%% %13.2fx %10s %11.2fx %11.3fx %9.3fx %12.3fx\n", w, s, o, u, n, t, r, h, e, k, r / b, r / f, r / g, r / x }'
+              'BEGIN { printf "%8s %6s %8s %7s %9s %9s %10s %9s%% %13.2fx %10s %8.1fms %11.2fx %11.3fx %9.3fx %12.3fx\n", w, s, o, u, n, t, r, h, e, k, p, r / b, r / f, r / g, r / x }'
           done
         done
       done

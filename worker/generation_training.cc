@@ -329,7 +329,8 @@ absl::StatusOr<GenerationTraining::End> GenerationTraining::Train(const JobConfi
   }
   spdlog::info("training finished: {} steps{}, loss {:.6f} -> {:.6f}, {:.2f} steps/s over steps "
                "{}-{}, {:.0f}% of gradient reduction hidden behind backward, a step {:.2f}x its forward "
-               "and backward, {} memory snapshots taken, optimizer state {} "
+               "and backward, {} memory snapshots taken, training paused at most {:.1f} ms for a "
+               "snapshot or checkpoint, optimizer state {} "
                "bytes on this rank, model state held {} bytes (parameters {}, gradients {}, "
                "optimizer state {}, gathered buckets {}, frozen {}){}",
                result->steps,
@@ -339,7 +340,7 @@ absl::StatusOr<GenerationTraining::End> GenerationTraining::Train(const JobConfi
                    : "",
                result->first_loss, result->last_loss, result->steps_per_second,
                result->start_step + 2, result->steps, 100 * result->hidden_fraction,
-               result->step_over_compute, result->snapshots_taken,
+               result->step_over_compute, result->snapshots_taken, result->max_checkpoint_pause_ms,
                result->optimizer_state_bytes, result->held_bytes.total(),
                result->held_bytes.params, result->held_bytes.grads,
                result->held_bytes.optimizer_state, result->held_bytes.gathered,

@@ -3,7 +3,8 @@
 // replica pushed to a peer's server is kept only when every byte checks and only then answered;
 // one cut off half-way or garbled is never kept; replication runs below training's priority;
 // ranges fetched back are the bytes sent; a
-// reader over the holders verifies what they serve and names the shard when it does not check.
+// reader over the holders verifies what they serve and names the shard when it does not check;
+// the buffers of the next snapshots are prepared off the training thread.
 // Servers listen on 127.0.0.1 ports the kernel picks; everything runs in this process.
 #include <netinet/in.h>
 #include <sys/resource.h>
@@ -24,6 +25,7 @@
 #include "common/shard_hasher.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/process.h"
 #include "tests/support/status_assertions.h"
 #include "worker/dataplane/snapshot_fetch.h"
 #include "worker/dataplane/snapshot_peer.h"
@@ -94,6 +96,50 @@ TEST(SnapshotStoreTest, KeepsTheNewestSnapshotsAndHandsTheirBuffersOutAgain) {
   // An older snapshot than those kept is not kept.
   EXPECT_THAT(store.Add(Shard(3, 15, 1, 2, bytes), Shared(bytes)), ElementsAre(SnapshotId(15, 3)));
   EXPECT_EQ(store.held_bytes(), 2 * 1000u);
+}
+
+TEST(SnapshotStoreTest, PreparedBuffersAreWhatTheNextSnapshotsTakeWithRoomToSpare) {
+  SnapshotStore store;
+  EXPECT_EQ(store.Prepare(1600, 2), 2);
+  EXPECT_EQ(store.Prepare(1600, 2), 0) << "ready already";
+  EXPECT_EQ(store.ReadyBuffers(1600), 2);
+  // A prepared buffer has 1/16 to spare (a fresh one would hold the bytes exactly): a snapshot
+  // a little larger after a plan rebuild, or with extras after it, still fits.
+  for (int i = 0; i < 2; ++i) {
+    std::vector<char> taken = store.TakeBuffer(1650);
+    EXPECT_EQ(taken.size(), 1650u);
+    EXPECT_EQ(taken.capacity(), 1700u) << "buffer " << i << " is not a prepared one";
+  }
+  EXPECT_EQ(store.ReadyBuffers(1600), 0);
+  EXPECT_EQ(store.TakeBuffer(1600).capacity(), 1600u) << "none left: a fresh one";
+  // At most 4 free buffers; buffers too small for the new size make way for it.
+  EXPECT_EQ(store.Prepare(800, 9), 4);
+  EXPECT_EQ(store.Prepare(3200, 1), 1);
+  EXPECT_EQ(store.ReadyBuffers(3200), 1);
+  EXPECT_EQ(store.ReadyBuffers(800), 4);
+  EXPECT_EQ(store.TakeBuffer(3200).capacity(), 3400u);
+}
+
+TEST(SnapshotStoreTest, TheSnapshotterPreparesTheNextSnapshotsBuffersOffTheCallersThread) {
+  SnapshotStore buddy_store;
+  std::unique_ptr<SnapshotServer> buddy =
+      *SnapshotServer::Start("127.0.0.1", 0, &buddy_store, nullptr);
+  SnapshotStore store;
+  Snapshotter snapshotter(&store, {buddy->address()}, Snapshotter::Callbacks{});
+  // Its own shard and a replica from its buddy's way.
+  snapshotter.PrepareBuffers(4800);
+  EXPECT_TRUE(testing::Eventually([&] { return store.ReadyBuffers(4800) == 2; },
+                                  absl::Seconds(30)));
+  // After a snapshot, the next one's are made ready for its size (the one it took is held).
+  const std::vector<char> bytes = Bytes(4800, 4);
+  std::vector<char> buffer = store.TakeBuffer(bytes.size());
+  std::copy(bytes.begin(), bytes.end(), buffer.begin());
+  SHARD_ASSERT_OK(snapshotter.Start(Shard(1, 10, 0, 2, bytes), Shared(std::move(buffer)),
+                                    nullptr));
+  SHARD_ASSERT_OK(snapshotter.WaitIdle(nullptr));
+  EXPECT_TRUE(buddy_store.Find(SnapshotId(10, 1), 0).has_value());
+  EXPECT_TRUE(testing::Eventually([&] { return store.ReadyBuffers(4800) == 2; },
+                                  absl::Seconds(30)));
 }
 
 // A snapshot server over its own store, recording the replicas it was told of.

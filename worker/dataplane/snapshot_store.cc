@@ -35,6 +35,41 @@ std::vector<char> SnapshotStore::TakeBuffer(uint64_t bytes) {
   return buffer;
 }
 
+size_t SnapshotStore::ReadyBuffersLocked(uint64_t bytes) const {
+  return std::count_if(free_.begin(), free_.end(), [bytes](const std::vector<char>& buffer) {
+    return buffer.capacity() >= bytes;
+  });
+}
+
+int SnapshotStore::ReadyBuffers(uint64_t bytes) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return static_cast<int>(ReadyBuffersLocked(bytes));
+}
+
+int SnapshotStore::Prepare(uint64_t bytes, int count) {
+  const size_t wanted = std::min(static_cast<size_t>(std::max(count, 0)), kFreeBuffers);
+  int made = 0;
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (ReadyBuffersLocked(bytes) >= wanted) return made;
+    }
+    // Outside the lock: mapping the pages is the slow part, and TakeBuffer must not wait for it.
+    std::vector<char> buffer(bytes + bytes / 16);  // value-initialised: every page touched
+    absl::MutexLock lock(&mu_);
+    if (ReadyBuffersLocked(bytes) >= wanted) return made;
+    if (free_.size() >= kFreeBuffers) {
+      // Full of buffers too small for these shards: the smallest makes way.
+      free_.erase(std::min_element(free_.begin(), free_.end(),
+                                   [](const std::vector<char>& a, const std::vector<char>& b) {
+                                     return a.capacity() < b.capacity();
+                                   }));
+    }
+    free_.push_back(std::move(buffer));
+    ++made;
+  }
+}
+
 std::vector<std::string> SnapshotStore::SnapshotIdsLocked() const {
   std::vector<const SnapshotShard*> newest;  // one shard per snapshot id
   std::set<std::string> seen;

@@ -56,18 +56,36 @@ absl::Status Snapshotter::Start(SnapshotShard shard, SnapshotBytes bytes,
   return absl::OkStatus();
 }
 
+void Snapshotter::PrepareBuffers(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  prepare_bytes_ = bytes;
+}
+
 void Snapshotter::Loop() {
   YieldToTraining();
+  // The next snapshot takes a buffer for its own shard, and each buddy's way comes a replica.
+  const int next_snapshot_buffers = 1 + static_cast<int>(buddies_.size());
   while (true) {
     SnapshotShard shard;
     SnapshotBytes bytes;
+    uint64_t prepare = 0;
     {
       absl::MutexLock lock(&mu_);
-      auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || busy_; };
+      auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || busy_ || prepare_bytes_ > 0;
+      };
       mu_.Await(absl::Condition(&work));
       if (stopping_) return;
-      shard = std::move(shard_);
-      bytes.swap(bytes_);
+      if (!busy_) {  // a snapshot in flight goes first
+        std::swap(prepare, prepare_bytes_);
+      } else {
+        shard = std::move(shard_);
+        bytes.swap(bytes_);
+      }
+    }
+    if (prepare > 0) {
+      store_->Prepare(prepare, next_snapshot_buffers);
+      continue;
     }
     std::vector<ShardExtra> extras = std::move(shard.record.extras);  // placed by the trainer
     shard.record = HashShard(bytes->data(), bytes->size(),
@@ -85,9 +103,11 @@ void Snapshotter::Loop() {
         callbacks_.on_push_failed(shard, buddy, pushed);
       }
     }
+    const uint64_t size = bytes->size();
     bytes.reset();  // the store's reference alone lets it reuse the buffer once dropped
     absl::MutexLock lock(&mu_);
     busy_ = false;
+    if (prepare_bytes_ == 0) prepare_bytes_ = size;  // the next one's, in case none was dropped
   }
 }
 

@@ -46,6 +46,11 @@ class Snapshotter {
                      const std::function<bool()>& abort);
   // Waits until no snapshot is in flight; Aborted if `abort()` turns true first.
   absl::Status WaitIdle(const std::function<bool()>& abort);
+  // Has this thread ready the store's buffers for the next snapshot of `bytes` bytes (its own
+  // shard and a replica from each buddy's way), whenever no snapshot is in flight, and again
+  // after each snapshot for that snapshot's size: the first snapshots of a generation then find
+  // their pages mapped (SnapshotStore::Prepare).
+  void PrepareBuffers(uint64_t bytes);
 
  private:
   void Loop();
@@ -57,6 +62,7 @@ class Snapshotter {
   std::atomic<bool> cancel_{false};
   mutable absl::Mutex mu_;
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t prepare_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // 0: nothing to prepare
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   SnapshotShard shard_ ABSL_GUARDED_BY(mu_);
   SnapshotBytes bytes_ ABSL_GUARDED_BY(mu_);

@@ -124,6 +124,7 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
                         const absl::Status& why) {
               observer.OnSnapshotPushFailed(shard, buddy, why);
             }});
+    session->snapshotter_->PrepareBuffers(session->OwnedStateBytes());
   }
   if (options.restore_from_observer || !options.restore_dir.empty()) {
     StallPoint("before-restore");
@@ -389,14 +390,17 @@ TrainingSession::~TrainingSession() {
   if (!stop_requested()) saver_.Cancel();
 }
 
+uint64_t TrainingSession::OwnedStateBytes() const {
+  return MakeShardLayout(engine_->manifest(), engine_->plan(), communicator_.rank(),
+                         static_cast<int>(engine_->optimizer_state_names().size()))
+      .bytes;
+}
+
 absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& boundary,
                                         absl::Duration waited, StepRecord* record) {
   const absl::Time pause_start = absl::Now() - waited;
   const int rank = communicator_.rank();
-  const uint64_t pieces =
-      MakeShardLayout(engine_->manifest(), engine_->plan(), rank,
-                      static_cast<int>(engine_->optimizer_state_names().size()))
-          .bytes;
+  const uint64_t pieces = OwnedStateBytes();
   using Extras = std::vector<std::pair<int, std::string>>;
   Extras provided;
   if (extras_provider_) {

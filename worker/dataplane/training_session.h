@@ -225,6 +225,9 @@ class TrainingSession {
   // Whether a wait of the step boundary must give up: the generation ended (the communicator
   // was aborted) or training was asked to stop.
   bool Interrupted() const;
+  // The bytes of what this rank owns (its plan range's values and optimizer state), as a save
+  // copies them, before the extras.
+  uint64_t OwnedStateBytes() const;
   // The copy of what this rank owns for a snapshot and/or a disk checkpoint of step `step`
   // (after training `waited` for the previous save's write).
   absl::Status SaveState(int64_t step, const StepBoundary& boundary, absl::Duration waited,
