@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Training throughput of the medium MLP (widths 512,1024,1024,1024,64, global batch 256, Adam)
-# on a local cluster of real processes: steps per second over steps 2..N at 1, 2 and 4 workers,
+# on a local cluster of real processes: steps per second over steps 2..N (--steps, default 200:
+# enough that the first steps, which rebuild the buckets and map buffers, weigh little; at 60 two
+# runs of 2 workers against 1 differed by 1.21x-1.43x) at 1, 2 and 4 workers,
 # ZeRO stages 0/1/2, overlap on and off, with the fraction of gradient-reduction time hidden
 # behind backward, and each run's ratio to the 1-worker run measured in the same invocation.
 # --snapshot-every runs each configuration with each in-memory snapshot setting (EVERY or
@@ -24,7 +26,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-STEPS=60
+STEPS=200
 BUCKET_CAP_MB=4
 WORKER_COUNTS="1 2 4"
 STAGES="0 1 2"
@@ -44,7 +46,7 @@ while [ $# -gt 0 ]; do
     --overlap-update) UPDATES="$2"; shift 2 ;;
     --transport) TRANSPORTS="$2"; shift 2 ;;
     --threads) THREADS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench-train: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
