@@ -138,8 +138,8 @@ for workers in $WORKER_COUNTS; do
             [ -z "$first_transport" ] && first_transport=$rate
             awk -v w="$workers" -v s="$stage" -v o="$overlap" -v u="$update" \
               -v n="$every:$replicas" -v t="$transport" -v r="$rate" -v h="$hidden" \
-              -v e="$efficiency" -v k="$taken" -v p="$pause" -v b="$baseline" -v f="$first" -v g="$first_update" \
-              -v x="$first_transport" \
+              -v e="$efficiency" -v k="$taken" -v p="$pause" -v b="$baseline" -v f="$first" \
+              -v g="$first_update" -v x="$first_transport" \
               'BEGIN { printf "%8s %6s %8s %7s %9s %9s %10s %9s%% %13.2fx %10s %8.1fms %11.2fx %11.3fx %9.3fx %12.3fx\n", w, s, o, u, n, t, r, h, e, k, p, r / b, r / f, r / g, r / x }'
           done
         done

@@ -126,7 +126,7 @@ TEST(SnapshotStoreTest, TheSnapshotterPreparesTheNextSnapshotsBuffersOffTheCalle
       *SnapshotServer::Start("127.0.0.1", 0, &buddy_store, nullptr);
   SnapshotStore store;
   Snapshotter snapshotter(&store, {buddy->address()}, Snapshotter::Callbacks{});
-  // Its own shard and a replica from its buddy's way.
+  // Its own shard and the one replica it receives.
   snapshotter.PrepareBuffers(4800);
   EXPECT_TRUE(testing::Eventually([&] { return store.ReadyBuffers(4800) == 2; },
                                   absl::Seconds(30)));

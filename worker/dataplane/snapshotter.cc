@@ -63,7 +63,8 @@ void Snapshotter::PrepareBuffers(uint64_t bytes) {
 
 void Snapshotter::Loop() {
   YieldToTraining();
-  // The next snapshot takes a buffer for its own shard, and each buddy's way comes a replica.
+  // The next snapshot takes a buffer for its own shard and one per replica it receives (a
+  // worker keeps as many replicas as it sends).
   const int next_snapshot_buffers = 1 + static_cast<int>(buddies_.size());
   while (true) {
     SnapshotShard shard;

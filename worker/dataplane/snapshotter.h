@@ -47,7 +47,7 @@ class Snapshotter {
   // Waits until no snapshot is in flight; Aborted if `abort()` turns true first.
   absl::Status WaitIdle(const std::function<bool()>& abort);
   // Has this thread ready the store's buffers for the next snapshot of `bytes` bytes (its own
-  // shard and a replica from each buddy's way), whenever no snapshot is in flight, and again
+  // shard and one per replica it receives), whenever no snapshot is in flight, and again
   // after each snapshot for that snapshot's size: the first snapshots of a generation then find
   // their pages mapped (SnapshotStore::Prepare).
   void PrepareBuffers(uint64_t bytes);
