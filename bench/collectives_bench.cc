@@ -1,5 +1,6 @@
 // shard-bench-collectives: collective bus bandwidth through Shard's shared-memory communicator
-// (shm) and its TCP rings (tcp, shard::GlooCommunicator), beside raw Gloo's own collectives on
+// (shm: buffers the peers read in place, as the engine's buckets; shm-copy: private buffers,
+// copied through the communicator's slots) and its TCP rings (tcp, shard::GlooCommunicator), beside raw Gloo's own collectives on
 // the TCP communicator's very connections, one thread's memcpy and the loopback TCP limit, all
 // measured in the same run, reported like nccl-tests (GB = 1e9 bytes; busbw = algbw x factor).
 //
@@ -14,6 +15,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -64,9 +66,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using testing::Process;
 
-// What is measured: our shared-memory communicator, our TCP rings, raw Gloo's collectives.
-enum class Impl { kShm, kTcp, kGloo };
-constexpr Impl kAllImpls[] = {Impl::kShm, Impl::kTcp, Impl::kGloo};
+// What is measured: our shared-memory communicator on shared buffers and on private ones, our
+// TCP rings, raw Gloo's collectives.
+enum class Impl { kShm, kShmCopy, kTcp, kGloo };
+constexpr Impl kAllImpls[] = {Impl::kShm, Impl::kShmCopy, Impl::kTcp, Impl::kGloo};
 
 struct Flags {
   int ranks = 2;
@@ -79,9 +82,10 @@ struct Flags {
   uint64_t shm_slot_bytes = ShmOptions().slot_bytes;
   std::vector<std::string> collective_names = {"all_reduce", "reduce_scatter", "all_gather"};
   std::vector<Collective> collectives;
-  std::vector<std::string> impl_names = {"shm", "tcp", "gloo"};
+  std::vector<std::string> impl_names = {"shm", "shm-copy", "tcp", "gloo"};
   std::vector<Impl> impls;  // in kAllImpls order
   int memcpy_trials = 5;
+  bool in_place = false;
   bool skip_loopback = false;
   uint64_t loopback_bytes = 512 << 20;
   int loopback_trials = 3;
@@ -319,9 +323,49 @@ float SumOfInputs(int ranks, size_t i) {
   return static_cast<float>((i % 4093 + 1) * static_cast<size_t>(ranks) * (ranks + 1) / 2);
 }
 
+// Floats in whole pages of an anonymous mapping of their own, as the engine's buckets: what the
+// shared-memory communicator can share (Communicator::ShareHostBuffer).
+class PageArray {
+ public:
+  explicit PageArray(size_t count) : count_(count) {
+    const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    bytes_ = std::max<size_t>(1, (count * sizeof(float) + page - 1) / page) * page;
+    void* data = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (data == MAP_FAILED) {
+      std::fprintf(stderr, "cannot map %zu bytes: %s\n", bytes_, std::strerror(errno));
+      std::exit(1);
+    }
+    data_ = static_cast<float*>(data);
+  }
+  PageArray(const PageArray&) = delete;
+  PageArray& operator=(const PageArray&) = delete;
+  ~PageArray() { ::munmap(data_, bytes_); }
+
+  float* data() const { return data_; }
+  size_t size() const { return count_; }
+  size_t mapped_bytes() const { return bytes_; }
+  float* begin() const { return data_; }
+  float* end() const { return data_ + count_; }
+  float& operator[](size_t i) const { return data_[i]; }
+
+ private:
+  float* data_ = nullptr;
+  size_t count_ = 0;
+  size_t bytes_ = 0;
+};
+
+// A rank's arrays and the views a collective runs on: out of place, `in` is `send` and `out` is
+// `recv`; in place (--in-place, nccl-tests' in-place columns, as the engine runs on its
+// buckets) the input lies in the output: all-reduce on `recv` alone, reduce-scatter into the
+// rank's block of `send`, all-gather from the rank's block of `recv`.
 struct Buffers {
-  std::vector<float> send;
-  std::vector<float> recv;
+  Buffers(size_t send_count, size_t recv_count) : send(send_count), recv(recv_count) {}
+  PageArray send;
+  PageArray recv;
+  float* in = nullptr;
+  size_t in_count = 0;
+  float* out = nullptr;
+  size_t out_count = 0;
 };
 
 class CollectiveTest {
@@ -333,16 +377,21 @@ class CollectiveTest {
   virtual size_t RecvCount(size_t send_count, int ranks) const = 0;
   // The size(B) and count(elems) columns: the buffer the bandwidth is about.
   virtual size_t MessageCount(size_t send_count, int ranks) const = 0;
-  // Elements of `rank`'s output that differ from the closed form.
-  virtual size_t CountWrong(const std::vector<float>& recv, size_t send_count, int rank,
-                            int ranks) const = 0;
-  virtual absl::Status Run(Communicator& comm, Buffers& buffers) const = 0;
+  // Sets the views of `b` for `rank`, out of place or in place.
+  virtual void Place(Buffers& b, int rank, bool in_place) const = 0;
+  // Elements of `rank`'s output (b.out) that differ from the closed form.
+  virtual size_t CountWrong(const Buffers& b, int rank, int ranks) const = 0;
+  virtual absl::Status Run(Communicator& comm, Buffers& b) const = 0;
   // Whether raw Gloo's collectives have this one; RunGloo is only called where they do.
   virtual bool has_gloo() const { return true; }
   // Throws gloo::Exception on failure.
   virtual void RunGloo(const std::shared_ptr<gloo::Context>& context, Buffers& buffers,
                        std::chrono::milliseconds timeout) const = 0;
 };
+
+void FillInput(Buffers& b, int rank) {
+  for (size_t i = 0; i < b.in_count; ++i) b.in[i] = InputValue(rank, i);
+}
 
 class AllReduceTest : public CollectiveTest {
  public:
@@ -352,22 +401,27 @@ class AllReduceTest : public CollectiveTest {
   }
   size_t RecvCount(size_t send_count, int) const override { return send_count; }
   size_t MessageCount(size_t send_count, int) const override { return send_count; }
-  size_t CountWrong(const std::vector<float>& recv, size_t, int, int ranks) const override {
+  void Place(Buffers& b, int, bool in_place) const override {
+    b.in = in_place ? b.recv.data() : b.send.data();
+    b.in_count = b.send.size();
+    b.out = b.recv.data();
+    b.out_count = b.recv.size();
+  }
+  size_t CountWrong(const Buffers& b, int, int ranks) const override {
     size_t wrong = 0;
-    for (size_t i = 0; i < recv.size(); ++i) {
-      if (recv[i] != SumOfInputs(ranks, i)) ++wrong;
+    for (size_t i = 0; i < b.out_count; ++i) {
+      if (b.out[i] != SumOfInputs(ranks, i)) ++wrong;
     }
     return wrong;
   }
   absl::Status Run(Communicator& comm, Buffers& b) const override {
-    return comm.AllReduce(b.send.data(), b.recv.data(), b.send.size(), DataType::kFloat32,
-                          ReduceOp::kSum);
+    return comm.AllReduce(b.in, b.out, b.in_count, DataType::kFloat32, ReduceOp::kSum);
   }
   void RunGloo(const std::shared_ptr<gloo::Context>& context, Buffers& b,
                std::chrono::milliseconds timeout) const override {
     gloo::AllreduceOptions options(context);
-    options.setInput(b.send.data(), b.send.size());
-    options.setOutput(b.recv.data(), b.recv.size());
+    options.setInput(b.in, b.in_count);
+    options.setOutput(b.out, b.out_count);
     options.setReduceFunction(
         static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
     options.setTimeout(timeout);
@@ -385,17 +439,22 @@ class ReduceScatterTest : public CollectiveTest {
   }
   size_t RecvCount(size_t send_count, int ranks) const override { return send_count / ranks; }
   size_t MessageCount(size_t send_count, int) const override { return send_count; }
-  size_t CountWrong(const std::vector<float>& recv, size_t, int rank, int ranks) const override {
-    const size_t first = static_cast<size_t>(rank) * recv.size();
+  void Place(Buffers& b, int rank, bool in_place) const override {
+    b.in = b.send.data();
+    b.in_count = b.send.size();
+    b.out = in_place ? b.send.data() + rank * b.recv.size() : b.recv.data();
+    b.out_count = b.recv.size();
+  }
+  size_t CountWrong(const Buffers& b, int rank, int ranks) const override {
+    const size_t first = static_cast<size_t>(rank) * b.out_count;
     size_t wrong = 0;
-    for (size_t i = 0; i < recv.size(); ++i) {
-      if (recv[i] != SumOfInputs(ranks, first + i)) ++wrong;
+    for (size_t i = 0; i < b.out_count; ++i) {
+      if (b.out[i] != SumOfInputs(ranks, first + i)) ++wrong;
     }
     return wrong;
   }
   absl::Status Run(Communicator& comm, Buffers& b) const override {
-    return comm.ReduceScatter(b.send.data(), b.recv.data(), b.recv.size(), DataType::kFloat32,
-                              ReduceOp::kSum);
+    return comm.ReduceScatter(b.in, b.out, b.out_count, DataType::kFloat32, ReduceOp::kSum);
   }
   bool has_gloo() const override { return false; }
   void RunGloo(const std::shared_ptr<gloo::Context>&, Buffers&,
@@ -414,25 +473,30 @@ class AllGatherTest : public CollectiveTest {
   size_t MessageCount(size_t send_count, int ranks) const override {
     return send_count * ranks;
   }
-  size_t CountWrong(const std::vector<float>& recv, size_t send_count, int,
-                    int ranks) const override {
+  void Place(Buffers& b, int rank, bool in_place) const override {
+    b.in = in_place ? b.recv.data() + rank * b.send.size() : b.send.data();
+    b.in_count = b.send.size();
+    b.out = b.recv.data();
+    b.out_count = b.recv.size();
+  }
+  size_t CountWrong(const Buffers& b, int, int ranks) const override {
     size_t wrong = 0;
     for (int r = 0; r < ranks; ++r) {
-      const float* block = recv.data() + r * send_count;
-      for (size_t i = 0; i < send_count; ++i) {
+      const float* block = b.out + r * b.in_count;
+      for (size_t i = 0; i < b.in_count; ++i) {
         if (block[i] != InputValue(r, i)) ++wrong;
       }
     }
     return wrong;
   }
   absl::Status Run(Communicator& comm, Buffers& b) const override {
-    return comm.AllGather(b.send.data(), b.recv.data(), b.send.size(), DataType::kFloat32);
+    return comm.AllGather(b.in, b.out, b.in_count, DataType::kFloat32);
   }
   void RunGloo(const std::shared_ptr<gloo::Context>& context, Buffers& b,
                std::chrono::milliseconds timeout) const override {
     gloo::AllgatherOptions options(context);
-    options.setInput(b.send.data(), b.send.size());
-    options.setOutput(b.recv.data(), b.recv.size());
+    options.setInput(b.in, b.in_count);
+    options.setOutput(b.out, b.out_count);
     options.setTimeout(timeout);
     gloo::allgather(options);
   }
@@ -453,6 +517,7 @@ std::unique_ptr<CollectiveTest> MakeTest(Collective collective) {
 absl::string_view ImplName(Impl impl) {
   switch (impl) {
     case Impl::kShm: return "shm";
+    case Impl::kShmCopy: return "shm-copy";
     case Impl::kTcp: return "tcp";
     case Impl::kGloo: return "gloo";
   }
@@ -464,7 +529,7 @@ absl::StatusOr<Impl> ParseImpl(absl::string_view name) {
     if (name == ImplName(impl)) return impl;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown impl '", name, "'; expected shm, tcp or gloo"));
+      absl::StrCat("unknown impl '", name, "'; expected shm, shm-copy, tcp or gloo"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -480,15 +545,26 @@ struct Measurement {
 // context and connections.
 struct Communicators {
   GlooCommunicator* tcp = nullptr;
-  Communicator* shm = nullptr;  // null unless shm is measured
+  Communicator* shm = nullptr;  // null unless shm or shm-copy is measured
 };
 
 absl::StatusOr<Measurement> Measure(const Communicators& comms, const CollectiveTest& test,
                                     Impl impl, Buffers& buffers, const Flags& flags,
                                     std::chrono::milliseconds timeout) {
   GlooCommunicator& control = *comms.tcp;
+  // shm: both buffers shared with the peers for this measurement, as the engine shares its
+  // buckets; shm-copy: the same communicator on the private buffers.
+  std::vector<std::unique_ptr<SharedHostBuffer>> shared;
+  if (impl == Impl::kShm) {
+    for (const PageArray* array : {&buffers.send, &buffers.recv}) {
+      absl::StatusOr<std::unique_ptr<SharedHostBuffer>> share =
+          comms.shm->ShareHostBuffer(array->data(), array->mapped_bytes());
+      if (!share.ok()) return share.status();
+      shared.push_back(*std::move(share));
+    }
+  }
   auto run_once = [&]() -> absl::Status {
-    if (impl == Impl::kShm) return test.Run(*comms.shm, buffers);
+    if (impl == Impl::kShm || impl == Impl::kShmCopy) return test.Run(*comms.shm, buffers);
     if (impl == Impl::kTcp) return test.Run(control, buffers);
     try {
       test.RunGloo(control.gloo_context(), buffers, timeout);
@@ -498,19 +574,27 @@ absl::StatusOr<Measurement> Measure(const Communicators& comms, const Collective
     }
     return absl::OkStatus();
   };
+  FillInput(buffers, control.rank());
   for (int i = 0; i < flags.warmup; ++i) {
     if (absl::Status s = run_once(); !s.ok()) return s;
   }
-  // Stale results from the warm-up must not pass the check.
-  std::fill(buffers.recv.begin(), buffers.recv.end(), std::numeric_limits<float>::quiet_NaN());
+  // Stale results from the warm-up must not pass the check. In place, the timed iterations
+  // feed their outputs back in: the check is of one more run on fresh inputs.
+  if (!flags.in_place) {
+    std::fill(buffers.recv.begin(), buffers.recv.end(), std::numeric_limits<float>::quiet_NaN());
+  }
   if (absl::Status s = control.Barrier(); !s.ok()) return s;
   const Clock::time_point start = Clock::now();
   for (int i = 0; i < flags.iters; ++i) {
     if (absl::Status s = run_once(); !s.ok()) return s;
   }
   const Clock::time_point end = Clock::now();
-  int64_t wrong = static_cast<int64_t>(
-      test.CountWrong(buffers.recv, buffers.send.size(), control.rank(), control.size()));
+  if (flags.in_place) {
+    FillInput(buffers, control.rank());
+    if (absl::Status s = run_once(); !s.ok()) return s;
+  }
+  int64_t wrong =
+      static_cast<int64_t>(test.CountWrong(buffers, control.rank(), control.size()));
   int64_t mean_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count() /
                     flags.iters;
   if (absl::Status s =
@@ -555,7 +639,8 @@ int RunRank(const Flags& flags) {
   }
   Communicators comms{tcp->get(), nullptr};
   std::unique_ptr<Communicator> shm;
-  if (absl::c_linear_search(flags.impls, Impl::kShm)) {
+  if (absl::c_linear_search(flags.impls, Impl::kShm) ||
+      absl::c_linear_search(flags.impls, Impl::kShmCopy)) {
     ShmOptions shm_options;
     shm_options.rank = rank;
     shm_options.size = flags.ranks;
@@ -583,14 +668,12 @@ int RunRank(const Flags& flags) {
   for (size_t s = 0; s < sizes.size(); ++s) {
     for (const std::unique_ptr<CollectiveTest>& test : tests) {
       const size_t send_count = test->SendCount(sizes[s], flags.ranks);
-      Buffers buffers;
-      buffers.send.resize(send_count);
-      for (size_t i = 0; i < send_count; ++i) buffers.send[i] = InputValue(rank, i);
-      buffers.recv.resize(test->RecvCount(send_count, flags.ranks));
+      Buffers buffers(send_count, test->RecvCount(send_count, flags.ranks));
+      test->Place(buffers, rank, flags.in_place);
       const size_t count = test->MessageCount(send_count, flags.ranks);
       nlohmann::json measured = nlohmann::json::array();
       for (Impl impl : flags.impls) {
-        if (impl == Impl::kGloo && !test->has_gloo()) continue;
+        if (impl == Impl::kGloo && (!test->has_gloo() || flags.in_place)) continue;
         absl::StatusOr<Measurement> m = Measure(comms, *test, impl, buffers, flags, timeout);
         if (!m.ok()) {
           std::fprintf(stderr, "rank %d: %s %s at %zu B: %s\n", rank,
@@ -697,8 +780,13 @@ class Results {
     };
     if (auto shm = records.find(Impl::kShm); shm != records.end()) {
       shm->second.Compare("busbw_gbps", "memcpy", memcpy_gbps_, bench::AtLeast(0.5))
+          .Compare("busbw_gbps", "shm-copy", busbw(Impl::kShmCopy))
           .Compare("busbw_gbps", "tcp", busbw(Impl::kTcp))
           .Compare("busbw_gbps", "gloo", busbw(Impl::kGloo));
+    }
+    if (auto copy = records.find(Impl::kShmCopy); copy != records.end()) {
+      copy->second.Compare("busbw_gbps", "memcpy", memcpy_gbps_)
+          .Compare("busbw_gbps", "tcp", busbw(Impl::kTcp));
     }
     if (auto tcp = records.find(Impl::kTcp); tcp != records.end()) {
       const bench::Target loopback_target =
@@ -768,7 +856,9 @@ bool RunRanks(const Flags& flags, const std::vector<std::string>& run, const std
 int Main(int argc, char** argv) {
   CLI::App app{
       "shard-bench-collectives: collective bus bandwidth through Shard's communicators, "
-      "shared memory (impl shm: CreateShmCommunicator) and TCP (impl tcp: "
+      "shared memory (impl shm: CreateShmCommunicator on buffers shared with the peers, which "
+      "read them in place, as the engine's buckets; impl shm-copy: the same on private "
+      "buffers, copied through its slots) and TCP (impl tcp: "
       "shard::GlooCommunicator, our pipelined rings), next to raw Gloo's own collectives "
       "(impl gloo: gloo::allreduce / gloo::allgather on the same gloo::Context and TCP "
       "connections; it has no reduce-scatter here) and next to two limits measured in the same "
@@ -816,7 +906,7 @@ int Main(int argc, char** argv) {
                  "comma-separated: all_reduce, reduce_scatter, all_gather")
       ->delimiter(',')
       ->capture_default_str();
-  app.add_option("--impls", flags.impl_names, "comma-separated: shm, tcp, gloo")
+  app.add_option("--impls", flags.impl_names, "comma-separated: shm, shm-copy, tcp, gloo")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--timeout", flags.timeout, "connect and per-collective timeout")
@@ -826,6 +916,10 @@ int Main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
   app.add_flag("--skip-loopback", flags.skip_loopback, "do not measure loopback TCP");
+  app.add_flag("--in-place", flags.in_place,
+               "in place, as the engine runs on its buckets (nccl-tests' in-place columns): "
+               "all-reduce on one buffer, reduce-scatter into the rank's block of its input, "
+               "all-gather from the rank's block of its output; raw Gloo is not measured");
   app.add_option("--loopback-bytes", flags.loopback_bytes,
                  "bytes each way per loopback TCP trial")
       ->capture_default_str()
@@ -884,9 +978,9 @@ int Main(int argc, char** argv) {
   run.insert(run.end(), argv + 1, argv + argc);
   bench::Report report("shard-bench-collectives", output);
   report.Note(absl::StrFormat(
-      "%d ranks (processes) on 127.0.0.1, f32 sum, out-of-place, warmup %d, iters %d, impls %s, "
+      "%d ranks (processes) on 127.0.0.1, f32 sum, %s, warmup %d, iters %d, impls %s, "
       "tcp segment_bytes %llu, shm slot_bytes %llu x depth %d",
-      flags.ranks, flags.warmup, flags.iters,
+      flags.ranks, flags.in_place ? "in place" : "out-of-place", flags.warmup, flags.iters,
       absl::StrJoin(flags.impls, ",",
                     [](std::string* out, Impl impl) { absl::StrAppend(out, ImplName(impl)); }),
       static_cast<unsigned long long>(flags.segment_bytes),

@@ -332,7 +332,7 @@ absl::StatusOr<GenerationTraining::End> GenerationTraining::Train(const JobConfi
                "and backward, {} memory snapshots taken, training paused at most {:.1f} ms for a "
                "snapshot or checkpoint, optimizer state {} "
                "bytes on this rank, model state held {} bytes (parameters {}, gradients {}, "
-               "optimizer state {}, gathered buckets {}, frozen {}){}",
+               "optimizer state {}, gathered buckets {}, frozen {}){}{}",
                result->steps,
                result->start_step > 0
                    ? absl::StrCat(" (this run: steps ", result->start_step + 1, "-", result->steps,
@@ -345,6 +345,10 @@ absl::StatusOr<GenerationTraining::End> GenerationTraining::Train(const JobConfi
                result->held_bytes.params, result->held_bytes.grads,
                result->held_bytes.optimizer_state, result->held_bytes.gathered,
                result->held_bytes.frozen,
+               result->unshared_reason.empty()
+                   ? ""
+                   : absl::StrCat(", buckets copied through the shared-memory slots (",
+                                  result->unshared_reason, ")"),
                result->output_path.empty() ? "" : ", parameters written to " + result->output_path);
   SHARD_RETURN_IF_ERROR(ReportDone(*result));
   return End::kFinished;

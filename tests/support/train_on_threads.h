@@ -1,5 +1,5 @@
-// The built-in MLP trained by a job's ranks as threads of one process, over loopback Gloo and
-// an in-memory rendezvous store, with the coordinator's part in checkpoints played here: once
+// The built-in MLP trained by a job's ranks as threads of one process, over loopback Gloo (or
+// shared memory) and an in-memory rendezvous store, with the coordinator's part in checkpoints played here: once
 // every rank's shard of a checkpoint is on disk, its manifest is committed. Rank 0 writes
 // job.output_dir/final.safetensors. Header-only.
 #pragma once
@@ -20,6 +20,7 @@
 #include "worker/dataplane/gloo_communicator.h"
 #include "worker/dataplane/key_value_store.h"
 #include "worker/dataplane/plan_provider.h"
+#include "worker/dataplane/shm_communicator.h"
 #include "worker/dataplane/trainer.h"
 
 namespace shard {
@@ -63,7 +64,30 @@ struct RankThreadsOptions {
   // Anything else a rank's trainer needs (snapshots, another restore source, an observer), by
   // rank. The checkpoints are committed whatever observer it sets.
   std::function<void(int rank, TrainerOptions*)> configure;
+  // The shared-memory transport instead of loopback Gloo.
+  bool shared_memory = false;
 };
+
+// Rank `rank` of `size` over loopback Gloo or shared memory.
+inline absl::StatusOr<std::unique_ptr<Communicator>> ConnectRankThread(KeyValueStore* store,
+                                                                       int rank, int size,
+                                                                       bool shared_memory) {
+  if (shared_memory) {
+    ShmOptions shm;
+    shm.rank = rank;
+    shm.size = size;
+    shm.timeout = absl::Seconds(30);
+    return CreateShmCommunicator(store, shm);
+  }
+  GlooOptions gloo;
+  gloo.rank = rank;
+  gloo.size = size;
+  gloo.timeout = absl::Seconds(30);
+  absl::StatusOr<std::unique_ptr<GlooCommunicator>> communicator =
+      CreateGlooCommunicator(store, gloo);
+  if (!communicator.ok()) return communicator.status();
+  return std::unique_ptr<Communicator>(std::move(*communicator));
+}
 
 // A rank's observer in TrainMlpOnThreads: the one the test gave it (none: every default), with
 // the checkpoint shards handed to the run's collector besides.
@@ -108,11 +132,7 @@ inline void TrainMlpOnThreads(const JobConfig& job, const RankThreadsOptions& ru
   std::vector<std::thread> threads;
   for (int rank = 0; rank < job.world_size; ++rank) {
     threads.emplace_back([&, rank] {
-      GlooOptions gloo;
-      gloo.rank = rank;
-      gloo.size = job.world_size;
-      gloo.timeout = absl::Seconds(30);
-      auto communicator = CreateGlooCommunicator(&store, gloo);
+      auto communicator = ConnectRankThread(&store, rank, job.world_size, run.shared_memory);
       if (!communicator.ok()) {
         trained[rank] = communicator.status();
         return;

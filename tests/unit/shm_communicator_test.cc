@@ -4,6 +4,7 @@
 #include "worker/dataplane/shm_communicator.h"
 
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -38,6 +39,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Not;
 
 using Factory = std::function<absl::StatusOr<std::unique_ptr<Communicator>>(
     KeyValueStore* store, int rank, int size)>;
@@ -398,6 +400,197 @@ TEST_P(ShmMatchesGlooTest, BFloat16AllReduce) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmMatchesGlooTest, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return absl::StrCat("ranks", info.param); });
 
+// Whole pages of an anonymous mapping, as the engine's large arrays are: what
+// ShareHostBuffer takes.
+class PageBuffer {
+ public:
+  explicit PageBuffer(size_t bytes) {
+    const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    bytes_ = std::max<size_t>(1, (bytes + page - 1) / page) * page;
+    data_ = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (data_ == MAP_FAILED) ADD_FAILURE() << "mmap: " << std::strerror(errno);
+  }
+  PageBuffer(const PageBuffer&) = delete;
+  PageBuffer& operator=(const PageBuffer&) = delete;
+  ~PageBuffer() { ::munmap(data_, bytes_); }
+
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  size_t bytes() const { return bytes_; }
+
+  // Shares it through `c`: expects a share from the shared-memory transport and none from TCP.
+  std::unique_ptr<SharedHostBuffer> Share(Communicator& c) const {
+    absl::StatusOr<std::unique_ptr<SharedHostBuffer>> shared = c.ShareHostBuffer(data_, bytes_);
+    EXPECT_TRUE(shared.ok()) << shared.status();
+    if (!shared.ok()) return nullptr;
+    EXPECT_EQ(*shared != nullptr, c.backend() == "shm") << c.backend();
+    return std::move(*shared);
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+template <typename T>
+void Fill(T* to, const std::vector<T>& values) {
+  std::copy(values.begin(), values.end(), to);
+}
+
+// Collectives whose buffers the peers read in place (ShareHostBuffer) give the TCP ring's bits,
+// as the copies through the slots do.
+class ShmSharedBuffersTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShmSharedBuffersTest, ReduceScatterInPlaceAndOutOfPlaceGiveTheRingsBits) {
+  const int world = GetParam();
+  const size_t block = 10007;
+  ExpectSameBitsAsGloo(world, "shared in-place reduce-scatter", [&](Communicator& c) {
+    PageBuffer buffer(block * world * sizeof(float));
+    Fill(buffer.as<float>(), MixedMagnitudes(c.rank(), block * world));
+    const std::unique_ptr<SharedHostBuffer> shared = buffer.Share(c);
+    float* own = buffer.as<float>() + c.rank() * block;
+    SHARD_EXPECT_OK(
+        c.ReduceScatter(buffer.as<float>(), own, block, DataType::kFloat32, ReduceOp::kSum));
+    return Bytes(own, block);
+  });
+  ExpectSameBitsAsGloo(world, "shared reduce-scatter", [&](Communicator& c) {
+    PageBuffer send(block * world * sizeof(float));
+    Fill(send.as<float>(), MixedMagnitudes(c.rank(), block * world));
+    const std::unique_ptr<SharedHostBuffer> shared = send.Share(c);
+    std::vector<float> recv(block, -1.0f);
+    SHARD_EXPECT_OK(
+        c.ReduceScatter(send.as<float>(), recv.data(), block, DataType::kFloat32, ReduceOp::kSum));
+    return Bytes(recv.data(), block);
+  });
+}
+
+TEST_P(ShmSharedBuffersTest, AllReduceInPlaceAndOutOfPlaceGiveTheRingsBits) {
+  const int world = GetParam();
+  const size_t count = 100003;
+  ExpectSameBitsAsGloo(world, "shared in-place all-reduce", [&](Communicator& c) {
+    PageBuffer data(count * sizeof(float));
+    Fill(data.as<float>(), MixedMagnitudes(c.rank(), count));
+    const std::unique_ptr<SharedHostBuffer> shared = data.Share(c);
+    SHARD_EXPECT_OK(c.AllReduce(data.as<float>(), data.as<float>(), count, DataType::kFloat32,
+                                ReduceOp::kSum));
+    return Bytes(data.as<float>(), count);
+  });
+  ExpectSameBitsAsGloo(world, "shared out-of-place all-reduce", [&](Communicator& c) {
+    PageBuffer send(count * sizeof(float));
+    PageBuffer recv(count * sizeof(float));
+    Fill(send.as<float>(), MixedMagnitudes(c.rank(), count));
+    const std::unique_ptr<SharedHostBuffer> shared_send = send.Share(c);
+    const std::unique_ptr<SharedHostBuffer> shared_recv = recv.Share(c);
+    SHARD_EXPECT_OK(c.AllReduce(send.as<float>(), recv.as<float>(), count, DataType::kFloat32,
+                                ReduceOp::kSum));
+    return Bytes(recv.as<float>(), count);
+  });
+  ExpectSameBitsAsGloo(world, "shared bfloat16 all-reduce", [&](Communicator& c) {
+    PageBuffer data(count * sizeof(uint16_t));
+    uint16_t* values = data.as<uint16_t>();
+    for (float v : MixedMagnitudes(c.rank(), count)) *values++ = FloatToBFloat16(v);
+    const std::unique_ptr<SharedHostBuffer> shared = data.Share(c);
+    SHARD_EXPECT_OK(c.AllReduce(data.as<uint16_t>(), data.as<uint16_t>(), count,
+                                DataType::kBFloat16, ReduceOp::kSum));
+    return Bytes(data.as<uint16_t>(), count);
+  });
+}
+
+TEST_P(ShmSharedBuffersTest, AllGatherInPlaceAndOutOfPlacePlaceEachRanksBlock) {
+  const int world = GetParam();
+  const size_t block = 10007;
+  ExpectSameBitsAsGloo(world, "shared in-place all-gather", [&](Communicator& c) {
+    PageBuffer buffer(block * world * sizeof(float));
+    float* own = buffer.as<float>() + c.rank() * block;
+    Fill(own, MixedMagnitudes(c.rank(), block));
+    const std::unique_ptr<SharedHostBuffer> shared = buffer.Share(c);
+    SHARD_EXPECT_OK(c.AllGather(own, buffer.as<float>(), block, DataType::kFloat32));
+    return Bytes(buffer.as<float>(), block * world);
+  });
+  ExpectSameBitsAsGloo(world, "shared out-of-place all-gather", [&](Communicator& c) {
+    PageBuffer send(block * sizeof(float));
+    Fill(send.as<float>(), MixedMagnitudes(c.rank(), block));
+    const std::unique_ptr<SharedHostBuffer> shared = send.Share(c);
+    std::vector<float> recv(block * world, -1.0f);
+    SHARD_EXPECT_OK(c.AllGather(send.as<float>(), recv.data(), block, DataType::kFloat32));
+    return Bytes(recv.data(), block * world);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmSharedBuffersTest, ::testing::Values(2, 3, 4),
+                         [](const auto& info) { return absl::StrCat("ranks", info.param); });
+
+// The line of /proc/self/maps that maps `address`.
+std::string MappingOf(const void* address) {
+  std::ifstream maps("/proc/self/maps");
+  const uintptr_t at = reinterpret_cast<uintptr_t>(address);
+  for (std::string line; std::getline(maps, line);) {
+    uintptr_t begin = 0;
+    uintptr_t end = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &begin, &end) == 2 && at >= begin && at < end) {
+      return line;
+    }
+  }
+  return "";
+}
+
+TEST(ShmBufferSharingTest, ASharedBufferKeepsItsAddressAndContentsInSharedMemory) {
+  RunRanks(2, Shm, [](Communicator& c) {
+    PageBuffer buffer(3 * 4096);
+    std::vector<float> values = MixedMagnitudes(c.rank(), buffer.bytes() / sizeof(float));
+    Fill(buffer.as<float>(), values);
+    EXPECT_THAT(MappingOf(buffer.as<float>()), Not(HasSubstr("/dev/shm/shard-")));
+    {
+      const std::unique_ptr<SharedHostBuffer> shared = buffer.Share(c);
+      EXPECT_THAT(MappingOf(buffer.as<float>()), HasSubstr("/dev/shm/shard-"));
+      EXPECT_EQ(std::memcmp(buffer.as<float>(), values.data(), buffer.bytes()), 0);
+    }
+    // No longer shared: the collective copies through the slots, and still adds up.
+    std::fill(buffer.as<float>(), buffer.as<float>() + 10, 1.0f + c.rank());
+    SHARD_EXPECT_OK(
+        c.AllReduce(buffer.as<float>(), buffer.as<float>(), 10, DataType::kFloat32, ReduceOp::kSum));
+    EXPECT_EQ(buffer.as<float>()[9], 3.0f);
+  });
+}
+
+TEST(ShmBufferSharingTest, ABufferThatIsNotWholePagesIsSharedByNoRankAndTheRanksGoOn) {
+  RunRanks(3, Shm, [](Communicator& c) {
+    PageBuffer buffer(2 * 4096);
+    // Rank 1 alone passes part of a page.
+    const size_t bytes = c.rank() == 1 ? 4096 + 64 : 2 * 4096;
+    const absl::StatusOr<std::unique_ptr<SharedHostBuffer>> shared =
+        c.ShareHostBuffer(buffer.as<char>(), bytes);
+    EXPECT_EQ(shared.status().code(), absl::StatusCode::kResourceExhausted) << shared.status();
+    EXPECT_THAT(shared.status().message(),
+                HasSubstr(c.rank() == 1 ? "is not whole pages" : "a peer could not share"));
+    EXPECT_THAT(MappingOf(buffer.as<float>()), Not(HasSubstr("/dev/shm/shard-")));
+    float value = 1.0f;
+    SHARD_EXPECT_OK(c.AllReduce(&value, &value, 1, DataType::kFloat32, ReduceOp::kSum));
+    EXPECT_EQ(value, 3.0f);
+  });
+}
+
+TEST(ShmBufferSharingTest, ARankPassingAnotherBufferThanItsPeerFailsTheCollective) {
+  std::vector<absl::Status> statuses(2);
+  RunRanks(2, Shm, [&](Communicator& c) {
+    PageBuffer buffer(2 * 4096);
+    const std::unique_ptr<SharedHostBuffer> shared = buffer.Share(c);
+    std::vector<float> unshared(2 * 1024);
+    // Rank 0 passes the shared buffer, rank 1 a copy of its own.
+    float* send = c.rank() == 0 ? buffer.as<float>() : unshared.data();
+    statuses[c.rank()] = c.AllGather(send + c.rank() * 1024, send, 1024, DataType::kFloat32);
+    if (statuses[c.rank()].ok()) {
+      float value = 1.0f;
+      statuses[c.rank()] = c.AllReduce(&value, &value, 1, DataType::kFloat32, ReduceOp::kSum);
+    }
+  });
+  EXPECT_EQ(statuses[0].code(), absl::StatusCode::kInternal) << statuses[0];
+  EXPECT_THAT(statuses[0].message(), HasSubstr("did not pass shared buffers"));
+  EXPECT_FALSE(statuses[1].ok());
+}
+
 TEST(ShmCommunicatorTest, AbortWakesACollectiveWaitingForAPeer) {
   InProcessKeyValueStore store;
   std::vector<std::unique_ptr<Communicator>> ranks = ConnectRanks(&store, 2, Shm);
@@ -537,9 +730,38 @@ TEST(ShmSegmentsTest, ARankWhosePeerNeverArrivesTimesOutAndLeavesNoSegment) {
 
 constexpr size_t kProcessCount = size_t{1} << 20;
 
-// Rank 1 of 2 in a child process: the parent's all-reduce, forever, with a byte to `progress`
-// after each of its first collectives. Exits 1 if it cannot connect, 2 once a collective fails.
-[[noreturn]] void RunPeerProcess(const std::string& dir, int progress) {
+// Both processes' side of the loop: the all-reduce, a byte to `progress` (when not -1) after
+// each of the first 100, until one fails (or 90 s pass). With `shared` its buffer is shared
+// first (ShareHostBuffer), so the peers read each other's memory in place.
+absl::Status AllReduceUntilFailure(Communicator& communicator, bool shared, int progress) {
+  PageBuffer send(kProcessCount * sizeof(float));
+  PageBuffer recv(kProcessCount * sizeof(float));
+  std::fill(send.as<float>(), send.as<float>() + kProcessCount, 1.0f);
+  std::unique_ptr<SharedHostBuffer> shared_send;
+  std::unique_ptr<SharedHostBuffer> shared_recv;
+  if (shared) {
+    shared_send = send.Share(communicator);
+    shared_recv = recv.Share(communicator);
+    if (shared_send == nullptr || shared_recv == nullptr) {
+      return absl::InternalError("the buffers could not be shared");
+    }
+  }
+  const absl::Time give_up = absl::Now() + absl::Seconds(90);
+  absl::Status status;
+  for (int i = 0; status.ok() && absl::Now() < give_up; ++i) {
+    status = communicator.AllReduce(send.as<float>(), recv.as<float>(), kProcessCount,
+                                    DataType::kFloat32, ReduceOp::kSum);
+    if (status.ok() && progress >= 0 && i < 100) {
+      const char byte = 1;
+      if (::write(progress, &byte, 1) != 1) ::_exit(3);
+    }
+  }
+  return status;
+}
+
+// Rank 1 of 2 in a child process: the parent's all-reduce, forever. Exits 1 if it cannot
+// connect, 2 once a collective fails.
+[[noreturn]] void RunPeerProcess(const std::string& dir, int progress, bool shared) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlives a test that failed half-way
   DirectoryKeyValueStore store(dir);
   ShmOptions options;
@@ -548,30 +770,20 @@ constexpr size_t kProcessCount = size_t{1} << 20;
   absl::StatusOr<std::unique_ptr<Communicator>> communicator =
       CreateShmCommunicator(&store, options);
   if (!communicator.ok()) ::_exit(1);
-  const std::vector<float> send(kProcessCount, 1.0f);
-  std::vector<float> recv(kProcessCount);
-  for (int i = 0;; ++i) {
-    if (!(*communicator)
-             ->AllReduce(send.data(), recv.data(), kProcessCount, DataType::kFloat32,
-                         ReduceOp::kSum)
-             .ok()) {
-      ::_exit(2);
-    }
-    if (i < 100) {
-      const char byte = 1;
-      if (::write(progress, &byte, 1) != 1) ::_exit(3);
-    }
-  }
+  AllReduceUntilFailure(**communicator, shared, progress).IgnoreError();
+  ::_exit(2);
 }
 
 // Rank 0 here, rank 1 in a child process; the child is signalled while both loop over an
-// all-reduce. No segment may be left in /dev/shm afterwards.
-class ShmProcessTest : public ::testing::Test {
+// all-reduce, through the slots or (the parameter) on buffers they read in place. No segment
+// may be left in /dev/shm afterwards.
+class ShmProcessTest : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
     segments_before_ = ShmSegments();
-    dir_ = FreshTestDirectory("shm-process",
-                              ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::replace(name.begin(), name.end(), '/', '-');
+    dir_ = FreshTestDirectory("shm-process", name);
     ASSERT_EQ(::pipe(progress_), 0);
   }
 
@@ -587,7 +799,7 @@ class ShmProcessTest : public ::testing::Test {
   // Forks rank 1 and connects this process as rank 0 of 2 (collective timeout 60 s).
   std::unique_ptr<Communicator> Connect() {
     child_ = ::fork();
-    if (child_ == 0) RunPeerProcess(dir_, progress_[1]);
+    if (child_ == 0) RunPeerProcess(dir_, progress_[1], GetParam());
     if (child_ < 0) {
       ADD_FAILURE() << "fork: " << std::strerror(errno);
       return nullptr;
@@ -622,19 +834,6 @@ class ShmProcessTest : public ::testing::Test {
     return wait_status;
   }
 
-  // This rank's side of the child's loop, until a collective fails (or 90 s pass).
-  static absl::Status AllReduceUntilFailure(Communicator& communicator) {
-    const std::vector<float> send(kProcessCount, 1.0f);
-    std::vector<float> recv(kProcessCount);
-    const absl::Time give_up = absl::Now() + absl::Seconds(90);
-    absl::Status status;
-    while (status.ok() && absl::Now() < give_up) {
-      status = communicator.AllReduce(send.data(), recv.data(), kProcessCount,
-                                      DataType::kFloat32, ReduceOp::kSum);
-    }
-    return status;
-  }
-
   std::set<std::string> segments_before_;
   std::string dir_;
   int progress_[2] = {-1, -1};
@@ -643,11 +842,11 @@ class ShmProcessTest : public ::testing::Test {
 
 // The death is found by the liveness check, not by the 60 s collective timeout. The child is
 // reaped only once the collective failed: a zombie is gone too (a launcher may be slow to reap).
-TEST_F(ShmProcessTest, AKilledPeerFailsTheCollectiveUnavailableNamingIt) {
+TEST_P(ShmProcessTest, AKilledPeerFailsTheCollectiveUnavailableNamingIt) {
   std::unique_ptr<Communicator> communicator = Connect();
   ASSERT_NE(communicator, nullptr);
   std::thread killer([&] { SignalAfterTenCollectives(SIGKILL); });
-  const absl::Status status = AllReduceUntilFailure(*communicator);
+  const absl::Status status = AllReduceUntilFailure(*communicator, GetParam(), -1);
   killer.join();
   const int child_status = KillAndReap();
   EXPECT_TRUE(WIFSIGNALED(child_status) && WTERMSIG(child_status) == SIGKILL)
@@ -656,12 +855,12 @@ TEST_F(ShmProcessTest, AKilledPeerFailsTheCollectiveUnavailableNamingIt) {
   EXPECT_THAT(status.message(), HasSubstr("rank 1"));
 }
 
-TEST_F(ShmProcessTest, AStoppedPeerFailsTheCollectiveAtTheTimeoutNamingIt) {
+TEST_P(ShmProcessTest, AStoppedPeerFailsTheCollectiveAtTheTimeoutNamingIt) {
   std::unique_ptr<Communicator> communicator = Connect();
   ASSERT_NE(communicator, nullptr);
   communicator->SetCollectiveTimeout(absl::Seconds(1));
   std::thread stopper([&] { SignalAfterTenCollectives(SIGSTOP); });
-  const absl::Status status = AllReduceUntilFailure(*communicator);
+  const absl::Status status = AllReduceUntilFailure(*communicator, GetParam(), -1);
   stopper.join();
   const int child_status = KillAndReap();
   EXPECT_TRUE(WIFSIGNALED(child_status) && WTERMSIG(child_status) == SIGKILL)
@@ -672,7 +871,7 @@ TEST_F(ShmProcessTest, AStoppedPeerFailsTheCollectiveAtTheTimeoutNamingIt) {
 
 // The coordinator's lease ends the generation and aborts the communicator of the rank that
 // waits for the stopped one.
-TEST_F(ShmProcessTest, AStoppedPeersWaitingRankIsReleasedByAbort) {
+TEST_P(ShmProcessTest, AStoppedPeersWaitingRankIsReleasedByAbort) {
   std::unique_ptr<Communicator> communicator = Connect();
   ASSERT_NE(communicator, nullptr);
   std::thread stopper([&] {
@@ -680,7 +879,7 @@ TEST_F(ShmProcessTest, AStoppedPeersWaitingRankIsReleasedByAbort) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     communicator->Abort("lease expired");
   });
-  const absl::Status status = AllReduceUntilFailure(*communicator);
+  const absl::Status status = AllReduceUntilFailure(*communicator, GetParam(), -1);
   stopper.join();
   const int child_status = KillAndReap();
   EXPECT_TRUE(WIFSIGNALED(child_status) && WTERMSIG(child_status) == SIGKILL)
@@ -688,6 +887,10 @@ TEST_F(ShmProcessTest, AStoppedPeersWaitingRankIsReleasedByAbort) {
   EXPECT_EQ(status.code(), absl::StatusCode::kAborted) << status;
   EXPECT_THAT(status.message(), HasSubstr("lease expired"));
 }
+
+INSTANTIATE_TEST_SUITE_P(Buffers, ShmProcessTest, ::testing::Bool(), [](const auto& info) {
+  return std::string(info.param ? "Shared" : "ThroughSlots");
+});
 
 }  // namespace
 }  // namespace shard

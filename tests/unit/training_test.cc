@@ -3,7 +3,9 @@
 // with momentum.
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "common/mlp.h"
@@ -128,11 +130,12 @@ std::vector<TrainResult> TrainWithThreads(const JobConfig& job) {
   return results;
 }
 
-std::vector<std::vector<float>> ReadOutput(const std::string& path) {
+std::vector<std::vector<float>> ReadOutputOf(const std::string& path,
+                                             const std::vector<int64_t>& widths) {
   auto file = SafetensorsReader::Open(path);
   EXPECT_TRUE(file.ok()) << file.status();
   std::vector<std::vector<float>> params;
-  for (const ParamSpec& spec : MlpManifest(kWidths).params) {
+  for (const ParamSpec& spec : MlpManifest(widths).params) {
     auto tensor = (*file)->Expect(spec.name, DataType::kFloat32, spec.shape);
     EXPECT_TRUE(tensor.ok()) << tensor.status();
     std::vector<float> values(spec.numel());
@@ -140,6 +143,10 @@ std::vector<std::vector<float>> ReadOutput(const std::string& path) {
     params.push_back(std::move(values));
   }
   return params;
+}
+
+std::vector<std::vector<float>> ReadOutput(const std::string& path) {
+  return ReadOutputOf(path, kWidths);
 }
 
 // Largest element-wise difference between two sets of parameters.
@@ -219,6 +226,75 @@ INSTANTIATE_TEST_SUITE_P(
                           "ranks_stage", info.param.stage, "_", ShardModeName(info.param.mode),
                           info.param.clip > 0 ? "_clipped" : "");
     });
+
+// The lines of /proc/self/maps that map the shared-memory transport's segments: its slots,
+// and the buckets it shares.
+int SharedMemoryMappings() {
+  std::ifstream maps("/proc/self/maps");
+  int count = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("/dev/shm/shard-") != std::string::npos) ++count;
+  }
+  return count;
+}
+
+// Records the most shared-memory mappings seen at a step of rank 0.
+class MappingCounter : public TrainingObserver {
+ public:
+  void OnStep(const StepRecord&) override {
+    most_ = std::max(most_.load(), SharedMemoryMappings());
+  }
+  int most() const { return most_.load(); }
+
+ private:
+  std::atomic<int> most_{0};
+};
+
+// Over shared memory, buckets of 1 MiB and more are shared, and the peers reduce and gather
+// them in place: the same bits as the TCP ring, at every stage that keeps whole buckets.
+TEST(TrainingTest, SharedMemoryBucketsReadInPlaceTrainTheBitsOfTheTcpRing) {
+  const std::vector<int64_t> widths = {64, 1024, 512, 10};  // 2.4 MB of parameters
+  const std::string data = TempPath("data-wide.safetensors");
+  ASSERT_TRUE(GenerateMlpData(widths, 256, 11, data).ok());
+  for (int world : {2, 3}) {
+    for (int stage : {0, 1, 2}) {
+      SCOPED_TRACE(absl::StrCat(world, " ranks, stage ", stage));
+      JobConfig job = Job(OptimizerKind::kAdamW, world, stage, ShardMode::kRange, 6);
+      job.widths = widths;
+      job.data_path = data;
+      job.bucket_cap_bytes = 4 << 20;
+      job.first_bucket_cap_bytes = 1 << 20;
+      job.min_buckets = 1;
+      std::vector<std::vector<float>> trained[2];
+      for (bool shared_memory : {false, true}) {
+        job.output_dir = TempPath(absl::StrCat("wide-", world, "-", stage, "-", shared_memory));
+        MappingCounter counter;
+        std::vector<TrainResult> results;
+        RankThreadsOptions run;
+        run.results = &results;
+        run.shared_memory = shared_memory;
+        run.configure = [&](int rank, TrainerOptions* options) {
+          if (rank == 0) options->observer = &counter;
+        };
+        ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(job, run));
+        trained[shared_memory] = ReadOutputOf(results[0].output_path, widths);
+        for (const TrainResult& result : results) EXPECT_EQ(result.unshared_reason, "");
+        // Each rank maps every rank's slots; the shared buckets add as many again at least.
+        if (shared_memory) {
+          EXPECT_GT(counter.most(), 2 * world * world);
+        }
+      }
+      ASSERT_EQ(trained[0].size(), trained[1].size());
+      for (size_t p = 0; p < trained[0].size(); ++p) {
+        EXPECT_EQ(std::memcmp(trained[0][p].data(), trained[1][p].data(),
+                              trained[0][p].size() * sizeof(float)),
+                  0)
+            << "parameter " << p;
+      }
+      EXPECT_GT(MaxDifference(trained[1], InitMlpParameters(widths, job.seed)), 1e-3);
+    }
+  }
+}
 
 TEST(TrainingTest, OptimizerStateIsOneWthOfTheTotalPlusPadding) {
   int64_t total_params = 0;

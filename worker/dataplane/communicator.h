@@ -8,10 +8,12 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/control_types.h"
@@ -20,6 +22,14 @@
 namespace shard {
 
 enum class ReduceOp { kSum, kMax, kMin };
+
+// Host memory the peers on this host read in place; see Communicator::ShareHostBuffer. The
+// memory stops being shared when this is destroyed: destroy it before the memory is freed, and
+// before the communicator.
+class SharedHostBuffer {
+ public:
+  virtual ~SharedHostBuffer() = default;
+};
 
 class Communicator {
  public:
@@ -46,6 +56,20 @@ class Communicator {
   // buffer of `root` is copied to every rank's buffer.
   virtual absl::Status Broadcast(void* buffer, size_t count, DataType dtype, int root) = 0;
   virtual absl::Status Barrier() = 0;
+
+  // Offers `bytes` of host memory at `data` to the peers on this host, so that later
+  // collectives whose send buffer (and for an all-reduce, whose recv buffer) lies in it are
+  // read in place by the peers, not copied through the communicator's own buffers: one copy
+  // fewer each way. Collective: every rank calls it at the same point with the same `bytes`,
+  // while no thread uses the memory. `data` must start whole pages of an anonymous mapping the
+  // caller owns and `bytes` be a multiple of the page size; the pages keep their address and
+  // contents. Returns null where the backend reads no peer's memory (the collectives work on
+  // any buffer as before), and ResourceExhausted, on every rank alike and with the
+  // communicator still usable, where a rank could not share its buffer (no room in /dev/shm).
+  virtual absl::StatusOr<std::unique_ptr<SharedHostBuffer>> ShareHostBuffer(void* /*data*/,
+                                                                            size_t /*bytes*/) {
+    return nullptr;
+  }
 
   // Makes the compute that follows see every collective issued so far. Host backends finish a
   // collective before returning, so for them there is nothing to do; a GPU backend's

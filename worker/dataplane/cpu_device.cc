@@ -26,7 +26,6 @@ void FreeHost(float* data) { std::free(data); }
 // optimizer state while the old layout is still held; the first update, after the old layout
 // is gone, is what makes it resident. The mapping's length sits in the page before the array.
 constexpr size_t kPage = 4096;
-constexpr size_t kMappedFrom = size_t{1} << 20;
 
 float* MapZeroed(size_t bytes) {
   const size_t length = kPage + (bytes + kPage - 1) / kPage * kPage;
@@ -123,7 +122,7 @@ absl::StatusOr<DeviceArray> CpuDevice::Allocate(int64_t count) {
   // kernel's copy is slow into memory 1-31 bytes past a page, where malloc puts large blocks
   // (see AlignedBuffer).
   const size_t bytes = static_cast<size_t>(count) * sizeof(float);
-  const bool mapped = bytes >= kMappedFrom;
+  const bool mapped = bytes >= kHostArrayPagesFrom;
   float* data = mapped ? MapZeroed(bytes) : static_cast<float*>(AllocatePageAligned(bytes));
   if (data == nullptr) {
     return absl::ResourceExhaustedError(

@@ -27,6 +27,10 @@
 
 namespace shard {
 
+// Host arrays of at least this many bytes start whole pages of an anonymous mapping of their
+// own (CpuDevice::Allocate): what Communicator::ShareHostBuffer takes.
+inline constexpr size_t kHostArrayPagesFrom = size_t{1} << 20;
+
 // `size` fp32 elements of a device's memory, freed by the device's deleter. Move-only.
 class DeviceArray {
  public:

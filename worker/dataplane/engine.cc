@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
 #include "common/param_groups.h"
 #include "common/status_macros.h"
@@ -132,6 +134,9 @@ absl::Status Engine::Apply(AppliedPlan applied, bool carry_gradients) {
       spans.push_back(std::move(span));
     }
   }
+  // No collective may run while the new buckets are shared; the old layout's are done with.
+  if (queue_ != nullptr) SHARD_RETURN_IF_ERROR(queue_->Drain());
+  SHARD_RETURN_IF_ERROR(ShareBucketArrays(buckets));
   SHARD_ASSIGN_OR_RETURN(std::unique_ptr<SpanKernels> kernels,
                          device_->PrepareSpans(optimizer_.config(), std::move(spans)));
   std::vector<std::unique_ptr<SpanKernels>> bucket_kernels;
@@ -147,7 +152,6 @@ absl::Status Engine::Apply(AppliedPlan applied, bool carry_gradients) {
     }
   }
   if (plan_ != nullptr) {
-    if (queue_ != nullptr) SHARD_RETURN_IF_ERROR(queue_->Drain());
     if (sharded_params()) {
       // The relayout gathers into arrays of its own: the old layout's slots go first, so that
       // the two layouts' spans are the only thing held twice. An engine a failure leaves on
@@ -192,6 +196,31 @@ absl::Status Engine::Apply(AppliedPlan applied, bool carry_gradients) {
   }
   ResetUnits();
   return AllocateSlots();
+}
+
+absl::Status Engine::ShareBucketArrays(std::vector<BucketState>& buckets) {
+  if (!device_->host_memory() || communicator_->size() == 1 || sharded_params()) {
+    return absl::OkStatus();
+  }
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  for (BucketState& state : buckets) {
+    for (auto [array, shared] : {std::pair{&state.params, &state.shared_params},
+                                 std::pair{&state.grads, &state.shared_grads}}) {
+      const size_t bytes = static_cast<size_t>(array->size()) * sizeof(float);
+      // Every rank's buckets have the same sizes, so every rank decides the same.
+      if (bytes < kHostArrayPagesFrom) continue;
+      absl::StatusOr<std::unique_ptr<SharedHostBuffer>> share =
+          communicator_->ShareHostBuffer(array->data(), (bytes + page - 1) / page * page);
+      if (absl::IsResourceExhausted(share.status())) {
+        // Still correct, one copy slower each way: said in the worker's summary.
+        if (unshared_reason_.empty()) unshared_reason_ = std::string(share.status().message());
+        continue;
+      }
+      SHARD_RETURN_IF_ERROR(share.status());
+      *shared = std::move(*share);
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::vector<OwnedSpan> Engine::SplitOwnedSpan(const Bucket& bucket,

@@ -211,6 +211,10 @@ class Engine {
   // parameter is whole.
   absl::Status FinishGathers();
   HeldBytes held_bytes() const;
+  // Why the buckets' collectives copy through the shared-memory transport's slots rather than
+  // reading the peers' buckets in place (a rank could not share them); empty where they do, or
+  // where the transport does not read peers' memory.
+  const std::string& unshared_reason() const { return unshared_reason_; }
   int gathered_units() const;
   // The factor backward scales the loss by (1 without loss scaling).
   float loss_scale() const { return scaler_.has_value() ? scaler_->scale() : 1.0f; }
@@ -312,6 +316,10 @@ class Engine {
     DeviceArray owned_params;  // stage 3: the owned span's parameters and reduced gradients
     DeviceArray owned_grads;
     std::vector<DeviceArray> state;  // per optimizer state tensor, over the owned span
+    // Stages 0-2 on the host: `params` and `grads` as the peers on this host read them in
+    // place (ShareBucketArrays). After the arrays: they stop being shared before they go.
+    std::unique_ptr<SharedHostBuffer> shared_params;
+    std::unique_ptr<SharedHostBuffer> shared_grads;
     int64_t own_begin = 0;           // owned span within the bucket
     int64_t own_end = 0;
     int pending = 0;                 // gradients not yet marked ready this step
@@ -339,6 +347,10 @@ class Engine {
   absl::Status Apply(AppliedPlan applied, bool carry_gradients);
   absl::Status Relayout(const Plan& plan, std::vector<BucketState>& buckets,
                         bool carry_gradients);
+  // Shares the new layout's whole buckets with the peers on this host, where the communicator
+  // reads peers' memory (shared memory): their collectives then read them in place instead of
+  // copying through the communicator's slots. Collective.
+  absl::Status ShareBucketArrays(std::vector<BucketState>& buckets);
   const float* ParamData(int index) const;
   // The owned span's first element of bucket b's parameters and gradients.
   float* OwnedParams(const BucketState& bucket) const;
@@ -402,6 +414,7 @@ class Engine {
   std::shared_ptr<const Plan> plan_;
   int64_t plan_version_ = 0;
   bool rebuilt_ = false;
+  std::string unshared_reason_;  // see unshared_reason()
   bool first_step_all_reduce_ = true;
   std::vector<BucketState> buckets_;
   std::vector<DeviceArray> frozen_;  // parameters without gradient, by index

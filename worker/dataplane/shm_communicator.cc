@@ -15,10 +15,13 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <random>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/functional/function_ref.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -133,14 +136,24 @@ class Mapping {
   Mapping(void* base, size_t bytes) : base_(base), bytes_(bytes) {}
   Mapping(Mapping&& other) noexcept
       : base_(std::exchange(other.base_, nullptr)), bytes_(other.bytes_) {}
-  Mapping& operator=(Mapping&&) = delete;
-  ~Mapping() {
-    if (base_ != nullptr) ::munmap(base_, bytes_);
+  Mapping& operator=(Mapping&& other) noexcept {
+    if (this != &other) {
+      Unmap();
+      base_ = std::exchange(other.base_, nullptr);
+      bytes_ = other.bytes_;
+    }
+    return *this;
   }
+  ~Mapping() { Unmap(); }
   Control* control() const { return static_cast<Control*>(base_); }
   char* slots() const { return static_cast<char*>(base_) + kControlBytes; }
+  char* data() const { return static_cast<char*>(base_); }
 
  private:
+  void Unmap() {
+    if (base_ != nullptr) ::munmap(base_, bytes_);
+  }
+
   void* base_ = nullptr;
   size_t bytes_ = 0;
 };
@@ -154,6 +167,31 @@ absl::StatusOr<Mapping> Map(int fd, size_t bytes, const std::string& what) {
   return Mapping(base, bytes);
 }
 
+// Unlinks a segment's name when it goes out of scope.
+class NameUnlinker {
+ public:
+  explicit NameUnlinker(std::string name) : name_(std::move(name)) {}
+  ~NameUnlinker() { ::shm_unlink(name_.c_str()); }
+
+ private:
+  std::string name_;
+};
+
+// Maps a peer's segment `name` of `bytes` bytes.
+absl::StatusOr<Mapping> MapPeerSegment(const std::string& name, size_t bytes) {
+  const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+  struct stat info {};
+  if (fd < 0 || ::fstat(fd, &info) != 0 || static_cast<size_t>(info.st_size) != bytes) {
+    const std::string why = fd < 0 ? std::strerror(errno)
+                                   : absl::StrCat("it has ", info.st_size, " bytes, not ", bytes);
+    if (fd >= 0) ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat("/dev/shm", name, ": ", why));
+  }
+  absl::StatusOr<Mapping> mapped = Map(fd, bytes, absl::StrCat("/dev/shm", name));
+  ::close(fd);
+  return mapped;
+}
+
 size_t CeilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
 
 // The part of a block of `count` elements that round `round` carries, `per_round` at a time.
@@ -161,6 +199,40 @@ size_t PieceLength(size_t count, size_t round, size_t per_round) {
   const size_t start = round * per_round;
   return start >= count ? 0 : std::min(per_round, count - start);
 }
+
+// What a rank passes to a collective read in place: which collective, and where its buffers are
+// in the buffers it shared. Written to the rank's slot in the collective's first round.
+struct InPlaceDescriptor {
+  uint64_t magic = 0x5348415244495051;  // "SHARDIPQ": not a slot-path round's data
+  uint32_t collective = 0;
+  uint32_t element_bytes = 0;
+  uint64_t count = 0;
+  uint64_t send_buffer = 0;  // ids of the shared buffers (0: none) and offsets in them
+  uint64_t send_offset = 0;
+  uint64_t recv_buffer = 0;
+  uint64_t recv_offset = 0;
+};
+
+// What a rank writes to its slot in the two rounds of ShareHostBuffer.
+struct ShareOffer {
+  uint64_t bytes = 0;
+  uint32_t ok = 0;  // round 1: this rank's segment is ready; round 2: it mapped every peer's
+  char name[96] = {};
+};
+
+// A buffer shared with the peers: this rank's memory and its mappings of theirs.
+struct SharedBuffer {
+  uint64_t id = 0;
+  const char* data = nullptr;
+  size_t bytes = 0;
+  std::vector<Mapping> peers;  // by rank; this rank's entry is empty
+};
+
+// Where a collective's buffer lies in a shared buffer.
+struct Located {
+  const SharedBuffer* buffer = nullptr;
+  size_t offset = 0;
+};
 
 class ShmCommunicator final : public Communicator {
  public:
@@ -188,6 +260,12 @@ class ShmCommunicator final : public Communicator {
       if (size_ == 1 || count == 0) {
         if (in != out) std::memmove(out, in, count * esize);
         return absl::OkStatus();
+      }
+      const std::optional<Located> send_at = Locate(in, count * esize);
+      const std::optional<Located> recv_at =
+          in == out ? send_at : Locate(out, count * esize);
+      if (send_at.has_value() && recv_at.has_value()) {
+        return AllReduceInPlace(*send_at, *recv_at, in, out, count, dtype, op);
       }
       // A slot holds one piece of every block (the contributions) and one reduced piece.
       const size_t per_round = PieceElements(esize, size_ + 1);
@@ -243,6 +321,9 @@ class ShmCommunicator final : public Communicator {
         std::memmove(out, in, recv_count * esize);
         return absl::OkStatus();
       }
+      if (const std::optional<Located> send_at = Locate(in, size_ * recv_count * esize)) {
+        return ReduceScatterInPlace(*send_at, in, out, recv_count, dtype, op);
+      }
       const size_t per_round = PieceElements(esize, size_);
       for (size_t j = 0; j < CeilDiv(recv_count, per_round); ++j) {
         const size_t length = PieceLength(recv_count, j, per_round);
@@ -276,6 +357,9 @@ class ShmCommunicator final : public Communicator {
       if (size_ == 1) {
         if (own != in) std::memmove(own, in, send_count * esize);
         return absl::OkStatus();
+      }
+      if (const std::optional<Located> send_at = Locate(in, send_count * esize)) {
+        return AllGatherInPlace(*send_at, in, out, send_count, dtype);
       }
       const size_t per_round = PieceElements(esize, 1);
       for (size_t j = 0; j < CeilDiv(send_count, per_round); ++j) {
@@ -359,6 +443,19 @@ class ShmCommunicator final : public Communicator {
     return AllReduce(&token, &token, 1, DataType::kInt64, ReduceOp::kSum);
   }
 
+  absl::StatusOr<std::unique_ptr<SharedHostBuffer>> ShareHostBuffer(void* data,
+                                                                    size_t bytes) override {
+    absl::StatusOr<std::unique_ptr<SharedHostBuffer>> shared;
+    absl::Status status = Run("sharing a buffer", [&]() -> absl::Status {
+      shared = Share(static_cast<char*>(data), bytes);
+      // A rank that could not share fails every rank's call alike; the rounds stayed in step.
+      return shared.ok() || absl::IsResourceExhausted(shared.status()) ? absl::OkStatus()
+                                                                      : shared.status();
+    });
+    if (!status.ok()) return status;
+    return shared;
+  }
+
   void SetCollectiveTimeout(absl::Duration timeout) override {
     timeout_ms_.store(absl::ToInt64Milliseconds(timeout));
   }
@@ -376,6 +473,226 @@ class ShmCommunicator final : public Communicator {
   bool aborted() const override { return aborted_.load(); }
 
  private:
+
+  class SharedHandle final : public SharedHostBuffer {
+   public:
+    SharedHandle(ShmCommunicator* communicator, uint64_t id)
+        : communicator_(communicator), id_(id) {}
+    ~SharedHandle() override {
+      absl::MutexLock lock(&communicator_->shared_mu_);
+      communicator_->shared_.erase(id_);
+    }
+
+   private:
+    ShmCommunicator* const communicator_;
+    const uint64_t id_;
+  };
+
+  // The shared buffer that holds [data, data + bytes) whole, if any.
+  std::optional<Located> Locate(const void* data, size_t bytes) const {
+    const char* at = static_cast<const char*>(data);
+    absl::MutexLock lock(&shared_mu_);
+    for (const auto& [id, buffer] : shared_) {
+      if (at >= buffer->data && at + bytes <= buffer->data + buffer->bytes) {
+        return Located{buffer.get(), static_cast<size_t>(at - buffer->data)};
+      }
+    }
+    return std::nullopt;
+  }
+
+  // Where rank `peer`'s buffer `id`, at `offset`, is mapped in this process.
+  absl::StatusOr<const char*> PeerAddress(int peer, uint64_t id, uint64_t offset) const {
+    absl::MutexLock lock(&shared_mu_);
+    const auto found = shared_.find(id);
+    if (found == shared_.end() || offset > found->second->bytes) {
+      return absl::InternalError(absl::StrCat("rank ", peer, " passed shared buffer ", id,
+                                              " at ", offset, ", which this rank does not "
+                                              "share: a bug, report it"));
+    }
+    return found->second->peers[peer].data() + offset;
+  }
+
+  // The first round of a collective read in place, once this rank's data is in place: every
+  // rank publishes what it passes and checks that its peers run the same collective. Sets
+  // peer_send_ and peer_recv_: where each rank's buffers are mapped in this process (this
+  // rank's own pointers for itself).
+  absl::Status AgreeInPlace(absl::string_view what, uint32_t collective, size_t element_bytes,
+                            size_t count, const Located& send_at, const char* send,
+                            const Located* recv_at = nullptr, const char* recv = nullptr) {
+    InPlaceDescriptor own;
+    own.collective = collective;
+    own.element_bytes = static_cast<uint32_t>(element_bytes);
+    own.count = count;
+    own.send_buffer = send_at.buffer->id;
+    own.send_offset = send_at.offset;
+    if (recv_at != nullptr) {
+      own.recv_buffer = recv_at->buffer->id;
+      own.recv_offset = recv_at->offset;
+    }
+    SHARD_RETURN_IF_ERROR(AwaitSlotFree());
+    std::memcpy(Slot(rank_), &own, sizeof(own));
+    Publish();
+    SHARD_RETURN_IF_ERROR(AwaitEveryPeer());
+    peer_send_.assign(size_, send);
+    peer_recv_.assign(size_, recv);
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      InPlaceDescriptor theirs;
+      std::memcpy(&theirs, Slot(p), sizeof(theirs));
+      if (theirs.magic != own.magic || theirs.collective != own.collective ||
+          theirs.element_bytes != own.element_bytes || theirs.count != own.count) {
+        return absl::InternalError(absl::StrCat(
+            "rank ", p, " did not pass shared buffers of the same size to this ", what,
+            " (a rank that shares a buffer its peers do not, or collectives issued in another "
+            "order): a bug, report it"));
+      }
+      SHARD_ASSIGN_OR_RETURN(peer_send_[p], PeerAddress(p, theirs.send_buffer, theirs.send_offset));
+      if (theirs.recv_buffer != 0) {
+        SHARD_ASSIGN_OR_RETURN(peer_recv_[p],
+                               PeerAddress(p, theirs.recv_buffer, theirs.recv_offset));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // After this rank's last round of a collective read in place: its peers have finished
+  // reading this rank's buffers, which the caller may change once the collective returns.
+  absl::Status AwaitPeersDone() {
+    for (int p = 0; p < size_; ++p) {
+      if (p != rank_) SHARD_RETURN_IF_ERROR(WaitFor(p, control(p).done, round_));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ReduceScatterInPlace(const Located& send_at, const char* in, char* out,
+                                    size_t recv_count, DataType dtype, ReduceOp op) {
+    const size_t esize = DataTypeSize(dtype);
+    SHARD_RETURN_IF_ERROR(AgreeInPlace("reduce-scatter", 1, esize, recv_count, send_at, in));
+    const size_t block = rank_ * recv_count * esize;
+    ReduceChain(dtype, op, out, recv_count, rank_,
+                [&](int r) -> const char* { return peer_send_[r] + block; });
+    FinishRound();
+    return AwaitPeersDone();
+  }
+
+  absl::Status AllGatherInPlace(const Located& send_at, const char* in, char* out,
+                                size_t send_count, DataType dtype) {
+    const size_t esize = DataTypeSize(dtype);
+    const size_t bytes = send_count * esize;
+    SHARD_RETURN_IF_ERROR(AgreeInPlace("all-gather", 2, esize, send_count, send_at, in));
+    for (int p = 0; p < size_; ++p) {
+      char* to = out + p * bytes;
+      if (to != peer_send_[p]) std::memcpy(to, peer_send_[p], bytes);
+    }
+    FinishRound();
+    return AwaitPeersDone();
+  }
+
+  // Round 1: each rank reduces its block straight from its peers' send buffers into its recv
+  // buffer; round 2: each copies its peers' reduced blocks from their recv buffers.
+  absl::Status AllReduceInPlace(const Located& send_at, const Located& recv_at, const char* in,
+                                char* out, size_t count, DataType dtype, ReduceOp op) {
+    const size_t esize = DataTypeSize(dtype);
+    SHARD_RETURN_IF_ERROR(
+        AgreeInPlace("all-reduce", 3, esize, count, send_at, in, &recv_at, out));
+    const std::vector<Block> blocks = BalancedBlocks(size_, count);
+    const size_t start = blocks[rank_].offset * esize;
+    ReduceChain(dtype, op, out + start, blocks[rank_].count, rank_,
+                [&](int r) -> const char* { return peer_send_[r] + start; });
+    FinishRound();
+    Publish();
+    SHARD_RETURN_IF_ERROR(AwaitEveryPeer());
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      const size_t at = blocks[p].offset * esize;
+      std::memcpy(out + at, peer_recv_[p] + at, blocks[p].count * esize);
+    }
+    FinishRound();
+    return AwaitPeersDone();
+  }
+
+  // ShareHostBuffer's two rounds. Round 1: each rank moves its buffer's pages into a segment
+  // of its own and offers its name; round 2: each says whether it mapped every peer's. Only
+  // then do the names go and the buffer count as shared, on every rank or on none.
+  absl::StatusOr<std::unique_ptr<SharedHostBuffer>> Share(char* data, size_t bytes) {
+    const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    std::string why_not;
+    if (reinterpret_cast<uintptr_t>(data) % page != 0 || bytes == 0 || bytes % page != 0) {
+      why_not = absl::StrCat("its buffer of ", bytes, " bytes at ", absl::Hex(data),
+                             " is not whole pages");
+    }
+    ShareOffer offer;
+    offer.bytes = bytes;
+    int fd = -1;
+    const std::string name = SegmentName(pid_namespace_);
+    if (why_not.empty()) {
+      fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd < 0) {
+        why_not = absl::StrCat("cannot create /dev/shm", name, ": ", std::strerror(errno));
+      } else if (const int error = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+                 error != 0) {
+        why_not = absl::StrCat("/dev/shm has no room for ", bytes, " bytes (",
+                               std::strerror(error), ")");
+      }
+    }
+    NameUnlinker unlink_when_done(name);
+    const auto close_fd = absl::MakeCleanup([&] {
+      if (fd >= 0) ::close(fd);
+    });
+    offer.ok = why_not.empty() ? 1 : 0;
+    std::memcpy(offer.name, name.data(), std::min(name.size(), sizeof(offer.name) - 1));
+
+    auto shared = std::make_unique<SharedBuffer>();
+    shared->data = data;
+    shared->bytes = bytes;
+    shared->peers.resize(size_);
+    bool everyone = true;
+    for (int exchange = 0; exchange < 2; ++exchange) {
+      SHARD_RETURN_IF_ERROR(AwaitSlotFree());
+      std::memcpy(Slot(rank_), &offer, sizeof(offer));
+      Publish();
+      SHARD_RETURN_IF_ERROR(AwaitEveryPeer());
+      for (int p = 0; p < size_; ++p) {
+        ShareOffer theirs;
+        std::memcpy(&theirs, Slot(p), sizeof(theirs));
+        if (theirs.ok == 0 || theirs.bytes != bytes) everyone = false;
+        if (exchange == 1 || p == rank_ || !everyone || !why_not.empty()) continue;
+        theirs.name[sizeof(theirs.name) - 1] = '\0';
+        absl::StatusOr<Mapping> mapped = MapPeerSegment(theirs.name, bytes);
+        if (mapped.ok()) {
+          shared->peers[p] = std::move(*mapped);
+        } else {
+          why_not = absl::StrCat("cannot map rank ", p, "'s: ", mapped.status().message());
+        }
+      }
+      FinishRound();
+      offer.ok = why_not.empty() && everyone ? 1 : 0;
+    }
+    if (!everyone || !why_not.empty()) {
+      return absl::ResourceExhaustedError(
+          why_not.empty() ? "a peer could not share its buffer (its log says why)"
+                          : absl::StrCat("rank ", rank_, " could not share its buffer: ",
+                                         why_not));
+    }
+    // Every peer has mapped the segment: this rank's pages move into it, at the same address.
+    void* segment = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (segment == MAP_FAILED) {
+      return absl::InternalError(absl::StrCat("cannot map this rank's own shared buffer: ",
+                                              std::strerror(errno)));
+    }
+    std::memcpy(segment, data, bytes);
+    ::munmap(segment, bytes);
+    if (::mmap(data, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+      return absl::InternalError(absl::StrCat("cannot put this rank's buffer in shared memory: ",
+                                              std::strerror(errno)));
+    }
+    absl::MutexLock lock(&shared_mu_);
+    shared->id = next_shared_id_++;
+    const uint64_t id = shared->id;
+    shared_.emplace(id, std::move(shared));
+    return std::unique_ptr<SharedHostBuffer>(std::make_unique<SharedHandle>(this, id));
+  }
+
   // Elements of each of `pieces` pieces that fit one slot, a multiple of a cache line.
   size_t PieceElements(size_t esize, int pieces) const {
     const size_t line = std::max<size_t>(1, 64 / esize);
@@ -545,20 +862,17 @@ class ShmCommunicator final : public Communicator {
   const uint64_t pid_namespace_ = PidNamespace();
   uint64_t round_ = 0;  // rounds this rank has started, the same on every rank between calls
   std::vector<char> scratch_;
+  // Every rank's buffers of the collective read in place that is running, by rank.
+  std::vector<const char*> peer_send_;
+  std::vector<const char*> peer_recv_;
+  mutable absl::Mutex shared_mu_;
+  // Buffers shared by ShareHostBuffer, by id: the same ids on every rank.
+  std::map<uint64_t, std::unique_ptr<SharedBuffer>> shared_ ABSL_GUARDED_BY(shared_mu_);
+  uint64_t next_shared_id_ ABSL_GUARDED_BY(shared_mu_) = 1;
   std::atomic<int64_t> timeout_ms_;
   std::atomic<bool> aborted_{false};
   mutable absl::Mutex mu_;
   std::string abort_reason_ ABSL_GUARDED_BY(mu_);
-};
-
-// Unlinks a segment's name when it goes out of scope.
-class NameUnlinker {
- public:
-  explicit NameUnlinker(std::string name) : name_(std::move(name)) {}
-  ~NameUnlinker() { ::shm_unlink(name_.c_str()); }
-
- private:
-  std::string name_;
 };
 
 std::string ReadFirstLine(const char* path) {
@@ -640,21 +954,14 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateShmCommunicator(KeyValueStor
       continue;
     }
     SHARD_ASSIGN_OR_RETURN(const std::string peer_name, store->Get(key("segment", r)));
-    const int peer_fd = ::shm_open(peer_name.c_str(), O_RDWR, 0);
-    struct stat info {};
-    if (peer_fd < 0 || ::fstat(peer_fd, &info) != 0 || static_cast<size_t>(info.st_size) != bytes) {
-      const std::string why = peer_fd < 0 ? std::strerror(errno)
-                                          : absl::StrCat("it has ", info.st_size,
-                                                         " bytes, this rank's ", bytes,
-                                                         " (different slot options)");
-      if (peer_fd >= 0) ::close(peer_fd);
-      return absl::FailedPreconditionError(absl::StrCat(
-          where, ": cannot use rank ", r, "'s shared-memory segment /dev/shm", peer_name, ": ",
-          why, ". Is rank ", r, " on another host or in another /dev/shm? Use --transport tcp"));
+    absl::StatusOr<Mapping> mapped = MapPeerSegment(peer_name, bytes);
+    if (!mapped.ok()) {
+      return absl::Status(
+          mapped.status().code(),
+          absl::StrCat(where, ": cannot use rank ", r, "'s shared-memory segment ",
+                       mapped.status().message(), " (different slot options?). Is rank ", r,
+                       " on another host or in another /dev/shm? Use --transport tcp"));
     }
-    absl::StatusOr<Mapping> mapped = Map(peer_fd, bytes, absl::StrCat("rank ", r, "'s segment"));
-    ::close(peer_fd);
-    if (!mapped.ok()) return mapped.status();
     segments.push_back(std::move(*mapped));
   }
   // Every rank mapped every segment: the names can go (the mappings keep the memory).

@@ -76,6 +76,13 @@ class TrackingCommunicator : public Communicator {
   absl::Status Barrier() override {
     return Tracked([&] { return inner_->Barrier(); });
   }
+  absl::StatusOr<std::unique_ptr<SharedHostBuffer>> ShareHostBuffer(void* data,
+                                                                    size_t bytes) override {
+    tracker_->CollectiveStarted();
+    absl::StatusOr<std::unique_ptr<SharedHostBuffer>> shared = inner_->ShareHostBuffer(data, bytes);
+    tracker_->CollectiveEnded();
+    return shared;
+  }
   absl::Status OrderComputeAfterCollectives() override {
     return Tracked([&] { return inner_->OrderComputeAfterCollectives(); });
   }

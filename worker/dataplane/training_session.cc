@@ -473,6 +473,7 @@ absl::StatusOr<TrainResult> TrainingSession::Finish() {
   }
   result_.optimizer_state_bytes = engine_->optimizer_state_bytes();
   result_.held_bytes = engine_->held_bytes();
+  result_.unshared_reason = engine_->unshared_reason();
   if (options_.consolidate_to_rank >= 0) {
     SHARD_RETURN_IF_ERROR(
         engine_->ConsolidateStateDict(options_.consolidate_to_rank, options_.consolidate_path));

@@ -74,6 +74,7 @@ struct TrainResult {
   int checkpoints_skipped = 0;  // periodic saves skipped while the one before was being written
   int64_t paused_at = 0;  // the step after which training paused for a re-formation; 0: it did not
   double max_checkpoint_pause_ms = 0;  // the longest training stall of a save or snapshot
+  std::string unshared_reason;  // Engine::unshared_reason()
   int snapshots_taken = 0;
 };
 
