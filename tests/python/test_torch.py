@@ -480,17 +480,47 @@ def test_two_workers_equal_one_process_on_the_global_batch(cluster):
     assert difference < 1e-5
 
 
-def test_shared_memory_and_tcp_give_the_same_bits(cluster):
+# The MLP's buckets are small and go through the shared-memory slots; the tied transformer's
+# buckets of 1 MiB and more are shared with the peers, which read them in place under the
+# tensors that view them.
+SHARED_BUCKETS_MODEL = dict(
+    script=os.path.join(os.path.dirname(EXAMPLE), "transformer.py"),
+    args=["--vocab", "16", "--dim", "192", "--heads", "2", "--layers", "1", "--context", "8",
+          "--sequences", "64", "--tie"],
+    job=dict(bucketCapMb=4, firstBucketCapMb=4, minBuckets=1))
+
+
+def shared_memory_mappings(pid):
+    """How many of process `pid`'s mappings are the shared-memory transport's segments: one per
+    rank's slots, and as many again for each bucket shared with the peers."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return sum("/dev/shm/shard-" in line for line in maps)
+    except OSError:  # ended
+        return 0
+
+
+@pytest.mark.parametrize("model", ["mlp", "shared-buckets"])
+def test_shared_memory_and_tcp_give_the_same_bits(cluster, model):
     # Three workers, where the order of adding up matters: both transports add the ranks'
     # gradients in the same order, so the trained parameters are the same bits.
+    shared = model == "shared-buckets"
     results = {}
     for transport, backend in (("tcp", "gloo"), ("auto", "shm")):
         cluster.start_coordinator(
-            cluster.write_job(world=3, steps=20, out=f"out-{transport}",
-                              file=f"job-{transport}.json"),
+            cluster.write_job(world=3, steps=100 if shared else 20, out=f"out-{transport}",
+                              file=f"job-{transport}.json",
+                              **(SHARED_BUCKETS_MODEL["job"] if shared else {})),
             log_name=f"coordinator-{transport}.log", state=f"state-{transport}")
-        workers = [cluster.start_worker(f"{transport}{i}", env={"SHARD_TRANSPORT": transport})
+        workers = [cluster.start_worker(
+            f"{transport}{i}", env={"SHARD_TRANSPORT": transport},
+            **({"script": SHARED_BUCKETS_MODEL["script"], "args": SHARED_BUCKETS_MODEL["args"]}
+               if shared else {}))
                    for i in range(3)]
+        if shared and backend == "shm":
+            # 3 ranks' slots, and the bucket's parameters and gradients of every rank besides.
+            wait_for(lambda: shared_memory_mappings(workers[0].pid) >= 9, DEADLINE,
+                     "the buckets shared with the peers in the first worker's mappings")
         for worker in workers:
             assert cluster.wait(worker) == 0, cluster.log(worker)
             assert f"over 3 ranks ({backend})" in cluster.log(worker), cluster.log(worker)
