@@ -1,8 +1,9 @@
 // shard-bench-collectives: collective bus bandwidth through Shard's shared-memory communicator
 // (shm: buffers the peers read in place, as the engine's buckets; shm-copy: private buffers,
-// copied through the communicator's slots) and its TCP rings (tcp, shard::GlooCommunicator), beside raw Gloo's own collectives on
-// the TCP communicator's very connections, one thread's memcpy and the loopback TCP limit, all
-// measured in the same run, reported like nccl-tests (GB = 1e9 bytes; busbw = algbw x factor).
+// copied through the communicator's slots) and its TCP rings (tcp, shard::GlooCommunicator),
+// beside raw Gloo's own collectives on the TCP communicator's very connections, one thread's
+// memcpy and the loopback TCP limit, all measured in the same run, reported like nccl-tests
+// (GB = 1e9 bytes; busbw = algbw x factor).
 //
 // Ranks are real processes: this program started again (tests/support/process.h) with the
 // run's own flags and hidden ones that make it a rank; they meet through a file-per-key
@@ -330,7 +331,8 @@ class PageArray {
   explicit PageArray(size_t count) : count_(count) {
     const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
     bytes_ = std::max<size_t>(1, (count * sizeof(float) + page - 1) / page) * page;
-    void* data = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* data =
+        ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (data == MAP_FAILED) {
       std::fprintf(stderr, "cannot map %zu bytes: %s\n", bytes_, std::strerror(errno));
       std::exit(1);

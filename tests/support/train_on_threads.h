@@ -1,7 +1,7 @@
 // The built-in MLP trained by a job's ranks as threads of one process, over loopback Gloo (or
-// shared memory) and an in-memory rendezvous store, with the coordinator's part in checkpoints played here: once
-// every rank's shard of a checkpoint is on disk, its manifest is committed. Rank 0 writes
-// job.output_dir/final.safetensors. Header-only.
+// shared memory) and an in-memory rendezvous store, with the coordinator's part in checkpoints
+// played here: once every rank's shard of a checkpoint is on disk, its manifest is committed.
+// Rank 0 writes job.output_dir/final.safetensors. Header-only.
 #pragma once
 
 #include <cstdint>

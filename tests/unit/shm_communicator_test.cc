@@ -519,6 +519,36 @@ TEST_P(ShmSharedBuffersTest, AllGatherInPlaceAndOutOfPlacePlaceEachRanksBlock) {
   });
 }
 
+TEST_P(ShmSharedBuffersTest, ReduceToEveryRootAndBroadcastFromEveryRootGiveTheRingsBits) {
+  const int world = GetParam();
+  const size_t count = 30011;
+  ExpectSameBitsAsGloo(world, "shared in-place reduce", [&](Communicator& c) {
+    std::vector<char> outputs;  // every root's output on this rank, untouched ones included
+    for (int root = 0; root < world; ++root) {
+      PageBuffer data(count * sizeof(float));
+      Fill(data.as<float>(), MixedMagnitudes(c.rank(), count));
+      const std::unique_ptr<SharedHostBuffer> shared = data.Share(c);
+      SHARD_EXPECT_OK(c.Reduce(data.as<float>(), data.as<float>(), count, DataType::kFloat32,
+                               ReduceOp::kSum, root));
+      const std::vector<char> bytes = Bytes(data.as<float>(), count);
+      outputs.insert(outputs.end(), bytes.begin(), bytes.end());
+    }
+    return outputs;
+  });
+  ExpectSameBitsAsGloo(world, "shared broadcast", [&](Communicator& c) {
+    std::vector<char> outputs;
+    for (int root = 0; root < world; ++root) {
+      PageBuffer data(count * sizeof(float));
+      Fill(data.as<float>(), MixedMagnitudes(c.rank() + 10 * root, count));
+      const std::unique_ptr<SharedHostBuffer> shared = data.Share(c);
+      SHARD_EXPECT_OK(c.Broadcast(data.as<float>(), count, DataType::kFloat32, root));
+      const std::vector<char> bytes = Bytes(data.as<float>(), count);
+      outputs.insert(outputs.end(), bytes.begin(), bytes.end());
+    }
+    return outputs;
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmSharedBuffersTest, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return absl::StrCat("ranks", info.param); });
 
@@ -549,8 +579,8 @@ TEST(ShmBufferSharingTest, ASharedBufferKeepsItsAddressAndContentsInSharedMemory
     }
     // No longer shared: the collective copies through the slots, and still adds up.
     std::fill(buffer.as<float>(), buffer.as<float>() + 10, 1.0f + c.rank());
-    SHARD_EXPECT_OK(
-        c.AllReduce(buffer.as<float>(), buffer.as<float>(), 10, DataType::kFloat32, ReduceOp::kSum));
+    SHARD_EXPECT_OK(c.AllReduce(buffer.as<float>(), buffer.as<float>(), 10, DataType::kFloat32,
+                                ReduceOp::kSum));
     EXPECT_EQ(buffer.as<float>()[9], 3.0f);
   });
 }

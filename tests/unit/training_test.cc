@@ -251,15 +251,17 @@ class MappingCounter : public TrainingObserver {
 };
 
 // Over shared memory, buckets of 1 MiB and more are shared, and the peers reduce and gather
-// them in place: the same bits as the TCP ring, at every stage that keeps whole buckets.
+// them in place (reduce-scatter and all-gather in range mode, reduce and broadcast in param
+// mode): the same bits as the TCP ring, at every stage that keeps whole buckets.
 TEST(TrainingTest, SharedMemoryBucketsReadInPlaceTrainTheBitsOfTheTcpRing) {
   const std::vector<int64_t> widths = {64, 1024, 512, 10};  // 2.4 MB of parameters
   const std::string data = TempPath("data-wide.safetensors");
   ASSERT_TRUE(GenerateMlpData(widths, 256, 11, data).ok());
-  for (int world : {2, 3}) {
+  for (const auto& [world, mode] : {std::pair{2, ShardMode::kRange}, {3, ShardMode::kRange},
+                                    {3, ShardMode::kParam}}) {
     for (int stage : {0, 1, 2}) {
-      SCOPED_TRACE(absl::StrCat(world, " ranks, stage ", stage));
-      JobConfig job = Job(OptimizerKind::kAdamW, world, stage, ShardMode::kRange, 6);
+      SCOPED_TRACE(absl::StrCat(world, " ranks, stage ", stage, ", ", ShardModeName(mode)));
+      JobConfig job = Job(OptimizerKind::kAdamW, world, stage, mode, 6);
       job.widths = widths;
       job.data_path = data;
       job.bucket_cap_bytes = 4 << 20;
@@ -267,7 +269,8 @@ TEST(TrainingTest, SharedMemoryBucketsReadInPlaceTrainTheBitsOfTheTcpRing) {
       job.min_buckets = 1;
       std::vector<std::vector<float>> trained[2];
       for (bool shared_memory : {false, true}) {
-        job.output_dir = TempPath(absl::StrCat("wide-", world, "-", stage, "-", shared_memory));
+        job.output_dir = TempPath(absl::StrCat("wide-", world, "-", stage, "-",
+                                               ShardModeName(mode), "-", shared_memory));
         MappingCounter counter;
         std::vector<TrainResult> results;
         RankThreadsOptions run;

@@ -58,8 +58,8 @@ class Communicator {
   virtual absl::Status Barrier() = 0;
 
   // Offers `bytes` of host memory at `data` to the peers on this host, so that later
-  // collectives whose send buffer (and for an all-reduce, whose recv buffer) lies in it are
-  // read in place by the peers, not copied through the communicator's own buffers: one copy
+  // collectives whose send buffer (for an all-reduce, its recv buffer too) lies in it are read
+  // in place by the peers, not copied through the communicator's own buffers: one copy
   // fewer each way. Collective: every rank calls it at the same point with the same `bytes`,
   // while no thread uses the memory. `data` must start whole pages of an anonymous mapping the
   // caller owns and `bytes` be a multiple of the page size; the pages keep their address and

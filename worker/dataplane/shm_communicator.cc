@@ -211,6 +211,7 @@ struct InPlaceDescriptor {
   uint64_t send_offset = 0;
   uint64_t recv_buffer = 0;
   uint64_t recv_offset = 0;
+  uint64_t root = 0;  // of a reduce or broadcast
 };
 
 // What a rank writes to its slot in the two rounds of ShareHostBuffer.
@@ -392,6 +393,17 @@ class ShmCommunicator final : public Communicator {
         if (in != out) std::memmove(out, in, count * esize);
         return absl::OkStatus();
       }
+      if (const std::optional<Located> send_at = Locate(in, count * esize)) {
+        SHARD_RETURN_IF_ERROR(
+            AgreeInPlace("reduce", 4, esize, count, *send_at, in, nullptr, nullptr, root));
+        // The root reduces straight from every rank's buffer.
+        if (rank_ == root) {
+          ReduceChain(dtype, op, out, count, root,
+                      [&](int r) -> const char* { return peer_send_[r]; });
+        }
+        FinishRound();
+        return AwaitPeersDone();
+      }
       const size_t per_round = PieceElements(esize, 1);
       for (size_t j = 0; j < CeilDiv(count, per_round); ++j) {
         const size_t length = PieceLength(count, j, per_round);
@@ -419,6 +431,14 @@ class ShmCommunicator final : public Communicator {
       if (size_ == 1) return absl::OkStatus();
       const size_t esize = DataTypeSize(dtype);
       char* data = static_cast<char*>(buffer);
+      if (const std::optional<Located> at = Locate(data, count * esize)) {
+        SHARD_RETURN_IF_ERROR(
+            AgreeInPlace("broadcast", 5, esize, count, *at, data, nullptr, nullptr, root));
+        // Every other rank copies straight from the root's buffer.
+        if (rank_ != root) std::memcpy(data, peer_send_[root], count * esize);
+        FinishRound();
+        return AwaitPeersDone();
+      }
       const size_t per_round = PieceElements(esize, 1);
       for (size_t j = 0; j < CeilDiv(count, per_round); ++j) {
         const size_t bytes = PieceLength(count, j, per_round) * esize;
@@ -518,8 +538,10 @@ class ShmCommunicator final : public Communicator {
   // rank's own pointers for itself).
   absl::Status AgreeInPlace(absl::string_view what, uint32_t collective, size_t element_bytes,
                             size_t count, const Located& send_at, const char* send,
-                            const Located* recv_at = nullptr, const char* recv = nullptr) {
+                            const Located* recv_at = nullptr, const char* recv = nullptr,
+                            int root = 0) {
     InPlaceDescriptor own;
+    own.root = static_cast<uint64_t>(root);
     own.collective = collective;
     own.element_bytes = static_cast<uint32_t>(element_bytes);
     own.count = count;
@@ -540,7 +562,8 @@ class ShmCommunicator final : public Communicator {
       InPlaceDescriptor theirs;
       std::memcpy(&theirs, Slot(p), sizeof(theirs));
       if (theirs.magic != own.magic || theirs.collective != own.collective ||
-          theirs.element_bytes != own.element_bytes || theirs.count != own.count) {
+          theirs.element_bytes != own.element_bytes || theirs.count != own.count ||
+          theirs.root != own.root) {
         return absl::InternalError(absl::StrCat(
             "rank ", p, " did not pass shared buffers of the same size to this ", what,
             " (a rank that shares a buffer its peers do not, or collectives issued in another "

@@ -9,11 +9,11 @@
 // (GlooCommunicator), so both transports give the same bits.
 //
 // A buffer shared with ShareHostBuffer (the engine's buckets) moves into a segment of its own,
-// at the same address, which every peer maps. A reduce-scatter, all-gather or all-reduce whose
-// send buffer (and an all-reduce's recv buffer) lies in one needs no copy in: the first round
-// only says where the buffers are, the owner of a range reduces it straight from the peers'
-// buffers, and the others copy results straight out of them. Such a collective returns once
-// every peer has finished reading this rank's buffers.
+// at the same address, which every peer maps. A collective whose send buffer (an all-reduce's
+// recv buffer too; a broadcast's buffer) lies in one needs no copy in: the first round only
+// says where the buffers are, the owner of a range (or the root) reduces it straight from the
+// peers' buffers, and the others copy results straight out of them. Such a collective returns
+// once every peer has finished reading this rank's buffers.
 //
 // Segments (shared buffers' too) are unlinked as soon as every rank has mapped them, so nothing
 // is left in /dev/shm after the job, even when a process is killed; segments of processes
