@@ -8,7 +8,9 @@
 // page cache; an allocation past it fails (the worker says "cannot allocate ..." or dies of
 // std::bad_alloc). It needs no privileges and works where cgroup v2 has no memory controller
 // (hosts whose memory controller is on cgroup v1). RLIMIT_AS would count every thread's malloc
-// arena reservation and so says little about the memory in use.
+// arena reservation and so says little about the memory in use. RLIMIT_DATA does not count
+// shared memory, where the shared-memory transport moves stage 2's buckets (a cgroup's limit
+// does count it), so the workers here talk over TCP: all their model state is private.
 //
 // A worker needs memory of its own before it holds any model: its libraries' data, thread stacks,
 // gRPC, Gloo and OpenBLAS's buffer (about 470 MiB of private writable memory on a 2-core host
@@ -147,7 +149,7 @@ class MemoryLimitTest : public ::testing::Test {
         argv = {kPrlimit, absl::StrCat("--data=", *data_limit, ":", *data_limit)};
       }
       argv.insert(argv.end(), {BinaryPath("shard-worker"), "--coordinator", cluster_->address(),
-                               "--id", id, "--collective-timeout", "10s"});
+                               "--id", id, "--collective-timeout", "10s", "--transport", "tcp"});
       absl::StatusOr<Process> process = Process::Start(argv, absl::StrCat(dir_, "/", id, ".log"),
                                                        {"OPENBLAS_NUM_THREADS=1"});
       EXPECT_TRUE(process.ok()) << process.status();
