@@ -200,6 +200,15 @@ size_t PieceLength(size_t count, size_t round, size_t per_round) {
   return start >= count ? 0 : std::min(per_round, count - start);
 }
 
+// The collectives that read shared buffers in place, as their descriptors name them.
+enum InPlaceCollective : uint32_t {
+  kInPlaceReduceScatter = 1,
+  kInPlaceAllGather,
+  kInPlaceAllReduce,
+  kInPlaceReduce,
+  kInPlaceBroadcast,
+};
+
 // What a rank passes to a collective read in place: which collective, and where its buffers are
 // in the buffers it shared. Written to the rank's slot in the collective's first round.
 struct InPlaceDescriptor {
@@ -395,7 +404,8 @@ class ShmCommunicator final : public Communicator {
       }
       if (const std::optional<Located> send_at = Locate(in, count * esize)) {
         SHARD_RETURN_IF_ERROR(
-            AgreeInPlace("reduce", 4, esize, count, *send_at, in, nullptr, nullptr, root));
+            AgreeInPlace("reduce", kInPlaceReduce, esize, count, *send_at, in, nullptr, nullptr,
+                         root));
         // The root reduces straight from every rank's buffer.
         if (rank_ == root) {
           ReduceChain(dtype, op, out, count, root,
@@ -433,7 +443,8 @@ class ShmCommunicator final : public Communicator {
       char* data = static_cast<char*>(buffer);
       if (const std::optional<Located> at = Locate(data, count * esize)) {
         SHARD_RETURN_IF_ERROR(
-            AgreeInPlace("broadcast", 5, esize, count, *at, data, nullptr, nullptr, root));
+            AgreeInPlace("broadcast", kInPlaceBroadcast, esize, count, *at, data, nullptr,
+                         nullptr, root));
         // Every other rank copies straight from the root's buffer.
         if (rank_ != root) std::memcpy(data, peer_send_[root], count * esize);
         FinishRound();
@@ -536,7 +547,8 @@ class ShmCommunicator final : public Communicator {
   // rank publishes what it passes and checks that its peers run the same collective. Sets
   // peer_send_ and peer_recv_: where each rank's buffers are mapped in this process (this
   // rank's own pointers for itself).
-  absl::Status AgreeInPlace(absl::string_view what, uint32_t collective, size_t element_bytes,
+  absl::Status AgreeInPlace(absl::string_view what, InPlaceCollective collective,
+                            size_t element_bytes,
                             size_t count, const Located& send_at, const char* send,
                             const Located* recv_at = nullptr, const char* recv = nullptr,
                             int root = 0) {
@@ -569,7 +581,8 @@ class ShmCommunicator final : public Communicator {
             " (a rank that shares a buffer its peers do not, or collectives issued in another "
             "order): a bug, report it"));
       }
-      SHARD_ASSIGN_OR_RETURN(peer_send_[p], PeerAddress(p, theirs.send_buffer, theirs.send_offset));
+      SHARD_ASSIGN_OR_RETURN(peer_send_[p],
+                             PeerAddress(p, theirs.send_buffer, theirs.send_offset));
       if (theirs.recv_buffer != 0) {
         SHARD_ASSIGN_OR_RETURN(peer_recv_[p],
                                PeerAddress(p, theirs.recv_buffer, theirs.recv_offset));
@@ -590,7 +603,8 @@ class ShmCommunicator final : public Communicator {
   absl::Status ReduceScatterInPlace(const Located& send_at, const char* in, char* out,
                                     size_t recv_count, DataType dtype, ReduceOp op) {
     const size_t esize = DataTypeSize(dtype);
-    SHARD_RETURN_IF_ERROR(AgreeInPlace("reduce-scatter", 1, esize, recv_count, send_at, in));
+    SHARD_RETURN_IF_ERROR(AgreeInPlace("reduce-scatter", kInPlaceReduceScatter, esize,
+                                       recv_count, send_at, in));
     const size_t block = rank_ * recv_count * esize;
     ReduceChain(dtype, op, out, recv_count, rank_,
                 [&](int r) -> const char* { return peer_send_[r] + block; });
@@ -602,7 +616,8 @@ class ShmCommunicator final : public Communicator {
                                 size_t send_count, DataType dtype) {
     const size_t esize = DataTypeSize(dtype);
     const size_t bytes = send_count * esize;
-    SHARD_RETURN_IF_ERROR(AgreeInPlace("all-gather", 2, esize, send_count, send_at, in));
+    SHARD_RETURN_IF_ERROR(
+        AgreeInPlace("all-gather", kInPlaceAllGather, esize, send_count, send_at, in));
     for (int p = 0; p < size_; ++p) {
       char* to = out + p * bytes;
       if (to != peer_send_[p]) std::memcpy(to, peer_send_[p], bytes);
@@ -617,7 +632,7 @@ class ShmCommunicator final : public Communicator {
                                 char* out, size_t count, DataType dtype, ReduceOp op) {
     const size_t esize = DataTypeSize(dtype);
     SHARD_RETURN_IF_ERROR(
-        AgreeInPlace("all-reduce", 3, esize, count, send_at, in, &recv_at, out));
+        AgreeInPlace("all-reduce", kInPlaceAllReduce, esize, count, send_at, in, &recv_at, out));
     const std::vector<Block> blocks = BalancedBlocks(size_, count);
     const size_t start = blocks[rank_].offset * esize;
     ReduceChain(dtype, op, out + start, blocks[rank_].count, rank_,
