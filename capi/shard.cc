@@ -240,6 +240,7 @@ absl::Status Join(const char* config_json, shard_job** out) {
 
   SHARD_ASSIGN_OR_RETURN(const shard::HostTransport host_transport,
                          shard::ParseHostTransport(transport));
+  options.snapshot_same_host = host_transport != shard::HostTransport::kTcp;
   const shard::HostPathOptions host_path{.host = options.host,
                                          .timeout = options.collective_timeout,
                                          .transport = host_transport};

@@ -45,6 +45,7 @@ WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClien
                  .trainer = options_.trainer,
                  .device = &data_path_->device(),
                  .snapshots = &snapshots_,
+                 .snapshot_same_host = options_.snapshot_same_host,
                  .activity = &activity_,
                  .stop = &stop_requested_,
                  .generation_over = &generation_over_,

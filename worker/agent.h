@@ -39,6 +39,9 @@ struct WorkerOptions {
   std::optional<int> rank;          // unset: the coordinator picks
   // Where this worker serves the snapshots it holds to its peers (on `host`; 0: any free port).
   int snapshot_port = 0;
+  // Replicas for buddies on this host are copied into shared buffers they lend, not sent over
+  // TCP (false with --transport tcp: everything between ranks over TCP, as across hosts).
+  bool snapshot_same_host = true;
   // How long to keep trying while the coordinator cannot be reached (at start and later).
   absl::Duration coordinator_timeout = absl::Seconds(60);
   // A collective waiting longer than this for a peer fails: the ceiling of the timeout derived

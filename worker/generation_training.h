@@ -54,6 +54,8 @@ class GenerationTraining {
     Trainer trainer;  // unset: the built-in MLP (TrainMlp)
     Device* device = nullptr;
     SnapshotStore* snapshots = nullptr;  // what this process holds of the job's snapshots
+    // Replicas for buddies on this host are copied into buffers they lend (snapshot_peer.h).
+    bool snapshot_same_host = true;
     ActivityTracker* activity = nullptr;  // for the coordinator's progress lease
     const std::atomic<bool>* stop = nullptr;  // set once the worker stops
     // Set once the generation being trained ends: cancels reads of a snapshot from peers.

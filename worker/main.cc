@@ -69,7 +69,8 @@ int main(int argc, char** argv) {
   app.add_option("--transport", transport,
                  "how ranks exchange host memory (Gloo's, or the GPU staging's): auto (shared "
                  "memory when every rank of the generation is on this host, TCP otherwise), "
-                 "tcp, or shm (every rank must be on this host)")
+                 "tcp, or shm (every rank must be on this host). Snapshot replicas for a buddy "
+                 "on this host go through shared memory, except with tcp")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "tcp", "shm"}));
   app.add_option("--rank", rank, "ask for this rank (default: the coordinator assigns one)")
@@ -179,6 +180,7 @@ int main(int argc, char** argv) {
     options.manifest = std::move(*manifest);
   }
   options.coordinator_timeout = shard::ParsedDuration(coordinator_timeout);
+  options.snapshot_same_host = *shard::ParseHostTransport(transport) != shard::HostTransport::kTcp;
   options.collective_timeout = shard::ParsedDuration(collective_timeout);
   options.collective_timeout_floor = shard::ParsedDuration(collective_timeout_floor);
   options.connect_probe_timeout = shard::ParsedDuration(connect_probe_timeout);

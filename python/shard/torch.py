@@ -34,7 +34,8 @@ scaler that knows Shard's step, which there is not yet.
 Configuration comes from join()'s arguments or the environment: SHARD_COORDINATOR, SHARD_ID (the
 worker id; default host-pid), SHARD_DEVICE ("cpu" or "cuda:N"; default cpu), SHARD_BACKEND
 ("auto": NCCL on a GPU, Gloo on the host; "gloo"; "nccl"), SHARD_TRANSPORT (host memory between
-ranks: "auto", shared memory when every rank is on this host and TCP otherwise; "tcp"; "shm"),
+ranks: "auto", shared memory when every rank is on this host and TCP otherwise; "tcp", snapshot
+replicas too; "shm"),
 SHARD_HOST (where peers reach this rank; default 127.0.0.1),
 SHARD_COORDINATOR_TIMEOUT and SHARD_COLLECTIVE_TIMEOUT (seconds), SHARD_LOG_LEVEL,
 SHARD_JOB_TOKEN_FILE, SHARD_TLS_CA, SHARD_TLS_CERT, SHARD_TLS_KEY, SHARD_TLS_SERVER_NAME.

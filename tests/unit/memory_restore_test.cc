@@ -131,7 +131,7 @@ TEST(MemoryRestoreTest, ASnapshotInThePeersMemoryRestoresOnAnyWorldSizeAsItsDisk
     shards[rank] = own->shard;
     SHARD_ASSERT_OK_AND_ASSIGN(std::string file,
                                ReadFile(disk + "/" + ShardFileName(rank, 4)));
-    EXPECT_EQ(file, std::string(own->bytes->begin(), own->bytes->end())) << "rank " << rank;
+    EXPECT_EQ(file, std::string(own->bytes.begin(), own->bytes.end())) << "rank " << rank;
   }
 
   // Rank 2's worker is lost with its memory; who holds what is as the workers reported it.

@@ -2,23 +2,28 @@
 // snapshot_peer.h, snapshot_fetch.h): the newest snapshots kept and their buffers reused; a
 // replica pushed to a peer's server is kept only when every byte checks and only then answered;
 // one cut off half-way or garbled is never kept; replication runs below training's priority;
-// ranges fetched back are the bytes sent; a
-// reader over the holders verifies what they serve and names the shard when it does not check;
-// the buffers of the next snapshots are prepared off the training thread.
-// Servers listen on 127.0.0.1 ports the kernel picks; everything runs in this process.
+// ranges fetched back are the bytes sent; a reader over the holders verifies what they serve and
+// names the shard when it does not check; the buffers of the next snapshots are prepared off the
+// training thread; a push from this host is copied into a buffer the holder lends, and lent again
+// once its replica is dropped. Servers listen on 127.0.0.1 ports the kernel picks; everything
+// runs in this process.
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cinttypes>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <numeric>
 #include <set>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -61,6 +66,25 @@ SnapshotShard Shard(int64_t generation, int64_t step, int rank, int world,
   return shard;
 }
 
+std::vector<char> Copy(absl::Span<const char> bytes) {
+  return std::vector<char>(bytes.begin(), bytes.end());
+}
+
+// Whether `address` lies in a mapping of a memory file (memfd), as a replica from this host does.
+bool InMemoryFile(const void* address) {
+  std::ifstream maps("/proc/self/maps");
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  for (std::string line; std::getline(maps, line);) {
+    uintptr_t begin = 0;
+    uintptr_t end = 0;
+    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR, &begin, &end) == 2 && begin <= at &&
+        at < end) {
+      return absl::StrContains(line, "/memfd:shard-snapshot");
+    }
+  }
+  return false;
+}
+
 SnapshotBytes Shared(std::vector<char> bytes) {
   return std::make_shared<std::vector<char>>(std::move(bytes));
 }
@@ -77,13 +101,13 @@ TEST(SnapshotStoreTest, KeepsTheNewestSnapshotsAndHandsTheirBuffersOutAgain) {
   for (int rank : {0, 1}) {
     std::optional<SnapshotStore::Held> oldest = store.Find(SnapshotId(10, 3), rank);
     ASSERT_TRUE(oldest.has_value());
-    dropped_buffers.insert(oldest->bytes->data());
+    dropped_buffers.insert(oldest->bytes.data());
   }
   EXPECT_THAT(store.Add(Shard(3, 30, 0, 2, bytes), third), ElementsAre(SnapshotId(10, 3)));
   EXPECT_FALSE(store.Find(SnapshotId(10, 3), 0).has_value());
   EXPECT_FALSE(store.Find(SnapshotId(10, 3), 1).has_value());
   ASSERT_TRUE(store.Find(SnapshotId(30, 3), 0).has_value());
-  EXPECT_EQ(store.Find(SnapshotId(30, 3), 0)->bytes->data(), third->data()) << "not copied";
+  EXPECT_EQ(store.Find(SnapshotId(30, 3), 0)->bytes.data(), third->data()) << "not copied";
   // The next snapshot's buffer is one a dropped shard had: its pages are mapped already.
   std::vector<char> reused = store.TakeBuffer(1000);
   EXPECT_EQ(reused.size(), 1000u);
@@ -125,7 +149,8 @@ TEST(SnapshotStoreTest, TheSnapshotterPreparesTheNextSnapshotsBuffersOffTheCalle
   std::unique_ptr<SnapshotServer> buddy =
       *SnapshotServer::Start("127.0.0.1", 0, &buddy_store, nullptr);
   SnapshotStore store;
-  Snapshotter snapshotter(&store, {buddy->address()}, Snapshotter::Callbacks{});
+  Snapshotter snapshotter(&store, {buddy->address()}, /*same_host_buffers=*/true,
+                          Snapshotter::Callbacks{});
   // Its own shard and the one replica it receives.
   snapshotter.PrepareBuffers(4800);
   EXPECT_TRUE(testing::Eventually([&] { return store.ReadyBuffers(4800) == 2; },
@@ -159,12 +184,34 @@ struct Peer {
   }
 };
 
-TEST(SnapshotPeerTest, APushedReplicaIsKeptAndAnsweredAndItsRangesFetchBack) {
+// Pushed over TCP, or (SameHost) copied into a buffer the holder on this host lends.
+class PushTest : public ::testing::TestWithParam<bool> {
+ protected:
+  PeerCallOptions Options() {
+    PeerCallOptions options;
+    options.lent = GetParam() ? &lent_ : nullptr;
+    return options;
+  }
+
+ private:
+  LentBuffers lent_;
+};
+
+INSTANTIATE_TEST_SUITE_P(OverTcpAndOnTheSameHost, PushTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "SameHost" : "OverTcp";
+                         });
+
+TEST_P(PushTest, APushedReplicaIsKeptAndAnsweredAndItsRangesFetchBack) {
   Peer peer;
   // Two whole 4 MiB blocks and a short one.
   const std::vector<char> bytes = Bytes(2 * kCheckpointBlockBytes + 4097, 2);
   const SnapshotShard shard = Shard(5, 40, 2, 4, bytes);
-  SHARD_ASSERT_OK(PushSnapshotShard(peer.server->address(), shard, bytes, PeerCallOptions{}));
+  {
+    // The pusher's own copy is gone once the call returns: the replica is the holder's alone.
+    const std::vector<char> pushed = bytes;
+    SHARD_ASSERT_OK(PushSnapshotShard(peer.server->address(), shard, pushed, Options()));
+  }
   {
     absl::MutexLock lock(&peer.mu);
     ASSERT_EQ(peer.replicas.size(), 1u) << "told of it before the pusher heard back";
@@ -172,7 +219,9 @@ TEST(SnapshotPeerTest, APushedReplicaIsKeptAndAnsweredAndItsRangesFetchBack) {
   }
   std::optional<SnapshotStore::Held> held = peer.store.Find(shard.id, 2);
   ASSERT_TRUE(held.has_value());
-  EXPECT_EQ(*held->bytes, bytes);
+  EXPECT_EQ(Copy(held->bytes), bytes);
+  EXPECT_EQ(InMemoryFile(held->bytes.data()), GetParam())
+      << "a replica from this host is kept in the buffer the holder lent; over TCP in its own";
 
   for (const auto& [offset, length] :
        std::vector<std::pair<uint64_t, uint64_t>>{{0, bytes.size()}, {4095, 9}, {kCheckpointBlockBytes - 1, kCheckpointBlockBytes + 2}}) {
@@ -206,12 +255,12 @@ TEST(SnapshotPeerTest, AReplicaKeepsItsExtrasAndItsOptimizerState) {
   EXPECT_EQ(peer.replicas[0], shard);
 }
 
-TEST(SnapshotPeerTest, AReplicaWhoseBytesDoNotMatchItsChecksumsIsRefusedAndNotKept) {
+TEST_P(PushTest, AReplicaWhoseBytesDoNotMatchItsChecksumsIsRefusedAndNotKept) {
   Peer peer;
   std::vector<char> bytes = Bytes(100000, 3);
   const SnapshotShard shard = Shard(5, 40, 1, 2, bytes);
   bytes[54321] ^= 1;  // garbled after it was described
-  absl::Status pushed = PushSnapshotShard(peer.server->address(), shard, bytes, PeerCallOptions{});
+  absl::Status pushed = PushSnapshotShard(peer.server->address(), shard, bytes, Options());
   EXPECT_TRUE(absl::IsDataLoss(pushed)) << pushed;
   EXPECT_FALSE(peer.store.Find(shard.id, 1).has_value());
   absl::MutexLock lock(&peer.mu);
@@ -251,6 +300,105 @@ TEST(SnapshotPeerTest, AReplicaCutOffHalfWayIsNeverKept) {
   EXPECT_FALSE(store.Find(shard.id, 0).has_value());
   absl::MutexLock lock(&peer->mu);
   EXPECT_THAT(peer->replicas, IsEmpty());
+}
+
+// The holder's buffers are lent again once the replicas in them are dropped: a pusher on this
+// host maps a few buffers once, and no snapshot allocates memory on either side.
+TEST(SnapshotPeerTest, BuffersLentOnTheSameHostAreLentAgainOnceTheirReplicasAreDropped) {
+  Peer peer;  // keeps the 2 newest snapshots
+  LentBuffers lent;
+  PeerCallOptions options;
+  options.lent = &lent;
+  std::set<const char*> buffers;
+  for (int step = 10; step <= 80; step += 10) {
+    const std::vector<char> bytes = Bytes(kCheckpointBlockBytes + 3000, step);
+    const SnapshotShard shard = Shard(5, step, 1, 2, bytes);
+    SHARD_ASSERT_OK(PushSnapshotShard(peer.server->address(), shard, bytes, options));
+    std::optional<SnapshotStore::Held> held = peer.store.Find(shard.id, 1);
+    ASSERT_TRUE(held.has_value());
+    EXPECT_EQ(Copy(held->bytes), bytes) << "step " << step;
+    EXPECT_TRUE(InMemoryFile(held->bytes.data()));
+    buffers.insert(held->bytes.data());
+  }
+  EXPECT_EQ(buffers.size(), 3u) << "two snapshots kept, and the one the next push writes";
+}
+
+// Speaks the same-host push by hand to the server at `address`: asks for a buffer for `shard`,
+// writes the first `written` bytes of `bytes` into it, and (if `done`) says it wrote them. The
+// status code of the last answer.
+uint32_t PushByHand(const std::string& address, const SnapshotShard& shard,
+                    const std::vector<char>& bytes, uint64_t written, bool done) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un to{};
+  to.sun_family = AF_UNIX;
+  const std::string name = "shard-snapshot " + address;
+  std::memcpy(to.sun_path + 1, name.data(), name.size());
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&to),
+                      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size())),
+            0);
+  const auto send_frame = [fd](uint32_t kind, const std::string& text) {
+    const uint32_t frame[3] = {0x51524853, kind, static_cast<uint32_t>(text.size())};
+    EXPECT_EQ(::send(fd, frame, sizeof(frame), MSG_NOSIGNAL),
+              static_cast<ssize_t>(sizeof(frame)));
+    // The server may answer and close once the frame is whole: nothing more is sent then.
+    if (!text.empty()) {
+      EXPECT_EQ(::send(fd, text.data(), text.size(), MSG_NOSIGNAL),
+                static_cast<ssize_t>(text.size()));
+    }
+  };
+  const auto answer = [fd] {
+    uint32_t head[3] = {0, 0, 0};
+    EXPECT_EQ(::recv(fd, head, sizeof(head), MSG_WAITALL), static_cast<ssize_t>(sizeof(head)));
+    std::string message(head[2], '\0');
+    if (head[2] > 0) ::recv(fd, message.data(), message.size(), MSG_WAITALL);
+    return head[1];
+  };
+  send_frame(3, SnapshotShardToJson(shard));
+  uint32_t code = answer();
+  EXPECT_EQ(code, 0u);
+  char byte = 0;
+  iovec io{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr message{};
+  message.msg_iov = &io;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof(control);
+  EXPECT_EQ(::recvmsg(fd, &message, MSG_CMSG_CLOEXEC), 1);
+  int buffer = -1;
+  std::memcpy(&buffer, CMSG_DATA(CMSG_FIRSTHDR(&message)), sizeof(int));
+  EXPECT_EQ(::pwrite(buffer, bytes.data(), written, 0), static_cast<ssize_t>(written));
+  ::close(buffer);
+  if (done) {
+    send_frame(4, "");
+    code = answer();
+  }
+  ::close(fd);
+  return code;
+}
+
+// A pusher on this host cut off before it said it was done leaves nothing kept, and its buffer
+// is lent again; one that says it is done with bytes that do not check is refused.
+TEST(SnapshotPeerTest, ASameHostPushCutOffOrWrongIsNeverKept) {
+  auto peer = std::make_unique<Peer>();
+  const std::vector<char> bytes = Bytes(kCheckpointBlockBytes + 5000, 6);
+  const std::string address = peer->server->address();
+  const SnapshotShard torn = Shard(5, 40, 0, 2, bytes);
+  PushByHand(address, torn, bytes, bytes.size() / 2, /*done=*/false);
+  const SnapshotShard short_one = Shard(5, 50, 0, 2, bytes);
+  EXPECT_EQ(PushByHand(address, short_one, bytes, bytes.size() - 1, /*done=*/true),
+            static_cast<uint32_t>(absl::StatusCode::kDataLoss));
+  const SnapshotShard whole = Shard(5, 60, 0, 2, bytes);
+  EXPECT_EQ(PushByHand(address, whole, bytes, bytes.size(), /*done=*/true), 0u);
+  SnapshotStore& store = peer->store;
+  peer->server.reset();  // waits for every connection it serves
+  EXPECT_FALSE(store.Find(torn.id, 0).has_value());
+  EXPECT_FALSE(store.Find(short_one.id, 0).has_value());
+  ASSERT_TRUE(store.Find(whole.id, 0).has_value());
+  EXPECT_EQ(Copy(store.Find(whole.id, 0)->bytes), bytes);
+  absl::MutexLock lock(&peer->mu);
+  ASSERT_EQ(peer->replicas.size(), 1u);
+  EXPECT_EQ(peer->replicas[0].id, whole.id);
 }
 
 TEST(SnapshotPeerTest, CallsEndWhenCancelledOrWhenTheirDeadlinePasses) {
@@ -318,7 +466,7 @@ std::vector<int> NiceOfReplicationThreads() {
   };
   callbacks.on_push_failed = [](const SnapshotShard&, const std::string&,
                                 const absl::Status& why) { ADD_FAILURE() << why; };
-  Snapshotter snapshotter(&own_store, {buddy->address()}, callbacks);
+  Snapshotter snapshotter(&own_store, {buddy->address()}, /*same_host_buffers=*/true, callbacks);
   const std::vector<char> bytes = Bytes(4097, 3);
   SHARD_EXPECT_OK(snapshotter.Start(Shard(1, 10, 0, 2, bytes), Shared(bytes), nullptr));
   SHARD_EXPECT_OK(snapshotter.WaitIdle(nullptr));
@@ -371,7 +519,7 @@ TEST(SnapshotFetchTest, ARangeIsReadFromTheOwnStoreOrTheFirstHolderThatServesItA
       SnapshotShards(shard0.id, holders, &own, absl::Seconds(10), nullptr, nullptr);
   SHARD_ASSERT_OK(storage->Read(1, 0, read.size(), read.data()));
   EXPECT_EQ(read, bytes1);
-  const_cast<std::vector<char>&>(*own.Find(shard1.id, 1)->bytes)[12] ^= 1;
+  const_cast<char*>(own.Find(shard1.id, 1)->bytes.data())[12] ^= 1;
   CheckpointManifest manifest = ManifestOf({shard0, shard1});
   manifest.tensors[0].pieces[0].shard = 1;
   std::vector<std::vector<SnapshotHolderAddress>> only_mine = {holders[0], {}};
@@ -407,8 +555,8 @@ TEST(SnapshotFetchTest, ACopyThatFailsItsChecksumsIsRefusedAndTheNextHolderRead)
   SHARD_ASSERT_OK(PushSnapshotShard(flipped.server->address(), shard, bytes, PeerCallOptions{}));
   ::unsetenv("SHARD_CORRUPT_REPLICAS");
   SHARD_ASSERT_OK(PushSnapshotShard(good.server->address(), shard, bytes, PeerCallOptions{}));
-  ASSERT_NE(*flipped.store.Find(shard.id, 0)->bytes, bytes);
-  ASSERT_EQ(*good.store.Find(shard.id, 0)->bytes, bytes);
+  ASSERT_NE(Copy(flipped.store.Find(shard.id, 0)->bytes), bytes);
+  ASSERT_EQ(Copy(good.store.Find(shard.id, 0)->bytes), bytes);
 
   const std::vector<std::vector<SnapshotHolderAddress>> holders = {
       {{"w1", flipped.server->address()}, {"w2", good.server->address()}}};

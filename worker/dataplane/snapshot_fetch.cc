@@ -40,8 +40,8 @@ class SnapshotShardStorage : public ShardStorage {
   absl::Status Read(int shard, uint64_t offset, uint64_t bytes, char* out) override {
     if (local_ != nullptr && !Refused(shard, kLocal)) {
       if (std::optional<SnapshotStore::Held> held = local_->Find(id_, shard);
-          held.has_value() && offset + bytes <= held->bytes->size()) {
-        std::memcpy(out, held->bytes->data() + offset, bytes);
+          held.has_value() && offset + bytes <= held->bytes.size()) {
+        std::memcpy(out, held->bytes.data() + offset, bytes);
         Count(bytes, false);
         Served(shard, kLocal);
         return absl::OkStatus();

@@ -5,15 +5,19 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <list>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -30,6 +34,13 @@ constexpr uint32_t kRequestMagic = 0x51524853;   // "SHRQ"
 constexpr uint32_t kResponseMagic = 0x53524853;  // "SHRS"
 constexpr uint32_t kFetch = 1;
 constexpr uint32_t kPush = 2;
+// A push from this host: the server lends a shared buffer, the pusher writes it and says kWritten.
+constexpr uint32_t kHandover = 3;
+constexpr uint32_t kWritten = 4;
+// Free shared buffers a server keeps for the next pushes from this host.
+constexpr size_t kFreeSharedBuffers = 4;
+// Lent buffers a pusher keeps mapped: a buddy keeps two snapshots and lends a third.
+constexpr size_t kMappedLentBuffers = 4;
 constexpr uint32_t kMaxHeaderBytes = 16 << 20;  // a shard's description: its block checksums
 // How often a blocked call looks at its cancel flag.
 constexpr absl::Duration kPollSlice = absl::Milliseconds(100);
@@ -40,16 +51,16 @@ absl::Status ErrnoStatus(absl::string_view what, int err) {
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(err)));
 }
 
-// A socket closed when it goes out of scope.
-class Socket {
+// A socket or file descriptor, closed when it goes out of scope.
+class Descriptor {
  public:
-  explicit Socket(int fd = -1) : fd_(fd) {}
-  Socket(Socket&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
-  Socket& operator=(Socket&& other) noexcept {
+  explicit Descriptor(int fd = -1) : fd_(fd) {}
+  Descriptor(Descriptor&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  Descriptor& operator=(Descriptor&& other) noexcept {
     std::swap(fd_, other.fd_);
     return *this;
   }
-  ~Socket() {
+  ~Descriptor() {
     if (fd_ >= 0) ::close(fd_);
   }
   int get() const { return fd_; }
@@ -160,7 +171,7 @@ absl::StatusOr<std::pair<std::string, std::string>> SplitAddress(const std::stri
   return std::make_pair(host, address.substr(colon + 1));
 }
 
-absl::StatusOr<Socket> Connect(const std::string& address, const Limit& limit) {
+absl::StatusOr<Descriptor> Connect(const std::string& address, const Limit& limit) {
   SHARD_ASSIGN_OR_RETURN(const auto host_port, SplitAddress(address));
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -174,7 +185,7 @@ absl::StatusOr<Socket> Connect(const std::string& address, const Limit& limit) {
   }
   absl::Status last = absl::UnavailableError(absl::StrCat(limit.what, ": no address"));
   for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    Socket socket(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    Descriptor socket(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
     if (socket.get() < 0) {
       last = ErrnoStatus(limit.what, errno);
       continue;
@@ -203,6 +214,99 @@ absl::StatusOr<Socket> Connect(const std::string& address, const Limit& limit) {
   return last;
 }
 
+// The abstract Unix socket of the server at `address`, and its length: per network namespace,
+// so only a process on the same host can reach it. None when the name does not fit.
+std::optional<std::pair<sockaddr_un, socklen_t>> LocalAddress(const std::string& address) {
+  sockaddr_un local{};
+  local.sun_family = AF_UNIX;
+  const std::string name = absl::StrCat("shard-snapshot ", address);
+  if (name.size() + 1 > sizeof(local.sun_path)) return std::nullopt;
+  std::memcpy(local.sun_path + 1, name.data(), name.size());  // sun_path[0] == 0: abstract
+  return std::make_pair(local,
+                        static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size()));
+}
+
+// Listens on the abstract Unix socket of the server at `address`; -1 if it cannot (the name too
+// long): pushes from this host then come over TCP.
+int ListenLocal(const std::string& address) {
+  const auto local = LocalAddress(address);
+  if (!local.has_value()) return -1;
+  Descriptor socket(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (socket.get() < 0 ||
+      ::bind(socket.get(), reinterpret_cast<const sockaddr*>(&local->first), local->second) != 0 ||
+      ::listen(socket.get(), 64) != 0) {
+    return -1;
+  }
+  return socket.release();
+}
+
+// A connection to the server at `address` through its abstract Unix socket, if it listens in
+// this network namespace.
+std::optional<Descriptor> ConnectLocal(const std::string& address) {
+  const auto local = LocalAddress(address);
+  if (!local.has_value()) return std::nullopt;
+  Descriptor socket(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (socket.get() < 0 ||
+      ::connect(socket.get(), reinterpret_cast<const sockaddr*>(&local->first), local->second) !=
+          0) {
+    return std::nullopt;  // none here (another host), or its backlog is full: TCP then
+  }
+  return socket;
+}
+
+// Passes descriptor `passed` over the Unix socket `fd`, with one byte.
+absl::Status SendDescriptor(int fd, int passed, const Limit& limit) {
+  char byte = 0;
+  iovec io{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr message{};
+  message.msg_iov = &io;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof(control);
+  cmsghdr* header = CMSG_FIRSTHDR(&message);
+  header->cmsg_level = SOL_SOCKET;
+  header->cmsg_type = SCM_RIGHTS;
+  header->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(header), &passed, sizeof(int));
+  while (true) {
+    if (::sendmsg(fd, &message, MSG_NOSIGNAL) == 1) return absl::OkStatus();
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoStatus(limit.what, errno);
+    SHARD_RETURN_IF_ERROR(WaitReady(fd, POLLOUT, limit));
+  }
+}
+
+// The descriptor passed over the Unix socket `fd` with one byte.
+absl::StatusOr<Descriptor> RecvDescriptor(int fd, const Limit& limit) {
+  char byte = 0;
+  iovec io{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr message{};
+  message.msg_iov = &io;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof(control);
+  while (true) {
+    const ssize_t n = ::recvmsg(fd, &message, MSG_CMSG_CLOEXEC);
+    if (n == 1) break;
+    if (n == 0) {
+      return absl::UnavailableError(absl::StrCat(limit.what, ": the peer closed the connection"));
+    }
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoStatus(limit.what, errno);
+    SHARD_RETURN_IF_ERROR(WaitReady(fd, POLLIN, limit));
+  }
+  const cmsghdr* header = CMSG_FIRSTHDR(&message);
+  if (header == nullptr || header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS ||
+      header->cmsg_len != CMSG_LEN(sizeof(int))) {
+    return absl::InvalidArgumentError(absl::StrCat(limit.what, ": no buffer came with the answer"));
+  }
+  int passed = -1;
+  std::memcpy(&passed, CMSG_DATA(header), sizeof(int));
+  return Descriptor(passed);
+}
+
 absl::Status StatusFromWire(uint32_t code, const std::string& message) {
   if (code == 0) return absl::OkStatus();
   const auto status_code = code <= static_cast<uint32_t>(absl::StatusCode::kUnauthenticated)
@@ -212,6 +316,97 @@ absl::Status StatusFromWire(uint32_t code, const std::string& message) {
 }
 
 }  // namespace
+
+// A server's shared buffers: memory files it lends to pushers on this host, kept as replicas,
+// and returned here when the store drops them.
+class SharedBufferPool {
+ public:
+  struct Buffer {
+    Buffer(Descriptor file, char* base, uint64_t bytes)
+        : file(std::move(file)), base(base), bytes(bytes) {}
+    ~Buffer() { ::munmap(base, bytes); }
+    Descriptor file;
+    char* base;
+    uint64_t bytes;
+  };
+
+  // A free buffer with room for `bytes`, or a new one with 1/16 to spare (a plan rebuilt after
+  // the first step moves the ranges a little), its pages mapped.
+  absl::StatusOr<std::unique_ptr<Buffer>> Lend(uint64_t bytes) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto fits = free_.end();
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if ((*it)->bytes >= bytes && (fits == free_.end() || (*it)->bytes < (*fits)->bytes)) {
+          fits = it;
+        }
+      }
+      if (fits != free_.end()) {
+        std::unique_ptr<Buffer> buffer = std::move(*fits);
+        free_.erase(fits);
+        return buffer;
+      }
+    }
+    const uint64_t size = std::max<uint64_t>(bytes + bytes / 16, 1);
+    Descriptor file(::memfd_create("shard-snapshot", MFD_CLOEXEC));
+    if (file.get() < 0 || ::ftruncate(file.get(), static_cast<off_t>(size)) != 0) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot make a shared buffer of ", size, " bytes: ", std::strerror(errno)));
+    }
+    void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
+                        file.get(), 0);
+    if (base == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot map a shared buffer of ", size, " bytes: ", std::strerror(errno)));
+    }
+    return std::make_unique<Buffer>(std::move(file), static_cast<char*>(base), size);
+  }
+
+  // A buffer nobody writes or reads any more, for the next push.
+  void Return(std::unique_ptr<Buffer> buffer) {
+    absl::MutexLock lock(&mu_);
+    if (free_.size() < kFreeSharedBuffers) free_.push_back(std::move(buffer));
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<Buffer>> free_ ABSL_GUARDED_BY(mu_);
+};
+
+LentBuffers::~LentBuffers() {
+  for (const Mapping& mapping : mappings_) ::munmap(mapping.base, mapping.bytes);
+}
+
+absl::StatusOr<char*> LentBuffers::Map(int fd, uint64_t bytes) {
+  struct stat file{};
+  if (::fstat(fd, &file) != 0) return ErrnoStatus("a lent buffer", errno);
+  const auto size = static_cast<uint64_t>(file.st_size);
+  if (size < bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the lent buffer has ", size, " bytes, not room for ", bytes));
+  }
+  ++uses_;
+  for (Mapping& mapping : mappings_) {
+    // A mapped buffer is alive, so no other buffer has its inode number.
+    if (mapping.device == file.st_dev && mapping.inode == file.st_ino && mapping.bytes == size) {
+      mapping.last_used = uses_;
+      return mapping.base;
+    }
+  }
+  void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) return ErrnoStatus("mapping a lent buffer", errno);
+  if (mappings_.size() >= kMappedLentBuffers) {
+    auto oldest = std::min_element(
+        mappings_.begin(), mappings_.end(),
+        [](const Mapping& a, const Mapping& b) { return a.last_used < b.last_used; });
+    ::munmap(oldest->base, oldest->bytes);
+    mappings_.erase(oldest);
+  }
+  mappings_.push_back(Mapping{static_cast<uint64_t>(file.st_dev),
+                              static_cast<uint64_t>(file.st_ino), static_cast<char*>(base), size,
+                              uses_});
+  return static_cast<char*>(base);
+}
 
 void YieldToTraining() {
   const id_t thread = static_cast<id_t>(::syscall(SYS_gettid));
@@ -247,7 +442,7 @@ absl::StatusOr<std::unique_ptr<SnapshotServer>> SnapshotServer::Start(const std:
   }
   absl::Status last = absl::UnavailableError("no address to listen on");
   for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    Socket socket(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    Descriptor socket(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
     if (socket.get() < 0) {
       last = ErrnoStatus("snapshot server socket", errno);
       continue;
@@ -266,8 +461,9 @@ absl::StatusOr<std::unique_ptr<SnapshotServer>> SnapshotServer::Start(const std:
     ::freeaddrinfo(found);
     const std::string shown = host.find(':') != std::string::npos ? absl::StrCat("[", host, "]")
                                                                    : host;
+    const std::string address = absl::StrCat(shown, ":", bound_port);
     std::unique_ptr<SnapshotServer> server(new SnapshotServer(
-        absl::StrCat(shown, ":", bound_port), socket.release(), store, std::move(on_replica)));
+        address, socket.release(), ListenLocal(address), store, std::move(on_replica)));
     server->accept_thread_ = std::thread([s = server.get()] { s->AcceptLoop(); });
     return server;
   }
@@ -275,10 +471,12 @@ absl::StatusOr<std::unique_ptr<SnapshotServer>> SnapshotServer::Start(const std:
   return last;
 }
 
-SnapshotServer::SnapshotServer(std::string address, int listen_fd, SnapshotStore* store,
-                               ReplicaCallback on_replica)
+SnapshotServer::SnapshotServer(std::string address, int listen_fd, int local_listen_fd,
+                               SnapshotStore* store, ReplicaCallback on_replica)
     : address_(std::move(address)),
       listen_fd_(listen_fd),
+      local_listen_fd_(local_listen_fd),
+      pool_(std::make_shared<SharedBufferPool>()),
       store_(store),
       on_replica_(std::move(on_replica)) {}
 
@@ -286,6 +484,7 @@ SnapshotServer::~SnapshotServer() {
   stopping_ = true;
   accept_thread_.join();
   ::close(listen_fd_);
+  if (local_listen_fd_ >= 0) ::close(local_listen_fd_);
   std::list<Connection> connections;
   {
     absl::MutexLock lock(&mu_);
@@ -308,9 +507,13 @@ void SnapshotServer::ReapLocked() {
 
 void SnapshotServer::AcceptLoop() {
   while (!stopping_) {
-    pollfd p{listen_fd_, POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(kPollSlice))) <= 0) continue;
-    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {local_listen_fd_, POLLIN, 0}};
+    const nfds_t listening = local_listen_fd_ >= 0 ? 2 : 1;
+    if (::poll(p, listening, static_cast<int>(absl::ToInt64Milliseconds(kPollSlice))) <= 0) {
+      continue;
+    }
+    const int fd = ::accept4((p[0].revents & POLLIN) != 0 ? listen_fd_ : local_listen_fd_,
+                             nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
     SetSocketOptions(fd);
     absl::MutexLock lock(&mu_);
@@ -366,25 +569,29 @@ void SnapshotServer::Serve(int fd) {
                                              id, " (any more)")));
       return;
     }
-    if (offset > held->bytes->size() || bytes > held->bytes->size() - offset) {
+    if (offset > held->bytes.size() || bytes > held->bytes.size() - offset) {
       reply(absl::OutOfRangeError(absl::StrCat("bytes [", offset, ", ", offset + bytes,
                                                ") are past the end of rank ", rank,
-                                               "'s shard of ", id, " (", held->bytes->size(),
+                                               "'s shard of ", id, " (", held->bytes.size(),
                                                " bytes)")));
       return;
     }
     limit.deadline = absl::Now() + TransferTimeout(bytes, kHeaderTimeout);
     reply(absl::OkStatus());
-    (void)SendAll(fd, held->bytes->data() + offset, bytes, limit);
+    (void)SendAll(fd, held->bytes.data() + offset, bytes, limit);
     return;
   }
-  if (kind_head[1] != kPush) {
+  if (kind_head[1] != kPush && kind_head[1] != kHandover) {
     reply(absl::InvalidArgumentError(absl::StrCat("unknown request kind ", kind_head[1])));
     return;
   }
   absl::StatusOr<SnapshotShard> shard = SnapshotShardFromJson(header);
   if (!shard.ok()) {
     reply(shard.status());
+    return;
+  }
+  if (kind_head[1] == kHandover) {
+    TakeHandover(fd, *shard);
     return;
   }
   // Received and hashed a piece at a time, the hash reading what the receive just brought into
@@ -419,6 +626,70 @@ void SnapshotServer::Serve(int fd) {
   reply(absl::OkStatus());
 }
 
+void SnapshotServer::TakeHandover(int fd, const SnapshotShard& shard) {
+  const uint64_t total = shard.record.bytes;
+  const std::string what = absl::StrCat("taking rank ", shard.rank, "'s shard of snapshot ",
+                                        shard.id, " from this host");
+  Limit limit{absl::Now() + kHeaderTimeout, nullptr, what.c_str()};
+  const auto reply = [&](const absl::Status& status) {
+    (void)SendFrame(fd, kResponseMagic, static_cast<uint32_t>(status.code()),
+                    std::string(status.message()), limit);
+  };
+  ucred peer{};
+  socklen_t length = sizeof(peer);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0 || peer.uid != ::geteuid()) {
+    reply(absl::PermissionDeniedError(
+        absl::StrCat(what, ": only a process of this worker's user may write its memory")));
+    return;
+  }
+  absl::StatusOr<std::unique_ptr<SharedBufferPool::Buffer>> lent = pool_->Lend(total);
+  if (!lent.ok()) {
+    reply(lent.status());  // the pusher sends over TCP instead
+    return;
+  }
+  reply(absl::OkStatus());
+  if (!SendDescriptor(fd, (*lent)->file.get(), limit).ok()) {
+    pool_->Return(std::move(*lent));  // never reached the pusher
+    return;
+  }
+  limit.deadline = absl::Now() + TransferTimeout(total, kHeaderTimeout);
+  const absl::StatusOr<std::pair<uint32_t, std::string>> written =
+      RecvFrame(fd, kRequestMagic, limit);
+  if (!written.ok() || written->first != kWritten) {
+    // A pusher that closed the connection writes no more: the buffer can be lent again. One
+    // that ran past the deadline might still be writing: the buffer is freed (its pages live
+    // until the pusher unmaps them) and nothing of this push is kept.
+    if (!absl::IsDeadlineExceeded(written.status())) pool_->Return(std::move(*lent));
+    return;
+  }
+  char* bytes = (*lent)->base;
+  ShardHasher hasher;
+  hasher.Append(bytes, total);
+  ShardRecord record = hasher.Finish(shard.record.file, shard.rank);
+  record.extras = shard.record.extras;  // where the bytes belong, which hashing cannot tell
+  if (record != shard.record) {
+    pool_->Return(std::move(*lent));
+    reply(absl::DataLossError(absl::StrCat("rank ", shard.rank, "'s shard of snapshot ", shard.id,
+                                           " was written at ", address_,
+                                           " with other checksums than it was sent with")));
+    return;
+  }
+  CorruptReplicaIfAsked(bytes, total,
+                        absl::StrCat("rank ", shard.rank, "'s shard of snapshot ", shard.id,
+                                     ", kept at ", address_, " for a buddy"));
+  // Dropped by the store and no longer read: back to the pool, if the server is still there.
+  std::shared_ptr<const void> keep(
+      lent->release(), [pool = std::weak_ptr<SharedBufferPool>(pool_)](
+                           SharedBufferPool::Buffer* buffer) {
+        std::unique_ptr<SharedBufferPool::Buffer> owned(buffer);
+        if (std::shared_ptr<SharedBufferPool> alive = pool.lock()) alive->Return(std::move(owned));
+      });
+  const std::vector<std::string> dropped =
+      store_->Add(shard, absl::Span<const char>(bytes, total), std::move(keep));
+  if (on_replica_) on_replica_(shard, dropped);
+  reply(absl::OkStatus());
+}
+
 // --- Calls -------------------------------------------------------------------------------------
 
 absl::Status PushSnapshotShard(const std::string& address, const SnapshotShard& shard,
@@ -431,9 +702,30 @@ absl::Status PushSnapshotShard(const std::string& address, const SnapshotShard& 
                                                    " bytes for a record of ",
                                                    shard.record.bytes));
   }
-  SHARD_ASSIGN_OR_RETURN(Socket socket, Connect(address, limit));
-  SHARD_RETURN_IF_ERROR(
-      SendFrame(socket.get(), kRequestMagic, kPush, SnapshotShardToJson(shard), limit));
+  const std::string header = SnapshotShardToJson(shard);
+  if (std::optional<Descriptor> local =
+          options.lent != nullptr ? ConnectLocal(address) : std::nullopt;
+      local.has_value()) {
+    SHARD_RETURN_IF_ERROR(SendFrame(local->get(), kRequestMagic, kHandover, header, limit));
+    SHARD_ASSIGN_OR_RETURN(const auto lent, RecvFrame(local->get(), kResponseMagic, limit));
+    const absl::Status lending = StatusFromWire(lent.first, lent.second);
+    // A buddy with no room to lend, or that will not lend to this process's user, takes the
+    // bytes over TCP.
+    if (!absl::IsResourceExhausted(lending) && !absl::IsPermissionDenied(lending)) {
+      SHARD_RETURN_IF_ERROR(lending);
+      SHARD_ASSIGN_OR_RETURN(const Descriptor file, RecvDescriptor(local->get(), limit));
+      SHARD_ASSIGN_OR_RETURN(char* buffer, options.lent->Map(file.get(), bytes.size()));
+      const uint64_t half = bytes.size() / 2;
+      std::memcpy(buffer, bytes.data(), half);
+      FaultPoint("snapshot-push-midway");
+      std::memcpy(buffer + half, bytes.data() + half, bytes.size() - half);
+      SHARD_RETURN_IF_ERROR(SendFrame(local->get(), kRequestMagic, kWritten, "", limit));
+      SHARD_ASSIGN_OR_RETURN(const auto answer, RecvFrame(local->get(), kResponseMagic, limit));
+      return StatusFromWire(answer.first, answer.second);
+    }
+  }
+  SHARD_ASSIGN_OR_RETURN(Descriptor socket, Connect(address, limit));
+  SHARD_RETURN_IF_ERROR(SendFrame(socket.get(), kRequestMagic, kPush, header, limit));
   const uint64_t half = bytes.size() / 2;
   SHARD_RETURN_IF_ERROR(SendAll(socket.get(), bytes.data(), half, limit));
   FaultPoint("snapshot-push-midway");
@@ -449,7 +741,7 @@ absl::Status FetchSnapshotRange(const std::string& address, const std::string& i
                                         ") of rank ", rank, "'s shard of snapshot ", id,
                                         " from ", address);
   const Limit limit{absl::Now() + options.timeout, options.cancel, what.c_str()};
-  SHARD_ASSIGN_OR_RETURN(Socket socket, Connect(address, limit));
+  SHARD_ASSIGN_OR_RETURN(Descriptor socket, Connect(address, limit));
   const nlohmann::json request = {{"id", id}, {"rank", rank}, {"offset", offset},
                                   {"bytes", bytes}};
   SHARD_RETURN_IF_ERROR(SendFrame(socket.get(), kRequestMagic, kFetch, request.dump(), limit));
@@ -467,7 +759,7 @@ std::vector<ConnectProbe> ProbeConnect(const std::vector<std::string>& addresses
     threads.emplace_back([&, i] {
       const std::string what = absl::StrCat("connecting to ", addresses[i]);
       const Limit limit{start + options.timeout, options.cancel, what.c_str()};
-      absl::StatusOr<Socket> socket = Connect(addresses[i], limit);
+      absl::StatusOr<Descriptor> socket = Connect(addresses[i], limit);
       probes[i].took = absl::Now() - start;
       probes[i].reachable = socket.ok();
       if (!socket.ok()) probes[i].detail = std::string(socket.status().message());

@@ -1,16 +1,28 @@
-// Snapshot shards between workers, over TCP and without the coordinator: a worker's
-// SnapshotServer serves byte ranges of the shards its SnapshotStore holds and takes the replicas
-// its buddies push to it; PushSnapshotShard and FetchSnapshotRange are the two calls.
+// Snapshot shards between workers, without the coordinator: a worker's SnapshotServer serves
+// byte ranges of the shards its SnapshotStore holds and takes the replicas its buddies push to
+// it; PushSnapshotShard and FetchSnapshotRange are the two calls.
 //
-// One request per connection: [u32 magic][u32 kind][u32 header bytes][header][payload],
-// answered by [u32 magic][u32 status code][u32 message bytes][message][payload]; the header is
-// JSON (a push's is the shard's description, common/snapshot.h). A pushed replica is checked
-// against its checksums before it is kept and before the pusher hears back, so a push cut off
-// half-way (a killed sender, a broken connection) leaves nothing behind, and an answered push is
-// held. Every call and every connection the server serves has a deadline, and a call can be
+// Over TCP, one request per connection: [u32 magic][u32 kind][u32 header bytes][header]
+// [payload], answered by [u32 magic][u32 status code][u32 message bytes][message][payload]; the
+// header is JSON (a push's is the shard's description, common/snapshot.h). A pushed replica is
+// checked against its checksums before it is kept and before the pusher hears back, so a push cut
+// off half-way (a killed sender, a broken connection) leaves nothing behind, and an answered push
+// is held. Every call and every connection the server serves has a deadline, and a call can be
 // cancelled (a generation that ends). Like the Gloo data path, these connections are neither
 // encrypted nor authenticated: they carry the job's state between its own workers, on the network
 // their collectives use (--host).
+//
+// On the same host a push copies its bytes once, into memory the receiver keeps. The server also
+// listens on an abstract Unix socket named after its address, which only a process in the same
+// network namespace (so on the same host) can reach; a push that reaches it asks for a buffer
+// there, in the same frames. The server lends one of its shared buffers (a memory file passed as
+// a descriptor); the pusher maps it (once: LentBuffers keeps it mapped, and the server lends the
+// same few buffers again and again), copies its bytes in and says so; the server checks the
+// checksums and keeps the buffer as the replica. When the store drops that replica the buffer goes
+// back to the server's pool. Nothing is named in /dev/shm, so nothing outlives the workers. Only a
+// process of the server's user may push this way. A pusher cut off before it said it was done
+// leaves nothing kept, as over TCP; a buffer whose pusher ran past the deadline is not lent again
+// (the pusher might still write to it).
 #pragma once
 
 #include <atomic>
@@ -30,9 +42,37 @@
 
 namespace shard {
 
+// The buffers buddies on this host lent a pusher, mapped once and reused. One pusher thread.
+class LentBuffers {
+ public:
+  LentBuffers() = default;
+  ~LentBuffers();
+  LentBuffers(const LentBuffers&) = delete;
+  LentBuffers& operator=(const LentBuffers&) = delete;
+
+  // The lent buffer `fd` refers to, mapped, with room for `bytes`.
+  absl::StatusOr<char*> Map(int fd, uint64_t bytes);
+
+ private:
+  struct Mapping {
+    uint64_t device = 0;
+    uint64_t inode = 0;
+    char* base = nullptr;
+    uint64_t bytes = 0;
+    uint64_t last_used = 0;
+  };
+  std::vector<Mapping> mappings_;
+  uint64_t uses_ = 0;
+};
+
+class SharedBufferPool;
+
 struct PeerCallOptions {
   absl::Duration timeout = absl::Seconds(60);  // for the whole call
   const std::atomic<bool>* cancel = nullptr;   // set: the call ends with Cancelled
+  // Set: a push to a server on this host copies into a buffer it lends (above), mapped through
+  // these; null: over TCP always, as across hosts.
+  LentBuffers* lent = nullptr;
 };
 
 // Lowers the calling thread's priority to kBackgroundNice (a thread already lower keeps its
@@ -65,7 +105,7 @@ class SnapshotServer {
   const std::string& address() const { return address_; }
 
  private:
-  SnapshotServer(std::string address, int listen_fd, SnapshotStore* store,
+  SnapshotServer(std::string address, int listen_fd, int local_listen_fd, SnapshotStore* store,
                  ReplicaCallback on_replica);
   // A connection being served, on its own thread.
   struct Connection {
@@ -76,11 +116,16 @@ class SnapshotServer {
 
   void AcceptLoop();
   void Serve(int fd);
+  // A push from this host on `fd` (the shard's description `shard`): lends it a buffer, and
+  // keeps the buffer as the replica once the pusher wrote it and it checks.
+  void TakeHandover(int fd, const SnapshotShard& shard);
   // Joins the threads of connections that are done.
   void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string address_;
   const int listen_fd_;
+  const int local_listen_fd_;  // the abstract Unix socket, or -1 (its name too long)
+  const std::shared_ptr<SharedBufferPool> pool_;  // the buffers lent to pushers on this host
   SnapshotStore* const store_;
   const ReplicaCallback on_replica_;
   std::atomic<bool> stopping_{false};

@@ -91,17 +91,29 @@ void SnapshotStore::RecycleLocked(SnapshotBytes bytes) {
 }
 
 std::vector<std::string> SnapshotStore::Add(SnapshotShard shard, SnapshotBytes bytes) {
+  const absl::Span<const char> span(bytes->data(), bytes->size());
   absl::MutexLock lock(&mu_);
+  return AddLocked(std::move(shard), Entry{{}, span, nullptr, std::move(bytes)});
+}
+
+std::vector<std::string> SnapshotStore::Add(SnapshotShard shard, absl::Span<const char> bytes,
+                                            std::shared_ptr<const void> keep) {
+  absl::MutexLock lock(&mu_);
+  return AddLocked(std::move(shard), Entry{{}, bytes, std::move(keep), nullptr});
+}
+
+std::vector<std::string> SnapshotStore::AddLocked(SnapshotShard shard, Entry entry) {
   const std::string id = shard.id;
   const int rank = shard.rank;
-  shards_[{id, rank}] = Entry{std::move(shard), std::move(bytes)};
+  entry.shard = std::move(shard);
+  shards_[{id, rank}] = std::move(entry);
   std::vector<std::string> ids = SnapshotIdsLocked();
   std::vector<std::string> dropped;
   for (size_t i = kept_; i < ids.size(); ++i) {
     dropped.push_back(ids[i]);
     for (auto it = shards_.lower_bound({ids[i], -1});
          it != shards_.end() && it->first.first == ids[i];) {
-      RecycleLocked(std::move(it->second.bytes));
+      if (it->second.buffer != nullptr) RecycleLocked(std::move(it->second.buffer));
       it = shards_.erase(it);
     }
   }
@@ -112,7 +124,9 @@ std::optional<SnapshotStore::Held> SnapshotStore::Find(const std::string& id, in
   absl::ReaderMutexLock lock(&mu_);
   auto it = shards_.find({id, rank});
   if (it == shards_.end()) return std::nullopt;
-  return Held{it->second.shard, it->second.bytes};
+  const Entry& entry = it->second;
+  return Held{entry.shard, entry.bytes,
+              entry.buffer != nullptr ? std::shared_ptr<const void>(entry.buffer) : entry.keep};
 }
 
 std::vector<SnapshotShard> SnapshotStore::Holdings() const {
@@ -130,7 +144,7 @@ std::vector<SnapshotShard> SnapshotStore::Holdings() const {
 uint64_t SnapshotStore::held_bytes() const {
   absl::ReaderMutexLock lock(&mu_);
   uint64_t total = 0;
-  for (const auto& [key, entry] : shards_) total += entry.bytes->size();
+  for (const auto& [key, entry] : shards_) total += entry.bytes.size();
   return total;
 }
 

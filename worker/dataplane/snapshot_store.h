@@ -3,7 +3,9 @@
 // the worker process), so a new world can read from it whatever generation took a snapshot.
 //
 // A shard enters complete and verified and never changes; a reader keeps its bytes alive while it
-// reads. Keeping only the `kept` newest snapshots bounds the memory to about `kept` + 1 times
+// reads. Its bytes are one of the store's buffers, or, for a replica from a worker on this host,
+// the shared buffer the snapshot server lent that worker (worker/dataplane/snapshot_peer.h).
+// Keeping only the `kept` newest snapshots bounds the memory to about `kept` + 1 times
 // (1 + replicas) the rank's share of the job's state. Buffers of dropped shards are handed out
 // again for the next snapshots: a snapshot buffer is as large as the rank's share of the state,
 // and mapping a fresh one each time would cost a page fault per 4 KiB page in the training pause.
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
 #include "common/snapshot.h"
 
@@ -31,7 +34,8 @@ class SnapshotStore {
  public:
   struct Held {
     SnapshotShard shard;
-    std::shared_ptr<const std::vector<char>> bytes;
+    absl::Span<const char> bytes;
+    std::shared_ptr<const void> keep;  // keeps `bytes` alive
   };
 
   explicit SnapshotStore(int kept_snapshots = 2) : kept_(kept_snapshots) {}
@@ -53,6 +57,10 @@ class SnapshotStore {
   // it no longer holds any shard of. A shard of a snapshot older than those kept is not added
   // (and its own id is returned).
   std::vector<std::string> Add(SnapshotShard shard, SnapshotBytes bytes);
+  // The same for bytes that are not one of this store's buffers (a shared buffer a worker on
+  // this host wrote), kept alive by `keep` until the shard is dropped and no reader holds it.
+  std::vector<std::string> Add(SnapshotShard shard, absl::Span<const char> bytes,
+                               std::shared_ptr<const void> keep);
   std::optional<Held> Find(const std::string& id, int rank) const;
   // Every shard held, newest snapshot first.
   std::vector<SnapshotShard> Holdings() const;
@@ -62,8 +70,12 @@ class SnapshotStore {
   using Key = std::pair<std::string, int>;  // snapshot id, rank
   struct Entry {
     SnapshotShard shard;
-    SnapshotBytes bytes;
+    absl::Span<const char> bytes;
+    std::shared_ptr<const void> keep;
+    SnapshotBytes buffer;  // one of this store's buffers (handed out again once dropped), or null
   };
+  std::vector<std::string> AddLocked(SnapshotShard shard, Entry entry)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The kept snapshots' ids, newest first.
   std::vector<std::string> SnapshotIdsLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void RecycleLocked(SnapshotBytes bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

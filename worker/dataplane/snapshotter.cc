@@ -13,9 +13,11 @@ constexpr absl::Duration kAbortPoll = absl::Milliseconds(50);
 }  // namespace
 
 Snapshotter::Snapshotter(SnapshotStore* store, std::vector<std::string> buddies,
-                         Callbacks callbacks, absl::Duration push_timeout_floor)
+                         bool same_host_buffers, Callbacks callbacks,
+                         absl::Duration push_timeout_floor)
     : store_(store),
       buddies_(std::move(buddies)),
+      same_host_buffers_(same_host_buffers),
       callbacks_(std::move(callbacks)),
       push_timeout_floor_(push_timeout_floor),
       thread_([this] { Loop(); }) {}
@@ -97,6 +99,7 @@ void Snapshotter::Loop() {
     PeerCallOptions options;
     options.timeout = TransferTimeout(bytes->size(), push_timeout_floor_);
     options.cancel = &cancel_;
+    options.lent = same_host_buffers_ ? &lent_ : nullptr;
     for (const std::string& buddy : buddies_) {
       if (cancel_) break;
       if (absl::Status pushed = PushSnapshotShard(buddy, shard, *bytes, options);

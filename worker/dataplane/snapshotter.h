@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/snapshot.h"
+#include "worker/dataplane/snapshot_peer.h"
 #include "worker/dataplane/snapshot_store.h"
 
 namespace shard {
@@ -30,9 +31,11 @@ class Snapshotter {
         on_push_failed;
   };
 
-  // `buddies`: the snapshot servers of the ranks that keep this rank's replicas, nearest first.
-  Snapshotter(SnapshotStore* store, std::vector<std::string> buddies, Callbacks callbacks,
-              absl::Duration push_timeout_floor = absl::Seconds(10));
+  // `buddies`: the snapshot servers of the ranks that keep this rank's replicas, nearest first;
+  // `same_host_buffers`: those on this host lend a buffer to copy into (snapshot_peer.h), else
+  // every push goes over TCP.
+  Snapshotter(SnapshotStore* store, std::vector<std::string> buddies, bool same_host_buffers,
+              Callbacks callbacks, absl::Duration push_timeout_floor = absl::Seconds(10));
   // Cancels the pushes in flight and waits for the thread.
   ~Snapshotter();
   Snapshotter(const Snapshotter&) = delete;
@@ -57,6 +60,8 @@ class Snapshotter {
 
   SnapshotStore* const store_;
   const std::vector<std::string> buddies_;
+  const bool same_host_buffers_;
+  LentBuffers lent_;  // the Loop thread's
   const Callbacks callbacks_;
   const absl::Duration push_timeout_floor_;
   std::atomic<bool> cancel_{false};

@@ -151,6 +151,8 @@ struct TrainerOptions {
   // generation, nearest first.
   SnapshotStore* snapshots = nullptr;
   std::vector<std::string> snapshot_buddies;
+  // Replicas for buddies on this host are copied into buffers they lend (snapshot_peer.h).
+  bool snapshot_same_host = true;
   // This training's generation: it names the snapshots, and only its orders count.
   int64_t generation = 0;
   // Appended to checkpoint ids (e.g. "g7"), so that a restored run never reuses an id.
