@@ -254,41 +254,44 @@ std::optional<Descriptor> ConnectLocal(const std::string& address) {
   return socket;
 }
 
-// Passes descriptor `passed` over the Unix socket `fd`, with one byte.
-absl::Status SendDescriptor(int fd, int passed, const Limit& limit) {
+// One byte, with room for one descriptor: the message a lent buffer travels in.
+struct DescriptorMessage {
+  DescriptorMessage() {
+    message.msg_iov = &io;
+    message.msg_iovlen = 1;
+    message.msg_control = control;
+    message.msg_controllen = sizeof(control);
+  }
+  DescriptorMessage(const DescriptorMessage&) = delete;
+  DescriptorMessage& operator=(const DescriptorMessage&) = delete;
+
   char byte = 0;
   iovec io{&byte, 1};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   msghdr message{};
-  message.msg_iov = &io;
-  message.msg_iovlen = 1;
-  message.msg_control = control;
-  message.msg_controllen = sizeof(control);
-  cmsghdr* header = CMSG_FIRSTHDR(&message);
+};
+
+// Passes descriptor `passed` over the Unix socket `fd`.
+absl::Status SendDescriptor(int fd, int passed, const Limit& limit) {
+  DescriptorMessage sent;
+  cmsghdr* header = CMSG_FIRSTHDR(&sent.message);
   header->cmsg_level = SOL_SOCKET;
   header->cmsg_type = SCM_RIGHTS;
   header->cmsg_len = CMSG_LEN(sizeof(int));
   std::memcpy(CMSG_DATA(header), &passed, sizeof(int));
   while (true) {
-    if (::sendmsg(fd, &message, MSG_NOSIGNAL) == 1) return absl::OkStatus();
+    if (::sendmsg(fd, &sent.message, MSG_NOSIGNAL) == 1) return absl::OkStatus();
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoStatus(limit.what, errno);
     SHARD_RETURN_IF_ERROR(WaitReady(fd, POLLOUT, limit));
   }
 }
 
-// The descriptor passed over the Unix socket `fd` with one byte.
+// The descriptor passed over the Unix socket `fd`.
 absl::StatusOr<Descriptor> RecvDescriptor(int fd, const Limit& limit) {
-  char byte = 0;
-  iovec io{&byte, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr message{};
-  message.msg_iov = &io;
-  message.msg_iovlen = 1;
-  message.msg_control = control;
-  message.msg_controllen = sizeof(control);
+  DescriptorMessage received;
   while (true) {
-    const ssize_t n = ::recvmsg(fd, &message, MSG_CMSG_CLOEXEC);
+    const ssize_t n = ::recvmsg(fd, &received.message, MSG_CMSG_CLOEXEC);
     if (n == 1) break;
     if (n == 0) {
       return absl::UnavailableError(absl::StrCat(limit.what, ": the peer closed the connection"));
@@ -297,7 +300,7 @@ absl::StatusOr<Descriptor> RecvDescriptor(int fd, const Limit& limit) {
     if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoStatus(limit.what, errno);
     SHARD_RETURN_IF_ERROR(WaitReady(fd, POLLIN, limit));
   }
-  const cmsghdr* header = CMSG_FIRSTHDR(&message);
+  const cmsghdr* header = CMSG_FIRSTHDR(&received.message);
   if (header == nullptr || header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS ||
       header->cmsg_len != CMSG_LEN(sizeof(int))) {
     return absl::InvalidArgumentError(absl::StrCat(limit.what, ": no buffer came with the answer"));
