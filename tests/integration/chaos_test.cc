@@ -652,10 +652,12 @@ TEST_F(ChaosTest, ASnapshotTornByAKillMidTransferIsNeverUsed) {
   constexpr int kSteps = 600;
   StartCoordinator(WriteJob("job", JobOptions{.world = 4, .min = 3, .steps = kSteps,
                                               .snapshot_every = 10, .replicas = 1}));
-  // Slowed so that each snapshot's replication ends before the next is due: the snapshots are
-  // those of steps 10, 20, 30 (a busy one would be put off to a later step).
+  // Slowed so that each snapshot's replication usually ends before the next is due: the
+  // snapshots are those of steps 10, 20, 30. One still being replicated when the next is due
+  // puts that one off to a later step, never past the next multiple of 10 (a loaded machine
+  // took the second at step 23): the second is in [20, 30), the third in [30, 40).
   std::vector<Process> workers = StartWorkers({"w0", "w1", "w2"}, {}, kSlowSteps);
-  // Its third push (of the snapshot of step 30) dies half-way.
+  // Its third push (of the third snapshot) dies half-way.
   workers.push_back(cluster_->StartWorker(
       "w3", {}, {"SHARD_FAULT=snapshot-push-midway", "SHARD_FAULT_SKIP=2", kSlowSteps[0]}));
   EXPECT_EQ(workers[3].Wait(absl::Seconds(60)), 128 + SIGKILL) << workers[3].Log();
@@ -663,9 +665,10 @@ TEST_F(ChaosTest, ASnapshotTornByAKillMidTransferIsNeverUsed) {
   const std::vector<std::string> restored = EventsOf("restored");
   ASSERT_FALSE(restored.empty());
   const int step = RestoredStep(restored.front());
-  EXPECT_EQ(step, 20) << restored.front() << "\nthe snapshot of step 30 lacks the torn shard";
+  EXPECT_GE(step, 20) << restored.front() << "\nnot the second snapshot";
+  EXPECT_LT(step, 30) << restored.front() << "\nthe third snapshot lacks the torn shard";
   for (const std::string& detail : restored) {
-    EXPECT_FALSE(absl::StrContains(detail, "snapshot step-00000030")) << detail;
+    EXPECT_FALSE(absl::StrContains(detail, "snapshot step-0000003")) << detail;
   }
   EXPECT_EQ(FileBytes(dir_ + "/out/final.safetensors"), ChainReference({{4, step}, {3, kSteps}}));
 }

@@ -35,7 +35,7 @@ constexpr uint32_t kResponseMagic = 0x53524853;  // "SHRS"
 constexpr uint32_t kFetch = 1;
 constexpr uint32_t kPush = 2;
 // A push from this host: the server lends a shared buffer, the pusher writes it and says kWritten.
-constexpr uint32_t kHandover = 3;
+constexpr uint32_t kSameHostPush = 3;
 constexpr uint32_t kWritten = 4;
 // Free shared buffers a server keeps for the next pushes from this host.
 constexpr size_t kFreeSharedBuffers = 4;
@@ -584,7 +584,7 @@ void SnapshotServer::Serve(int fd) {
     (void)SendAll(fd, held->bytes.data() + offset, bytes, limit);
     return;
   }
-  if (kind_head[1] != kPush && kind_head[1] != kHandover) {
+  if (kind_head[1] != kPush && kind_head[1] != kSameHostPush) {
     reply(absl::InvalidArgumentError(absl::StrCat("unknown request kind ", kind_head[1])));
     return;
   }
@@ -593,8 +593,8 @@ void SnapshotServer::Serve(int fd) {
     reply(shard.status());
     return;
   }
-  if (kind_head[1] == kHandover) {
-    TakeHandover(fd, *shard);
+  if (kind_head[1] == kSameHostPush) {
+    TakeSameHostPush(fd, *shard);
     return;
   }
   // Received and hashed a piece at a time, the hash reading what the receive just brought into
@@ -612,24 +612,32 @@ void SnapshotServer::Serve(int fd) {
     hasher.Append(buffer.data() + done, take);
     done += take;
   }
-  ShardRecord record = hasher.Finish(shard->record.file, shard->rank);
-  record.extras = shard->record.extras;  // where the bytes belong, which hashing cannot tell
-  if (record != shard->record) {
-    reply(absl::DataLossError(absl::StrCat("rank ", shard->rank, "'s shard of snapshot ",
-                                           shard->id, " arrived at ", address_,
-                                           " with other checksums than it was sent with")));
+  if (absl::Status checked = CheckReplica(*shard, hasher, buffer.data()); !checked.ok()) {
+    reply(checked);
     return;
   }
-  CorruptReplicaIfAsked(buffer.data(), total,
-                        absl::StrCat("rank ", shard->rank, "'s shard of snapshot ", shard->id,
-                                     ", kept at ", address_, " for a buddy"));
   const std::vector<std::string> dropped =
       store_->Add(*shard, std::make_shared<std::vector<char>>(std::move(buffer)));
   if (on_replica_) on_replica_(*shard, dropped);
   reply(absl::OkStatus());
 }
 
-void SnapshotServer::TakeHandover(int fd, const SnapshotShard& shard) {
+absl::Status SnapshotServer::CheckReplica(const SnapshotShard& shard, ShardHasher& hasher,
+                                          char* bytes) const {
+  ShardRecord record = hasher.Finish(shard.record.file, shard.rank);
+  record.extras = shard.record.extras;  // where the bytes belong, which hashing cannot tell
+  if (record != shard.record) {
+    return absl::DataLossError(absl::StrCat("rank ", shard.rank, "'s shard of snapshot ",
+                                            shard.id, " arrived at ", address_,
+                                            " with other checksums than it was sent with"));
+  }
+  CorruptReplicaIfAsked(bytes, shard.record.bytes,
+                        absl::StrCat("rank ", shard.rank, "'s shard of snapshot ", shard.id,
+                                     ", kept at ", address_, " for a buddy"));
+  return absl::OkStatus();
+}
+
+void SnapshotServer::TakeSameHostPush(int fd, const SnapshotShard& shard) {
   const uint64_t total = shard.record.bytes;
   const std::string what = absl::StrCat("taking rank ", shard.rank, "'s shard of snapshot ",
                                         shard.id, " from this host");
@@ -668,18 +676,11 @@ void SnapshotServer::TakeHandover(int fd, const SnapshotShard& shard) {
   char* bytes = (*lent)->base;
   ShardHasher hasher;
   hasher.Append(bytes, total);
-  ShardRecord record = hasher.Finish(shard.record.file, shard.rank);
-  record.extras = shard.record.extras;  // where the bytes belong, which hashing cannot tell
-  if (record != shard.record) {
+  if (absl::Status checked = CheckReplica(shard, hasher, bytes); !checked.ok()) {
     pool_->Return(std::move(*lent));
-    reply(absl::DataLossError(absl::StrCat("rank ", shard.rank, "'s shard of snapshot ", shard.id,
-                                           " was written at ", address_,
-                                           " with other checksums than it was sent with")));
+    reply(checked);
     return;
   }
-  CorruptReplicaIfAsked(bytes, total,
-                        absl::StrCat("rank ", shard.rank, "'s shard of snapshot ", shard.id,
-                                     ", kept at ", address_, " for a buddy"));
   // Dropped by the store and no longer read: back to the pool, if the server is still there.
   std::shared_ptr<const void> keep(
       lent->release(), [pool = std::weak_ptr<SharedBufferPool>(pool_)](
@@ -709,7 +710,7 @@ absl::Status PushSnapshotShard(const std::string& address, const SnapshotShard& 
   if (std::optional<Descriptor> local =
           options.lent != nullptr ? ConnectLocal(address) : std::nullopt;
       local.has_value()) {
-    SHARD_RETURN_IF_ERROR(SendFrame(local->get(), kRequestMagic, kHandover, header, limit));
+    SHARD_RETURN_IF_ERROR(SendFrame(local->get(), kRequestMagic, kSameHostPush, header, limit));
     SHARD_ASSIGN_OR_RETURN(const auto lent, RecvFrame(local->get(), kResponseMagic, limit));
     const absl::Status lending = StatusFromWire(lent.first, lent.second);
     // A buddy with no room to lend, or that will not lend to this process's user, takes the

@@ -65,6 +65,7 @@ class LentBuffers {
   uint64_t uses_ = 0;
 };
 
+class ShardHasher;
 class SharedBufferPool;
 
 struct PeerCallOptions {
@@ -118,7 +119,11 @@ class SnapshotServer {
   void Serve(int fd);
   // A push from this host on `fd` (the shard's description `shard`): lends it a buffer, and
   // keeps the buffer as the replica once the pusher wrote it and it checks.
-  void TakeHandover(int fd, const SnapshotShard& shard);
+  void TakeSameHostPush(int fd, const SnapshotShard& shard);
+  // Whether a received replica's bytes hashed (`hasher`, fed all of them) to the checksums it
+  // was sent with: DataLoss if not. Then flips a bit of `bytes` if SHARD_CORRUPT_REPLICAS asks.
+  absl::Status CheckReplica(const SnapshotShard& shard, ShardHasher& hasher,
+                            char* bytes) const;
   // Joins the threads of connections that are done.
   void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
