@@ -12,13 +12,15 @@ XXH3_state_t* State(void* state) { return static_cast<XXH3_state_t*>(state); }
 
 }  // namespace
 
-ShardHasher::ShardHasher() : whole_(XXH3_createState()), block_(XXH3_createState()) {
-  XXH3_64bits_reset(State(whole_));
+ShardHasher::ShardHasher(Sums sums)
+    : whole_(sums == Sums::kWholeAndBlocks ? XXH3_createState() : nullptr),
+      block_(XXH3_createState()) {
+  if (whole_ != nullptr) XXH3_64bits_reset(State(whole_));
   XXH3_64bits_reset(State(block_));
 }
 
 ShardHasher::~ShardHasher() {
-  XXH3_freeState(State(whole_));
+  if (whole_ != nullptr) XXH3_freeState(State(whole_));
   XXH3_freeState(State(block_));
 }
 
@@ -30,7 +32,7 @@ void ShardHasher::Append(const void* data, size_t bytes) {
   while (bytes > 0) {
     const uint64_t room = kCheckpointBlockBytes - bytes_ % kCheckpointBlockBytes;
     const size_t take = static_cast<size_t>(std::min<uint64_t>({room, bytes, kPiece}));
-    XXH3_64bits_update(State(whole_), p, take);
+    if (whole_ != nullptr) XXH3_64bits_update(State(whole_), p, take);
     XXH3_64bits_update(State(block_), p, take);
     bytes_ += take;
     p += take;
@@ -47,8 +49,10 @@ ShardRecord ShardHasher::Finish(std::string file, int rank) {
     blocks_.push_back(absl::StrFormat("%016x", XXH3_64bits_digest(State(block_))));
     XXH3_64bits_reset(State(block_));
   }
-  return ShardRecord{std::move(file), rank, bytes_,
-                     absl::StrFormat("%016x", XXH3_64bits_digest(State(whole_))), blocks_, {}};
+  return ShardRecord{
+      std::move(file), rank, bytes_,
+      whole_ != nullptr ? absl::StrFormat("%016x", XXH3_64bits_digest(State(whole_))) : "",
+      blocks_, {}};
 }
 
 ShardRecord HashShard(const char* data, uint64_t bytes, std::string file, int rank) {

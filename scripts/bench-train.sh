@@ -19,10 +19,14 @@
 #   scripts/bench-train.sh [--steps N] [--bucket-cap-mb X] [--workers "1 2 4"] [--stages "0 1 2"]
 #                          [--overlap "true false"] [--snapshot-every "0 10:1 1:1"]
 #                          [--overlap-update "true false"] [--transport "shm tcp"] [--threads N]
+#                          [--repeat N]
 #
 # Each worker gets max(1, cores / workers) OpenBLAS threads, so every run uses the same cores;
 # --threads N gives every worker N instead (--threads 1: one thread per process, so vs_1_worker
 # is what a second process on a core of its own adds).
+# --repeat N runs every configuration N times, in N interleaved rounds, and gives medians: of
+# each column, and of each ratio taken between runs of the same round (on a shared VM two runs of
+# one configuration can differ by 10-15%; a ratio of neighbours in time differs less).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -35,6 +39,7 @@ SNAPSHOTS="10:1"
 UPDATES="true"
 TRANSPORTS="shm"
 THREADS=""
+REPEAT=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) STEPS="$2"; shift 2 ;;
@@ -46,7 +51,8 @@ while [ $# -gt 0 ]; do
     --overlap-update) UPDATES="$2"; shift 2 ;;
     --transport) TRANSPORTS="$2"; shift 2 ;;
     --threads) THREADS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --repeat) REPEAT="$2"; shift 2 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
     *) echo "bench-train: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -66,11 +72,11 @@ trap cleanup EXIT
 "$BIN/shardctl" data generate --widths 512,1024,1024,1024,64 --samples 16384 --seed 1 \
   --out "$RUN_DIR/data.safetensors" >/dev/null
 
-# run WORKERS STAGE OVERLAP SNAPSHOT_EVERY REPLICAS UPDATE TRANSPORT -> prints
+# run WORKERS STAGE OVERLAP SNAPSHOT_EVERY REPLICAS UPDATE TRANSPORT (in round $round) -> prints
 # "steps_per_second hidden_percent step_over_forward_backward snapshots_taken max_pause_ms"
 run() {
   local workers=$1 stage=$2 overlap=$3 snapshot_every=$4 replicas=$5 update=$6 transport=$7
-  local dir="$RUN_DIR/run-$workers-$stage-$overlap-$snapshot_every-$replicas-$update-$transport"
+  local dir="$RUN_DIR/run-$workers-$stage-$overlap-$snapshot_every-$replicas-$update-$transport-$round"
   mkdir -p "$dir"
   cat >"$dir/job.json" <<JSON
 {"name": "bench", "worldSize": $workers,
@@ -103,12 +109,13 @@ JSON
     sed -E 's/.* ([0-9.]+) steps\/s over steps.* ([0-9]+)% of gradient reduction.*a step ([0-9.]+)x its.*and backward, ([0-9]+) memory snapshots taken, training paused at most ([0-9.]+) ms.*/\1 \2 \3 \4 \5/'
 }
 
-printf "# medium MLP 512,1024,1024,1024,64, global batch 256, Adam, %s steps, bucket cap %s MiB, %s cores, %s OpenBLAS threads per worker\n" \
-  "$STEPS" "$BUCKET_CAP_MB" "$CORES" "${THREADS:-cores/workers}"
+printf "# medium MLP 512,1024,1024,1024,64, global batch 256, Adam, %s steps, bucket cap %s MiB, %s cores, %s OpenBLAS threads per worker, medians of %s interleaved rounds\n" \
+  "$STEPS" "$BUCKET_CAP_MB" "$CORES" "${THREADS:-cores/workers}" "$REPEAT"
 printf "# %s\n" "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
-printf "%8s %6s %8s %7s %9s %9s %10s %10s %14s %10s %10s %12s %12s %10s %13s\n" workers stage \
-  overlap update snapshot transport steps/s hidden step/fwd+bwd snapshots max_pause vs_1_worker \
-  vs_snapshot vs_update vs_transport
+
+# The configurations, in table order, each with the rows its ratios are to (by index): the first
+# row, the first snapshot setting, update and transport of its kind.
+CONFIGS=()
 baseline=""
 for workers in $WORKER_COUNTS; do
   for stage in $STAGES; do
@@ -130,20 +137,63 @@ for workers in $WORKER_COUNTS; do
           [ "$workers" = 1 ] && transports=${TRANSPORTS%% *}
           first_transport=""
           for transport in $transports; do
-            read -r rate hidden efficiency taken pause < <(
-              run "$workers" "$stage" "$overlap" "$every" "$replicas" "$update" "$transport")
-            [ -z "$baseline" ] && baseline=$rate
-            [ -z "$first" ] && first=$rate
-            [ -z "$first_update" ] && first_update=$rate
-            [ -z "$first_transport" ] && first_transport=$rate
-            awk -v w="$workers" -v s="$stage" -v o="$overlap" -v u="$update" \
-              -v n="$every:$replicas" -v t="$transport" -v r="$rate" -v h="$hidden" \
-              -v e="$efficiency" -v k="$taken" -v p="$pause" -v b="$baseline" -v f="$first" \
-              -v g="$first_update" -v x="$first_transport" \
-              'BEGIN { printf "%8s %6s %8s %7s %9s %9s %10s %9s%% %13.2fx %10s %8.1fms %11.2fx %11.3fx %9.3fx %12.3fx\n", w, s, o, u, n, t, r, h, e, k, p, r / b, r / f, r / g, r / x }'
+            index=${#CONFIGS[@]}
+            [ -z "$baseline" ] && baseline=$index
+            [ -z "$first" ] && first=$index
+            [ -z "$first_update" ] && first_update=$index
+            [ -z "$first_transport" ] && first_transport=$index
+            CONFIGS+=("$workers $stage $overlap $every $replicas $update $transport $baseline $first $first_update $first_transport")
           done
         done
       done
     done
   done
 done
+
+# Rounds interleaved, so that a slow spell of the machine weighs on every configuration alike;
+# each round's ratios are between runs of that round.
+RESULTS="$RUN_DIR/results"
+: >"$RESULTS"
+for round in $(seq "$REPEAT"); do
+  for index in "${!CONFIGS[@]}"; do
+    read -r workers stage overlap every replicas update transport _ <<<"${CONFIGS[$index]}"
+    read -r rate hidden efficiency taken pause < <(
+      run "$workers" "$stage" "$overlap" "$every" "$replicas" "$update" "$transport")
+    echo "$index $round $rate $hidden $efficiency $taken $pause" >>"$RESULTS"
+  done
+done
+
+printf "%8s %6s %8s %7s %9s %9s %10s %10s %14s %10s %10s %12s %12s %10s %13s\n" workers stage \
+  overlap update snapshot transport steps/s hidden step/fwd+bwd snapshots max_pause vs_1_worker \
+  vs_snapshot vs_update vs_transport
+printf "%s\n" "${CONFIGS[@]}" | awk -v results="$RESULTS" '
+  function median(list,    values, n, i, j, t) {
+    n = split(list, values, " ")
+    for (i = 2; i <= n; i++)
+      for (j = i; j > 1 && values[j - 1] + 0 > values[j] + 0; j--) {
+        t = values[j]; values[j] = values[j - 1]; values[j - 1] = t
+      }
+    return n % 2 ? values[(n + 1) / 2] : (values[n / 2] + values[n / 2 + 1]) / 2
+  }
+  function ratios(row, to,    round, list) {
+    list = ""
+    for (round = 1; round <= rounds; round++)
+      list = list " " rate[row, round] / rate[to, round]
+    return median(list)
+  }
+  BEGIN {
+    while ((getline line < results) > 0) {
+      split(line, f, " ")
+      i = f[1]; r = f[2]
+      rate[i, r] = f[3]; hidden[i] = hidden[i] " " f[4]; efficiency[i] = efficiency[i] " " f[5]
+      taken[i] = taken[i] " " f[6]; pause[i] = pause[i] " " f[7]; rates[i] = rates[i] " " f[3]
+      if (r > rounds) rounds = r
+    }
+  }
+  {
+    i = NR - 1
+    printf "%8s %6s %8s %7s %9s %9s %10.2f %9s%% %13.2fx %10s %8.1fms %11.2fx %11.3fx %9.3fx %12.3fx\n",
+      $1, $2, $3, $6, $4 ":" $5, $7, median(rates[i]), median(hidden[i]), median(efficiency[i]),
+      median(taken[i]), median(pause[i]), ratios(i, $8), ratios(i, $9), ratios(i, $10),
+      ratios(i, $11)
+  }'

@@ -285,10 +285,9 @@ absl::StatusOr<GenerationTraining::End> GenerationTraining::Train(const JobConfi
   }
   if (job.snapshot_every > 0) {
     trainer.snapshots = options_.snapshots;
-    trainer.snapshot_same_host = options_.snapshot_same_host;
-    for (int buddy : SnapshotBuddies(peers.hosts, rank, job.snapshot_replicas)) {
-      trainer.snapshot_buddies.push_back(peers.snapshot_servers[buddy]);
-    }
+    trainer.snapshot_replication =
+        ReplicationOf(peers.hosts, peers.snapshot_servers, rank, job.snapshot_replicas,
+                      options_.snapshot_same_host);
   }
   trainer.device = options_.device;
   spdlog::info("training job '{}': {} in {} on {}, {} steps, global batch {}, {}, "

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/files.h"
+#include "common/shard_hasher.h"
 #include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "tests/support/status_assertions.h"
@@ -149,6 +150,30 @@ TEST(CheckpointTest, AShardsRecordIsTheChecksumsOfItsBytesHoweverTheyWereAppende
               absl::StrFormat("%016x", XXH3_64bits(bytes.data() + begin, length)))
         << "block " << b;
   }
+}
+
+TEST(CheckpointTest, AHasherOfTheBlocksAloneGivesTheSameBlocksAndNoWholeHash) {
+  // What a replica is checked with: every block's XXH3, in pieces across block ends, and no
+  // whole-shard hash (the record it is compared with carries that).
+  std::vector<char> bytes(2 * kCheckpointBlockBytes + 29);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>((i * 40503u) >> 7);
+  ShardHasher blocks(ShardHasher::Sums::kBlocksOnly);
+  const size_t piece = (size_t{3} << 20) + 5;
+  for (size_t at = 0; at < bytes.size(); at += piece) {
+    blocks.Append(bytes.data() + at, std::min(piece, bytes.size() - at));
+  }
+  const ShardRecord checked = blocks.Finish("f", 0);
+  EXPECT_EQ(checked.bytes, bytes.size());
+  EXPECT_EQ(checked.xxh3, "");
+  ASSERT_EQ(checked.block_xxh3.size(), 3u);
+  for (uint64_t b = 0; b < 3; ++b) {
+    const uint64_t begin = b * kCheckpointBlockBytes;
+    const uint64_t length = std::min<uint64_t>(kCheckpointBlockBytes, bytes.size() - begin);
+    EXPECT_EQ(checked.block_xxh3[b],
+              absl::StrFormat("%016x", XXH3_64bits(bytes.data() + begin, length)))
+        << "block " << b;
+  }
+  EXPECT_EQ(checked.block_xxh3, HashShard(bytes.data(), bytes.size(), "f", 0).block_xxh3);
 }
 
 TEST(CheckpointTest, ReadsOfWholeAndPartialBlocksAcrossShardEndsReturnTheirBytes) {

@@ -110,11 +110,12 @@ TEST(MemoryRestoreTest, ASnapshotInThePeersMemoryRestoresOnAnyWorldSizeAsItsDisk
   std::vector<TrainResult> results;
   RankThreadsOptions run;
   run.results = &results;
+  std::vector<std::string> servers;
+  for (const auto& worker : workers) servers.push_back(worker->server->address());
   run.configure = [&](int rank, TrainerOptions* options) {
     options->snapshots = &workers[rank]->store;
-    for (int buddy : SnapshotBuddies(hosts, rank, trained.snapshot_replicas)) {
-      options->snapshot_buddies.push_back(workers[buddy]->server->address());
-    }
+    options->snapshot_replication =
+        ReplicationOf(hosts, servers, rank, trained.snapshot_replicas, /*same_host_buffers=*/true);
     options->observer = &noting[rank];
   };
   ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(trained, run));

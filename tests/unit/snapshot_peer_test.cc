@@ -149,9 +149,9 @@ TEST(SnapshotStoreTest, TheSnapshotterPreparesTheNextSnapshotsBuffersOffTheCalle
   std::unique_ptr<SnapshotServer> buddy =
       *SnapshotServer::Start("127.0.0.1", 0, &buddy_store, nullptr);
   SnapshotStore store;
-  Snapshotter snapshotter(&store, {buddy->address()}, /*same_host_buffers=*/true,
+  Snapshotter snapshotter(&store, {{buddy->address()}, true, /*received_over_tcp=*/1},
                           Snapshotter::Callbacks{});
-  // Its own shard and the one replica it receives.
+  // Its own shard and the one replica it receives over TCP.
   snapshotter.PrepareBuffers(4800);
   EXPECT_TRUE(testing::Eventually([&] { return store.ReadyBuffers(4800) == 2; },
                                   absl::Seconds(30)));
@@ -165,6 +165,24 @@ TEST(SnapshotStoreTest, TheSnapshotterPreparesTheNextSnapshotsBuffersOffTheCalle
   EXPECT_TRUE(buddy_store.Find(SnapshotId(10, 1), 0).has_value());
   EXPECT_TRUE(testing::Eventually([&] { return store.ReadyBuffers(4800) == 2; },
                                   absl::Seconds(30)));
+}
+
+TEST(SnapshotStoreTest, OnlyReplicasReceivedOverTcpAreGivenABufferOfTheStore) {
+  // A replica from this host lands in a buffer its server lends: a store buffer made ready for
+  // it would sit idle (a rank's share of the state, per replica).
+  const std::vector<std::string> servers = {"s0", "s1", "s2", "s3"};
+  const std::vector<std::string> one_host(4, "a");
+  const std::vector<std::string> two_hosts = {"a", "a", "b", "b"};
+  for (int rank = 0; rank < 4; ++rank) {
+    const Snapshotter::Replication lent = ReplicationOf(one_host, servers, rank, 1, true);
+    EXPECT_EQ(lent.buddies, std::vector<std::string>{servers[(rank + 1) % 4]});
+    EXPECT_EQ(lent.received_over_tcp, 0);
+    EXPECT_EQ(ReplicationOf(one_host, servers, rank, 1, false).received_over_tcp, 1);
+    EXPECT_EQ(ReplicationOf(one_host, servers, rank, 3, true).buddies.size(), 3u);
+    // With two hosts the ring alternates between them: every replica crosses over.
+    EXPECT_EQ(ReplicationOf(two_hosts, servers, rank, 1, true).received_over_tcp, 1);
+    EXPECT_EQ(ReplicationOf(two_hosts, servers, rank, 3, true).received_over_tcp, 2);
+  }
 }
 
 // A snapshot server over its own store, recording the replicas it was told of.
@@ -466,7 +484,7 @@ std::vector<int> NiceOfReplicationThreads() {
   };
   callbacks.on_push_failed = [](const SnapshotShard&, const std::string&,
                                 const absl::Status& why) { ADD_FAILURE() << why; };
-  Snapshotter snapshotter(&own_store, {buddy->address()}, /*same_host_buffers=*/true, callbacks);
+  Snapshotter snapshotter(&own_store, {{buddy->address()}}, callbacks);
   const std::vector<char> bytes = Bytes(4097, 3);
   SHARD_EXPECT_OK(snapshotter.Start(Shard(1, 10, 0, 2, bytes), Shared(bytes), nullptr));
   SHARD_EXPECT_OK(snapshotter.WaitIdle(nullptr));

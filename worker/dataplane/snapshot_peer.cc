@@ -41,6 +41,9 @@ constexpr uint32_t kWritten = 4;
 constexpr size_t kFreeSharedBuffers = 4;
 // Lent buffers a pusher keeps mapped: a buddy keeps two snapshots and lends a third.
 constexpr size_t kMappedLentBuffers = 4;
+// A replica is checked block by block: every byte is in a block, so the whole shard's hash would
+// add a second pass over the bytes and no check.
+constexpr ShardHasher::Sums kReplicaSums = ShardHasher::Sums::kBlocksOnly;
 constexpr uint32_t kMaxHeaderBytes = 16 << 20;  // a shard's description: its block checksums
 // How often a blocked call looks at its cancel flag.
 constexpr absl::Duration kPollSlice = absl::Milliseconds(100);
@@ -603,7 +606,7 @@ void SnapshotServer::Serve(int fd) {
   const uint64_t total = shard->record.bytes;
   limit.deadline = absl::Now() + TransferTimeout(total, kHeaderTimeout);
   std::vector<char> buffer = store_->TakeBuffer(total);
-  ShardHasher hasher;
+  ShardHasher hasher(kReplicaSums);
   for (uint64_t done = 0; done < total;) {
     const uint64_t take = std::min<uint64_t>(kPiece, total - done);
     if (absl::Status received = RecvAll(fd, buffer.data() + done, take, limit); !received.ok()) {
@@ -625,7 +628,10 @@ void SnapshotServer::Serve(int fd) {
 absl::Status SnapshotServer::CheckReplica(const SnapshotShard& shard, ShardHasher& hasher,
                                           char* bytes) const {
   ShardRecord record = hasher.Finish(shard.record.file, shard.rank);
-  record.extras = shard.record.extras;  // where the bytes belong, which hashing cannot tell
+  // Where the bytes belong, which hashing cannot tell, and the whole shard's hash, which the
+  // blocks' vouch for.
+  record.extras = shard.record.extras;
+  record.xxh3 = shard.record.xxh3;
   if (record != shard.record) {
     return absl::DataLossError(absl::StrCat("rank ", shard.rank, "'s shard of snapshot ",
                                             shard.id, " arrived at ", address_,
@@ -674,7 +680,7 @@ void SnapshotServer::TakeSameHostPush(int fd, const SnapshotShard& shard) {
     return;
   }
   char* bytes = (*lent)->base;
-  ShardHasher hasher;
+  ShardHasher hasher(kReplicaSums);
   hasher.Append(bytes, total);
   if (absl::Status checked = CheckReplica(shard, hasher, bytes); !checked.ok()) {
     pool_->Return(std::move(*lent));

@@ -12,12 +12,24 @@ constexpr absl::Duration kAbortPoll = absl::Milliseconds(50);
 
 }  // namespace
 
-Snapshotter::Snapshotter(SnapshotStore* store, std::vector<std::string> buddies,
-                         bool same_host_buffers, Callbacks callbacks,
+Snapshotter::Replication ReplicationOf(const std::vector<std::string>& hosts,
+                                       const std::vector<std::string>& servers, int rank,
+                                       int replicas, bool same_host_buffers) {
+  Snapshotter::Replication replication;
+  replication.same_host_buffers = same_host_buffers;
+  for (int buddy : SnapshotBuddies(hosts, rank, replicas)) {
+    replication.buddies.push_back(servers[buddy]);
+  }
+  for (int source : SnapshotSources(hosts, rank, replicas)) {
+    if (!same_host_buffers || hosts[source] != hosts[rank]) ++replication.received_over_tcp;
+  }
+  return replication;
+}
+
+Snapshotter::Snapshotter(SnapshotStore* store, Replication replication, Callbacks callbacks,
                          absl::Duration push_timeout_floor)
     : store_(store),
-      buddies_(std::move(buddies)),
-      same_host_buffers_(same_host_buffers),
+      replication_(std::move(replication)),
       callbacks_(std::move(callbacks)),
       push_timeout_floor_(push_timeout_floor),
       thread_([this] { Loop(); }) {}
@@ -65,9 +77,8 @@ void Snapshotter::PrepareBuffers(uint64_t bytes) {
 
 void Snapshotter::Loop() {
   YieldToTraining();
-  // The next snapshot takes a buffer for its own shard and one per replica it receives (a
-  // worker keeps as many replicas as it sends).
-  const int next_snapshot_buffers = 1 + static_cast<int>(buddies_.size());
+  // The next snapshot takes a buffer for its own shard and one per replica it receives over TCP.
+  const int next_snapshot_buffers = 1 + replication_.received_over_tcp;
   while (true) {
     SnapshotShard shard;
     SnapshotBytes bytes;
@@ -99,8 +110,8 @@ void Snapshotter::Loop() {
     PeerCallOptions options;
     options.timeout = TransferTimeout(bytes->size(), push_timeout_floor_);
     options.cancel = &cancel_;
-    options.lent = same_host_buffers_ ? &lent_ : nullptr;
-    for (const std::string& buddy : buddies_) {
+    options.lent = replication_.same_host_buffers ? &lent_ : nullptr;
+    for (const std::string& buddy : replication_.buddies) {
       if (cancel_) break;
       if (absl::Status pushed = PushSnapshotShard(buddy, shard, *bytes, options);
           !pushed.ok() && callbacks_.on_push_failed) {

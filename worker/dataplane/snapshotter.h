@@ -31,11 +31,21 @@ class Snapshotter {
         on_push_failed;
   };
 
-  // `buddies`: the snapshot servers of the ranks that keep this rank's replicas, nearest first;
-  // `same_host_buffers`: those on this host lend a buffer to copy into (snapshot_peer.h), else
-  // every push goes over TCP.
-  Snapshotter(SnapshotStore* store, std::vector<std::string> buddies, bool same_host_buffers,
-              Callbacks callbacks, absl::Duration push_timeout_floor = absl::Seconds(10));
+  // Where this rank's replicas go and how the other ranks' arrive (ReplicationOf).
+  struct Replication {
+    // The snapshot servers of the ranks that keep this rank's replicas, nearest first.
+    std::vector<std::string> buddies;
+    // Those on this host lend a buffer to copy into (snapshot_peer.h); false: every push goes
+    // over TCP.
+    bool same_host_buffers = true;
+    // The replicas of other ranks' shards this worker receives over TCP, into its store's own
+    // buffers (one from the same host lands in a buffer its server lends): the store has one
+    // ready for each.
+    int received_over_tcp = 0;
+  };
+
+  Snapshotter(SnapshotStore* store, Replication replication, Callbacks callbacks,
+              absl::Duration push_timeout_floor = absl::Seconds(10));
   // Cancels the pushes in flight and waits for the thread.
   ~Snapshotter();
   Snapshotter(const Snapshotter&) = delete;
@@ -50,7 +60,7 @@ class Snapshotter {
   // Waits until no snapshot is in flight; Aborted if `abort()` turns true first.
   absl::Status WaitIdle(const std::function<bool()>& abort);
   // Has this thread ready the store's buffers for the next snapshot of `bytes` bytes (its own
-  // shard and one per replica it receives), whenever no snapshot is in flight, and again
+  // shard and one per replica it receives over TCP), whenever no snapshot is in flight, and again
   // after each snapshot for that snapshot's size: the first snapshots of a generation then find
   // their pages mapped (SnapshotStore::Prepare).
   void PrepareBuffers(uint64_t bytes);
@@ -59,8 +69,7 @@ class Snapshotter {
   void Loop();
 
   SnapshotStore* const store_;
-  const std::vector<std::string> buddies_;
-  const bool same_host_buffers_;
+  const Replication replication_;
   LentBuffers lent_;  // the Loop thread's
   const Callbacks callbacks_;
   const absl::Duration push_timeout_floor_;
@@ -73,5 +82,12 @@ class Snapshotter {
   SnapshotBytes bytes_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
+
+// Rank `rank`'s replication in a world whose ranks run on `hosts` with snapshot servers at
+// `servers` (common/snapshot.h SnapshotBuddies and SnapshotSources): `same_host_buffers` as in
+// Replication.
+Snapshotter::Replication ReplicationOf(const std::vector<std::string>& hosts,
+                                       const std::vector<std::string>& servers, int rank,
+                                       int replicas, bool same_host_buffers);
 
 }  // namespace shard

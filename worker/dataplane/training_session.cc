@@ -115,7 +115,7 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
   if (options.snapshots != nullptr && job.snapshot_every > 0) {
     TrainingObserver& observer = session->observer_;
     session->snapshotter_ = std::make_unique<Snapshotter>(
-        options.snapshots, options.snapshot_buddies, options.snapshot_same_host,
+        options.snapshots, options.snapshot_replication,
         Snapshotter::Callbacks{
             [&observer](const SnapshotShard& shard, const std::vector<std::string>& dropped) {
               observer.OnSnapshot(shard, dropped);

@@ -147,12 +147,9 @@ struct TrainerOptions {
   // (EngineOptions::gather_during_reads; the worker decides with GatherDuringReadsPays).
   bool gather_during_reads = false;
   // In-memory snapshots (the job's snapshot.every_steps; common/snapshot.h): the worker's store
-  // (null: this rank takes none) and the snapshot servers of this rank's buddies in this
-  // generation, nearest first.
+  // (null: this rank takes none) and this rank's replication in this generation (ReplicationOf).
   SnapshotStore* snapshots = nullptr;
-  std::vector<std::string> snapshot_buddies;
-  // Replicas for buddies on this host are copied into buffers they lend (snapshot_peer.h).
-  bool snapshot_same_host = true;
+  Snapshotter::Replication snapshot_replication;
   // This training's generation: it names the snapshots, and only its orders count.
   int64_t generation = 0;
   // Appended to checkpoint ids (e.g. "g7"), so that a restored run never reuses an id.
