@@ -48,13 +48,11 @@ import fnmatch
 import json
 import os
 import socket
+import sys
 import warnings
 import weakref
 
 import torch
-import torch.utils.dlpack
-
-import sys
 
 from . import _lib, data
 from ._lib import ShardError, check, lib
