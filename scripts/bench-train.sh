@@ -19,14 +19,16 @@
 #   scripts/bench-train.sh [--steps N] [--bucket-cap-mb X] [--workers "1 2 4"] [--stages "0 1 2"]
 #                          [--overlap "true false"] [--snapshot-every "0 10:1 1:1"]
 #                          [--overlap-update "true false"] [--transport "shm tcp"] [--threads N]
-#                          [--repeat N]
+#                          [--repeat N] [--raw FILE]
 #
 # Each worker gets max(1, cores / workers) OpenBLAS threads, so every run uses the same cores;
 # --threads N gives every worker N instead (--threads 1: one thread per process, so vs_1_worker
 # is what a second process on a core of its own adds).
 # --repeat N runs every configuration N times, in N interleaved rounds, and gives medians: of
 # each column, and of each ratio taken between runs of the same round (on a shared VM two runs of
-# one configuration can differ by 10-15%; a ratio of neighbours in time differs less).
+# one configuration can differ by 10-15%; a ratio of neighbours in time differs less). --raw FILE
+# also writes every run's figures there, one line each: its row (from 0, in table order), round,
+# steps/s, hidden %, step/fwd+bwd, snapshots, max_pause ms.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -40,6 +42,7 @@ UPDATES="true"
 TRANSPORTS="shm"
 THREADS=""
 REPEAT=1
+RAW=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) STEPS="$2"; shift 2 ;;
@@ -52,6 +55,7 @@ while [ $# -gt 0 ]; do
     --transport) TRANSPORTS="$2"; shift 2 ;;
     --threads) THREADS="$2"; shift 2 ;;
     --repeat) REPEAT="$2"; shift 2 ;;
+    --raw) RAW="$2"; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
     *) echo "bench-train: unknown argument '$1'" >&2; exit 2 ;;
   esac
@@ -162,6 +166,7 @@ for round in $(seq "$REPEAT"); do
     echo "$index $round $rate $hidden $efficiency $taken $pause" >>"$RESULTS"
   done
 done
+[ -n "$RAW" ] && cp "$RESULTS" "$RAW"
 
 printf "%8s %6s %8s %7s %9s %9s %10s %10s %14s %10s %10s %12s %12s %10s %13s\n" workers stage \
   overlap update snapshot transport steps/s hidden step/fwd+bwd snapshots max_pause vs_1_worker \
