@@ -105,6 +105,13 @@ void GenerationObserver::OnStep(const StepRecord& record) {
                      : "",
                  record.plan_version, t.rebuilt ? ", buckets rebuilt" : "");
   }
+  if (!record.buckets_unshared.empty()) {
+    spdlog::warn("step {}: the buckets are not shared with this host's other ranks ({}); their "
+                 "collectives copy through the shared-memory slots, one copy more each way. "
+                 "Sharing them takes /dev/shm room for twice the model's fp32 size per rank (on "
+                 "Kubernetes, a memory-backed emptyDir at /dev/shm)",
+                 record.step, record.buckets_unshared);
+  }
   if (generation_.rank == 0 && t.skipped) {
     spdlog::warn("step {}: inf/NaN gradients at loss scale {}; update skipped, scale lowered",
                  record.step, t.loss_scale);

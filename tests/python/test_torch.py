@@ -531,6 +531,57 @@ def test_shared_memory_and_tcp_give_the_same_bits(cluster, model):
             name, max_difference(results["auto"], results["tcp"]))
 
 
+# A /dev/shm with room for the transport's slots (4 MiB per rank) but not for the buckets.
+SMALL_DEV_SHM = "10m"
+IN_SMALL_DEV_SHM = "SHARD_TEST_IN_SMALL_DEV_SHM"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/unshare"),
+                    reason="mounts a small /dev/shm in a mount namespace of its own (root)")
+def test_buckets_a_full_dev_shm_cannot_share_are_warned_of_and_train_the_same_bits(tmp_path):
+    # The test below, in a private mount namespace whose /dev/shm is a small tmpfs: every
+    # process it starts sees that one, and the machine's own /dev/shm is untouched.
+    inner = subprocess.run(
+        ["/usr/bin/unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs -o size={SMALL_DEV_SHM} shard-test-shm /dev/shm && exec "
+         f"{sys.executable} -m pytest -q -p no:cacheprovider --basetemp {tmp_path / 'inner'} "
+         f"{os.path.abspath(__file__)}::test_in_a_small_dev_shm_buckets_copy_through_the_slots"],
+        env={**os.environ, IN_SMALL_DEV_SHM: "1"}, capture_output=True, text=True,
+        timeout=4 * DEADLINE)
+    assert inner.returncode == 0 and "1 passed" in inner.stdout, inner.stdout + inner.stderr
+
+
+@pytest.mark.skipif(IN_SMALL_DEV_SHM not in os.environ,
+                    reason="run by the test above, in a small /dev/shm of its own")
+def test_in_a_small_dev_shm_buckets_copy_through_the_slots(cluster):
+    results = {}
+    for transport, backend in (("tcp", "gloo"), ("auto", "shm")):
+        cluster.start_coordinator(
+            cluster.write_job(world=2, steps=20, out=f"out-{transport}",
+                              file=f"job-{transport}.json", **SHARED_BUCKETS_MODEL["job"]),
+            log_name=f"coordinator-{transport}.log", state=f"state-{transport}")
+        workers = [cluster.start_worker(f"{transport}{i}", env={"SHARD_TRANSPORT": transport},
+                                        script=SHARED_BUCKETS_MODEL["script"],
+                                        args=SHARED_BUCKETS_MODEL["args"])
+                   for i in range(2)]
+        for worker in workers:
+            assert cluster.wait(worker) == 0, cluster.log(worker)
+            log = cluster.log(worker)
+            assert f"over 2 ranks ({backend})" in log, log
+            if backend == "shm":
+                # Said at the step whose plan could not share them, not only in the summary.
+                warning = re.search(r"step (\d+): the buckets are not shared with this host's "
+                                    r"other ranks \((.*)\); their collectives copy through", log)
+                assert warning and int(warning.group(1)) <= 2, log
+                assert "/dev/shm" in warning.group(2) or "a peer" in warning.group(2), log
+                assert "buckets copied through the shared-memory slots" in log, log
+        assert cluster.wait(cluster.coordinator) == 0
+        results[transport] = exported(cluster, f"out-{transport}")
+    for name in results["tcp"]:
+        assert torch.equal(results["auto"][name], results["tcp"][name]), (
+            name, max_difference(results["auto"], results["tcp"]))
+
+
 def test_micro_batches_accumulate_and_reduce_once_per_step(cluster):
     cluster.start_coordinator(cluster.write_job(world=2, steps=20))
     args = ["--data", cluster.data, "--widths", ",".join(map(str, WIDTHS)), "--seed", "5",

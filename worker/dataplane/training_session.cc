@@ -236,6 +236,12 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
   record.step_ms = absl::ToDoubleMilliseconds(absl::Now() - started);
   record.plan_version = engine_->plan_version();
   record.held_bytes = engine_->held_bytes().total();
+  // Said once, at the step whose plan could not share them (the first, or a rebuild's), so that
+  // a run slowed by a full /dev/shm says so when it starts, not only when it ends.
+  if (!unshared_told_ && !engine_->unshared_reason().empty()) {
+    record.buckets_unshared = engine_->unshared_reason();
+    unshared_told_ = true;
+  }
   if (step == result_.start_step) {
     steady_start_ = absl::Now();
   } else {

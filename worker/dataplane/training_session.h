@@ -54,6 +54,9 @@ struct StepRecord {
   int64_t held_bytes = 0;  // the model state this rank holds (Engine::held_bytes)
   double checkpoint_pause_ms = 0;  // when this step ended with a checkpoint or a snapshot
   bool snapshot = false;           // this step ended with a memory snapshot
+  // At the first step of a run whose buckets the collectives copy through the shared-memory
+  // transport's slots rather than read in place: why (Engine::unshared_reason). Empty otherwise.
+  std::string buckets_unshared;
 };
 
 struct TrainResult {
@@ -260,6 +263,7 @@ class TrainingSession {
   CheckpointSaver saver_;
   std::unique_ptr<Snapshotter> snapshotter_;  // with a snapshot store
   bool restored_ = false;
+  bool unshared_told_ = false;  // a StepRecord said why the buckets are not shared
   int64_t next_step_ = 0;
   StepBoundaryState boundary_state_;
   // The agreement posted at the last boundary, in flight until the next one settles it.
