@@ -6,9 +6,8 @@
 // [payload], answered by [u32 magic][u32 status code][u32 message bytes][message][payload]; the
 // header is JSON (a push's is the shard's description, common/snapshot.h). A pushed replica is
 // checked against its block checksums (every byte is in a block) before it is kept and before the
-// pusher hears back, so a push cut
-// off half-way (a killed sender, a broken connection) leaves nothing behind, and an answered push
-// is held. Every call and every connection the server serves has a deadline, and a call can be
+// pusher hears back, so a push cut off half-way (a killed sender, a broken connection) leaves
+// nothing behind, and an answered push is held. Every call and every connection the server serves has a deadline, and a call can be
 // cancelled (a generation that ends). Like the Gloo data path, these connections are neither
 // encrypted nor authenticated: they carry the job's state between its own workers, on the network
 // their collectives use (--host).
@@ -121,9 +120,8 @@ class SnapshotServer {
   // A push from this host on `fd` (the shard's description `shard`): lends it a buffer, and
   // keeps the buffer as the replica once the pusher wrote it and it checks.
   void TakeSameHostPush(int fd, const SnapshotShard& shard);
-  // Whether a received replica's bytes hashed (`hasher`, fed all of them) to the
-  // checksums it was sent with: DataLoss if not. Then flips a bit of `bytes` if
-  // SHARD_CORRUPT_REPLICAS asks.
+  // Whether a received replica's bytes hashed (`hasher`, fed all of them) to the checksums it
+  // was sent with: DataLoss if not. Then flips a bit of `bytes` if SHARD_CORRUPT_REPLICAS asks.
   absl::Status CheckReplica(const SnapshotShard& shard, ShardHasher& hasher,
                             char* bytes) const;
   // Joins the threads of connections that are done.
