@@ -65,12 +65,13 @@ int InjectedWriteError() {
   return err;
 }
 
-void CorruptReplicaIfAsked(char* bytes, uint64_t size, absl::string_view what) {
+bool ReplicasCorrupted() {
   const char* corrupt = std::getenv("SHARD_CORRUPT_REPLICAS");
-  if (corrupt == nullptr || std::string(corrupt).empty() || std::string(corrupt) == "0" ||
-      size == 0) {
-    return;
-  }
+  return corrupt != nullptr && !std::string(corrupt).empty() && std::string(corrupt) != "0";
+}
+
+void CorruptReplicaIfAsked(char* bytes, uint64_t size, absl::string_view what) {
+  if (!ReplicasCorrupted() || size == 0) return;
   bytes[size / 2] ^= 1;
   std::fprintf(stderr, "SHARD_CORRUPT_REPLICAS: flipped the low bit of byte %llu of %.*s\n",
                static_cast<unsigned long long>(size / 2), static_cast<int>(what.size()),

@@ -4,7 +4,8 @@
 // "shard-before-sync" (a worker wrote its checkpoint shard but has not synced or renamed it),
 // "manifest-before-write" (every shard is on disk, no manifest yet), "manifest-before-rename"
 // (the manifest is written under its temporary name), "snapshot-push-midway" (a worker sent half
-// of its snapshot shard to a buddy).
+// of its snapshot shard to a buddy over TCP, or, on the same host, its description but not yet
+// its pages).
 //
 // Stall points, for tests of hung processes: when SHARD_STALL names a point, the process stops
 // itself (SIGSTOP) the first time it reaches it, as a hung pod would, heartbeats included; the
@@ -44,6 +45,8 @@ int64_t SlowWriteMillisPerMiB();
 // The errno the shard write starting now must fail with (SHARD_WRITE_ERROR), or 0; counts the
 // write against SHARD_WRITE_ERROR_TIMES.
 int InjectedWriteError();
+// Whether SHARD_CORRUPT_REPLICAS is set.
+bool ReplicasCorrupted();
 // With SHARD_CORRUPT_REPLICAS set, flips one bit of `bytes` (a replica just verified and about
 // to be kept, `what` in the message) and says so on stderr.
 void CorruptReplicaIfAsked(char* bytes, uint64_t size, absl::string_view what);

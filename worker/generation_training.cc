@@ -53,6 +53,12 @@ class GenerationObserver : public TrainingObserver {
     spdlog::warn("snapshot {}: the buddy at {} did not take this rank's replica: {}", shard.id,
                  buddy, why.message());
   }
+  void OnSnapshotPagesRefused(const SnapshotShard& shard, const std::string& buddy,
+                              const absl::Status& why) override {
+    spdlog::warn("snapshot {}: the buddy at {}, on this host, did not keep this rank's pages, so "
+                 "its replicas go over TCP, a copy more each ({})",
+                 shard.id, buddy, why.message());
+  }
   StepOrders Orders() override { return options_.orders(); }
   // Tells the coordinator about a checkpoint shard this rank saved (or could not).
   void OnCheckpoint(const SavedShard& saved) override;

@@ -382,8 +382,10 @@ void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
           after.steps_done = engine->steps_done();
           run.steps.push_back(std::move(after));
           if (step == checkpointing.save_after) {
-            std::vector<char> bytes = saver.TakeBuffer();
-            SHARD_RETURN_IF_ERROR(engine->CopyOwnedState(&bytes));
+            StateBuffer bytes = saver.TakeBuffer();
+            SHARD_RETURN_IF_ERROR(bytes.Resize(engine->OwnedStateBytes()));
+            SHARD_RETURN_IF_ERROR(
+                engine->CopyOwnedState(absl::MakeSpan(bytes.data(), bytes.size())));
             SavedShard saved;
             saved.id = CheckpointIdForStep(step);
             saved.dir =
@@ -394,8 +396,7 @@ void DriveEngine(std::optional<LossScalerOptions> loss_scaling, int64_t steps,
             saved.plan = engine->plan_pointer();
             saved.plan_version = engine->plan_version();
             saved.counters = engine->counters();
-            saver.Start(std::move(saved), kWorld,
-                        std::make_shared<std::vector<char>>(std::move(bytes)));
+            saver.Start(std::move(saved), kWorld, std::make_shared<StateBuffer>(std::move(bytes)));
           }
         }
         saver.WaitIdle();

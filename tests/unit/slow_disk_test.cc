@@ -4,6 +4,7 @@
 // then is skipped on every rank alike (rank 0 says so), and every checkpoint that is written is
 // whole. The disk is slowed by the SHARD_SLOW_WRITE_MS hook (common/fault.h).
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -46,6 +47,14 @@ class ScopedEnv {
 // A save given up (its generation ended) stops within one slow MiB, leaves no file and is not
 // reported: nobody would commit it, and the coordinator removes what an ended generation's
 // saves left. The saver takes the next save as usual.
+// `bytes` bytes of `fill`, as the copy at a step boundary leaves them.
+SnapshotBytes Filled(uint64_t bytes, char fill) {
+  auto buffer = std::make_shared<StateBuffer>(*StateBuffer::Make(bytes));
+  (void)buffer->Resize(bytes);  // within its capacity: it cannot fail
+  std::memset(buffer->data(), fill, bytes);
+  return buffer;
+}
+
 TEST(CheckpointSaverTest, ASaveGivenUpStopsLeavesNoFileAndIsNotReported) {
   const std::string root = Root("cancel");
   absl::Mutex mu;
@@ -61,7 +70,7 @@ TEST(CheckpointSaverTest, ASaveGivenUpStopsLeavesNoFileAndIsNotReported) {
   saved.step = 7;
   {
     ScopedEnv slow("SHARD_SLOW_WRITE_MS", "60000");  // a minute per MiB
-    saver.Start(saved, 1, std::make_shared<std::vector<char>>(4 << 20, 'x'));
+    saver.Start(saved, 1, Filled(4 << 20, 'x'));
     EXPECT_EQ(saver.writing_step(), 7);
     saver.Cancel();
     saver.WaitIdle();
@@ -75,7 +84,7 @@ TEST(CheckpointSaverTest, ASaveGivenUpStopsLeavesNoFileAndIsNotReported) {
   saved.id = "step-00000008";
   saved.dir = root + "/step-00000008";
   saved.step = 8;
-  saver.Start(saved, 1, std::make_shared<std::vector<char>>(1000, 'y'));
+  saver.Start(saved, 1, Filled(1000, 'y'));
   saver.WaitIdle();
   absl::MutexLock lock(&mu);
   ASSERT_EQ(reports.size(), 1u);

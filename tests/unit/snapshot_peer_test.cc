@@ -4,12 +4,15 @@
 // one cut off half-way or garbled is never kept; replication runs below training's priority;
 // ranges fetched back are the bytes sent; a reader over the holders verifies what they serve and
 // names the shard when it does not check; the buffers of the next snapshots are prepared off the
-// training thread; a push from this host is copied into a buffer the holder lends, and lent again
-// once its replica is dropped. Servers listen on 127.0.0.1 ports the kernel picks; everything
-// runs in this process.
+// training thread; a push from this host hands the holder the pusher's own pages, which the
+// pusher writes again only once the holder dropped them. Servers listen on 127.0.0.1 ports the
+// kernel picks; everything runs in this process (a lock on another open file description
+// conflicts within one process as across two).
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -70,23 +73,16 @@ std::vector<char> Copy(absl::Span<const char> bytes) {
   return std::vector<char>(bytes.begin(), bytes.end());
 }
 
-// Whether `address` lies in a mapping of a memory file (memfd), as a replica from this host does.
-bool InMemoryFile(const void* address) {
-  std::ifstream maps("/proc/self/maps");
-  const auto at = reinterpret_cast<uintptr_t>(address);
-  for (std::string line; std::getline(maps, line);) {
-    uintptr_t begin = 0;
-    uintptr_t end = 0;
-    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR, &begin, &end) == 2 && begin <= at &&
-        at < end) {
-      return absl::StrContains(line, "/memfd:shard-snapshot");
-    }
-  }
-  return false;
+// A rank's copy of its state holding `bytes`.
+StateBuffer Buffer(const std::vector<char>& bytes) {
+  StateBuffer buffer = *StateBuffer::Make(bytes.size());
+  (void)buffer.Resize(bytes.size());  // within its capacity: it cannot fail
+  std::copy(bytes.begin(), bytes.end(), buffer.data());
+  return buffer;
 }
 
-SnapshotBytes Shared(std::vector<char> bytes) {
-  return std::make_shared<std::vector<char>>(std::move(bytes));
+SnapshotBytes Shared(const std::vector<char>& bytes) {
+  return std::make_shared<StateBuffer>(Buffer(bytes));
 }
 
 TEST(SnapshotStoreTest, KeepsTheNewestSnapshotsAndHandsTheirBuffersOutAgain) {
@@ -109,9 +105,10 @@ TEST(SnapshotStoreTest, KeepsTheNewestSnapshotsAndHandsTheirBuffersOutAgain) {
   ASSERT_TRUE(store.Find(SnapshotId(30, 3), 0).has_value());
   EXPECT_EQ(store.Find(SnapshotId(30, 3), 0)->bytes.data(), third->data()) << "not copied";
   // The next snapshot's buffer is one a dropped shard had: its pages are mapped already.
-  std::vector<char> reused = store.TakeBuffer(1000);
-  EXPECT_EQ(reused.size(), 1000u);
-  EXPECT_EQ(dropped_buffers.count(reused.data()), 1u);
+  absl::StatusOr<StateBuffer> reused = store.TakeBuffer(1000);
+  SHARD_ASSERT_OK(reused.status());
+  EXPECT_EQ(reused->size(), 1000u);
+  EXPECT_EQ(dropped_buffers.count(reused->data()), 1u);
   // A later generation is newer whatever its step (a restore to an earlier step).
   EXPECT_THAT(store.Add(Shard(4, 5, 0, 2, bytes), Shared(bytes)), ElementsAre(SnapshotId(20, 3)));
   std::vector<std::string> ids;
@@ -129,19 +126,25 @@ TEST(SnapshotStoreTest, PreparedBuffersAreWhatTheNextSnapshotsTakeWithRoomToSpar
   EXPECT_EQ(store.ReadyBuffers(1600), 2);
   // A prepared buffer has 1/16 to spare (a fresh one would hold the bytes exactly): a snapshot
   // a little larger after a plan rebuild, or with extras after it, still fits.
+  std::vector<StateBuffer> taken;
   for (int i = 0; i < 2; ++i) {
-    std::vector<char> taken = store.TakeBuffer(1650);
-    EXPECT_EQ(taken.size(), 1650u);
-    EXPECT_EQ(taken.capacity(), 1700u) << "buffer " << i << " is not a prepared one";
+    taken.push_back(*store.TakeBuffer(1650));
+    EXPECT_EQ(taken.back().size(), 1650u);
+    EXPECT_EQ(taken.back().capacity(), 1700u) << "buffer " << i << " is not a prepared one";
   }
   EXPECT_EQ(store.ReadyBuffers(1600), 0);
-  EXPECT_EQ(store.TakeBuffer(1600).capacity(), 1600u) << "none left: a fresh one";
+  // None left: a fresh one, with the same room to spare.
+  StateBuffer fresh = *store.TakeBuffer(1600);
+  EXPECT_EQ(fresh.capacity(), 1700u);
+  EXPECT_NE(fresh.data(), taken[0].data());
+  EXPECT_NE(fresh.data(), taken[1].data());
   // At most 4 free buffers; buffers too small for the new size make way for it.
   EXPECT_EQ(store.Prepare(800, 9), 4);
   EXPECT_EQ(store.Prepare(3200, 1), 1);
   EXPECT_EQ(store.ReadyBuffers(3200), 1);
   EXPECT_EQ(store.ReadyBuffers(800), 4);
-  EXPECT_EQ(store.TakeBuffer(3200).capacity(), 3400u);
+  EXPECT_EQ(store.TakeBuffer(3200)->capacity(), 3400u);
+  EXPECT_EQ(store.ReadyBuffers(3200), 0) << "the prepared one was taken";
 }
 
 TEST(SnapshotStoreTest, TheSnapshotterPreparesTheNextSnapshotsBuffersOffTheCallersThread) {
@@ -157,10 +160,10 @@ TEST(SnapshotStoreTest, TheSnapshotterPreparesTheNextSnapshotsBuffersOffTheCalle
                                   absl::Seconds(30)));
   // After a snapshot, the next one's are made ready for its size (the one it took is held).
   const std::vector<char> bytes = Bytes(4800, 4);
-  std::vector<char> buffer = store.TakeBuffer(bytes.size());
-  std::copy(bytes.begin(), bytes.end(), buffer.begin());
-  SHARD_ASSERT_OK(snapshotter.Start(Shard(1, 10, 0, 2, bytes), Shared(std::move(buffer)),
-                                    nullptr));
+  StateBuffer buffer = *store.TakeBuffer(bytes.size());
+  std::copy(bytes.begin(), bytes.end(), buffer.data());
+  SHARD_ASSERT_OK(snapshotter.Start(Shard(1, 10, 0, 2, bytes),
+                                    std::make_shared<StateBuffer>(std::move(buffer)), nullptr));
   SHARD_ASSERT_OK(snapshotter.WaitIdle(nullptr));
   EXPECT_TRUE(buddy_store.Find(SnapshotId(10, 1), 0).has_value());
   EXPECT_TRUE(testing::Eventually([&] { return store.ReadyBuffers(4800) == 2; },
@@ -168,8 +171,8 @@ TEST(SnapshotStoreTest, TheSnapshotterPreparesTheNextSnapshotsBuffersOffTheCalle
 }
 
 TEST(SnapshotStoreTest, OnlyReplicasReceivedOverTcpAreGivenABufferOfTheStore) {
-  // A replica from this host lands in a buffer its server lends: a store buffer made ready for
-  // it would sit idle (a rank's share of the state, per replica).
+  // A replica from this host is the pusher's pages: a store buffer made ready for it would sit
+  // idle (a rank's share of the state, per replica).
   const std::vector<std::string> servers = {"s0", "s1", "s2", "s3"};
   const std::vector<std::string> one_host(4, "a");
   const std::vector<std::string> two_hosts = {"a", "a", "b", "b"};
@@ -192,7 +195,7 @@ struct Peer {
   std::vector<SnapshotShard> replicas;
   std::unique_ptr<SnapshotServer> server;
 
-  Peer() {
+  explicit Peer(int kept_snapshots = 2) : store(kept_snapshots) {
     server = *SnapshotServer::Start("127.0.0.1", 0, &store,
                                     [this](const SnapshotShard& shard,
                                            const std::vector<std::string>&) {
@@ -202,17 +205,14 @@ struct Peer {
   }
 };
 
-// Pushed over TCP, or (SameHost) copied into a buffer the holder on this host lends.
+// Pushed over TCP, or (SameHost) as the pusher's own pages, kept by the holder on this host.
 class PushTest : public ::testing::TestWithParam<bool> {
  protected:
   PeerCallOptions Options() {
     PeerCallOptions options;
-    options.lent = GetParam() ? &lent_ : nullptr;
+    options.same_host_pages = GetParam();
     return options;
   }
-
- private:
-  LentBuffers lent_;
 };
 
 INSTANTIATE_TEST_SUITE_P(OverTcpAndOnTheSameHost, PushTest, ::testing::Bool(),
@@ -226,10 +226,13 @@ TEST_P(PushTest, APushedReplicaIsKeptAndAnsweredAndItsRangesFetchBack) {
   const std::vector<char> bytes = Bytes(2 * kCheckpointBlockBytes + 4097, 2);
   const SnapshotShard shard = Shard(5, 40, 2, 4, bytes);
   {
-    // The pusher's own copy is gone once the call returns: the replica is the holder's alone.
-    const std::vector<char> pushed = bytes;
+    StateBuffer pushed = Buffer(bytes);
     SHARD_ASSERT_OK(PushSnapshotShard(peer.server->address(), shard, pushed, Options()));
+    EXPECT_EQ(pushed.HeldElsewhere(), GetParam())
+        << "a holder on this host keeps the pusher's pages; over TCP, a copy of its own";
+    EXPECT_FALSE(pushed.retired());
   }
+  // The pusher's own buffer is gone: the replica is still whole.
   {
     absl::MutexLock lock(&peer.mu);
     ASSERT_EQ(peer.replicas.size(), 1u) << "told of it before the pusher heard back";
@@ -238,8 +241,6 @@ TEST_P(PushTest, APushedReplicaIsKeptAndAnsweredAndItsRangesFetchBack) {
   std::optional<SnapshotStore::Held> held = peer.store.Find(shard.id, 2);
   ASSERT_TRUE(held.has_value());
   EXPECT_EQ(Copy(held->bytes), bytes);
-  EXPECT_EQ(InMemoryFile(held->bytes.data()), GetParam())
-      << "a replica from this host is kept in the buffer the holder lent; over TCP in its own";
 
   for (const auto& [offset, length] :
        std::vector<std::pair<uint64_t, uint64_t>>{{0, bytes.size()}, {4095, 9}, {kCheckpointBlockBytes - 1, kCheckpointBlockBytes + 2}}) {
@@ -265,7 +266,8 @@ TEST(SnapshotPeerTest, AReplicaKeepsItsExtrasAndItsOptimizerState) {
   SnapshotShard shard = Shard(5, 40, 1, 2, bytes);
   shard.record.extras = {{-1, 4000, 600}, {3, 4600, 400}};
   shard.state = OptimizerStateKind{"torch.optim.adamw.AdamW", {"exp_avg", "exp_avg_sq"}};
-  SHARD_ASSERT_OK(PushSnapshotShard(peer.server->address(), shard, bytes, PeerCallOptions{}));
+  StateBuffer pushed = Buffer(bytes);
+  SHARD_ASSERT_OK(PushSnapshotShard(peer.server->address(), shard, pushed, PeerCallOptions{}));
   std::optional<SnapshotStore::Held> held = peer.store.Find(shard.id, 1);
   ASSERT_TRUE(held.has_value());
   absl::MutexLock lock(&peer.mu);
@@ -273,12 +275,15 @@ TEST(SnapshotPeerTest, AReplicaKeepsItsExtrasAndItsOptimizerState) {
   EXPECT_EQ(peer.replicas[0], shard);
 }
 
-TEST_P(PushTest, AReplicaWhoseBytesDoNotMatchItsChecksumsIsRefusedAndNotKept) {
+// Over TCP: on the same host nothing travels, and the pages are the pusher's, which it hashed.
+TEST(SnapshotPeerTest, AReplicaWhoseBytesDoNotMatchItsChecksumsIsRefusedAndNotKept) {
   Peer peer;
   std::vector<char> bytes = Bytes(100000, 3);
   const SnapshotShard shard = Shard(5, 40, 1, 2, bytes);
   bytes[54321] ^= 1;  // garbled after it was described
-  absl::Status pushed = PushSnapshotShard(peer.server->address(), shard, bytes, Options());
+  StateBuffer garbled = Buffer(bytes);
+  absl::Status pushed =
+      PushSnapshotShard(peer.server->address(), shard, garbled, PeerCallOptions{});
   EXPECT_TRUE(absl::IsDataLoss(pushed)) << pushed;
   EXPECT_FALSE(peer.store.Find(shard.id, 1).has_value());
   absl::MutexLock lock(&peer.mu);
@@ -320,103 +325,256 @@ TEST(SnapshotPeerTest, AReplicaCutOffHalfWayIsNeverKept) {
   EXPECT_THAT(peer->replicas, IsEmpty());
 }
 
-// The holder's buffers are lent again once the replicas in them are dropped: a pusher on this
-// host maps a few buffers once, and no snapshot allocates memory on either side.
-TEST(SnapshotPeerTest, BuffersLentOnTheSameHostAreLentAgainOnceTheirReplicasAreDropped) {
-  Peer peer;  // keeps the 2 newest snapshots
-  LentBuffers lent;
+// A rank takes its snapshot buffers from its store and pushes them to a buddy on this host that
+// keeps more snapshots than it does: a buffer the buddy still keeps is never written again (every
+// replica the buddy holds stays as it was pushed), one it dropped is, and no snapshot maps new
+// memory once the buffers in use are there.
+TEST(SnapshotPeerTest, ARanksBufferIsWrittenAgainOnlyOnceTheBuddyOnThisHostDroppedIt) {
+  Peer buddy(/*kept_snapshots=*/3);
+  SnapshotStore own(/*kept_snapshots=*/2);
   PeerCallOptions options;
-  options.lent = &lent;
-  std::set<const char*> buffers;
-  for (int step = 10; step <= 80; step += 10) {
-    const std::vector<char> bytes = Bytes(kCheckpointBlockBytes + 3000, step);
+  options.same_host_pages = true;
+  const uint64_t size = kCheckpointBlockBytes + 3000;
+  std::set<std::pair<dev_t, ino_t>> files;
+  for (int step = 10; step <= 120; step += 10) {
+    StateBuffer buffer = *own.TakeBuffer(size);
+    EXPECT_FALSE(buffer.HeldElsewhere()) << "step " << step;
+    struct stat file{};
+    ASSERT_EQ(::fstat(buffer.fd(), &file), 0);
+    files.insert({file.st_dev, file.st_ino});
+    const std::vector<char> bytes = Bytes(size, step);
+    std::copy(bytes.begin(), bytes.end(), buffer.data());
     const SnapshotShard shard = Shard(5, step, 1, 2, bytes);
-    SHARD_ASSERT_OK(PushSnapshotShard(peer.server->address(), shard, bytes, options));
-    std::optional<SnapshotStore::Held> held = peer.store.Find(shard.id, 1);
-    ASSERT_TRUE(held.has_value());
-    EXPECT_EQ(Copy(held->bytes), bytes) << "step " << step;
-    EXPECT_TRUE(InMemoryFile(held->bytes.data()));
-    buffers.insert(held->bytes.data());
+    auto shared = std::make_shared<StateBuffer>(std::move(buffer));
+    own.Add(shard, shared);
+    SHARD_ASSERT_OK(PushSnapshotShard(buddy.server->address(), shard, *shared, options));
+    EXPECT_TRUE(shared->HeldElsewhere());
+    shared.reset();
+    // Every replica the buddy keeps is the bytes pushed for its step.
+    for (int kept = step; kept > 0 && kept > step - 30; kept -= 10) {
+      std::optional<SnapshotStore::Held> held = buddy.store.Find(SnapshotId(kept, 5), 1);
+      ASSERT_TRUE(held.has_value()) << kept;
+      EXPECT_EQ(Copy(held->bytes), Bytes(size, kept)) << "step " << kept << "'s replica, after "
+                                                      << step;
+    }
   }
-  EXPECT_EQ(buffers.size(), 3u) << "two snapshots kept, and the one the next push writes";
+  // The buddy keeps 3 snapshots and the rank 2 of its own, so 4 buffers in turn; a fifth only if
+  // the store's free list held one back.
+  EXPECT_LE(files.size(), 5u);
+  EXPECT_GE(files.size(), 4u);
 }
 
-// Speaks the same-host push by hand to the server at `address`: asks for a buffer for `shard`,
-// writes the first `written` bytes of `bytes` into it, and (if `done`) says it wrote them. The
-// status code of the last answer.
-uint32_t PushByHand(const std::string& address, const SnapshotShard& shard,
-                    const std::vector<char>& bytes, uint64_t written, bool done) {
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un to{};
-  to.sun_family = AF_UNIX;
-  const std::string name = "shard-snapshot " + address;
-  std::memcpy(to.sun_path + 1, name.data(), name.size());
-  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&to),
-                      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size())),
-            0);
-  const auto send_frame = [fd](uint32_t kind, const std::string& text) {
-    const uint32_t frame[3] = {0x51524853, kind, static_cast<uint32_t>(text.size())};
-    EXPECT_EQ(::send(fd, frame, sizeof(frame), MSG_NOSIGNAL),
-              static_cast<ssize_t>(sizeof(frame)));
-    // The server may answer and close once the frame is whole: nothing more is sent then.
-    if (!text.empty()) {
-      EXPECT_EQ(::send(fd, text.data(), text.size(), MSG_NOSIGNAL),
-                static_cast<ssize_t>(text.size()));
-    }
-  };
-  const auto answer = [fd] {
-    uint32_t head[3] = {0, 0, 0};
-    EXPECT_EQ(::recv(fd, head, sizeof(head), MSG_WAITALL), static_cast<ssize_t>(sizeof(head)));
-    std::string message(head[2], '\0');
-    if (head[2] > 0) ::recv(fd, message.data(), message.size(), MSG_WAITALL);
-    return head[1];
-  };
-  send_frame(3, SnapshotShardToJson(shard));
-  uint32_t code = answer();
-  EXPECT_EQ(code, 0u);
+// The abstract Unix socket the snapshot server at `address` takes pushes from this host on.
+struct LocalSocket {
+  explicit LocalSocket(const std::string& address) {
+    at.sun_family = AF_UNIX;
+    const std::string name = "shard-snapshot " + address;
+    std::memcpy(at.sun_path + 1, name.data(), name.size());
+    length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  }
+  sockaddr* address() { return reinterpret_cast<sockaddr*>(&at); }
+
+  sockaddr_un at{};
+  socklen_t length = 0;
+};
+
+// One byte, with room for one descriptor: the message a descriptor is passed in.
+struct DescriptorMessage {
+  DescriptorMessage() {
+    message.msg_iov = &io;
+    message.msg_iovlen = 1;
+    message.msg_control = control;
+    message.msg_controllen = sizeof(control);
+  }
+  DescriptorMessage(const DescriptorMessage&) = delete;
+  DescriptorMessage& operator=(const DescriptorMessage&) = delete;
+
   char byte = 0;
   iovec io{&byte, 1};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   msghdr message{};
-  message.msg_iov = &io;
-  message.msg_iovlen = 1;
-  message.msg_control = control;
-  message.msg_controllen = sizeof(control);
-  EXPECT_EQ(::recvmsg(fd, &message, MSG_CMSG_CLOEXEC), 1);
-  int buffer = -1;
-  std::memcpy(&buffer, CMSG_DATA(CMSG_FIRSTHDR(&message)), sizeof(int));
-  EXPECT_EQ(::pwrite(buffer, bytes.data(), written, 0), static_cast<ssize_t>(written));
-  ::close(buffer);
-  if (done) {
-    send_frame(4, "");
-    code = answer();
+};
+
+// Speaks the same-host push by hand to the server at `address`: sends `shard`'s description
+// and, if `file` >= 0, passes that descriptor. The status code of the answer, or -1 without one.
+int PushByHand(const std::string& address, const SnapshotShard& shard, int file) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  LocalSocket to(address);
+  EXPECT_EQ(::connect(fd, to.address(), to.length), 0);
+  const std::string header = SnapshotShardToJson(shard);
+  const uint32_t frame[3] = {0x51524853, 3, static_cast<uint32_t>(header.size())};
+  EXPECT_EQ(::send(fd, frame, sizeof(frame), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(frame)));
+  EXPECT_EQ(::send(fd, header.data(), header.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(header.size()));
+  if (file < 0) {
+    ::close(fd);
+    return -1;
   }
+  DescriptorMessage sent;
+  cmsghdr* passed = CMSG_FIRSTHDR(&sent.message);
+  passed->cmsg_level = SOL_SOCKET;
+  passed->cmsg_type = SCM_RIGHTS;
+  passed->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(passed), &file, sizeof(int));
+  EXPECT_EQ(::sendmsg(fd, &sent.message, MSG_NOSIGNAL), 1);
+  uint32_t head[3] = {0, 0, 0};
+  const bool answered =
+      ::recv(fd, head, sizeof(head), MSG_WAITALL) == static_cast<ssize_t>(sizeof(head));
   ::close(fd);
-  return code;
+  return answered ? static_cast<int>(head[1]) : -1;
 }
 
-// A pusher on this host cut off before it said it was done leaves nothing kept, and its buffer
-// is lent again; one that says it is done with bytes that do not check is refused.
+// SHARD_CORRUPT_REPLICAS on the same host garbles the holder's copy, as a memory error of the
+// holder's would, never the pusher's pages.
+TEST(SnapshotPeerTest, AReplicaCorruptedOnTheSameHostIsAPrivateCopy) {
+  Peer peer;
+  const std::vector<char> bytes = Bytes(kCheckpointBlockBytes + 77, 12);
+  const SnapshotShard shard = Shard(5, 40, 0, 2, bytes);
+  StateBuffer pushed = Buffer(bytes);
+  PeerCallOptions options;
+  options.same_host_pages = true;
+  ::setenv("SHARD_CORRUPT_REPLICAS", "1", 1);
+  const absl::Status status = PushSnapshotShard(peer.server->address(), shard, pushed, options);
+  ::unsetenv("SHARD_CORRUPT_REPLICAS");
+  SHARD_ASSERT_OK(status);
+  ASSERT_TRUE(peer.store.Find(shard.id, 0).has_value());
+  EXPECT_NE(Copy(peer.store.Find(shard.id, 0)->bytes), bytes);
+  EXPECT_EQ(Copy(absl::MakeConstSpan(pushed.data(), pushed.size())), bytes);
+  EXPECT_FALSE(pushed.HeldElsewhere());
+}
+
+// A buddy on this host that cannot keep the pages (here another open file description holds a
+// write lock on them, as if they were being written) takes the replica over TCP, and the rank is
+// told so once.
+TEST(SnapshotPeerTest, PagesABuddyCannotKeepGoOverTcpAndTheRankIsToldOnce) {
+  Peer buddy;
+  SnapshotStore own;
+  absl::Mutex mu;
+  std::vector<std::string> refusals;
+  Snapshotter::Callbacks callbacks;
+  callbacks.on_push_failed = [](const SnapshotShard&, const std::string&,
+                                const absl::Status& why) { ADD_FAILURE() << why; };
+  callbacks.on_pages_refused = [&](const SnapshotShard&, const std::string& who,
+                                   const absl::Status& why) {
+    absl::MutexLock lock(&mu);
+    refusals.push_back(absl::StrCat(who, ": ", why.message()));
+  };
+  Snapshotter snapshotter(&own, {{buddy.server->address()}, true, 0}, callbacks);
+  for (int step : {10, 20}) {
+    const std::vector<char> bytes = Bytes(5000, step);
+    SnapshotBytes buffer = Shared(bytes);
+    const int writer = ::open(absl::StrCat("/proc/self/fd/", buffer->fd()).c_str(), O_RDWR);
+    ASSERT_GE(writer, 0);
+    struct flock lock{};
+    lock.l_type = F_WRLCK;
+    lock.l_whence = SEEK_SET;
+    ASSERT_EQ(::fcntl(writer, F_OFD_SETLK, &lock), 0);
+    SHARD_ASSERT_OK(snapshotter.Start(Shard(1, step, 0, 2, bytes), buffer, nullptr));
+    SHARD_ASSERT_OK(snapshotter.WaitIdle(nullptr));
+    ::close(writer);
+    std::optional<SnapshotStore::Held> held = buddy.store.Find(SnapshotId(step, 1), 0);
+    ASSERT_TRUE(held.has_value()) << step;
+    EXPECT_EQ(Copy(held->bytes), bytes);
+    EXPECT_FALSE(buffer->HeldElsewhere()) << "the buddy keeps a copy of its own";
+  }
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(refusals.size(), 1u);
+  EXPECT_THAT(refusals[0], HasSubstr(buddy.server->address() + ": "));
+  EXPECT_THAT(refusals[0], HasSubstr("locking its memory file"));
+}
+
+// A pusher on this host killed before it passed its pages leaves nothing kept; pages too few
+// for the shard, or being written (another description holds a write lock), are refused; whole
+// pages are kept.
 TEST(SnapshotPeerTest, ASameHostPushCutOffOrWrongIsNeverKept) {
   auto peer = std::make_unique<Peer>();
   const std::vector<char> bytes = Bytes(kCheckpointBlockBytes + 5000, 6);
   const std::string address = peer->server->address();
+  StateBuffer pages = Buffer(bytes);
   const SnapshotShard torn = Shard(5, 40, 0, 2, bytes);
-  PushByHand(address, torn, bytes, bytes.size() / 2, /*done=*/false);
+  EXPECT_EQ(PushByHand(address, torn, -1), -1);
+  const std::vector<char> fewer(bytes.begin(), bytes.end() - 1);
+  StateBuffer short_pages = Buffer(fewer);
   const SnapshotShard short_one = Shard(5, 50, 0, 2, bytes);
-  EXPECT_EQ(PushByHand(address, short_one, bytes, bytes.size() - 1, /*done=*/true),
-            static_cast<uint32_t>(absl::StatusCode::kDataLoss));
+  EXPECT_EQ(PushByHand(address, short_one, short_pages.fd()),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  const SnapshotShard written = Shard(5, 55, 0, 2, bytes);
+  {
+    const int writer = ::open(absl::StrCat("/proc/self/fd/", pages.fd()).c_str(), O_RDWR);
+    ASSERT_GE(writer, 0);
+    struct flock lock{};
+    lock.l_type = F_WRLCK;
+    lock.l_whence = SEEK_SET;
+    ASSERT_EQ(::fcntl(writer, F_OFD_SETLK, &lock), 0);
+    EXPECT_EQ(PushByHand(address, written, pages.fd()),
+              static_cast<int>(absl::StatusCode::kUnavailable));
+    ::close(writer);
+  }
+  EXPECT_FALSE(pages.HeldElsewhere());
   const SnapshotShard whole = Shard(5, 60, 0, 2, bytes);
-  EXPECT_EQ(PushByHand(address, whole, bytes, bytes.size(), /*done=*/true), 0u);
+  EXPECT_EQ(PushByHand(address, whole, pages.fd()), 0);
+  EXPECT_TRUE(pages.HeldElsewhere());
   SnapshotStore& store = peer->store;
   peer->server.reset();  // waits for every connection it serves
   EXPECT_FALSE(store.Find(torn.id, 0).has_value());
   EXPECT_FALSE(store.Find(short_one.id, 0).has_value());
+  EXPECT_FALSE(store.Find(written.id, 0).has_value());
   ASSERT_TRUE(store.Find(whole.id, 0).has_value());
   EXPECT_EQ(Copy(store.Find(whole.id, 0)->bytes), bytes);
-  absl::MutexLock lock(&peer->mu);
-  ASSERT_EQ(peer->replicas.size(), 1u);
-  EXPECT_EQ(peer->replicas[0].id, whole.id);
+  {
+    absl::MutexLock lock(&peer->mu);
+    ASSERT_EQ(peer->replicas.size(), 1u);
+    EXPECT_EQ(peer->replicas[0].id, whole.id);
+  }
+  // Dropped by the store (here, with the whole store), the pages may be written again.
+  peer.reset();
+  EXPECT_FALSE(pages.HeldElsewhere());
+}
+
+// A holder on this host that took the pages and never answered (its process died, or it ran
+// past the deadline) might keep them: the pusher's buffer is retired, never to be written again.
+TEST(SnapshotPeerTest, PagesPassedWithoutAnAnswerAreNeverWrittenAgain) {
+  // A holder that takes the description and the descriptor, then closes without an answer.
+  const std::string address = absl::StrCat("holder-", ::getpid(), ":1");
+  const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  LocalSocket at(address);
+  ASSERT_EQ(::bind(listener, at.address(), at.length), 0);
+  ASSERT_EQ(::listen(listener, 1), 0);
+  bool got_descriptor = false;
+  std::thread holder([&] {
+    const int fd = ::accept(listener, nullptr, nullptr);
+    uint32_t frame[3] = {0, 0, 0};
+    ASSERT_EQ(::recv(fd, frame, sizeof(frame), MSG_WAITALL), static_cast<ssize_t>(sizeof(frame)));
+    std::string header(frame[2], '\0');
+    ASSERT_EQ(::recv(fd, header.data(), header.size(), MSG_WAITALL),
+              static_cast<ssize_t>(header.size()));
+    DescriptorMessage received;
+    got_descriptor = ::recvmsg(fd, &received.message, MSG_CMSG_CLOEXEC) == 1 &&
+                     CMSG_FIRSTHDR(&received.message) != nullptr;
+    if (got_descriptor) {
+      int passed = -1;
+      std::memcpy(&passed, CMSG_DATA(CMSG_FIRSTHDR(&received.message)), sizeof(int));
+      ::close(passed);
+    }
+    ::close(fd);
+  });
+  const std::vector<char> bytes = Bytes(5000, 9);
+  const SnapshotShard shard = Shard(5, 10, 0, 2, bytes);
+  auto pushed = std::make_shared<StateBuffer>(Buffer(bytes));
+  PeerCallOptions options;
+  options.same_host_pages = true;
+  const absl::Status status = PushSnapshotShard(address, shard, *pushed, options);
+  holder.join();
+  ::close(listener);
+  ASSERT_TRUE(got_descriptor);
+  EXPECT_TRUE(absl::IsUnavailable(status)) << status;
+  EXPECT_TRUE(pushed->retired());
+  // Its snapshot dropped, the store does not hand the buffer out again.
+  SnapshotStore own(/*kept_snapshots=*/1);
+  own.Add(shard, pushed);
+  pushed.reset();
+  own.Add(Shard(5, 20, 0, 2, bytes), Shared(bytes));
+  EXPECT_EQ(own.ReadyBuffers(bytes.size()), 0);
 }
 
 TEST(SnapshotPeerTest, CallsEndWhenCancelledOrWhenTheirDeadlinePasses) {
@@ -515,7 +673,8 @@ TEST(SnapshotFetchTest, ARangeIsReadFromTheOwnStoreOrTheFirstHolderThatServesItA
   const std::vector<char> bytes1 = Bytes(kCheckpointBlockBytes + 400, 6);
   const SnapshotShard shard0 = Shard(2, 8, 0, 2, bytes0);
   const SnapshotShard shard1 = Shard(2, 8, 1, 2, bytes1);
-  SHARD_ASSERT_OK(PushSnapshotShard(holder.server->address(), shard0, bytes0, PeerCallOptions{}));
+  StateBuffer pushed = Buffer(bytes0);
+  SHARD_ASSERT_OK(PushSnapshotShard(holder.server->address(), shard0, pushed, PeerCallOptions{}));
   own.Add(shard1, Shared(bytes1));
   // Rank 0's first listed holder is gone; the second serves it.
   std::vector<std::vector<SnapshotHolderAddress>> holders = {
@@ -567,12 +726,13 @@ TEST(SnapshotFetchTest, ACopyThatFailsItsChecksumsIsRefusedAndTheNextHolderRead)
   Peer flipped;
   Peer good;
   const std::vector<char> bytes = Bytes(2 * kCheckpointBlockBytes + 1000, 8);
+  StateBuffer pushed = Buffer(bytes);
   const SnapshotShard shard = Shard(3, 20, 0, 1, bytes);
   ::setenv("SHARD_CORRUPT_REPLICAS", "1", 1);
   // The replica arrives whole; the bit flips once it is kept.
-  SHARD_ASSERT_OK(PushSnapshotShard(flipped.server->address(), shard, bytes, PeerCallOptions{}));
+  SHARD_ASSERT_OK(PushSnapshotShard(flipped.server->address(), shard, pushed, PeerCallOptions{}));
   ::unsetenv("SHARD_CORRUPT_REPLICAS");
-  SHARD_ASSERT_OK(PushSnapshotShard(good.server->address(), shard, bytes, PeerCallOptions{}));
+  SHARD_ASSERT_OK(PushSnapshotShard(good.server->address(), shard, pushed, PeerCallOptions{}));
   ASSERT_NE(Copy(flipped.store.Find(shard.id, 0)->bytes), bytes);
   ASSERT_EQ(Copy(good.store.Find(shard.id, 0)->bytes), bytes);
 

@@ -38,9 +38,11 @@ bool CheckpointSaver::WaitIdleFor(absl::Duration timeout) {
   return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
 }
 
-std::vector<char> CheckpointSaver::TakeBuffer() {
+StateBuffer CheckpointSaver::TakeBuffer() {
   WaitIdle();
   absl::MutexLock lock(&mu_);
+  // A buffer that was a memory snapshot too may still be a buddy's replica: not to be written.
+  if (kept_.retired() || kept_.HeldElsewhere()) return StateBuffer();
   return std::move(kept_);
 }
 

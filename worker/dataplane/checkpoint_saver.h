@@ -57,9 +57,10 @@ class CheckpointSaver {
   absl::Duration WaitIdle();
   // The same for at most `timeout`; whether no save is in flight now.
   bool WaitIdleFor(absl::Duration timeout);
-  // Waits for the save in flight and hands back its buffer when nothing else holds it (else an
-  // empty one), so that the next copy goes into memory that is already mapped.
-  std::vector<char> TakeBuffer();
+  // Waits for the save in flight and hands back its buffer when nothing else holds it, in this
+  // process or another (else an empty one), so that the next copy goes into memory that is
+  // already mapped.
+  StateBuffer TakeBuffer();
   // Starts writing `bytes` as shard `saved.rank` of `saved.dir` (waits for the save in flight).
   void Start(SavedShard saved, int world_size, SnapshotBytes bytes);
   // Gives up the save in flight, if any (nobody will commit it: its generation ended): its write
@@ -83,7 +84,7 @@ class CheckpointSaver {
   int64_t writing_step_ ABSL_GUARDED_BY(mu_) = 0;
   int world_size_ ABSL_GUARDED_BY(mu_) = 0;
   SnapshotBytes bytes_ ABSL_GUARDED_BY(mu_);       // to write
-  std::vector<char> kept_ ABSL_GUARDED_BY(mu_);    // written, for the next copy
+  StateBuffer kept_ ABSL_GUARDED_BY(mu_);          // written, for the next copy
   std::optional<SavedShard> skipped_ ABSL_GUARDED_BY(mu_);  // to report
   std::atomic<bool> cancel_{false};                // the save in flight is given up
   std::thread thread_;

@@ -67,6 +67,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/checkpoint.h"
 #include "common/job_spec.h"
 #include "common/manifest.h"
@@ -271,9 +272,13 @@ class Engine {
   int ExtrasHolder(int param) const;
   bool SavesExtrasOf(int param) const { return ExtrasHolder(param) == communicator_->rank(); }
 
-  // Checkpoints. The bytes this rank saves (its plan ranges: parameters and optimizer state,
-  // laid out as common/checkpoint.h MakeShardLayout says), copied out of the live buffers into
-  // `out` (a buffer of the right size from an earlier save is reused without reallocation).
+  // Checkpoints. How many bytes this rank saves: its plan ranges, parameters and optimizer
+  // state, laid out as common/checkpoint.h MakeShardLayout says.
+  uint64_t OwnedStateBytes() const;
+  // Those bytes, copied out of the live buffers into `out` (OwnedStateBytes() long).
+  absl::Status CopyOwnedState(absl::Span<char> out);
+  // The same into a vector, resized to fit (a buffer of the right size from an earlier save is
+  // reused without reallocation).
   absl::Status CopyOwnedState(std::vector<char>* out);
   // Loads the elements this rank owns from a checkpoint of the same model and optimizer, of any
   // world size, gathers the parameters, and continues the step count from the checkpoint's.

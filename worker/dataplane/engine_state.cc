@@ -27,7 +27,19 @@ int Engine::ExtrasHolder(int param) const {
   return -1;
 }
 
+uint64_t Engine::OwnedStateBytes() const {
+  return MakeShardLayout(manifest_, *plan_, communicator_->rank(),
+                         static_cast<int>(optimizer_.state_names().size()))
+      .bytes;
+}
+
 absl::Status Engine::CopyOwnedState(std::vector<char>* out) {
+  // Every byte is written: a buffer kept from the previous save is reused as it is.
+  if (out->size() != OwnedStateBytes()) out->resize(OwnedStateBytes());
+  return CopyOwnedState(absl::MakeSpan(*out));
+}
+
+absl::Status Engine::CopyOwnedState(absl::Span<char> out) {
   // The copy reads this rank's own ranges only, and at a step boundary nothing submitted writes
   // them any more (the updates are done). So on the host the parameter gathers not started yet
   // stay pending and overlap the next forward, as at a boundary without a save; forcing them
@@ -40,10 +52,13 @@ absl::Status Engine::CopyOwnedState(std::vector<char>* out) {
   }
   const int states = static_cast<int>(optimizer_.state_names().size());
   const ShardLayout layout = MakeShardLayout(manifest_, *plan_, communicator_->rank(), states);
-  // Every byte is written below; a buffer kept from the previous save is reused as it is.
-  if (out->size() != layout.bytes) out->resize(layout.bytes);
+  if (out.size() != layout.bytes) {
+    return absl::InternalError(absl::StrCat("a buffer of ", out.size(), " bytes for rank ",
+                                            communicator_->rank(), "'s ", layout.bytes,
+                                            " bytes of state"));
+  }
   for (const ShardPiece& piece : layout.pieces) {
-    char* dst = out->data() + piece.byte_offset;
+    char* dst = out.data() + piece.byte_offset;
     const size_t bytes = piece.numel * sizeof(float);
     const ParamLocation location = plan_->locations[piece.param];
     if (location.bucket < 0) {  // no gradient: values only, zero state

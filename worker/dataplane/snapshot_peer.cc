@@ -34,13 +34,9 @@ constexpr uint32_t kRequestMagic = 0x51524853;   // "SHRQ"
 constexpr uint32_t kResponseMagic = 0x53524853;  // "SHRS"
 constexpr uint32_t kFetch = 1;
 constexpr uint32_t kPush = 2;
-// A push from this host: the server lends a shared buffer, the pusher writes it and says kWritten.
+// A push from this host: the pusher passes its buffer's memory file, and the server keeps the
+// same pages.
 constexpr uint32_t kSameHostPush = 3;
-constexpr uint32_t kWritten = 4;
-// Free shared buffers a server keeps for the next pushes from this host.
-constexpr size_t kFreeSharedBuffers = 4;
-// Lent buffers a pusher keeps mapped: a buddy keeps two snapshots and lends a third.
-constexpr size_t kMappedLentBuffers = 4;
 // A replica is checked block by block: every byte is in a block, so the whole shard's hash would
 // add a second pass over the bytes and no check.
 constexpr ShardHasher::Sums kReplicaSums = ShardHasher::Sums::kBlocksOnly;
@@ -323,96 +319,51 @@ absl::Status StatusFromWire(uint32_t code, const std::string& message) {
 
 }  // namespace
 
-// A server's shared buffers: memory files it lends to pushers on this host, kept as replicas,
-// and returned here when the store drops them.
-class SharedBufferPool {
+// The pages of a memory file a pusher on this host passed, mapped read-only and kept from the
+// pusher's writes by a read lock, for as long as the store keeps them as a replica.
+class KeptPages {
  public:
-  struct Buffer {
-    Buffer(Descriptor file, char* base, uint64_t bytes)
-        : file(std::move(file)), base(base), bytes(bytes) {}
-    ~Buffer() { ::munmap(base, bytes); }
-    Descriptor file;
-    char* base;
-    uint64_t bytes;
-  };
-
-  // A free buffer with room for `bytes`, or a new one with 1/16 to spare (a plan rebuilt after
-  // the first step moves the ranges a little), its pages mapped.
-  absl::StatusOr<std::unique_ptr<Buffer>> Lend(uint64_t bytes) {
-    {
-      absl::MutexLock lock(&mu_);
-      auto fits = free_.end();
-      for (auto it = free_.begin(); it != free_.end(); ++it) {
-        if ((*it)->bytes >= bytes && (fits == free_.end() || (*it)->bytes < (*fits)->bytes)) {
-          fits = it;
-        }
-      }
-      if (fits != free_.end()) {
-        std::unique_ptr<Buffer> buffer = std::move(*fits);
-        free_.erase(fits);
-        return buffer;
-      }
+  // The pages of `passed` (the pusher's descriptor), of which `bytes` are the shard.
+  static absl::StatusOr<std::shared_ptr<const KeptPages>> Keep(int passed, uint64_t bytes,
+                                                               const std::string& what) {
+    // A description of this process's own: a lock on the pusher's would be the pusher's own
+    // lock, and no bar to its writes.
+    Descriptor file(::open(absl::StrCat("/proc/self/fd/", passed).c_str(), O_RDONLY | O_CLOEXEC));
+    if (file.get() < 0) return ErrnoStatus(absl::StrCat(what, ": opening its memory file"), errno);
+    struct flock lock{};
+    lock.l_type = F_RDLCK;
+    lock.l_whence = SEEK_SET;
+    if (::fcntl(file.get(), F_OFD_SETLK, &lock) != 0) {
+      return ErrnoStatus(absl::StrCat(what, ": locking its memory file"), errno);
     }
-    const uint64_t size = std::max<uint64_t>(bytes + bytes / 16, 1);
-    Descriptor file(::memfd_create("shard-snapshot", MFD_CLOEXEC));
-    if (file.get() < 0 || ::ftruncate(file.get(), static_cast<off_t>(size)) != 0) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "cannot make a shared buffer of ", size, " bytes: ", std::strerror(errno)));
+    struct stat status{};
+    if (::fstat(file.get(), &status) != 0) return ErrnoStatus(what, errno);
+    if (static_cast<uint64_t>(status.st_size) < bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": its memory file has ",
+                                                     status.st_size, " bytes, not ", bytes));
     }
-    void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
-                        file.get(), 0);
-    if (base == MAP_FAILED) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "cannot map a shared buffer of ", size, " bytes: ", std::strerror(errno)));
-    }
-    return std::make_unique<Buffer>(std::move(file), static_cast<char*>(base), size);
+    if (bytes == 0) return std::make_shared<const KeptPages>(std::move(file), nullptr, 0);
+    void* base = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, file.get(), 0);
+    if (base == MAP_FAILED) return ErrnoStatus(absl::StrCat(what, ": mapping its pages"), errno);
+    return std::make_shared<const KeptPages>(std::move(file), static_cast<const char*>(base),
+                                             bytes);
   }
 
-  // A buffer nobody writes or reads any more, for the next push.
-  void Return(std::unique_ptr<Buffer> buffer) {
-    absl::MutexLock lock(&mu_);
-    if (free_.size() < kFreeSharedBuffers) free_.push_back(std::move(buffer));
-  }
+  KeptPages(Descriptor file, const char* base, uint64_t bytes)
+      : file_(std::move(file)), base_(base), bytes_(bytes) {}
+  ~KeptPages() {
+    if (base_ != nullptr) ::munmap(const_cast<char*>(base_), bytes_);
+  }  // then closing the file drops the lock: the pusher may write the pages again
+  KeptPages(const KeptPages&) = delete;
+  KeptPages& operator=(const KeptPages&) = delete;
+
+  absl::Span<const char> bytes() const { return {base_, bytes_}; }
 
  private:
-  absl::Mutex mu_;
-  std::vector<std::unique_ptr<Buffer>> free_ ABSL_GUARDED_BY(mu_);
+  Descriptor file_;
+  const char* base_;
+  uint64_t bytes_;
 };
-
-LentBuffers::~LentBuffers() {
-  for (const Mapping& mapping : mappings_) ::munmap(mapping.base, mapping.bytes);
-}
-
-absl::StatusOr<char*> LentBuffers::Map(int fd, uint64_t bytes) {
-  struct stat file{};
-  if (::fstat(fd, &file) != 0) return ErrnoStatus("a lent buffer", errno);
-  const auto size = static_cast<uint64_t>(file.st_size);
-  if (size < bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the lent buffer has ", size, " bytes, not room for ", bytes));
-  }
-  ++uses_;
-  for (Mapping& mapping : mappings_) {
-    // A mapped buffer is alive, so no other buffer has its inode number.
-    if (mapping.device == file.st_dev && mapping.inode == file.st_ino && mapping.bytes == size) {
-      mapping.last_used = uses_;
-      return mapping.base;
-    }
-  }
-  void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (base == MAP_FAILED) return ErrnoStatus("mapping a lent buffer", errno);
-  if (mappings_.size() >= kMappedLentBuffers) {
-    auto oldest = std::min_element(
-        mappings_.begin(), mappings_.end(),
-        [](const Mapping& a, const Mapping& b) { return a.last_used < b.last_used; });
-    ::munmap(oldest->base, oldest->bytes);
-    mappings_.erase(oldest);
-  }
-  mappings_.push_back(Mapping{static_cast<uint64_t>(file.st_dev),
-                              static_cast<uint64_t>(file.st_ino), static_cast<char*>(base), size,
-                              uses_});
-  return static_cast<char*>(base);
-}
 
 void YieldToTraining() {
   const id_t thread = static_cast<id_t>(::syscall(SYS_gettid));
@@ -482,7 +433,6 @@ SnapshotServer::SnapshotServer(std::string address, int listen_fd, int local_lis
     : address_(std::move(address)),
       listen_fd_(listen_fd),
       local_listen_fd_(local_listen_fd),
-      pool_(std::make_shared<SharedBufferPool>()),
       store_(store),
       on_replica_(std::move(on_replica)) {}
 
@@ -605,22 +555,27 @@ void SnapshotServer::Serve(int fd) {
   constexpr uint64_t kPiece = 256 << 10;
   const uint64_t total = shard->record.bytes;
   limit.deadline = absl::Now() + TransferTimeout(total, kHeaderTimeout);
-  std::vector<char> buffer = store_->TakeBuffer(total);
+  absl::StatusOr<StateBuffer> buffer = store_->TakeBuffer(total);
+  if (!buffer.ok()) {
+    reply(buffer.status());
+    return;
+  }
   ShardHasher hasher(kReplicaSums);
   for (uint64_t done = 0; done < total;) {
     const uint64_t take = std::min<uint64_t>(kPiece, total - done);
-    if (absl::Status received = RecvAll(fd, buffer.data() + done, take, limit); !received.ok()) {
+    if (absl::Status received = RecvAll(fd, buffer->data() + done, take, limit);
+        !received.ok()) {
       return;  // cut off: nothing is kept, and nobody is left to answer
     }
-    hasher.Append(buffer.data() + done, take);
+    hasher.Append(buffer->data() + done, take);
     done += take;
   }
-  if (absl::Status checked = CheckReplica(*shard, hasher, buffer.data()); !checked.ok()) {
+  if (absl::Status checked = CheckReplica(*shard, hasher, buffer->data()); !checked.ok()) {
     reply(checked);
     return;
   }
   const std::vector<std::string> dropped =
-      store_->Add(*shard, std::make_shared<std::vector<char>>(std::move(buffer)));
+      store_->Add(*shard, std::make_shared<StateBuffer>(*std::move(buffer)));
   if (on_replica_) on_replica_(*shard, dropped);
   reply(absl::OkStatus());
 }
@@ -637,10 +592,14 @@ absl::Status SnapshotServer::CheckReplica(const SnapshotShard& shard, ShardHashe
                                             shard.id, " arrived at ", address_,
                                             " with other checksums than it was sent with"));
   }
+  CorruptIfAsked(shard, bytes);
+  return absl::OkStatus();
+}
+
+void SnapshotServer::CorruptIfAsked(const SnapshotShard& shard, char* bytes) const {
   CorruptReplicaIfAsked(bytes, shard.record.bytes,
                         absl::StrCat("rank ", shard.rank, "'s shard of snapshot ", shard.id,
                                      ", kept at ", address_, " for a buddy"));
-  return absl::OkStatus();
 }
 
 void SnapshotServer::TakeSameHostPush(int fd, const SnapshotShard& shard) {
@@ -652,50 +611,33 @@ void SnapshotServer::TakeSameHostPush(int fd, const SnapshotShard& shard) {
     (void)SendFrame(fd, kResponseMagic, static_cast<uint32_t>(status.code()),
                     std::string(status.message()), limit);
   };
+  absl::StatusOr<Descriptor> passed = RecvDescriptor(fd, limit);
+  if (!passed.ok()) return;  // a pusher gone before it passed its pages: nothing to keep
   ucred peer{};
   socklen_t length = sizeof(peer);
   if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0 || peer.uid != ::geteuid()) {
-    reply(absl::PermissionDeniedError(
-        absl::StrCat(what, ": only a process of this worker's user may write its memory")));
+    reply(absl::PermissionDeniedError(absl::StrCat(
+        what, ": only a process of this worker's user may hand it memory to keep")));
     return;
   }
-  absl::StatusOr<std::unique_ptr<SharedBufferPool::Buffer>> lent = pool_->Lend(total);
-  if (!lent.ok()) {
-    reply(lent.status());  // the pusher sends over TCP instead
+  absl::StatusOr<std::shared_ptr<const KeptPages>> pages =
+      KeptPages::Keep(passed->get(), total, what);
+  if (!pages.ok()) {
+    reply(pages.status());  // the pusher sends over TCP instead
     return;
   }
-  reply(absl::OkStatus());
-  if (!SendDescriptor(fd, (*lent)->file.get(), limit).ok()) {
-    pool_->Return(std::move(*lent));  // never reached the pusher
-    return;
+  // The pages are the pusher's own copy, which it hashed: nothing travelled that could tear, and
+  // the lock keeps the pusher from writing them while they are kept. So they are not hashed
+  // again here (a restore still checks every byte it reads).
+  absl::Span<const char> bytes = (*pages)->bytes();
+  std::shared_ptr<const void> keep = *std::move(pages);
+  if (ReplicasCorrupted()) {  // a memory error in this worker's copy, not in the pusher's
+    auto copy = std::make_shared<std::vector<char>>(bytes.begin(), bytes.end());
+    CorruptIfAsked(shard, copy->data());
+    bytes = absl::Span<const char>(copy->data(), copy->size());
+    keep = std::move(copy);
   }
-  limit.deadline = absl::Now() + TransferTimeout(total, kHeaderTimeout);
-  const absl::StatusOr<std::pair<uint32_t, std::string>> written =
-      RecvFrame(fd, kRequestMagic, limit);
-  if (!written.ok() || written->first != kWritten) {
-    // A pusher that closed the connection writes no more: the buffer can be lent again. One
-    // that ran past the deadline might still be writing: the buffer is freed (its pages live
-    // until the pusher unmaps them) and nothing of this push is kept.
-    if (!absl::IsDeadlineExceeded(written.status())) pool_->Return(std::move(*lent));
-    return;
-  }
-  char* bytes = (*lent)->base;
-  ShardHasher hasher(kReplicaSums);
-  hasher.Append(bytes, total);
-  if (absl::Status checked = CheckReplica(shard, hasher, bytes); !checked.ok()) {
-    pool_->Return(std::move(*lent));
-    reply(checked);
-    return;
-  }
-  // Dropped by the store and no longer read: back to the pool, if the server is still there.
-  std::shared_ptr<const void> keep(
-      lent->release(), [pool = std::weak_ptr<SharedBufferPool>(pool_)](
-                           SharedBufferPool::Buffer* buffer) {
-        std::unique_ptr<SharedBufferPool::Buffer> owned(buffer);
-        if (std::shared_ptr<SharedBufferPool> alive = pool.lock()) alive->Return(std::move(owned));
-      });
-  const std::vector<std::string> dropped =
-      store_->Add(shard, absl::Span<const char>(bytes, total), std::move(keep));
+  const std::vector<std::string> dropped = store_->Add(shard, bytes, std::move(keep));
   if (on_replica_) on_replica_(shard, dropped);
   reply(absl::OkStatus());
 }
@@ -703,7 +645,7 @@ void SnapshotServer::TakeSameHostPush(int fd, const SnapshotShard& shard) {
 // --- Calls -------------------------------------------------------------------------------------
 
 absl::Status PushSnapshotShard(const std::string& address, const SnapshotShard& shard,
-                               const std::vector<char>& bytes, const PeerCallOptions& options) {
+                               StateBuffer& bytes, const PeerCallOptions& options) {
   const std::string what = absl::StrCat("pushing rank ", shard.rank, "'s shard of snapshot ",
                                         shard.id, " to ", address);
   const Limit limit{absl::Now() + options.timeout, options.cancel, what.c_str()};
@@ -713,26 +655,26 @@ absl::Status PushSnapshotShard(const std::string& address, const SnapshotShard& 
                                                    shard.record.bytes));
   }
   const std::string header = SnapshotShardToJson(shard);
-  if (std::optional<Descriptor> local =
-          options.lent != nullptr ? ConnectLocal(address) : std::nullopt;
+  if (std::optional<Descriptor> local = options.same_host_pages && bytes.fd() >= 0
+                                            ? ConnectLocal(address)
+                                            : std::nullopt;
       local.has_value()) {
     SHARD_RETURN_IF_ERROR(SendFrame(local->get(), kRequestMagic, kSameHostPush, header, limit));
-    SHARD_ASSIGN_OR_RETURN(const auto lent, RecvFrame(local->get(), kResponseMagic, limit));
-    const absl::Status lending = StatusFromWire(lent.first, lent.second);
-    // A buddy with no room to lend, or that will not lend to this process's user, takes the
-    // bytes over TCP.
-    if (!absl::IsResourceExhausted(lending) && !absl::IsPermissionDenied(lending)) {
-      SHARD_RETURN_IF_ERROR(lending);
-      SHARD_ASSIGN_OR_RETURN(const Descriptor file, RecvDescriptor(local->get(), limit));
-      SHARD_ASSIGN_OR_RETURN(char* buffer, options.lent->Map(file.get(), bytes.size()));
-      const uint64_t half = bytes.size() / 2;
-      std::memcpy(buffer, bytes.data(), half);
-      FaultPoint("snapshot-push-midway");
-      std::memcpy(buffer + half, bytes.data() + half, bytes.size() - half);
-      SHARD_RETURN_IF_ERROR(SendFrame(local->get(), kRequestMagic, kWritten, "", limit));
-      SHARD_ASSIGN_OR_RETURN(const auto answer, RecvFrame(local->get(), kResponseMagic, limit));
-      return StatusFromWire(answer.first, answer.second);
+    FaultPoint("snapshot-push-midway");
+    SHARD_RETURN_IF_ERROR(SendDescriptor(local->get(), bytes.fd(), limit));
+    const absl::StatusOr<std::pair<uint32_t, std::string>> answer =
+        RecvFrame(local->get(), kResponseMagic, limit);
+    if (!answer.ok()) {
+      // The buddy has the pages and may keep them without having said so: they are never
+      // written again.
+      bytes.Retire();
+      return answer.status();
     }
+    // A buddy that could not keep the pages (this process's user is not its own, its memory
+    // file would not map) takes the bytes over TCP.
+    const absl::Status kept = StatusFromWire(answer->first, answer->second);
+    if (kept.ok()) return kept;
+    if (options.pages_refused != nullptr) *options.pages_refused = kept;
   }
   SHARD_ASSIGN_OR_RETURN(Descriptor socket, Connect(address, limit));
   SHARD_RETURN_IF_ERROR(SendFrame(socket.get(), kRequestMagic, kPush, header, limit));

@@ -12,17 +12,20 @@
 // encrypted nor authenticated: they carry the job's state between its own workers, on the network
 // their collectives use (--host).
 //
-// On the same host a push copies its bytes once, into memory the receiver keeps. The server also
-// listens on an abstract Unix socket named after its address, which only a process in the same
-// network namespace (so on the same host) can reach; a push that reaches it asks for a buffer
-// there, in the same frames. The server lends one of its shared buffers (a memory file passed as
-// a descriptor); the pusher maps it (once: LentBuffers keeps it mapped, and the server lends the
-// same few buffers again and again), copies its bytes in and says so; the server checks the
-// checksums and keeps the buffer as the replica. When the store drops that replica the buffer goes
-// back to the server's pool. Nothing is named in /dev/shm, so nothing outlives the workers. Only a
-// process of the server's user may push this way. A pusher cut off before it said it was done
-// leaves nothing kept, as over TCP; a buffer whose pusher ran past the deadline is not lent again
-// (the pusher might still write to it).
+// On the same host a push copies nothing: the receiver keeps the pusher's own pages. A rank's
+// copy of its state is a memory file (worker/dataplane/state_buffer.h). The server also listens
+// on an abstract Unix socket named after its address, which only a process in the same network
+// namespace (so on the same host) can reach; a push that reaches it sends the shard's
+// description there, in the same frames, and passes the memory file's descriptor. The server
+// opens the file again (a description of its own), takes a read lock on it, maps the pages
+// read-only and keeps them as the replica; the lock goes when the store drops the replica or the
+// server's process dies, and until then the pusher does not write those pages again. The pages
+// are not hashed again: nothing travelled, and the pusher hashed them itself (a restore checks
+// every byte it reads). A replica on the same host guards against a worker's death, not the
+// host's, and the pages outlive the pusher. Nothing is named in /dev/shm, so nothing outlives
+// the workers. Only a process of the server's user may push this way. A pusher killed before it
+// passed the descriptor leaves nothing kept, as over TCP; one that passed it and heard no answer
+// never writes those pages again (the server might keep them).
 #pragma once
 
 #include <atomic>
@@ -42,38 +45,16 @@
 
 namespace shard {
 
-// The buffers buddies on this host lent a pusher, mapped once and reused. One pusher thread.
-class LentBuffers {
- public:
-  LentBuffers() = default;
-  ~LentBuffers();
-  LentBuffers(const LentBuffers&) = delete;
-  LentBuffers& operator=(const LentBuffers&) = delete;
-
-  // The lent buffer `fd` refers to, mapped, with room for `bytes`.
-  absl::StatusOr<char*> Map(int fd, uint64_t bytes);
-
- private:
-  struct Mapping {
-    uint64_t device = 0;
-    uint64_t inode = 0;
-    char* base = nullptr;
-    uint64_t bytes = 0;
-    uint64_t last_used = 0;
-  };
-  std::vector<Mapping> mappings_;
-  uint64_t uses_ = 0;
-};
-
 class ShardHasher;
-class SharedBufferPool;
 
 struct PeerCallOptions {
   absl::Duration timeout = absl::Seconds(60);  // for the whole call
   const std::atomic<bool>* cancel = nullptr;   // set: the call ends with Cancelled
-  // Set: a push to a server on this host copies into a buffer it lends (above), mapped through
-  // these; null: over TCP always, as across hosts.
-  LentBuffers* lent = nullptr;
+  // Set: a push to a server on this host hands it the pages of the pushed buffer (above); not
+  // set: over TCP always, as across hosts.
+  bool same_host_pages = false;
+  // Set: why a buddy on this host did not keep the pages, when the push went over TCP instead.
+  absl::Status* pages_refused = nullptr;
 };
 
 // Lowers the calling thread's priority to kBackgroundNice (a thread already lower keeps its
@@ -117,20 +98,21 @@ class SnapshotServer {
 
   void AcceptLoop();
   void Serve(int fd);
-  // A push from this host on `fd` (the shard's description `shard`): lends it a buffer, and
-  // keeps the buffer as the replica once the pusher wrote it and it checks.
+  // A push from this host on `fd` (the shard's description `shard`): keeps the pages of the
+  // memory file the pusher passes as the replica.
   void TakeSameHostPush(int fd, const SnapshotShard& shard);
   // Whether a received replica's bytes hashed (`hasher`, fed all of them) to the checksums it
-  // was sent with: DataLoss if not. Then flips a bit of `bytes` if SHARD_CORRUPT_REPLICAS asks.
+  // was sent with: DataLoss if not. Then CorruptIfAsked.
   absl::Status CheckReplica(const SnapshotShard& shard, ShardHasher& hasher,
                             char* bytes) const;
+  // Flips a bit of replica `bytes` if SHARD_CORRUPT_REPLICAS asks.
+  void CorruptIfAsked(const SnapshotShard& shard, char* bytes) const;
   // Joins the threads of connections that are done.
   void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string address_;
   const int listen_fd_;
   const int local_listen_fd_;  // the abstract Unix socket, or -1 (its name too long)
-  const std::shared_ptr<SharedBufferPool> pool_;  // the buffers lent to pushers on this host
   SnapshotStore* const store_;
   const ReplicaCallback on_replica_;
   std::atomic<bool> stopping_{false};
@@ -140,9 +122,11 @@ class SnapshotServer {
 };
 
 // Sends `bytes` (shard `shard` of a snapshot, `shard.record` its checksums) to the server at
-// `address`, which keeps it once it checked them. OK only once it holds it.
+// `address`, which keeps it once it checked them, or on the same host keeps its pages (then
+// `bytes` is retired if the server may keep them without having answered). OK only once it
+// holds it.
 absl::Status PushSnapshotShard(const std::string& address, const SnapshotShard& shard,
-                               const std::vector<char>& bytes, const PeerCallOptions& options);
+                               StateBuffer& bytes, const PeerCallOptions& options);
 
 // Reads bytes [offset, offset + bytes) of rank `rank`'s shard of snapshot `id` from the server
 // at `address` into `out`. NotFound when it does not hold that shard (any more). The bytes are

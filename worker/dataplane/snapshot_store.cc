@@ -12,14 +12,15 @@ constexpr size_t kFreeBuffers = 4;
 
 }  // namespace
 
-std::vector<char> SnapshotStore::TakeBuffer(uint64_t bytes) {
-  std::vector<char> buffer;
+absl::StatusOr<StateBuffer> SnapshotStore::TakeBuffer(uint64_t bytes) {
+  StateBuffer buffer;
   {
     absl::MutexLock lock(&mu_);
-    // The smallest free buffer that fits, else the largest (grown below).
+    // The smallest free buffer that fits, else the largest (grown below); none a buddy keeps.
     auto fits = free_.end();
     auto largest = free_.end();
     for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->HeldElsewhere()) continue;
       if (it->capacity() >= bytes && (fits == free_.end() || it->capacity() < fits->capacity())) {
         fits = it;
       }
@@ -31,13 +32,13 @@ std::vector<char> SnapshotStore::TakeBuffer(uint64_t bytes) {
       free_.erase(best);
     }
   }
-  buffer.resize(bytes);
+  if (absl::Status resized = buffer.Resize(bytes); !resized.ok()) return resized;
   return buffer;
 }
 
 size_t SnapshotStore::ReadyBuffersLocked(uint64_t bytes) const {
-  return std::count_if(free_.begin(), free_.end(), [bytes](const std::vector<char>& buffer) {
-    return buffer.capacity() >= bytes;
+  return std::count_if(free_.begin(), free_.end(), [bytes](const StateBuffer& buffer) {
+    return buffer.capacity() >= bytes && !buffer.HeldElsewhere();
   });
 }
 
@@ -55,17 +56,18 @@ int SnapshotStore::Prepare(uint64_t bytes, int count) {
       if (ReadyBuffersLocked(bytes) >= wanted) return made;
     }
     // Outside the lock: mapping the pages is the slow part, and TakeBuffer must not wait for it.
-    std::vector<char> buffer(bytes + bytes / 16);  // value-initialised: every page touched
+    absl::StatusOr<StateBuffer> buffer = StateBuffer::Make(bytes + bytes / 16);
+    if (!buffer.ok()) return made;  // TakeBuffer says why, if it cannot make one either
     absl::MutexLock lock(&mu_);
     if (ReadyBuffersLocked(bytes) >= wanted) return made;
     if (free_.size() >= kFreeBuffers) {
       // Full of buffers too small for these shards: the smallest makes way.
       free_.erase(std::min_element(free_.begin(), free_.end(),
-                                   [](const std::vector<char>& a, const std::vector<char>& b) {
+                                   [](const StateBuffer& a, const StateBuffer& b) {
                                      return a.capacity() < b.capacity();
                                    }));
     }
-    free_.push_back(std::move(buffer));
+    free_.push_back(*std::move(buffer));
     ++made;
   }
 }
@@ -87,7 +89,9 @@ std::vector<std::string> SnapshotStore::SnapshotIdsLocked() const {
 void SnapshotStore::RecycleLocked(SnapshotBytes bytes) {
   // Only a buffer nobody reads any more can be handed out again; a reader's copy of the
   // pointer frees it when it is done.
-  if (bytes.use_count() == 1 && free_.size() < kFreeBuffers) free_.push_back(std::move(*bytes));
+  if (bytes.use_count() == 1 && !bytes->retired() && free_.size() < kFreeBuffers) {
+    free_.push_back(std::move(*bytes));
+  }
 }
 
 std::vector<std::string> SnapshotStore::Add(SnapshotShard shard, SnapshotBytes bytes) {

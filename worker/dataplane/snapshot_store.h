@@ -6,9 +6,12 @@
 // reads. Its bytes are one of the store's buffers, or, for a replica from a worker on this host,
 // the shared buffer the snapshot server lent that worker (worker/dataplane/snapshot_peer.h).
 // Keeping only the `kept` newest snapshots bounds the memory to about `kept` + 1 times
-// (1 + replicas) the rank's share of the job's state. Buffers of dropped shards are handed out
-// again for the next snapshots: a snapshot buffer is as large as the rank's share of the state,
-// and mapping a fresh one each time would cost a page fault per 4 KiB page in the training pause.
+// (1 + replicas received over TCP) the rank's share of the job's state. Buffers of dropped shards
+// are handed out again for the next snapshots: a snapshot buffer is as large as the rank's share
+// of the state, and mapping a fresh one each time would cost a page fault per 4 KiB page in the
+// training pause. A buffer whose pages a buddy on this host still keeps as its replica
+// (StateBuffer::HeldElsewhere) waits until the buddy drops it, and one a buddy may keep without
+// having said so (StateBuffer::retired) is never handed out again.
 //
 // Thread-safe.
 #pragma once
@@ -24,11 +27,13 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/status/statusor.h"
 #include "common/snapshot.h"
+#include "worker/dataplane/state_buffer.h"
 
 namespace shard {
 
-using SnapshotBytes = std::shared_ptr<std::vector<char>>;
+using SnapshotBytes = std::shared_ptr<StateBuffer>;
 
 class SnapshotStore {
  public:
@@ -42,7 +47,7 @@ class SnapshotStore {
 
   // A buffer of `bytes` bytes for a new shard: a dropped shard's when one is free (its pages
   // already mapped), else a new one. Its contents are whatever it held.
-  std::vector<char> TakeBuffer(uint64_t bytes);
+  absl::StatusOr<StateBuffer> TakeBuffer(uint64_t bytes);
   // Makes free buffers for shards of `bytes` bytes until `count` are ready (at most the store's
   // limit on free buffers, 4), their pages mapped, so that the TakeBuffer calls of a generation's
   // first snapshots, before any snapshot is dropped, fault no pages in the training pause (on a
@@ -50,7 +55,7 @@ class SnapshotStore {
   // first step moves the ranges a little, and the extras go after the state. Slow (it maps and
   // zeroes every page): call it off the training thread. Returns how many it made.
   int Prepare(uint64_t bytes, int count);
-  // How many free buffers take a shard of `bytes` bytes without growing.
+  // How many free buffers take a shard of `bytes` bytes without growing (and no buddy keeps).
   int ReadyBuffers(uint64_t bytes) const;
   // Adds a complete, verified shard (its bytes must match shard.record) and keeps only the
   // `kept` newest snapshots (common/snapshot.h NewerSnapshot): returns the ids of the snapshots
@@ -84,7 +89,7 @@ class SnapshotStore {
   const int kept_;
   mutable absl::Mutex mu_;
   std::map<Key, Entry> shards_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::vector<char>> free_ ABSL_GUARDED_BY(mu_);  // buffers of dropped shards
+  std::vector<StateBuffer> free_ ABSL_GUARDED_BY(mu_);  // buffers of dropped shards
 };
 
 }  // namespace shard

@@ -110,12 +110,18 @@ void Snapshotter::Loop() {
     PeerCallOptions options;
     options.timeout = TransferTimeout(bytes->size(), push_timeout_floor_);
     options.cancel = &cancel_;
-    options.lent = replication_.same_host_buffers ? &lent_ : nullptr;
+    options.same_host_pages = replication_.same_host_buffers;
+    absl::Status refused;
+    options.pages_refused = &refused;
     for (const std::string& buddy : replication_.buddies) {
       if (cancel_) break;
+      refused = absl::OkStatus();
       if (absl::Status pushed = PushSnapshotShard(buddy, shard, *bytes, options);
           !pushed.ok() && callbacks_.on_push_failed) {
         callbacks_.on_push_failed(shard, buddy, pushed);
+      }
+      if (!refused.ok() && callbacks_.on_pages_refused && refused_by_.insert(buddy).second) {
+        callbacks_.on_pages_refused(shard, buddy, refused);
       }
     }
     const uint64_t size = bytes->size();

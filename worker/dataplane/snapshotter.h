@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <functional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,18 +30,21 @@ class Snapshotter {
     // A buddy did not take a replica (it is gone, or slow): the snapshot has one copy fewer.
     std::function<void(const SnapshotShard&, const std::string& buddy, const absl::Status&)>
         on_push_failed;
+    // The first time a buddy on this host did not keep this rank's pages: the replica went over
+    // TCP instead (a copy more), and why.
+    std::function<void(const SnapshotShard&, const std::string& buddy, const absl::Status&)>
+        on_pages_refused;
   };
 
   // Where this rank's replicas go and how the other ranks' arrive (ReplicationOf).
   struct Replication {
     // The snapshot servers of the ranks that keep this rank's replicas, nearest first.
     std::vector<std::string> buddies;
-    // Those on this host lend a buffer to copy into (snapshot_peer.h); false: every push goes
-    // over TCP.
+    // Those on this host keep the pages of this rank's copy (snapshot_peer.h); false: every
+    // push goes over TCP.
     bool same_host_buffers = true;
     // The replicas of other ranks' shards this worker receives over TCP, into its store's own
-    // buffers (one from the same host lands in a buffer its server lends): the store has one
-    // ready for each.
+    // buffers (one from the same host is the pusher's pages): the store has one ready for each.
     int received_over_tcp = 0;
   };
 
@@ -70,9 +74,9 @@ class Snapshotter {
 
   SnapshotStore* const store_;
   const Replication replication_;
-  LentBuffers lent_;  // the Loop thread's
   const Callbacks callbacks_;
   const absl::Duration push_timeout_floor_;
+  std::set<std::string> refused_by_;  // buddies on_pages_refused told of (the Loop thread's)
   std::atomic<bool> cancel_{false};
   mutable absl::Mutex mu_;
   bool busy_ ABSL_GUARDED_BY(mu_) = false;

@@ -1,6 +1,7 @@
 #include "worker/dataplane/training_session.h"
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <set>
@@ -123,8 +124,12 @@ absl::StatusOr<std::unique_ptr<TrainingSession>> TrainingSession::Create(
             [&observer](const SnapshotShard& shard, const std::string& buddy,
                         const absl::Status& why) {
               observer.OnSnapshotPushFailed(shard, buddy, why);
+            },
+            [&observer](const SnapshotShard& shard, const std::string& buddy,
+                        const absl::Status& why) {
+              observer.OnSnapshotPagesRefused(shard, buddy, why);
             }});
-    session->snapshotter_->PrepareBuffers(session->OwnedStateBytes());
+    session->snapshotter_->PrepareBuffers(session->engine_->OwnedStateBytes());
   }
   if (options.restore_from_observer || !options.restore_dir.empty()) {
     StallPoint("before-restore");
@@ -396,17 +401,11 @@ TrainingSession::~TrainingSession() {
   if (!stop_requested()) saver_.Cancel();
 }
 
-uint64_t TrainingSession::OwnedStateBytes() const {
-  return MakeShardLayout(engine_->manifest(), engine_->plan(), communicator_.rank(),
-                         static_cast<int>(engine_->optimizer_state_names().size()))
-      .bytes;
-}
-
 absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& boundary,
                                         absl::Duration waited, StepRecord* record) {
   const absl::Time pause_start = absl::Now() - waited;
   const int rank = communicator_.rank();
-  const uint64_t pieces = OwnedStateBytes();
+  const uint64_t pieces = engine_->OwnedStateBytes();
   using Extras = std::vector<std::pair<int, std::string>>;
   Extras provided;
   if (extras_provider_) {
@@ -415,19 +414,24 @@ absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& bounda
   uint64_t bytes = pieces;
   for (const auto& [param, extra] : provided) bytes += extra.size();
   // One copy serves both: a snapshot's buffer comes from the store (a dropped snapshot's), a
-  // checkpoint's alone from the writer (its previous one). Room for the extras is reserved
-  // first: growing a buffer of the whole state would copy it again.
-  std::vector<char> buffer =
-      boundary.snapshot ? options_.snapshots->TakeBuffer(bytes) : saver_.TakeBuffer();
-  buffer.reserve(bytes);
-  SHARD_RETURN_IF_ERROR(engine_->CopyOwnedState(&buffer));
+  // checkpoint's alone from the writer (its previous one). The extras go after the state.
+  StateBuffer buffer;
+  if (boundary.snapshot) {
+    SHARD_ASSIGN_OR_RETURN(buffer, options_.snapshots->TakeBuffer(bytes));
+  } else {
+    buffer = saver_.TakeBuffer();
+    SHARD_RETURN_IF_ERROR(buffer.Resize(bytes));
+  }
+  SHARD_RETURN_IF_ERROR(engine_->CopyOwnedState(absl::MakeSpan(buffer.data(), pieces)));
   std::vector<ShardExtra> extras;
+  uint64_t offset = pieces;
   for (const auto& [param, extra] : provided) {
-    extras.push_back(ShardExtra{param, buffer.size(), extra.size()});
-    buffer.insert(buffer.end(), extra.begin(), extra.end());
+    extras.push_back(ShardExtra{param, offset, extra.size()});
+    std::memcpy(buffer.data() + offset, extra.data(), extra.size());
+    offset += extra.size();
   }
   const OptimizerStateKind state = StateKindOf(engine_->optimizer_config());
-  auto copy = std::make_shared<std::vector<char>>(std::move(buffer));
+  auto copy = std::make_shared<StateBuffer>(std::move(buffer));
   if (boundary.snapshot) {
     SnapshotShard shard;
     shard.id = SnapshotId(step, options_.generation);

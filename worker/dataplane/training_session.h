@@ -114,6 +114,10 @@ class TrainingObserver {
   // snapshot has one copy fewer.
   virtual void OnSnapshotPushFailed(const SnapshotShard& /*shard*/, const std::string& /*buddy*/,
                                     const absl::Status& /*why*/) {}
+  // On the snapshot thread, the first time a buddy on this host did not keep this rank's pages:
+  // its replicas go over TCP instead, a copy more.
+  virtual void OnSnapshotPagesRefused(const SnapshotShard& /*shard*/,
+                                      const std::string& /*buddy*/, const absl::Status& /*why*/) {}
 
   // The orders from the coordinator this rank knows of now (common/control_types.h), polled on
   // the training thread at every step boundary; only orders of TrainerOptions::generation count.
@@ -228,9 +232,6 @@ class TrainingSession {
   // Whether a wait of the step boundary must give up: the generation ended (the communicator
   // was aborted) or training was asked to stop.
   bool Interrupted() const;
-  // The bytes of what this rank owns (its plan range's values and optimizer state), as a save
-  // copies them, before the extras.
-  uint64_t OwnedStateBytes() const;
   // The copy of what this rank owns for a snapshot and/or a disk checkpoint of step `step`
   // (after training `waited` for the previous save's write).
   absl::Status SaveState(int64_t step, const StepBoundary& boundary, absl::Duration waited,
