@@ -8,7 +8,8 @@
 # --snapshot-every runs each configuration with each in-memory snapshot setting (EVERY or
 # EVERY:REPLICAS; 0 is off; the job's default is 10:1) and gives its steps/s against the first,
 # with the snapshots rank 0 took (a periodic one waits while the one before is still replicated)
-# and max_pause, the longest step boundary rank 0 spent copying its state for one.
+# and max_pause, the longest step boundary rank 0 spent on one (copying its state, unless a
+# periodic snapshot in host memory copied it in the background).
 # --overlap-update "true false" runs each overlapped configuration with each bucket's update
 # during backward (the job's default) and after it, and gives its steps/s against the first.
 # --transport "shm tcp" runs each multi-worker configuration over each transport (shared memory,

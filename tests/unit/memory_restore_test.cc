@@ -1,9 +1,11 @@
 // Restoring from memory (docs/recovery.md) through the real engine: four ranks (threads, each
 // with its own snapshot store and server on 127.0.0.1, as four workers would have) train with
-// snapshots and disk checkpoints at the same steps; one rank's memory is then lost, and the state
-// of step 10 is read back from the survivors' memory, peer to peer, by worlds of 3, 2 and 4
-// ranks. Each must end bitwise where the same world restored from the disk checkpoint of step 10
-// ends, and the lost rank's shard must come from the buddy that kept its replica.
+// periodic snapshots alone (copied on the engine's communication thread while the next step
+// computes), and the same job trains again with disk checkpoints at the same steps; one rank's
+// memory is then lost, and the state of step 10 is read back from the survivors' memory, peer to
+// peer, by worlds of 3, 2 and 4 ranks. Each must end bitwise where the same world restored from
+// the disk checkpoint of step 10 ends, and the lost rank's shard must come from the buddy that
+// kept its replica.
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -95,8 +97,12 @@ class RestoresFromMemory : public TrainingObserver {
 TEST(MemoryRestoreTest, ASnapshotInThePeersMemoryRestoresOnAnyWorldSizeAsItsDiskCheckpointDoes) {
   const std::string data = ::testing::TempDir() + "/shard-memory-restore-test-data.safetensors";
   if (!std::filesystem::exists(data)) SHARD_ASSERT_OK(GenerateMlpData(kWidths, 300, 4, data));
+  // The reference: the same training, with disk checkpoints.
+  JobConfig saved = Job(Root("saved"), 4);
+  saved.checkpoint_every = 10;
+  ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(saved, RankThreadsOptions{}));
   JobConfig trained = Job(Root("trained"), 4);
-  trained.checkpoint_every = 10;
+  trained.checkpoint_every = 0;
   trained.snapshot_every = 10;
   trained.snapshot_replicas = 1;
   std::vector<std::unique_ptr<WorkerMemory>> workers;
@@ -119,12 +125,16 @@ TEST(MemoryRestoreTest, ASnapshotInThePeersMemoryRestoresOnAnyWorldSizeAsItsDisk
     options->observer = &noting[rank];
   };
   ASSERT_NO_FATAL_FAILURE(TrainMlpOnThreads(trained, run));
-  for (const TrainResult& result : results) EXPECT_EQ(result.snapshots_taken, 2);
+  for (const TrainResult& result : results) {
+    EXPECT_EQ(result.snapshots_taken, 2);
+    EXPECT_EQ(result.checkpoints_saved, 0);
+  }
 
-  // Each rank's snapshot of step 10 is the bytes its checkpoint shard of step 10 holds.
+  // Each rank's snapshot of step 10 is the bytes its checkpoint shard of step 10 holds: the
+  // state of that boundary, though copied while step 11 ran.
   const std::string id = SnapshotId(10, 0);
-  const std::string disk = CheckpointDirectory(trained.checkpoint_dir, trained.name,
-                                               CheckpointIdForStep(10));
+  const std::string disk =
+      CheckpointDirectory(saved.checkpoint_dir, saved.name, CheckpointIdForStep(10));
   std::vector<SnapshotShard> shards(4);
   for (int rank = 0; rank < 4; ++rank) {
     std::optional<SnapshotStore::Held> own = workers[rank]->store.Find(id, rank);

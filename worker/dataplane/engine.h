@@ -280,6 +280,15 @@ class Engine {
   // The same into a vector, resized to fit (a buffer of the right size from an earlier save is
   // reused without reallocation).
   absl::Status CopyOwnedState(std::vector<char>* out);
+  // Whether CopyOwnedStateInBackground copies off the caller's thread: with a communication
+  // thread, in host memory.
+  bool CopiesStateInBackground() const;
+  // CopyOwnedState queued on the communication thread, behind the parameter gathers the next
+  // forward reads, so that the copy runs while the caller computes. The state is still the one
+  // at this call: every update of it is queued later, or waits for the queue. `keep` keeps
+  // `out` alive until the copy is done. WaitCollective(ticket) waits for it.
+  absl::StatusOr<CommunicationQueue::Ticket> CopyOwnedStateInBackground(
+      absl::Span<char> out, std::shared_ptr<const void> keep);
   // Loads the elements this rank owns from a checkpoint of the same model and optimizer, of any
   // world size, gathers the parameters, and continues the step count from the checkpoint's.
   // Needs the rebuilt plan (the checkpoint's gradient order). `timings`, if given, says how long
@@ -395,6 +404,8 @@ class Engine {
   absl::Status StartGather(int bucket, bool prefetch);
   void Prefetch();
   int FindSlot(std::vector<Slot>& slots, bool for_prefetch);
+  // CopyOwnedState once nothing queued writes the state any more.
+  absl::Status CopyOwnedStateNow(absl::Span<char> out);
   absl::Status SubmitPendingGathers();
   absl::Status WaitGathered(int bucket);
   absl::Status AllocateSlots();

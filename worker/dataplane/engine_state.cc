@@ -39,6 +39,21 @@ absl::Status Engine::CopyOwnedState(std::vector<char>* out) {
   return CopyOwnedState(absl::MakeSpan(*out));
 }
 
+bool Engine::CopiesStateInBackground() const {
+  return queue_->threaded() && device_->host_memory();
+}
+
+absl::StatusOr<CommunicationQueue::Ticket> Engine::CopyOwnedStateInBackground(
+    absl::Span<char> out, std::shared_ptr<const void> keep) {
+  if (!CopiesStateInBackground()) {
+    SHARD_RETURN_IF_ERROR(CopyOwnedState(out));
+    return CommunicationQueue::Ticket{0};
+  }
+  // The gathers first: the next forward waits for them, and not for the copy.
+  SHARD_RETURN_IF_ERROR(SubmitPendingGathers());
+  return queue_->Submit([this, out, keep = std::move(keep)] { return CopyOwnedStateNow(out); });
+}
+
 absl::Status Engine::CopyOwnedState(absl::Span<char> out) {
   // The copy reads this rank's own ranges only, and at a step boundary nothing submitted writes
   // them any more (the updates are done). So on the host the parameter gathers not started yet
@@ -50,6 +65,10 @@ absl::Status Engine::CopyOwnedState(absl::Span<char> out) {
   } else {
     SHARD_RETURN_IF_ERROR(FinishGathers());
   }
+  return CopyOwnedStateNow(out);
+}
+
+absl::Status Engine::CopyOwnedStateNow(absl::Span<char> out) {
   const int states = static_cast<int>(optimizer_.state_names().size());
   const ShardLayout layout = MakeShardLayout(manifest_, *plan_, communicator_->rank(), states);
   if (out.size() != layout.bytes) {

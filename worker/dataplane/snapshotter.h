@@ -1,7 +1,8 @@
 // A rank's in-memory snapshots, off the training thread (common/snapshot.h): the trainer copies
-// what the rank owns into a buffer (the only pause training sees) and hands it over; this thread
-// checksums it, keeps it in the worker's SnapshotStore, reports it (on_held) and pushes it to the
-// rank's buddies, one snapshot at a time. busy() is what the ranks agree on before a periodic
+// what the rank owns into a buffer (at the step boundary, or for a periodic snapshot in host
+// memory on the engine's communication thread while the next step computes) and hands it over;
+// this thread checksums it, keeps it in the worker's SnapshotStore, reports it (on_held) and
+// pushes it to the rank's buddies, one snapshot at a time. busy() is what the ranks agree on before a periodic
 // snapshot, so that training never waits for replication.
 #pragma once
 

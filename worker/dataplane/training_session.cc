@@ -257,6 +257,7 @@ absl::StatusOr<TrainingSession::Boundary> TrainingSession::EndStep(double loss_s
   }
   result_.steps = step + 1;
   next_step_ = step + 1;
+  SHARD_RETURN_IF_ERROR(StartCopiedSnapshot());
 
   // This boundary acts on what the ranks posted at the previous one (the orders and the work in
   // flight then, and the previous step's loss): agreed one step ahead, so that no rank waits
@@ -340,7 +341,9 @@ absl::Status TrainingSession::Post(int64_t step, double loss_share) {
   posted[0] = known.save_request;
   posted[1] = known.pause_request;
   posted[2] = known.pause_in_memory ? 1 : 0;
-  posted[3] = snapshotter_ != nullptr && snapshotter_->busy() ? 1 : 0;
+  posted[3] = copying_snapshot_.has_value() || (snapshotter_ != nullptr && snapshotter_->busy())
+                  ? 1
+                  : 0;
   posted[4] = saver_.writing_step();
   posted[kPostedOrderValues + communicator_.rank()] = absl::bit_cast<int64_t>(loss_share);
   SHARD_ASSIGN_OR_RETURN(
@@ -422,7 +425,6 @@ absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& bounda
     buffer = saver_.TakeBuffer();
     SHARD_RETURN_IF_ERROR(buffer.Resize(bytes));
   }
-  SHARD_RETURN_IF_ERROR(engine_->CopyOwnedState(absl::MakeSpan(buffer.data(), pieces)));
   std::vector<ShardExtra> extras;
   uint64_t offset = pieces;
   for (const auto& [param, extra] : provided) {
@@ -430,8 +432,21 @@ absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& bounda
     std::memcpy(buffer.data() + offset, extra.data(), extra.size());
     offset += extra.size();
   }
-  const OptimizerStateKind state = StateKindOf(engine_->optimizer_config());
   auto copy = std::make_shared<StateBuffer>(std::move(buffer));
+  // A periodic snapshot alone is copied off this thread, while the next step computes: nothing
+  // waits for it before the next boundary. A save, or a snapshot a pause waits for, is copied
+  // now.
+  const bool in_background = boundary.snapshot && !boundary.save &&
+                             boundary.snapshot_request == 0 && !boundary.pause &&
+                             engine_->CopiesStateInBackground();
+  CommunicationQueue::Ticket copied = 0;
+  if (in_background) {
+    SHARD_ASSIGN_OR_RETURN(
+        copied, engine_->CopyOwnedStateInBackground(absl::MakeSpan(copy->data(), pieces), copy));
+  } else {
+    SHARD_RETURN_IF_ERROR(engine_->CopyOwnedState(absl::MakeSpan(copy->data(), pieces)));
+  }
+  const OptimizerStateKind state = StateKindOf(engine_->optimizer_config());
   if (boundary.snapshot) {
     SnapshotShard shard;
     shard.id = SnapshotId(step, options_.generation);
@@ -444,9 +459,13 @@ absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& bounda
     shard.request = boundary.snapshot_request;
     shard.state = state;
     shard.record.extras = extras;
-    // Waits only for a pausing snapshot: a periodic one is never taken while one is in flight.
-    SHARD_RETURN_IF_ERROR(
-        snapshotter_->Start(std::move(shard), copy, [this] { return Interrupted(); }));
+    if (in_background) {
+      copying_snapshot_ = CopiedSnapshot{std::move(shard), copy, copied};
+    } else {
+      // Waits only for a pausing snapshot: a periodic one is never taken while one is in flight.
+      SHARD_RETURN_IF_ERROR(
+          snapshotter_->Start(std::move(shard), copy, [this] { return Interrupted(); }));
+    }
     ++result_.snapshots_taken;
     record->snapshot = true;
   }
@@ -472,7 +491,17 @@ absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& bounda
   return absl::OkStatus();
 }
 
+absl::Status TrainingSession::StartCopiedSnapshot() {
+  if (!copying_snapshot_.has_value()) return absl::OkStatus();
+  CopiedSnapshot snapshot = std::move(*copying_snapshot_);
+  copying_snapshot_.reset();
+  SHARD_RETURN_IF_ERROR(engine_->WaitCollective(snapshot.copied));
+  return snapshotter_->Start(std::move(snapshot.shard), std::move(snapshot.bytes),
+                             [this] { return Interrupted(); });
+}
+
 absl::StatusOr<TrainResult> TrainingSession::Finish() {
+  SHARD_RETURN_IF_ERROR(StartCopiedSnapshot());
   saver_.WaitIdle();
   const int64_t trained = job_.steps - result_.start_step;
   if (trained > 1) {

@@ -236,6 +236,9 @@ class TrainingSession {
   // (after training `waited` for the previous save's write).
   absl::Status SaveState(int64_t step, const StepBoundary& boundary, absl::Duration waited,
                          StepRecord* record);
+  // Hands the snapshot whose copy ran in the background (SaveState) to the snapshotter, once
+  // the copy is done; nothing if there is none.
+  absl::Status StartCopiedSnapshot();
   // The step boundary's agreement, one step ahead (EndStep): Post submits what this rank knows
   // at the end of step `step` (its orders, its saves in flight, its loss share) as one
   // all-reduce that runs while the next step computes; SettlePosted waits for it, puts the
@@ -275,6 +278,14 @@ class TrainingSession {
     int64_t step = 0;  // 1-based
   };
   std::optional<Posted> posted_;
+  // A periodic snapshot whose copy runs on the engine's communication thread while the next
+  // step computes; the snapshotter gets it at the next boundary (StartCopiedSnapshot).
+  struct CopiedSnapshot {
+    SnapshotShard shard;
+    SnapshotBytes bytes;
+    CommunicationQueue::Ticket copied = 0;
+  };
+  std::optional<CopiedSnapshot> copying_snapshot_;
   ExtrasProvider extras_provider_;
   std::map<int, std::string> restored_extras_;
   int64_t waited_for_save_ = 0;  // the step of the last in-flight save a boundary waited for
