@@ -286,7 +286,8 @@ class Engine {
   // CopyOwnedState queued on the communication thread, behind the parameter gathers the next
   // forward reads, so that the copy runs while the caller computes. The state is still the one
   // at this call: every update of it is queued later, or waits for the queue. `keep` keeps
-  // `out` alive until the copy is done. WaitCollective(ticket) waits for it.
+  // `out` alive until the copy is done. WaitCollective(ticket) waits for it. Only where
+  // CopiesStateInBackground().
   absl::StatusOr<CommunicationQueue::Ticket> CopyOwnedStateInBackground(
       absl::Span<char> out, std::shared_ptr<const void> keep);
   // Loads the elements this rank owns from a checkpoint of the same model and optimizer, of any

@@ -46,8 +46,9 @@ bool Engine::CopiesStateInBackground() const {
 absl::StatusOr<CommunicationQueue::Ticket> Engine::CopyOwnedStateInBackground(
     absl::Span<char> out, std::shared_ptr<const void> keep) {
   if (!CopiesStateInBackground()) {
-    SHARD_RETURN_IF_ERROR(CopyOwnedState(out));
-    return CommunicationQueue::Ticket{0};
+    return absl::InternalError(
+        "a copy of the state in the background without a communication thread in host memory: "
+        "a bug, report it");
   }
   // The gathers first: the next forward waits for them, and not for the copy.
   SHARD_RETURN_IF_ERROR(SubmitPendingGathers());
