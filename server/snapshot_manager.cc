@@ -86,8 +86,8 @@ absl::Status SnapshotManager::AddLocked(const SnapshotShard& shard, const Snapsh
                             known->counters != shard.counters)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "worker ", holder.worker_id, " reports rank ", shard.rank, "'s shard of snapshot ",
-        shard.id, " with checksum ", shard.record.xxh3, " but it was reported with ",
-        known->record.xxh3, "; not listing it"));
+        shard.id, " with other checksums, plan or counters than it was reported with before; "
+        "not listing it"));
   }
   if (!known.has_value()) known = shard;
   entry.request = std::max(entry.request, shard.request);

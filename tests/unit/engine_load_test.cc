@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/shard_hasher.h"
 #include "gtest/gtest.h"
 #include "tests/support/status_assertions.h"
 #include "worker/dataplane/engine.h"
@@ -62,7 +63,8 @@ struct Rank {
 
 // `world` ranks' engines, connected in parallel (Gloo's rendezvous needs every rank).
 std::vector<Rank> MakeRanks(InProcessKeyValueStore* store, int world, ShardMode mode, int stage,
-                            bool gather_during_reads) {
+                            bool gather_during_reads, const Manifest& model = Model(),
+                            bool overlap = false) {
   std::vector<Rank> ranks(world);
   std::vector<absl::Status> created(world);
   std::vector<std::thread> threads;
@@ -79,14 +81,18 @@ std::vector<Rank> MakeRanks(InProcessKeyValueStore* store, int world, ShardMode 
         plan.mode = mode;
         plan.bucket_cap_bytes = 512;
         plan.first_bucket_cap_bytes = 128;
-        plan.gradient_order = {5, 4, 3, 2, 1, 0};  // rebuilt: the state loads at once
+        for (int p = static_cast<int>(model.params.size()) - 1; p >= 0; --p) {
+          // Rebuilt: the state loads at once.
+          if (model.params[p].requires_grad) plan.gradient_order.push_back(p);
+        }
         ranks[r].plans = std::make_unique<LocalPlanProvider>(plan);
         EngineOptions options;
         options.zero_stage = stage;
         options.optimizer.kind = OptimizerKind::kAdam;
         options.gather_during_reads = gather_during_reads;
+        options.overlap = overlap;
         SHARD_ASSIGN_OR_RETURN(ranks[r].engine,
-                               Engine::Create(Model(), ranks[r].communicator.get(),
+                               Engine::Create(model, ranks[r].communicator.get(),
                                               ranks[r].plans.get(), options));
         return absl::OkStatus();
       }();
@@ -200,6 +206,48 @@ INSTANTIATE_TEST_SUITE_P(GatherDuringOrAfterReads, EngineLoadFailureTest, ::test
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "DuringReads" : "AfterReads";
                          });
+
+// A periodic snapshot's copy on the communication thread hands every byte it copies to the
+// snapshot's hasher as it goes, piece by piece (Engine::CopyOwnedStateInBackground): the bytes
+// must be those a copy at the boundary gives, and the checksums those of the bytes, across the
+// copy's 64 KiB pieces, the checksum blocks and a frozen parameter's zero state (rank 0's).
+TEST(EngineStateCopyTest, ACopyInTheBackgroundChecksumsExactlyWhatItCopies) {
+  Manifest model = Model();
+  // Each rank's state over a checksum block (4 MiB), and ranges of many pieces.
+  model.params.push_back(ParamSpec{"large", {1000, 800}, DataType::kFloat32, true});
+  model.params.push_back(ParamSpec{"frozen", {70}, DataType::kFloat32, false});
+  InProcessKeyValueStore store;
+  std::vector<Rank> ranks = MakeRanks(&store, 2, ShardMode::kRange, 2, /*gather_during_reads=*/true,
+                                      model, /*overlap=*/true);
+  ASSERT_EQ(ranks.size(), 2u);
+  std::vector<absl::Status> loaded(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] { loaded[r] = Load(*ranks[r].engine, -1); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    SHARD_ASSERT_OK(loaded[r]);
+    Engine& engine = *ranks[r].engine;
+    ASSERT_TRUE(engine.CopiesStateInBackground());
+    ASSERT_GT(engine.OwnedStateBytes(), kCheckpointBlockBytes);
+    std::vector<char> at_boundary;
+    SHARD_ASSERT_OK(engine.CopyOwnedState(&at_boundary));
+    auto copied = std::make_shared<std::vector<char>>(at_boundary.size(), '\x5a');
+    auto hasher = std::make_shared<ShardHasher>(ShardHasher::Sums::kBlocksOnly);
+    SHARD_ASSERT_OK_AND_ASSIGN(
+        const CommunicationQueue::Ticket ticket,
+        engine.CopyOwnedStateInBackground(absl::MakeSpan(*copied), copied, hasher));
+    SHARD_ASSERT_OK(engine.WaitCollective(ticket));
+    EXPECT_TRUE(*copied == at_boundary);
+    ASSERT_EQ(hasher->bytes(), at_boundary.size());
+    const ShardRecord as_copied = hasher->Finish("shard", r);
+    const ShardRecord afterwards = HashShard(at_boundary.data(), at_boundary.size(), "shard", r);
+    EXPECT_GT(as_copied.block_xxh3.size(), 1u);
+    EXPECT_EQ(as_copied.block_xxh3, afterwards.block_xxh3);
+  }
+}
 
 }  // namespace
 }  // namespace shard

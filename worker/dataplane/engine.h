@@ -72,6 +72,7 @@
 #include "common/job_spec.h"
 #include "common/manifest.h"
 #include "common/plan.h"
+#include "common/shard_hasher.h"
 #include "worker/dataplane/communication_queue.h"
 #include "worker/dataplane/communicator.h"
 #include "worker/dataplane/device.h"
@@ -287,9 +288,11 @@ class Engine {
   // forward reads, so that the copy runs while the caller computes. The state is still the one
   // at this call: every update of it is queued later, or waits for the queue. `keep` keeps
   // `out` alive until the copy is done. WaitCollective(ticket) waits for it. Only where
-  // CopiesStateInBackground().
+  // CopiesStateInBackground(). `hasher`, if given, is handed every byte copied, in order, each
+  // piece while the cache still holds it: the copy's checksums without another pass over memory.
   absl::StatusOr<CommunicationQueue::Ticket> CopyOwnedStateInBackground(
-      absl::Span<char> out, std::shared_ptr<const void> keep);
+      absl::Span<char> out, std::shared_ptr<const void> keep,
+      std::shared_ptr<ShardHasher> hasher = nullptr);
   // Loads the elements this rank owns from a checkpoint of the same model and optimizer, of any
   // world size, gathers the parameters, and continues the step count from the checkpoint's.
   // Needs the rebuilt plan (the checkpoint's gradient order). `timings`, if given, says how long
@@ -405,8 +408,9 @@ class Engine {
   absl::Status StartGather(int bucket, bool prefetch);
   void Prefetch();
   int FindSlot(std::vector<Slot>& slots, bool for_prefetch);
-  // CopyOwnedState once nothing queued writes the state any more.
-  absl::Status CopyOwnedStateNow(absl::Span<char> out);
+  // CopyOwnedState once nothing queued writes the state any more; `hasher` as in
+  // CopyOwnedStateInBackground (host memory only).
+  absl::Status CopyOwnedStateNow(absl::Span<char> out, ShardHasher* hasher = nullptr);
   absl::Status SubmitPendingGathers();
   absl::Status WaitGathered(int bucket);
   absl::Status AllocateSlots();

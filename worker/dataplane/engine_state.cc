@@ -44,7 +44,7 @@ bool Engine::CopiesStateInBackground() const {
 }
 
 absl::StatusOr<CommunicationQueue::Ticket> Engine::CopyOwnedStateInBackground(
-    absl::Span<char> out, std::shared_ptr<const void> keep) {
+    absl::Span<char> out, std::shared_ptr<const void> keep, std::shared_ptr<ShardHasher> hasher) {
   if (!CopiesStateInBackground()) {
     return absl::InternalError(
         "a copy of the state in the background without a communication thread in host memory: "
@@ -52,7 +52,9 @@ absl::StatusOr<CommunicationQueue::Ticket> Engine::CopyOwnedStateInBackground(
   }
   // The gathers first: the next forward waits for them, and not for the copy.
   SHARD_RETURN_IF_ERROR(SubmitPendingGathers());
-  return queue_->Submit([this, out, keep = std::move(keep)] { return CopyOwnedStateNow(out); });
+  return queue_->Submit([this, out, keep = std::move(keep), hasher = std::move(hasher)] {
+    return CopyOwnedStateNow(out, hasher.get());
+  });
 }
 
 absl::Status Engine::CopyOwnedState(absl::Span<char> out) {
@@ -69,7 +71,24 @@ absl::Status Engine::CopyOwnedState(absl::Span<char> out) {
   return CopyOwnedStateNow(out);
 }
 
-absl::Status Engine::CopyOwnedStateNow(absl::Span<char> out) {
+absl::Status Engine::CopyOwnedStateNow(absl::Span<char> out, ShardHasher* hasher) {
+  if (hasher != nullptr && !device_->host_memory()) {
+    return absl::InternalError("hashing a copy of device memory as it is copied: a bug, report it");
+  }
+  // With a hasher, piece by piece: each piece's source is still in the cache when it is hashed
+  // (the copy's streamed stores leave the destination out of it), and in host memory the source
+  // holds the bytes the copy wrote.
+  auto download = [&](const float* from, char* to, int64_t numel) -> absl::Status {
+    if (hasher == nullptr) return device_->Download(from, reinterpret_cast<float*>(to), numel);
+    constexpr int64_t kPieceFloats = (64 << 10) / sizeof(float);
+    for (int64_t done = 0; done < numel; done += kPieceFloats) {
+      const int64_t count = std::min(kPieceFloats, numel - done);
+      SHARD_RETURN_IF_ERROR(
+          device_->Download(from + done, reinterpret_cast<float*>(to) + done, count));
+      hasher->Append(from + done, static_cast<size_t>(count) * sizeof(float));
+    }
+    return absl::OkStatus();
+  };
   const int states = static_cast<int>(optimizer_.state_names().size());
   const ShardLayout layout = MakeShardLayout(manifest_, *plan_, communicator_->rank(), states);
   if (out.size() != layout.bytes) {
@@ -82,9 +101,10 @@ absl::Status Engine::CopyOwnedStateNow(absl::Span<char> out) {
     const size_t bytes = piece.numel * sizeof(float);
     const ParamLocation location = plan_->locations[piece.param];
     if (location.bucket < 0) {  // no gradient: values only, zero state
-      SHARD_RETURN_IF_ERROR(device_->Download(frozen_[piece.param].data() + piece.param_offset,
-                                              reinterpret_cast<float*>(dst), piece.numel));
+      SHARD_RETURN_IF_ERROR(
+          download(frozen_[piece.param].data() + piece.param_offset, dst, piece.numel));
       std::memset(dst + bytes, 0, bytes * states);
+      if (hasher != nullptr) hasher->Append(dst + bytes, bytes * states);
       continue;
     }
     const BucketState& bucket = buckets_[location.bucket];
@@ -94,12 +114,11 @@ absl::Status Engine::CopyOwnedStateNow(absl::Span<char> out) {
                                               " does not hold the state of its plan range of '",
                                               manifest_.params[piece.param].name, "'"));
     }
-    SHARD_RETURN_IF_ERROR(device_->Download(OwnedParams(bucket) + (offset - bucket.own_begin),
-                                            reinterpret_cast<float*>(dst), piece.numel));
+    SHARD_RETURN_IF_ERROR(
+        download(OwnedParams(bucket) + (offset - bucket.own_begin), dst, piece.numel));
     for (int k = 0; k < states; ++k) {
-      SHARD_RETURN_IF_ERROR(
-          device_->Download(bucket.state[k].data() + (offset - bucket.own_begin),
-                            reinterpret_cast<float*>(dst + (k + 1) * bytes), piece.numel));
+      SHARD_RETURN_IF_ERROR(download(bucket.state[k].data() + (offset - bucket.own_begin),
+                                     dst + (k + 1) * bytes, piece.numel));
     }
   }
   return absl::OkStatus();

@@ -59,13 +59,23 @@ absl::Status Snapshotter::WaitIdle(const std::function<bool()>& abort) {
   return absl::OkStatus();
 }
 
+std::shared_ptr<ShardHasher> Snapshotter::NewHasher() {
+  return std::make_shared<ShardHasher>(ShardHasher::Sums::kBlocksOnly);
+}
+
 absl::Status Snapshotter::Start(SnapshotShard shard, SnapshotBytes bytes,
-                                const std::function<bool()>& abort) {
+                                const std::function<bool()>& abort,
+                                std::shared_ptr<ShardHasher> hashed) {
+  if (hashed != nullptr && hashed->bytes() > bytes->size()) {
+    return absl::InternalError(absl::StrCat("a snapshot of ", bytes->size(), " bytes of which ",
+                                            hashed->bytes(), " were hashed: a bug, report it"));
+  }
   absl::Status idle = WaitIdle(abort);
   if (!idle.ok()) return idle;
   absl::MutexLock lock(&mu_);
   shard_ = std::move(shard);
   bytes_ = std::move(bytes);
+  hashed_ = std::move(hashed);
   busy_ = true;
   return absl::OkStatus();
 }
@@ -82,6 +92,7 @@ void Snapshotter::Loop() {
   while (true) {
     SnapshotShard shard;
     SnapshotBytes bytes;
+    std::shared_ptr<ShardHasher> hasher;
     uint64_t prepare = 0;
     {
       absl::MutexLock lock(&mu_);
@@ -95,6 +106,7 @@ void Snapshotter::Loop() {
       } else {
         shard = std::move(shard_);
         bytes.swap(bytes_);
+        hasher.swap(hashed_);
       }
     }
     if (prepare > 0) {
@@ -102,8 +114,9 @@ void Snapshotter::Loop() {
       continue;
     }
     std::vector<ShardExtra> extras = std::move(shard.record.extras);  // placed by the trainer
-    shard.record = HashShard(bytes->data(), bytes->size(),
-                             ShardFileName(shard.rank, shard.plan.world_size), shard.rank);
+    if (hasher == nullptr) hasher = NewHasher();
+    hasher->Append(bytes->data() + hasher->bytes(), bytes->size() - hasher->bytes());
+    shard.record = hasher->Finish(ShardFileName(shard.rank, shard.plan.world_size), shard.rank);
     shard.record.extras = std::move(extras);
     const std::vector<std::string> dropped = store_->Add(shard, bytes);
     if (callbacks_.on_held) callbacks_.on_held(shard, dropped);

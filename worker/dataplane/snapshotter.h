@@ -1,13 +1,15 @@
 // A rank's in-memory snapshots, off the training thread (common/snapshot.h): the trainer copies
 // what the rank owns into a buffer (at the step boundary, or for a periodic snapshot in host
 // memory on the engine's communication thread while the next step computes) and hands it over;
-// this thread checksums it, keeps it in the worker's SnapshotStore, reports it (on_held) and
-// pushes it to the rank's buddies, one snapshot at a time. busy() is what the ranks agree on before a periodic
-// snapshot, so that training never waits for replication.
+// this thread checksums it (what a copy in the background did not checksum as it went), keeps it
+// in the worker's SnapshotStore, reports it (on_held) and pushes it to the rank's buddies, one
+// snapshot at a time. busy() is what the ranks agree on before a periodic snapshot, so that
+// training never waits for replication.
 #pragma once
 
 #include <atomic>
 #include <functional>
+#include <memory>
 #include <set>
 #include <string>
 #include <thread>
@@ -17,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/shard_hasher.h"
 #include "common/snapshot.h"
 #include "worker/dataplane/snapshot_peer.h"
 #include "worker/dataplane/snapshot_store.h"
@@ -58,10 +61,16 @@ class Snapshotter {
 
   // Whether a snapshot is still being checksummed, kept or pushed.
   bool busy() const;
+  // A snapshot's checksums: its blocks', which cover every byte (a restore checks each block it
+  // reads), without the whole shard's, which would add a second hash of every byte and nothing
+  // else. A snapshot's record has no whole-shard checksum.
+  static std::shared_ptr<ShardHasher> NewHasher();
   // Starts on `shard` (its record is filled in here from `bytes`), once the snapshot in flight is
-  // done: Aborted without starting if `abort()` turns true while it waits.
-  absl::Status Start(SnapshotShard shard, SnapshotBytes bytes,
-                     const std::function<bool()>& abort);
+  // done: Aborted without starting if `abort()` turns true while it waits. `hashed`, if given,
+  // is a NewHasher() that was handed the first hashed->bytes() of `bytes` already (as they were
+  // copied); this thread hashes the rest.
+  absl::Status Start(SnapshotShard shard, SnapshotBytes bytes, const std::function<bool()>& abort,
+                     std::shared_ptr<ShardHasher> hashed = nullptr);
   // Waits until no snapshot is in flight; Aborted if `abort()` turns true first.
   absl::Status WaitIdle(const std::function<bool()>& abort);
   // Has this thread ready the store's buffers for the next snapshot of `bytes` bytes (its own
@@ -85,6 +94,7 @@ class Snapshotter {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   SnapshotShard shard_ ABSL_GUARDED_BY(mu_);
   SnapshotBytes bytes_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<ShardHasher> hashed_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
 

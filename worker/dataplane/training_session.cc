@@ -440,9 +440,11 @@ absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& bounda
                              boundary.snapshot_request == 0 && !boundary.pause &&
                              engine_->CopiesStateInBackground();
   CommunicationQueue::Ticket copied = 0;
+  std::shared_ptr<ShardHasher> hashed;
   if (in_background) {
-    SHARD_ASSIGN_OR_RETURN(
-        copied, engine_->CopyOwnedStateInBackground(absl::MakeSpan(copy->data(), pieces), copy));
+    hashed = Snapshotter::NewHasher();
+    SHARD_ASSIGN_OR_RETURN(copied, engine_->CopyOwnedStateInBackground(
+                                       absl::MakeSpan(copy->data(), pieces), copy, hashed));
   } else {
     SHARD_RETURN_IF_ERROR(engine_->CopyOwnedState(absl::MakeSpan(copy->data(), pieces)));
   }
@@ -460,7 +462,7 @@ absl::Status TrainingSession::SaveState(int64_t step, const StepBoundary& bounda
     shard.state = state;
     shard.record.extras = extras;
     if (in_background) {
-      copying_snapshot_ = CopiedSnapshot{std::move(shard), copy, copied};
+      copying_snapshot_ = CopiedSnapshot{std::move(shard), copy, copied, std::move(hashed)};
     } else {
       // Waits only for a pausing snapshot: a periodic one is never taken while one is in flight.
       SHARD_RETURN_IF_ERROR(
@@ -497,7 +499,7 @@ absl::Status TrainingSession::StartCopiedSnapshot() {
   copying_snapshot_.reset();
   SHARD_RETURN_IF_ERROR(engine_->WaitCollective(snapshot.copied));
   return snapshotter_->Start(std::move(snapshot.shard), std::move(snapshot.bytes),
-                             [this] { return Interrupted(); });
+                             [this] { return Interrupted(); }, std::move(snapshot.hashed));
 }
 
 absl::StatusOr<TrainResult> TrainingSession::Finish() {

@@ -284,6 +284,7 @@ class TrainingSession {
     SnapshotShard shard;
     SnapshotBytes bytes;
     CommunicationQueue::Ticket copied = 0;
+    std::shared_ptr<ShardHasher> hashed;  // the copy hashes the state as it copies it
   };
   std::optional<CopiedSnapshot> copying_snapshot_;
   ExtrasProvider extras_provider_;
