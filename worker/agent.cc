@@ -56,7 +56,7 @@ WorkerAgent::WorkerAgent(WorkerOptions options, std::unique_ptr<CoordinatorClien
                      },
                  .on_snapshot =
                      [this](const SnapshotShard& shard, const std::vector<std::string>& dropped) {
-                       ReportHeld({shard}, dropped);
+                       held_reports_.Report({shard}, dropped);
                      }}) {}
 
 void WorkerAgent::RequestStop(const std::string& reason) {
@@ -357,7 +357,7 @@ void WorkerAgent::ReportHeld(const std::vector<SnapshotShard>& held,
   report.incarnation = incarnation_;
   report.held = held;
   report.dropped = dropped;
-  report.snapshot_address = snapshot_server_->address();
+  report.snapshot_address = snapshot_address_;
   if (absl::Status sent = client_->ReportSnapshot(ToProto(report)); !sent.ok()) {
     spdlog::warn("could not tell the coordinator about snapshot shards held ({}); telling it "
                  "everything held before the next heartbeat",
@@ -523,7 +523,7 @@ absl::Status WorkerAgent::Run() {
   absl::StatusOr<std::unique_ptr<SnapshotServer>> server = SnapshotServer::Start(
       options_.host, options_.snapshot_port, &snapshots_,
       [this](const SnapshotShard& shard, const std::vector<std::string>& dropped) {
-        ReportHeld({shard}, dropped);
+        held_reports_.Report({shard}, dropped);
       });
   if (!server.ok()) {
     return absl::Status(server.status().code(),
@@ -532,6 +532,7 @@ absl::Status WorkerAgent::Run() {
                                      server.status().message()));
   }
   snapshot_server_ = *std::move(server);
+  snapshot_address_ = snapshot_server_->address();
   WorkerStep step;
   {
     absl::MutexLock lock(&mu_);

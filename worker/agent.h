@@ -29,6 +29,7 @@
 #include "worker/dataplane/training_session.h"
 #include "worker/generation_training.h"
 #include "worker/peer_probe.h"
+#include "worker/snapshot_reporter.h"
 
 namespace shard {
 
@@ -147,6 +148,13 @@ class WorkerAgent {
   // What this process holds of the job's snapshots (its own shards and its buddies'), across
   // generations, and the server its peers read them from.
   SnapshotStore snapshots_;
+  std::string snapshot_address_;  // snapshot_server_'s, set before anything is reported
+  // What this worker holds, told to the coordinator (ReportHeld) in merged reports. It outlives
+  // the server and the training, which report to it, and sends what is pending when destroyed.
+  SnapshotReporter held_reports_{[this](const std::vector<SnapshotShard>& held,
+                                        const std::vector<std::string>& dropped) {
+    ReportHeld(held, dropped);
+  }};
   std::unique_ptr<SnapshotServer> snapshot_server_;
   // Set when the generation being trained ends (or a stop): cancels reads from peers.
   std::atomic<bool> generation_over_{false};
