@@ -77,7 +77,8 @@ struct ShardRecord {
   std::string file;
   int rank = 0;
   uint64_t bytes = 0;
-  std::string xxh3;                     // of the whole file
+  // Of the whole file; empty for a snapshot's shard, whose blocks cover every byte.
+  std::string xxh3;
   std::vector<std::string> block_xxh3;  // of each kCheckpointBlockBytes block
   std::vector<ShardExtra> extras;       // back to back after the shard layout's bytes
 
