@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/names.h"
@@ -182,7 +183,8 @@ absl::StatusOr<SnapshotShard> SnapshotShardFromJson(absl::string_view text) {
     const nlohmann::json& order = plan.at("gradient_order");
     if (!order.is_array()) throw nlohmann::json::type_error::create(302, "gradient_order", &order);
     for (size_t i = 0; i < order.size(); ++i) {
-      if (!order[i].is_number_integer() || order[i].get<int64_t>() < 0 ||
+      if (!order[i].is_number_integer() ||
+          order[i].get<int64_t>() < std::numeric_limits<int>::min() ||
           order[i].get<int64_t>() > std::numeric_limits<int>::max()) {
         return absl::InvalidArgumentError("plan.gradient_order holds a non-index");
       }
@@ -203,21 +205,14 @@ absl::StatusOr<SnapshotShard> SnapshotShardFromJson(absl::string_view text) {
     if (record.contains("extras")) {
       const nlohmann::json& extras = record.at("extras");
       if (!extras.is_array()) throw nlohmann::json::type_error::create(302, "extras", &extras);
-      uint64_t end = 0;  // extras lie back to back, inside the shard
       for (const nlohmann::json& e : extras) {
-        const nlohmann::json& param = e.at("param");  // -1: the job's
-        if (!param.is_number_integer() || param.get<int64_t>() < -1 ||
+        const nlohmann::json& param = e.at("param");
+        if (!param.is_number_integer() || param.get<int64_t>() < std::numeric_limits<int>::min() ||
             param.get<int64_t>() > std::numeric_limits<int>::max()) {
           return absl::InvalidArgumentError("an extra's param is not a parameter index or -1");
         }
-        ShardExtra extra{param.get<int>(), Integer<uint64_t>(e, "offset"),
-                         Integer<uint64_t>(e, "bytes")};
-        if (extra.offset < end || extra.offset > shard.record.bytes ||
-            extra.bytes > shard.record.bytes - extra.offset) {
-          return absl::InvalidArgumentError("the shard's extras lie outside it or overlap");
-        }
-        end = extra.offset + extra.bytes;
-        shard.record.extras.push_back(extra);
+        shard.record.extras.push_back(ShardExtra{param.get<int>(), Integer<uint64_t>(e, "offset"),
+                                                 Integer<uint64_t>(e, "bytes")});
       }
     }
     shard.request = Integer<int64_t>(json, "request");
@@ -227,6 +222,43 @@ absl::StatusOr<SnapshotShard> SnapshotShardFromJson(absl::string_view text) {
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("a snapshot shard's description is missing or mistypes a field: ", e.what()));
+  }
+  SHARD_RETURN_IF_ERROR(ValidateSnapshotShard(shard));
+  return shard;
+}
+
+absl::Status ValidateSnapshotShard(const SnapshotShard& shard) {
+  // The JSON parser refuses these as it reads them; a report's protobuf carries signed fields.
+  const std::pair<const char*, int64_t> counts[] = {
+      {"generation", shard.generation},
+      {"step", shard.step},
+      {"rank", shard.rank},
+      {"request", shard.request},
+      {"plan.bucket_cap_bytes", shard.plan.bucket_cap_bytes},
+      {"plan.first_bucket_cap_bytes", shard.plan.first_bucket_cap_bytes},
+      {"plan.min_buckets", shard.plan.min_buckets},
+      {"plan.alignment_bytes", shard.plan.alignment_bytes},
+      {"counters.optimizer_step", shard.counters.optimizer_step},
+      {"counters.loss_scale_growth_tracker", shard.counters.loss_scale_growth_tracker}};
+  for (const auto& [name, value] : counts) {
+    if (value < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a snapshot shard's ", name, " is negative (", value, ")"));
+    }
+  }
+  for (int param : shard.plan.gradient_order) {
+    if (param < 0) return absl::InvalidArgumentError("plan.gradient_order holds a non-index");
+  }
+  uint64_t end = 0;  // extras lie back to back, inside the shard
+  for (const ShardExtra& extra : shard.record.extras) {
+    if (extra.param < -1) {  // -1: the job's
+      return absl::InvalidArgumentError("an extra's param is not a parameter index or -1");
+    }
+    if (extra.offset < end || extra.offset > shard.record.bytes ||
+        extra.bytes > shard.record.bytes - extra.offset) {
+      return absl::InvalidArgumentError("the shard's extras lie outside it or overlap");
+    }
+    end = extra.offset + extra.bytes;
   }
   SHARD_RETURN_IF_ERROR(ValidateCheckpointId(shard.id));
   if (shard.plan.world_size < 1 || shard.rank >= shard.plan.world_size) {
@@ -246,8 +278,7 @@ absl::StatusOr<SnapshotShard> SnapshotShardFromJson(absl::string_view text) {
         shard.record.bytes, " bytes"));
   }
   SHARD_RETURN_IF_ERROR(ValidateName("snapshot shard name", shard.record.file));
-  SHARD_RETURN_IF_ERROR(ValidateTrainingCounters(shard.counters, shard.step));
-  return shard;
+  return ValidateTrainingCounters(shard.counters, shard.step);
 }
 
 }  // namespace shard

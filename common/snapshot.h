@@ -64,8 +64,15 @@ absl::StatusOr<CheckpointManifest> SnapshotManifest(const std::string& job, int 
                                                     const std::vector<SnapshotShard>& shards);
 
 // The shard's description as peers exchange it (a JSON object), and back. The parser takes
-// untrusted input: InvalidArgument naming the field for anything malformed.
+// untrusted input: InvalidArgument naming the field for anything malformed, and the checks of
+// ValidateSnapshotShard.
 std::string SnapshotShardToJson(const SnapshotShard& shard);
 absl::StatusOr<SnapshotShard> SnapshotShardFromJson(absl::string_view json);
+
+// What every description of a shard must hold, however it arrived (a peer's JSON, a worker's
+// report): an id that is its step's and generation's, a rank inside its world, parameter indices
+// in its gradient order and extras, extras back to back inside the shard, a checksum per block,
+// a valid file name and counters. InvalidArgument naming what is wrong.
+absl::Status ValidateSnapshotShard(const SnapshotShard& shard);
 
 }  // namespace shard

@@ -254,8 +254,8 @@ absl::StatusOr<SnapshotShard> FromProto(const v1::SnapshotShard& shard) {
   out.record.rank = out.rank;
   out.request = shard.request();
   out.state = FromProto(shard.state());
-  // The same checks as a peer's description of it.
-  return SnapshotShardFromJson(SnapshotShardToJson(out));
+  SHARD_RETURN_IF_ERROR(ValidateSnapshotShard(out));
+  return out;
 }
 
 v1::SnapshotHolder ToProto(const SnapshotHolder& holder) {

@@ -137,6 +137,25 @@ TEST(ControlConvertTest, AMalformedSnapshotShardIsRefusedNamingTheField) {
   wire = ToProto(HeldShard());
   wire.set_optimizer_step(41);  // past its step
   EXPECT_TRUE(absl::IsInvalidArgument(FromProto(wire).status()));
+  // What the protobuf's signed fields can carry and a peer's JSON could not.
+  wire = ToProto(HeldShard());
+  wire.set_rank(-1);
+  EXPECT_THAT(FromProto(wire).status().message(), ::testing::HasSubstr("rank is negative"));
+  wire = ToProto(HeldShard());
+  wire.set_request(-3);
+  EXPECT_THAT(FromProto(wire).status().message(), ::testing::HasSubstr("request is negative"));
+  wire = ToProto(HeldShard());
+  wire.mutable_plan()->add_gradient_order(-1);
+  EXPECT_THAT(FromProto(wire).status().message(), ::testing::HasSubstr("gradient_order"));
+  SnapshotShard with_extras = HeldShard();
+  with_extras.record.extras = {{-2, 0, 8}};
+  EXPECT_THAT(FromProto(ToProto(with_extras)).status().message(),
+              ::testing::HasSubstr("not a parameter index or -1"));
+  with_extras.record.extras = {{-1, 0, 8}, {0, 4, 8}};  // overlapping
+  EXPECT_THAT(FromProto(ToProto(with_extras)).status().message(),
+              ::testing::HasSubstr("extras lie outside it or overlap"));
+  with_extras.record.extras = {{-1, 0, 8}, {0, 8, 8}};
+  EXPECT_TRUE(FromProto(ToProto(with_extras)).ok()) << "back to back inside the shard";
 
   v1::JoinRequest join = ToProto(JoinParams{});
   *join.add_holdings() = wire;
