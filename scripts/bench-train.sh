@@ -20,7 +20,7 @@
 #   scripts/bench-train.sh [--steps N] [--bucket-cap-mb X] [--workers "1 2 4"] [--stages "0 1 2"]
 #                          [--overlap "true false"] [--snapshot-every "0 10:1 1:1"]
 #                          [--overlap-update "true false"] [--transport "shm tcp"] [--threads N]
-#                          [--repeat N] [--raw FILE]
+#                          [--repeat N] [--raw FILE] [--bin DIR]
 #
 # Each worker gets max(1, cores / workers) OpenBLAS threads, so every run uses the same cores;
 # --threads N gives every worker N instead (--threads 1: one thread per process, so vs_1_worker
@@ -30,6 +30,8 @@
 # one configuration can differ by 10-15%; a ratio of neighbours in time differs less). --raw FILE
 # also writes every run's figures there, one line each: its row (from 0, in table order), round,
 # steps/s, hidden %, step/fwd+bwd, snapshots, max_pause ms.
+# --bin DIR runs the programs in DIR (the bin/ of scripts/gpu-build.sh's bundle, on a machine with
+# a core per rank) and builds nothing; by default they are built here first.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -44,6 +46,7 @@ TRANSPORTS="shm"
 THREADS=""
 REPEAT=1
 RAW=""
+BIN=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) STEPS="$2"; shift 2 ;;
@@ -57,14 +60,17 @@ while [ $# -gt 0 ]; do
     --threads) THREADS="$2"; shift 2 ;;
     --repeat) REPEAT="$2"; shift 2 ;;
     --raw) RAW="$2"; shift 2 ;;
+    --bin) BIN="$(cd "$2" && pwd)"; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
     *) echo "bench-train: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
 
-scripts/setup.sh >/dev/null
-scripts/build.sh --target shard-coordinator shard-worker shardctl >/dev/null
-BIN="$PWD/${SHARD_BUILD_DIR:-build}/bin"
+if [ -z "$BIN" ]; then
+  scripts/setup.sh >/dev/null
+  scripts/build.sh --target shard-coordinator shard-worker shardctl >/dev/null
+  BIN="$PWD/${SHARD_BUILD_DIR:-build}/bin"
+fi
 CORES=$(nproc)
 RUN_DIR="$(mktemp -d -t shard-bench-train.XXXXXX)"
 PIDS=()

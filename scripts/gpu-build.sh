@@ -2,14 +2,14 @@
 # Builds the GPU test and benchmark binaries into build-gpu/ (CUDA required, -DSHARD_WITH_CUDA=ON)
 # and puts stripped copies in build-gpu/device/ for a GPU machine that has none of our Debian
 # packages: they need only the NVIDIA driver, cuBLAS and NCCL there (checked below with ldd).
-# It also packs the three programs, shard-bench-checkpoint and the shard Python package
-# (libshard.so with it) with every shared library they need beyond the C/C++ runtime, CUDA and
-# NCCL into build-gpu/device/cluster.tar.xz (bin/, python/ and lib/), for
-# scripts/gpu-cluster-test.sh, the GPU runs of scripts/bench-torch.sh, and the checkpoint
-# benchmark on a machine whose ranks have cores of their own (docs/checkpoints.md). Then, on the
+# It also packs the three programs, shard-bench-checkpoint, shard-bench-collectives and the shard
+# Python package (libshard.so with it) with every shared library they need beyond the C/C++
+# runtime, CUDA and NCCL into build-gpu/device/cluster.tar.xz (bin/, python/ and lib/), for
+# scripts/gpu-cluster-test.sh, the GPU runs of scripts/bench-torch.sh, and the CPU benchmarks
+# that need a core per rank (docs/checkpoints.md, gpu-cluster-test.sh --cores). Then, on the
 # GPU machine, from the repository root:
 #   scripts/gpu-test.sh build-gpu/device
-#   scripts/gpu-cluster-test.sh build-gpu/device/cluster.tar.xz
+#   scripts/gpu-cluster-test.sh build-gpu/device/cluster.tar.xz --bench --cores
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR="${SHARD_GPU_BUILD_DIR:-build-gpu}"
@@ -18,7 +18,7 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
     -DSHARD_WARNINGS_AS_ERRORS=ON -DSHARD_WITH_CUDA=ON
 fi
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target gpu_test shard-bench-gpu \
-  shard-coordinator shard-worker shardctl shard-bench-checkpoint shard_python
+  shard-coordinator shard-worker shardctl shard-bench-checkpoint shard-bench-collectives shard_python
 mkdir -p "$BUILD_DIR/device"
 for binary in gpu_test shard-bench-gpu; do
   objcopy --strip-debug "$BUILD_DIR/bin/$binary" "$BUILD_DIR/device/$binary"
@@ -38,7 +38,7 @@ cp bench/gpu_torch_adam.py "$BUILD_DIR/device/"
 bundle="$BUILD_DIR/device/cluster"
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/python/shard"
-for program in shard-coordinator shard-worker shardctl shard-bench-checkpoint; do
+for program in shard-coordinator shard-worker shardctl shard-bench-checkpoint shard-bench-collectives; do
   objcopy --strip-debug "$BUILD_DIR/bin/$program" "$bundle/bin/$program"
 done
 cp "$BUILD_DIR"/python/shard/*.py "$bundle/python/shard/"

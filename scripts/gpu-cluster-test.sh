@@ -15,13 +15,21 @@
 #                against plain torch on the GPU (needs python3 with torch, CUDA and pytest)
 #   bench        with --bench: scripts/bench-torch.sh's GPU table (plain torch, shard.torch and
 #                shard-worker on the GPU) in fp32 and under bf16 autocast, printed at the end
+#   cores        with --cores, on a machine of 8 cores or more (a GPU machine has them; no GPU
+#                needed): the CPU targets that need a core per rank, which a 2-core VM cannot
+#                judge (4 ranks there share 2 cores): scripts/bench-train.sh at 1, 2 and 4
+#                workers with snapshots off and every step, shard-bench-collectives at 2 and 4
+#                ranks in place, and bench/torch_bench.py's CPU table with shard.torch at W=4;
+#                tables in $OUT/cores-*.txt, printed at the end
 # Without a GPU, the GPU runs are reported skipped and only the CPU references run (so the
 # script itself is exercised anywhere). Ends with a summary table; logs go to $OUT (a temporary
 # folder when unset; KEEP_RUN=1 keeps the run folder with the jobs' outputs).
 #
-#   scripts/gpu-cluster-test.sh [BUNDLE] [--max-abs-diff X] [--bench] [--torch-only]
+#   scripts/gpu-cluster-test.sh [BUNDLE] [--max-abs-diff X] [--bench] [--torch-only] [--cores]
+#                               [--cores-only]
 #
-# --torch-only skips the CPU references and the built-in MLP's runs (torch and bench only).
+# --torch-only skips the CPU references and the built-in MLP's runs (torch and bench only);
+# --cores-only runs the cores stage alone.
 #
 # BUNDLE holds bin/ (the programs) and lib/ (their shared libraries beyond the C/C++
 # runtime, CUDA and NCCL): a folder, or the cluster.tar.xz that scripts/gpu-build.sh packs for a
@@ -34,11 +42,15 @@ BUNDLE=""
 MAX_ABS_DIFF=1e-4
 BENCH=0
 TORCH_ONLY=0
+CORES=0
+CORES_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --max-abs-diff) MAX_ABS_DIFF="$2"; shift 2 ;;
     --bench) BENCH=1; shift ;;
     --torch-only) TORCH_ONLY=1; shift ;;
+    --cores) CORES=1; shift ;;
+    --cores-only) CORES=1; CORES_ONLY=1; shift ;;
     -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
     *) BUNDLE="$1"; shift ;;
   esac
@@ -156,7 +168,7 @@ compare() {
 # ratio A B: A / B, and whether it is within [1-r, 1+r] for r = $3.
 within() { awk -v a="$1" -v b="$2" -v r="$3" 'BEGIN { q = a / b; printf "%.4f", q; exit !(q >= 1 - r && q <= 1 + r) }'; }
 
-if [ $TORCH_ONLY = 0 ]; then
+if [ $TORCH_ONLY = 0 ] && [ $CORES_ONLY = 0 ]; then
   echo "== CPU references"
   job cpu-1 1 small "64, 256, 256, 10" 30 fp32
   run cpu-1 1 --device cpu && record "cpu-1" "ok: loss $(final_loss cpu-1)" || record "cpu-1" "FAIL (logs in $OUT)"
@@ -167,7 +179,9 @@ if [ $TORCH_ONLY = 0 ]; then
     || record "speed cpu" "FAIL"
 fi
 
-if [ $GPU = 0 ]; then
+if [ $CORES_ONLY = 1 ]; then
+  :
+elif [ $GPU = 0 ]; then
   for stage in nccl-1 staged-2 bf16 fp16 kill-1-of-3 "speed gpu" torch; do
     record "$stage" "skipped: no GPU"
   done
@@ -253,8 +267,35 @@ else
   fi
 fi
 
+if [ $CORES = 1 ]; then
+  echo "== a core per rank (CPU)"
+  cores=$(nproc)
+  if [ "$cores" -lt 8 ]; then
+    record "cores" "skipped: $cores cores; 4 ranks and their communication threads need 8"
+  else
+    # One compute thread per process, as on the 2-core VM, so the ratios compare.
+    scripts/bench-train.sh --bin "$BIN" --workers "1 2 4" --stages 2 --overlap true --threads 1 \
+      --snapshot-every "0 1:1" --repeat 3 >"$OUT/cores-train.txt" 2>"$OUT/cores-train.log" \
+      && record "cores train" "ok ($OUT/cores-train.txt)" || record "cores train" "FAIL ($OUT/cores-train.log)"
+    for ranks in 2 4; do
+      table="$OUT/cores-collectives-$ranks.txt"
+      timeout 300 "$BIN/shard-bench-collectives" --ranks "$ranks" --min-bytes 64MiB --in-place \
+        >"$table" 2>&1 && record "cores shm $ranks" "ok ($table)" || record "cores shm $ranks" "FAIL ($table)"
+    done
+    if python3 -c 'import torch' 2>/dev/null; then
+      SHARD_BUILD_DIR="$BUNDLE" PYTHONPATH="$BUNDLE/python" timeout 900 \
+        python3 bench/torch_bench.py --models mlp,transformer \
+        --configs plain,ddp2bv,shard1,shard2,shard4 --repeats 3 \
+        >"$OUT/cores-torch.txt" 2>"$OUT/cores-torch.log" \
+        && record "cores torch" "ok ($OUT/cores-torch.txt)" || record "cores torch" "FAIL ($OUT/cores-torch.log)"
+    else
+      record "cores torch" "skipped: python3 has no torch"
+    fi
+  fi
+fi
+
 echo
 echo "== summary (logs in $OUT)"
 for i in "${!names[@]}"; do printf '%-18s %s\n' "${names[$i]}" "${results[$i]}"; done
-for table in "$OUT"/bench-torch*.txt; do [ -f "$table" ] && { echo; cat "$table"; }; done
+for table in "$OUT"/bench-torch*.txt "$OUT"/cores-*.txt; do [ -f "$table" ] && { echo; cat "$table"; }; done
 exit $FAILED
