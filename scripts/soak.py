@@ -2,8 +2,8 @@
 """Process-level soak of Shard: real binaries, random faults, one seed.
 
 A coordinator and N CPU workers (build/bin) train a small MLP with a checkpoint every few
-steps (and no in-memory snapshots: every recovery goes through disk) while faults chosen from
-the seed hit them: a worker SIGKILLed (replaced at once or
+steps (and, unless --snapshot-every, no in-memory snapshots: every recovery goes through disk)
+while faults chosen from the seed hit them: a worker SIGKILLed (replaced at once or
 late, by a process with the same id or a new one), a worker SIGSTOPped (then SIGCONTed, or
 SIGKILLed and replaced), the coordinator SIGKILLed and started again with the same command
 line on the same port and state directory, `shardctl resize` and `shardctl drain`, and (with
@@ -31,7 +31,12 @@ It passes (exit 0) only if:
     events listed before a kill are listed again, unchanged, after the restart and at the end;
   - the final parameters are bitwise equal to a reference run without faults that restores
     the checkpoint the final world restored, on the same world size (the bound the chaos
-    tests use; with no restore, a run from scratch on that size).
+    tests use; with no restore, a run from scratch on that size). With --snapshot-every N the
+    job also takes a memory snapshot every N steps, with one replica, and recovers from one
+    where it can; it then saves a disk checkpoint every step (unless --every says otherwise)
+    and keeps them all (unless --keep-last does), so that a final world that restored a memory
+    snapshot of step S is compared with a reference that restores the disk checkpoint of step S:
+    the memory path (replicas, fetches from peers, resharding) must give the disk's bits.
 It also compares with an undisturbed run from scratch on the original world size (the
 largest difference is information, not a pass/fail) and prints a table: faults survived,
 hangs, time lost per fault, steps, checkpoints verified, the reference comparison.
@@ -46,8 +51,8 @@ standard library is used.
 
     scripts/soak.sh [--seed S] [--kills 20] [--coordinator-kills 3] [--stops N] [--resizes N]
                     [--drains N] [--partitions N] [--workers 4] [--steps N]
-                    [--duration SECONDS] [--lease 1s] [--grace 1s] [--every 5] [--keep]
-                    [--build-dir build]
+                    [--duration SECONDS] [--lease 1s] [--grace 1s] [--every 5]
+                    [--snapshot-every N] [--keep] [--build-dir build]
 
 See docs/elasticity.md ("Soak") for how to read the report.
 """
@@ -366,6 +371,7 @@ class Soak:
         self.dir = tempfile.mkdtemp(prefix="shard-soak.", dir=base)
         self.start_time = time.time()
         self.deadline = self.start_time + args.duration
+        self.catalog = None  # the finished job's checkpoint catalog (verify_checkpoints)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SHARD_")}
         self.env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
         self.processes = Processes(self.dir, args.build_dir, env=self.env)
@@ -738,9 +744,10 @@ class Soak:
             "seed": 11, "optimizer": {"name": "adam", "lr": 0.002}, "globalBatch": batch,
             "steps": self.args.steps, "zeroStage": 2, "bucketCapMb": 0.004,
             "checkpoint": {"dir": checkpoints, "everySteps": every, "keepLast": keep_last},
-            # Off: every recovery restores a disk checkpoint, the reference this script
-            # compares with (memory recovery is the chaos tests' subject).
-            "snapshot": {"everySteps": 0},
+            # Off by default: every recovery restores a disk checkpoint, the reference this
+            # script compares with. --snapshot-every: recoveries from memory where a snapshot
+            # holds every range (the reference restores the disk checkpoint of that step).
+            "snapshot": {"everySteps": self.args.snapshot_every, "replicas": 1},
             "outputDir": out,
         }
         with open(path, "w") as handle:
@@ -1156,6 +1163,7 @@ class Soak:
                 self.failures.append(f"the final event history lost {len(lost)} events read "
                                      f"during the run, e.g. {json.dumps(lost[0])}")
         kept = catalog or []
+        self.catalog = kept
 
         def verify(record):
             code, out, err = self.tool("checkpoint", "verify", "--path", record["dir"], "--json")
@@ -1179,20 +1187,38 @@ class Soak:
             self.failures.append(f"checkpoint does not verify: {line}")
         self.say(f"checkpoints: {verified} of {self.results['kept']} kept verify")
 
+    def restore_counts(self):
+        """How the generations that restored did it: from memory snapshots or from disk."""
+        restores = set()
+        for worker in self.workers:
+            for line in worker.log().splitlines():
+                generation = re.search(r" gen=(\d+) ", line)
+                if generation is None:
+                    continue
+                if "restoring from memory snapshot " in line:
+                    restores.add((generation.group(1), "memory"))
+                elif "restoring from checkpoint " in line:
+                    restores.add((generation.group(1), "disk"))
+        kinds = [kind for _, kind in restores]
+        return f"from memory {kinds.count('memory')}, from disk {kinds.count('disk')}"
+
     def final_segment(self):
-        """(checkpoint id or None, world size) of the last stretch of training: the workers that
-        finished, and the last checkpoint they restored."""
+        """(restore or None, world size) of the last stretch of training: the workers that
+        finished, and the last restore they made, ("checkpoint", id) or ("memory", step)."""
         finished = [w for w in self.workers if "training finished:" in w.log()]
         restores = []
         for worker in finished:
             last = None
             for line in worker.log().splitlines():
-                at = line.find("restoring from checkpoint ")
-                if at >= 0:
-                    last = line[at + len("restoring from checkpoint "):].split(" ")[0]
+                disk = re.search(r"restoring from checkpoint (\S+)", line)
+                memory = re.search(r"restoring from memory snapshot \S+ \(step (\d+)\)", line)
+                if disk:
+                    last = ("checkpoint", disk.group(1))
+                elif memory:
+                    last = ("memory", int(memory.group(1)))
             restores.append(last)
         if len(set(restores)) > 1:
-            self.failures.append(f"the final world's workers restored different checkpoints last: "
+            self.failures.append(f"the final world's workers restored different states last: "
                                  f"{sorted(set(str(r) for r in restores))}")
         return (restores[0] if restores else None), len(finished)
 
@@ -1242,12 +1268,26 @@ class Soak:
         if not os.path.exists(final):
             self.failures.append("the job wrote no out/final.safetensors")
             return
-        checkpoint, world = self.final_segment()
+        restore, world = self.final_segment()
         self.results["final_world"] = world
+        checkpoint = restore[1] if restore is not None and restore[0] == "checkpoint" else None
         self.results["restored"] = checkpoint
         if world < 1:
             self.failures.append("no worker logged 'training finished'")
             return
+        if restore is not None and restore[0] == "memory":
+            step = restore[1]
+            saved = [r["id"] for r in (self.catalog or []) if r.get("step") == step]
+            self.results["restored"] = f"memory snapshot of step {step}"
+            if not saved:
+                # The save of that step was skipped (the one before still writing) or pruned.
+                self.results["reference_equal"] = None
+                self.results["reference_missing"] = (f"no disk checkpoint of step {step}, the "
+                                                     "memory snapshot's, to compare with")
+                self.say(f"reference: not run: {self.results['reference_missing']}")
+                return
+            checkpoint = saved[0]
+            self.results["restored"] += f" (compared with checkpoint {checkpoint})"
         scratch_state = self.path("state-scratch")
         if checkpoint is not None:
             # A copy of the catalog (the job's own state directory stays as the run left it):
@@ -1387,6 +1427,7 @@ class Soak:
                                       else "")),
             ("steps", f"{self.trained_steps(last_step)} of {self.args.steps}; job finished: "
                       f"{'yes' if self.finished else 'no'}"),
+            ("restores", self.restore_counts()),
         ]
         partitions = [f for f in fired if f.kind == "partition"]
         if partitions:
@@ -1427,7 +1468,9 @@ class Soak:
                                         f"from scratch on {self.results['final_world']} ")
                           + "workers: " + ({True: "bitwise equal", False: "DIFFERENT (largest "
                                             f"difference {self.results.get('reference_diff')})",
-                                            None: "did not run"}[equal])))
+                                            None: "did not run"}[equal])
+                          + (f" ({self.results['reference_missing']})"
+                             if "reference_missing" in self.results else "")))
         if "scratch_diff" in self.results:
             facts.append((f"vs undisturbed on {self.args.workers}",
                           f"largest difference {self.results['scratch_diff']} (information)"))
@@ -1448,10 +1491,13 @@ class Soak:
     # -- the whole run -------------------------------------------------------------------------
 
     def run(self):
+        snapshots = (f", a memory snapshot every {self.args.snapshot_every} steps"
+                     if self.args.snapshot_every else "")
         self.say(f"soak seed {self.args.seed}: {len(self.faults)} faults over {self.args.steps} "
                  f"steps, {self.args.workers} workers (min {self.args.min_workers}), lease "
                  f"{self.args.lease}s, grace {self.args.grace}s, checkpoint every "
-                 f"{self.args.every} steps, hang bound {self.args.hang_after:.0f}s, in {self.dir}")
+                 f"{self.args.every} steps{snapshots}, hang bound {self.args.hang_after:.0f}s, "
+                 f"in {self.dir}")
         for fault in self.faults:
             print(f"    {fault.index:3d}. {fault.describe()}")
         self.set_up()
@@ -1498,8 +1544,14 @@ def main():
                         help="coordinator --lease (default 1s)")
     parser.add_argument("--grace", type=parse_duration, default=parse_duration("1s"),
                         help="coordinator --reform-grace (default 1s)")
-    parser.add_argument("--every", type=int, default=5, help="checkpoint every N steps (default 5)")
-    parser.add_argument("--keep-last", type=int, default=50, help="the job's checkpoint.keepLast (default 50)")
+    parser.add_argument("--every", type=int, default=None,
+                        help="checkpoint every N steps (default 5; 1 with --snapshot-every)")
+    parser.add_argument("--keep-last", type=int, default=None,
+                        help="the job's checkpoint.keepLast (default 50; with --snapshot-every "
+                             "every checkpoint, or 500 with --disk-faults)")
+    parser.add_argument("--snapshot-every", type=int, default=0,
+                        help="memory snapshots every N steps with one replica, recoveries from "
+                             "memory where one holds every range (default 0: off)")
     parser.add_argument("--hang-after", type=float, default=None,
                         help="seconds without progress that count as a hang (default: 20 + "
                              "10 x max(lease, grace))")
@@ -1521,6 +1573,12 @@ def main():
         if seeds.group(2) else int(seeds.group(1))
     if args.workers < 2:
         parser.error("--workers must be at least 2")
+    if args.snapshot_every < 0:
+        parser.error("--snapshot-every must not be negative")
+    if args.every is None:
+        args.every = 1 if args.snapshot_every else 5
+    if args.every < 1:
+        parser.error("--every must be at least 1")
     if args.min_workers is None:
         args.min_workers = max(1, args.workers // 2)
     if not 1 <= args.min_workers <= args.workers:
@@ -1546,6 +1604,14 @@ def main():
         needed += sum(int(PARTITION_STEPS_PER_SECOND * (f.duration + 10)) for f in schedule
                       if f.kind == "partition")
         args.steps = int(1.2 * needed) + tail_steps(args)
+    if args.keep_last is None:
+        # With snapshots every checkpoint stays (the reference needs the one of the step the
+        # final world restored from memory), but for the last 500 on --disk-faults' 64 MiB disk,
+        # which holds about 1,500 of this job's checkpoints.
+        args.keep_last = 50 if not args.snapshot_every else (
+            500 if args.disk_faults else args.steps + 1)
+    if args.keep_last < 1:
+        parser.error("--keep-last must be at least 1")
     if args.hang_after is None:
         args.hang_after = 20 + 10 * max(args.lease, args.grace)
     if args.duration is None:
