@@ -35,8 +35,9 @@ It passes (exit 0) only if:
     job also takes a memory snapshot every N steps, with one replica, and recovers from one
     where it can; it then saves a disk checkpoint every step (unless --every says otherwise)
     and keeps them all (unless --keep-last does), so that a final world that restored a memory
-    snapshot of step S is compared with a reference that restores the disk checkpoint of step S:
-    the memory path (replicas, fetches from peers, resharding) must give the disk's bits.
+    snapshot is compared with a reference that restores the disk checkpoint saved at the same
+    boundary (the same id: step and generation): the memory path (replicas, fetches from
+    peers, resharding) must give the disk's bits.
 It also compares with an undisturbed run from scratch on the original world size (the
 largest difference is information, not a pass/fail) and prints a table: faults survived,
 hangs, time lost per fault, steps, checkpoints verified, the reference comparison.
@@ -1204,18 +1205,18 @@ class Soak:
 
     def final_segment(self):
         """(restore or None, world size) of the last stretch of training: the workers that
-        finished, and the last restore they made, ("checkpoint", id) or ("memory", step)."""
+        finished, and the last restore they made, ("checkpoint", id) or ("memory", id, step)."""
         finished = [w for w in self.workers if "training finished:" in w.log()]
         restores = []
         for worker in finished:
             last = None
             for line in worker.log().splitlines():
                 disk = re.search(r"restoring from checkpoint (\S+)", line)
-                memory = re.search(r"restoring from memory snapshot \S+ \(step (\d+)\)", line)
+                memory = re.search(r"restoring from memory snapshot (\S+) \(step (\d+)\)", line)
                 if disk:
                     last = ("checkpoint", disk.group(1))
                 elif memory:
-                    last = ("memory", int(memory.group(1)))
+                    last = ("memory", memory.group(1), int(memory.group(2)))
             restores.append(last)
         if len(set(restores)) > 1:
             self.failures.append(f"the final world's workers restored different states last: "
@@ -1276,18 +1277,19 @@ class Soak:
             self.failures.append("no worker logged 'training finished'")
             return
         if restore is not None and restore[0] == "memory":
-            step = restore[1]
-            saved = [r["id"] for r in (self.catalog or []) if r.get("step") == step]
-            self.results["restored"] = f"memory snapshot of step {step}"
-            if not saved:
+            # A snapshot and the checkpoint saved at the same boundary share their id (step and
+            # generation): the same state, whichever way it was kept.
+            _, snapshot, step = restore
+            self.results["restored"] = f"memory snapshot {snapshot} (step {step})"
+            if not any(r["id"] == snapshot for r in (self.catalog or [])):
                 # The save of that step was skipped (the one before still writing) or pruned.
                 self.results["reference_equal"] = None
-                self.results["reference_missing"] = (f"no disk checkpoint of step {step}, the "
-                                                     "memory snapshot's, to compare with")
+                self.results["reference_missing"] = (f"no disk checkpoint {snapshot}, saved with "
+                                                     "the snapshot, to compare with")
                 self.say(f"reference: not run: {self.results['reference_missing']}")
                 return
-            checkpoint = saved[0]
-            self.results["restored"] += f" (compared with checkpoint {checkpoint})"
+            checkpoint = snapshot
+            self.results["restored"] += ", compared with the disk checkpoint of that id"
         scratch_state = self.path("state-scratch")
         if checkpoint is not None:
             # A copy of the catalog (the job's own state directory stays as the run left it):
