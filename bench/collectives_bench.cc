@@ -2,8 +2,8 @@
 // (shm: buffers the peers read in place, as the engine's buckets; shm-copy: private buffers,
 // copied through the communicator's slots) and its TCP rings (tcp, shard::GlooCommunicator),
 // beside raw Gloo's own collectives on the TCP communicator's very connections, one thread's
-// memcpy and the loopback TCP limit, all measured in the same run, reported like nccl-tests
-// (GB = 1e9 bytes; busbw = algbw x factor).
+// memcpy, every rank's memcpy at once and the loopback TCP limit, all measured in the same run,
+// reported like nccl-tests (GB = 1e9 bytes; busbw = algbw x factor).
 //
 // Ranks are real processes: this program started again (tests/support/process.h) with the
 // run's own flags and hidden ones that make it a rank; they meet through a file-per-key
@@ -611,6 +611,37 @@ absl::StatusOr<Measurement> Measure(const Communicators& comms, const Collective
   return Measurement{static_cast<double>(mean_ns) * 1e-9, wrong};
 }
 
+// Every rank copying the largest size at once, between two buffers touched beforehand: for
+// each of --memcpy-trials copies started together (a barrier), the time from the first rank's
+// start to the last rank's end (one clock for every process of the host). The best trial is
+// the copy bandwidth each rank gets while all of them copy. A collective in shared memory is
+// copies and sums that every rank does at once, so where the ranks share the memory bandwidth
+// or the cores, this, not one thread's memcpy on an idle machine, is the most it can move.
+absl::StatusOr<std::vector<double>> MeasureConcurrentMemcpy(GlooCommunicator& control,
+                                                            const Flags& flags) {
+  std::vector<char> from(flags.max_bytes, 1);
+  std::vector<char> to(flags.max_bytes, 0);
+  std::memcpy(to.data(), from.data(), flags.max_bytes);  // warm-up
+  auto ns = [](Clock::time_point t) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+  };
+  std::vector<double> trials_ms;
+  for (int trial = 0; trial < flags.memcpy_trials; ++trial) {
+    if (absl::Status s = control.Barrier(); !s.ok()) return s;
+    const Clock::time_point start = Clock::now();
+    std::memcpy(to.data(), from.data(), flags.max_bytes);
+    asm volatile("" : : "r"(to.data()) : "memory");  // the copy's result counts as used
+    // The latest end and the earliest start (as the latest of its negation).
+    int64_t span[2] = {ns(Clock::now()), -ns(start)};
+    if (absl::Status s = control.AllReduce(span, span, 2, DataType::kInt64, ReduceOp::kMax);
+        !s.ok()) {
+      return s;
+    }
+    trials_ms.push_back(static_cast<double>(span[0] + span[1]) * 1e-6);
+  }
+  return trials_ms;
+}
+
 std::vector<uint64_t> MessageSizes(const Flags& flags) {
   std::vector<uint64_t> sizes;
   for (uint64_t s = flags.min_bytes; s <= flags.max_bytes; s *= flags.step_factor) {
@@ -663,6 +694,15 @@ int RunRank(const Flags& flags) {
 
   std::ofstream results;
   if (rank == 0) results.open(flags.results);
+  absl::StatusOr<std::vector<double>> concurrent = MeasureConcurrentMemcpy(*comms.tcp, flags);
+  if (!concurrent.ok()) {
+    std::fprintf(stderr, "rank %d: memcpy on every rank at once: %s\n", rank,
+                 std::string(concurrent.status().message()).c_str());
+    return 1;
+  }
+  if (rank == 0) {
+    results << nlohmann::json{{"memcpy_at_once_ms", *concurrent}}.dump() << std::endl;
+  }
   std::vector<std::unique_ptr<CollectiveTest>> tests;
   for (Collective c : flags.collectives) tests.push_back(MakeTest(c));
   int64_t total_wrong = 0;
@@ -747,6 +787,18 @@ class Results {
 
  private:
   void Add(const nlohmann::json& line) {
+    if (line.contains("memcpy_at_once_ms")) {
+      const bench::Record at_once(
+          {.op = "memcpy",
+           .impl = absl::StrCat(flags_.ranks, " ranks at once"),
+           .bytes = static_cast<int64_t>(flags_.max_bytes),
+           .ranks = flags_.ranks,
+           .stat = bench::Statistic::kBest},
+          bench::Summarize(line["memcpy_at_once_ms"].get<std::vector<double>>()));
+      memcpy_at_once_gbps_ = at_once.algbw_gbps().value_or(0);
+      report_->Add(at_once);
+      return;
+    }
     const Collective c = *ParseCollective(line["collective"].get<std::string>());
     const int64_t count = line["count"].get<int64_t>();
     std::map<Impl, bench::Record> records;
@@ -782,6 +834,7 @@ class Results {
     };
     if (auto shm = records.find(Impl::kShm); shm != records.end()) {
       shm->second.Compare("busbw_gbps", "memcpy", memcpy_gbps_, bench::AtLeast(0.5))
+          .Compare("busbw_gbps", "memcpy at once", memcpy_at_once_gbps_)
           .Compare("busbw_gbps", "shm-copy", busbw(Impl::kShmCopy))
           .Compare("busbw_gbps", "tcp", busbw(Impl::kTcp))
           .Compare("busbw_gbps", "gloo", busbw(Impl::kGloo));
@@ -803,6 +856,7 @@ class Results {
   const Flags& flags_;
   const double memcpy_gbps_;
   const std::optional<double> loopback_gbps_;
+  double memcpy_at_once_gbps_ = 0;  // each rank's, all copying at once (the ranks measure it)
   size_t consumed_ = 0;
   std::map<std::pair<Collective, Impl>, std::pair<double, int>> busbw_;  // sum, rows
   int64_t wrong_ = 0;
@@ -863,9 +917,12 @@ int Main(int argc, char** argv) {
       "buffers, copied through its slots) and TCP (impl tcp: "
       "shard::GlooCommunicator, our pipelined rings), next to raw Gloo's own collectives "
       "(impl gloo: gloo::allreduce / gloo::allgather on the same gloo::Context and TCP "
-      "connections; it has no reduce-scatter here) and next to two limits measured in the same "
-      "run: one thread's memcpy of the largest size, and raw loopback TCP (two processes, one "
-      "127.0.0.1 connection, both directions at once; reported per direction).\n"
+      "connections; it has no reduce-scatter here) and next to three limits measured in the "
+      "same run: one thread's memcpy of the largest size; every rank's memcpy of it at once "
+      "(\"memcpy N ranks at once\": the bandwidth each rank gets while all copy, which bounds a "
+      "shared-memory collective where the ranks share the memory bandwidth or the cores); and "
+      "raw loopback TCP (two processes, one 127.0.0.1 connection, both directions at once; "
+      "reported per direction).\n"
       "Ranks are separate processes on this host. For every message size, collective and impl: "
       "warm-up iterations, a barrier, then timed iterations; time is the slowest rank's mean; "
       "outputs are checked against the closed form (#wrong counts mismatching f32 elements, "
@@ -873,7 +930,8 @@ int Main(int argc, char** argv) {
       "is about (all-reduce: the buffer; reduce-scatter: the scattered input; all-gather: the "
       "gathered output), algbw = size/time, busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n "
       "(reduce-scatter, all-gather); GB = 1e9 B. Targets at the largest size: shm busbw >= "
-      "0.5x memcpy; tcp busbw >= raw Gloo's, and tcp all-reduce >= 0.7x loopback TCP. "
+      "0.5x one thread's memcpy (also compared, without a target, with the memcpy at once); "
+      "tcp busbw >= raw Gloo's, and tcp all-reduce >= 0.7x loopback TCP. "
       "Exits non-zero if a process fails or any element is wrong.",
       "shard-bench-collectives"};
   Flags flags;
@@ -914,7 +972,8 @@ int Main(int argc, char** argv) {
   app.add_option("--timeout", flags.timeout, "connect and per-collective timeout")
       ->capture_default_str()
       ->check(DurationValidator());
-  app.add_option("--memcpy-trials", flags.memcpy_trials, "memcpy trials (best kept)")
+  app.add_option("--memcpy-trials", flags.memcpy_trials,
+                 "memcpy trials, of one thread and of every rank at once (best kept)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
   app.add_flag("--skip-loopback", flags.skip_loopback, "do not measure loopback TCP");
@@ -990,8 +1049,8 @@ int Main(int argc, char** argv) {
   report.Note("time: the slowest rank's mean over the timed iterations; size(B): the buffer the "
               "bandwidth is about (all-reduce: the buffer; reduce-scatter: the scattered input; "
               "all-gather: the gathered output); gloo has no reduce-scatter here; at the largest "
-              "size, busbw against one thread's memcpy, loopback TCP per direction and the "
-              "other impls");
+              "size, busbw against one thread's memcpy, every rank's memcpy at once, loopback "
+              "TCP per direction and the other impls");
   // One thread copying the largest size between two buffers touched beforehand.
   std::vector<char> from(flags.max_bytes, 1);
   std::vector<char> to(flags.max_bytes, 0);

@@ -2,8 +2,9 @@
 # Builds shard-bench-collectives and reports all-reduce / reduce-scatter / all-gather bus
 # bandwidth through our shared-memory communicator (shm: on buffers the peers read in place, as
 # the engine's buckets; shm-copy: on private ones, through its slots) and our TCP rings (tcp)
-# beside raw Gloo, one thread's memcpy and loopback TCP, for 2 and 4 ranks (nccl-tests columns;
-# the Machine line names the CPU). Extra arguments go to every run, e.g.:
+# beside raw Gloo, one thread's memcpy, every rank's memcpy at once and loopback TCP, for 2 and 4
+# ranks (nccl-tests columns; the Machine line names the CPU). Extra arguments go to every run,
+# e.g.:
 #   scripts/bench-collectives.sh --iters 10 --segment-bytes 4MiB --collectives all_reduce
 #   scripts/bench-collectives.sh --impls shm,tcp --shm-slot-bytes 4MiB
 #   scripts/bench-collectives.sh --in-place --min-bytes 64MiB   # as the engine runs them
