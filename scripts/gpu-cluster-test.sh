@@ -26,10 +26,11 @@
 # folder when unset; KEEP_RUN=1 keeps the run folder with the jobs' outputs).
 #
 #   scripts/gpu-cluster-test.sh [BUNDLE] [--max-abs-diff X] [--bench] [--torch-only] [--cores]
-#                               [--cores-only]
+#                               [--cores-only] [--cores-repeats N]
 #
 # --torch-only skips the CPU references and the built-in MLP's runs (torch and bench only);
-# --cores-only runs the cores stage alone.
+# --cores-only runs the cores stage alone; --cores-repeats N runs its benchmarks N times each
+# (default 3; 1 fits a short device session).
 #
 # BUNDLE holds bin/ (the programs) and lib/ (their shared libraries beyond the C/C++
 # runtime, CUDA and NCCL): a folder, or the cluster.tar.xz that scripts/gpu-build.sh packs for a
@@ -44,6 +45,7 @@ BENCH=0
 TORCH_ONLY=0
 CORES=0
 CORES_ONLY=0
+CORES_REPEATS=3
 while [ $# -gt 0 ]; do
   case "$1" in
     --max-abs-diff) MAX_ABS_DIFF="$2"; shift 2 ;;
@@ -51,6 +53,7 @@ while [ $# -gt 0 ]; do
     --torch-only) TORCH_ONLY=1; shift ;;
     --cores) CORES=1; shift ;;
     --cores-only) CORES=1; CORES_ONLY=1; shift ;;
+    --cores-repeats) CORES_REPEATS="$2"; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
     *) BUNDLE="$1"; shift ;;
   esac
@@ -275,7 +278,7 @@ if [ $CORES = 1 ]; then
   else
     # One compute thread per process, as on the 2-core VM, so the ratios compare.
     scripts/bench-train.sh --bin "$BIN" --workers "1 2 4" --stages 2 --overlap true --threads 1 \
-      --snapshot-every "0 1:1" --repeat 3 >"$OUT/cores-train.txt" 2>"$OUT/cores-train.log" \
+      --snapshot-every "0 1:1" --repeat "$CORES_REPEATS" >"$OUT/cores-train.txt" 2>"$OUT/cores-train.log" \
       && record "cores train" "ok ($OUT/cores-train.txt)" || record "cores train" "FAIL ($OUT/cores-train.log)"
     for ranks in 2 4; do
       table="$OUT/cores-collectives-$ranks.txt"
@@ -285,7 +288,7 @@ if [ $CORES = 1 ]; then
     if python3 -c 'import torch' 2>/dev/null; then
       SHARD_BUILD_DIR="$BUNDLE" PYTHONPATH="$BUNDLE/python" timeout 900 \
         python3 bench/torch_bench.py --models mlp,transformer \
-        --configs plain,ddp2bv,shard1,shard2,shard4 --repeats 3 \
+        --configs plain,ddp2bv,shard1,shard2,shard4 --repeats "$CORES_REPEATS" \
         >"$OUT/cores-torch.txt" 2>"$OUT/cores-torch.log" \
         && record "cores torch" "ok ($OUT/cores-torch.txt)" || record "cores torch" "FAIL ($OUT/cores-torch.log)"
     else
